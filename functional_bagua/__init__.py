@@ -1,0 +1,50 @@
+"""functional_bagua: composable, pure optimizers for PyTorch, optax-style, with torch.optim parity.
+
+    import functional_bagua as fb
+
+    params = fb.params_of(model)
+    tx = fb.adamw(lr=1e-3, weight_decay=0.01)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = fb.apply_updates(params, updates)
+"""
+
+from functional_bagua.aliases import (
+    adabelief,
+    adadelta,
+    adafactor,
+    adagrad,
+    adam,
+    adamax,
+    adamw,
+    asgd,
+    lamb,
+    lars,
+    lion,
+    muon,
+    nadam,
+    radam,
+    rmsprop,
+    rprop,
+    sgd,
+)
+from functional_bagua.base import (
+    EmptyState,
+    GradientTransformation,
+    apply_updates,
+    chain,
+    identity,
+)
+from functional_bagua.modules import buffers_of, load_params, params_of
+from functional_bagua.transforms import *  # noqa: F401,F403  (the building blocks)
+from functional_bagua.transforms import __all__ as _transforms_all
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradientTransformation", "EmptyState", "identity", "chain", "apply_updates",
+    "params_of", "buffers_of", "load_params",
+    "sgd", "adam", "adamw", "adamax", "nadam", "radam", "adagrad", "adadelta", "rmsprop",
+    "rprop", "asgd", "adafactor", "muon", "lamb", "lars", "lion", "adabelief",
+    *_transforms_all,
+]

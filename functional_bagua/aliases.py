@@ -1,0 +1,447 @@
+"""Optimizers as chains of transforms, with torch.optim's argument names and defaults.
+
+Each alias matches its torch.optim namesake step for step (same state per parameter, same
+update, same ``maximize``/``weight_decay`` handling) and raises the ValueError torch.optim raises
+for an invalid hyperparameter. ``lamb``, ``lars``, ``lion`` and ``adabelief`` follow their papers.
+
+Everything returns a :class:`~functional_bagua.GradientTransformation`::
+
+    tx = fb.adamw(lr=1e-3, weight_decay=0.01)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = fb.apply_updates(params, updates)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation, chain
+from functional_bagua.transforms.adam import scale_by_adam, scale_by_adamax, scale_by_nadam, scale_by_radam
+from functional_bagua.transforms.asgd import scale_by_asgd
+from functional_bagua.transforms.belief import scale_by_belief
+from functional_bagua.transforms.factored import scale_by_factored_rms, scale_by_relative_step_size
+from functional_bagua.transforms.lion import scale_by_lion
+from functional_bagua.transforms.momentum import ema_momentum, trace
+from functional_bagua.transforms.orthogonalize import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, scale_by_shape
+from functional_bagua.transforms.rms import scale_by_adadelta, scale_by_adagrad, scale_by_rms
+from functional_bagua.transforms.rprop import scale_by_rprop
+from functional_bagua.transforms.scaling import ScalarOrSchedule, negate_if, scale, scale_by_learning_rate
+from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio
+from functional_bagua.transforms.weight_decay import add_decayed_weights
+
+
+# --- validation, with torch.optim's messages -------------------------------------------------
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_value(x) -> bool:
+    """A hyperparameter that can be checked now (a number or 1-element tensor, not a schedule)."""
+    return not callable(x)
+
+
+def _check_lr(lr) -> None:
+    if _is_value(lr):
+        _require(0.0 <= lr, f"Invalid learning rate: {lr}")
+
+
+def _check_nonnegative(value, name: str) -> None:
+    if _is_value(value):
+        _require(0.0 <= value, f"Invalid {name} value: {value}")
+
+
+def _check_eps(eps) -> None:
+    _require(0.0 <= eps, f"Invalid epsilon value: {eps}")
+
+
+def _check_betas(betas) -> None:
+    for i, beta in enumerate(betas):
+        _require(0.0 <= beta < 1.0, f"Invalid beta parameter at index {i}: {beta}")
+
+
+def _check_adam_like(lr, betas, eps, weight_decay) -> None:
+    _check_lr(lr)
+    _check_eps(eps)
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+
+
+def _decayed(preconditioner, weight_decay, decoupled: bool, lr, maximize: bool) -> GradientTransformation:
+    """``maximize``, L2 (``decoupled=False``) or decoupled weight decay, around a preconditioner."""
+    if decoupled:
+        return chain(negate_if(maximize), preconditioner, add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+    return chain(negate_if(maximize), add_decayed_weights(weight_decay), preconditioner, scale_by_learning_rate(lr))
+
+
+# --- torch.optim --------------------------------------------------------------------------------
+
+
+def sgd(
+    lr: ScalarOrSchedule = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Stochastic gradient descent with momentum, as ``torch.optim.SGD``::
+
+        g <- -g (maximize);   g <- g + weight_decay * p
+        b_1 = g;   b_t = momentum * b_{t-1} + (1 - dampening) * g;   d = g + momentum * b (nesterov) or b
+        p <- p - lr * d
+    """
+    _check_lr(lr)
+    _check_nonnegative(momentum, "momentum")
+    _check_nonnegative(weight_decay, "weight_decay")
+    _require(not nesterov or (momentum > 0 and dampening == 0), "Nesterov momentum requires a momentum and zero dampening")
+    return chain(
+        negate_if(maximize),
+        add_decayed_weights(weight_decay),
+        trace(momentum, dampening, nesterov),
+        scale_by_learning_rate(lr),
+    )
+
+
+def adam(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+) -> GradientTransformation:
+    """Adam, as ``torch.optim.Adam``: ``p <- p - lr * m_hat / (sqrt(v_hat) + eps)`` (see
+    :func:`~functional_bagua.scale_by_adam`), with L2 weight decay added to the gradient, or
+    decoupled (``p <- p - lr * weight_decay * p``) when ``decoupled_weight_decay``."""
+    _check_adam_like(lr, betas, eps, weight_decay)
+    return _decayed(scale_by_adam(*betas, eps, amsgrad), weight_decay, decoupled_weight_decay, lr, maximize)
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """AdamW (Loshchilov & Hutter), as ``torch.optim.AdamW``: Adam with decoupled weight decay::
+
+        p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)
+    """
+    return adam(lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True)
+
+
+def adamax(
+    lr: ScalarOrSchedule = 2e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adamax, as ``torch.optim.Adamax``: ``p <- p - lr * m / (1 - b1^t) / n`` with the infinity
+    norm ``n_t = max(b2 n_{t-1}, |g| + eps)``."""
+    _check_adam_like(lr, betas, eps, weight_decay)
+    return _decayed(scale_by_adamax(*betas, eps), weight_decay, False, lr, maximize)
+
+
+def nadam(
+    lr: ScalarOrSchedule = 2e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum_decay: float = 4e-3,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """NAdam, as ``torch.optim.NAdam`` (see :func:`~functional_bagua.scale_by_nadam`)."""
+    _check_adam_like(lr, betas, eps, weight_decay)
+    _check_nonnegative(momentum_decay, "momentum_decay")
+    return _decayed(scale_by_nadam(*betas, eps, momentum_decay), weight_decay, decoupled_weight_decay, lr, maximize)
+
+
+def radam(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """RAdam, as ``torch.optim.RAdam`` (see :func:`~functional_bagua.scale_by_radam`)."""
+    _check_adam_like(lr, betas, eps, weight_decay)
+    return _decayed(scale_by_radam(*betas, eps), weight_decay, decoupled_weight_decay, lr, maximize)
+
+
+def adagrad(
+    lr: ScalarOrSchedule = 1e-2,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adagrad, as ``torch.optim.Adagrad``::
+
+        S_t = S_{t-1} + g^2;   p <- p - lr / (1 + (t - 1) lr_decay) * g / (sqrt(S_t) + eps)
+    """
+    _check_lr(lr)
+    _check_nonnegative(lr_decay, "lr_decay")
+    _check_nonnegative(weight_decay, "weight_decay")
+    _check_nonnegative(initial_accumulator_value, "initial_accumulator_value")
+    _check_eps(eps)
+    return _decayed(scale_by_adagrad(lr_decay, initial_accumulator_value, eps), weight_decay, False, lr, maximize)
+
+
+def adadelta(
+    lr: ScalarOrSchedule = 1.0,
+    rho: float = 0.9,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adadelta, as ``torch.optim.Adadelta``: ``p <- p - lr * d_t`` (see
+    :func:`~functional_bagua.scale_by_adadelta`)."""
+    _check_lr(lr)
+    _require(0.0 <= rho <= 1.0, f"Invalid rho value: {rho}")
+    _check_eps(eps)
+    _check_nonnegative(weight_decay, "weight_decay")
+    return _decayed(scale_by_adadelta(rho, eps), weight_decay, False, lr, maximize)
+
+
+def rmsprop(
+    lr: ScalarOrSchedule = 1e-2,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """RMSprop, as ``torch.optim.RMSprop``::
+
+        s_t = alpha s + (1 - alpha) g^2;   d = g / (sqrt(s_t [- c_t^2 if centered]) + eps)
+        b_t = momentum b_{t-1} + d (if momentum > 0, else b_t = d);   p <- p - lr * b_t
+    """
+    _check_lr(lr)
+    _check_eps(eps)
+    _check_nonnegative(momentum, "momentum")
+    _check_nonnegative(weight_decay, "weight_decay")
+    _check_nonnegative(alpha, "alpha")
+    return chain(
+        negate_if(maximize),
+        add_decayed_weights(weight_decay),
+        scale_by_rms(alpha, eps, centered),
+        trace(momentum),
+        scale_by_learning_rate(lr),
+    )
+
+
+def rprop(
+    lr: float = 1e-2,
+    etas: tuple[float, float] = (0.5, 1.2),
+    step_sizes: tuple[float, float] = (1e-6, 50),
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Rprop, as ``torch.optim.Rprop``: ``p <- p - sign(g') * h_t`` with per-element step sizes
+    ``h`` starting at ``lr`` (see :func:`~functional_bagua.scale_by_rprop`)."""
+    _check_lr(lr)
+    _require(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
+    return chain(negate_if(maximize), scale_by_rprop(lr, etas, step_sizes), scale(-1.0))
+
+
+def asgd(
+    lr: float = 1e-2,
+    lambd: float = 1e-4,
+    alpha: float = 0.75,
+    t0: float = 1e6,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Averaged SGD, as ``torch.optim.ASGD`` (see :func:`~functional_bagua.scale_by_asgd`); the
+    averaged parameters are in the state's ``ax`` field."""
+    _check_lr(lr)
+    _check_nonnegative(weight_decay, "weight_decay")
+    return chain(negate_if(maximize), add_decayed_weights(weight_decay), scale_by_asgd(lr, lambd, alpha, t0))
+
+
+def adafactor(
+    lr: float = 1e-2,
+    beta2_decay: float = -0.8,
+    eps: tuple[Optional[float], float] = (None, 1e-3),
+    d: float = 1.0,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adafactor, as ``torch.optim.Adafactor``::
+
+        p <- p - max(eps2, RMS(p)) * min(lr, 1/sqrt(t)) * u_t - lr * weight_decay * p
+
+    with ``u_t`` the factored, clipped direction of :func:`~functional_bagua.scale_by_factored_rms`.
+    """
+    eps1, eps2 = eps
+    _check_lr(lr)
+    _require(beta2_decay <= 0.0, f"beta2_decay should be <= 0 but is: {beta2_decay}")
+    _require(eps1 is None or 0.0 <= eps1, f"epsilon1 should be >= 0 but is: {eps1}")
+    _require(0.0 <= eps2, f"epsilon2 should be >= 0 but is: {eps2}")
+    _require(1.0 <= d, f"Clipping threshold d should be >= 1 but is: {d}")
+    _require(0.0 <= weight_decay, f"weight_decay should be >= 0 but is: {weight_decay}")
+    return chain(
+        negate_if(maximize),
+        scale_by_factored_rms(beta2_decay, eps1, d),
+        scale_by_relative_step_size(lr, eps2),
+        add_decayed_weights(lr * weight_decay),
+        scale(-1.0),
+    )
+
+
+def muon(
+    lr: ScalarOrSchedule = 1e-3,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+    ns_steps: int = NS_STEPS,
+    adjust_lr_fn: Optional[str] = None,
+) -> GradientTransformation:
+    """Muon, as ``torch.optim.Muon``, for 2-D parameters only::
+
+        b_t = lerp(b_{t-1}, g, 1 - momentum);   B = lerp(g, b_t, momentum) (nesterov) or b_t
+        p <- p - lr * (shape_factor(p) * NewtonSchulz(B) + weight_decay * p)
+
+    Give the other parameters (biases, norms, embeddings) to another optimizer with
+    :func:`functional_bagua.partition` or a second transform.
+    """
+    _check_lr(lr)
+    _require(0.0 <= momentum, f"momentum should be >= 0 but is: {momentum}")
+    _require(0.0 <= weight_decay, f"weight decay should be >= 0 but is: {weight_decay}")
+    _require(
+        adjust_lr_fn in (None, "original", "match_rms_adamw"),
+        f"Adjust learning rate function {adjust_lr_fn} is not supported",
+    )
+    inner = chain(
+        ema_momentum(momentum, nesterov),
+        orthogonalize(ns_coefficients, ns_steps, eps),
+        scale_by_shape(adjust_lr_fn),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )
+
+    def init(params):
+        leaves, spec = tree.flatten(params)
+        for key, p in zip(tree.leaf_names(spec), leaves):
+            if p is not None and p.dim() != 2:
+                raise ValueError(
+                    f"Muon only supports 2D parameters whereas we found a parameter with size: "
+                    f"{p.size()} ({key!r})"
+                )
+        return inner.init(params)
+
+    return GradientTransformation(init, inner.update)
+
+
+# --- beyond torch.optim ---------------------------------------------------------------------
+
+
+def lamb(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """LAMB (You et al., 2020), per tensor::
+
+        r = m_hat / (sqrt(v_hat) + eps) + weight_decay * p
+        p <- p - lr * (||p|| / ||r||) * r          (ratio 1 if either norm is 0)
+    """
+    _check_adam_like(lr, betas, eps, weight_decay)
+    return chain(
+        negate_if(maximize),
+        scale_by_adam(*betas, eps),
+        add_decayed_weights(weight_decay),
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(lr),
+    )
+
+
+def lars(
+    lr: ScalarOrSchedule = 1e-1,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 1e-3,
+    eps: float = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """LARS (You et al., 2017), per tensor, with optax's placement of momentum::
+
+        r = g + weight_decay * p
+        d = lr * trust_coefficient * ||p|| / (||r|| + eps) * r        (ratio 1 if a norm is 0)
+        b_t = momentum * b_{t-1} + d   (b_1 = d);   p <- p - (d + momentum * b_t if nesterov else b_t)
+    """
+    _check_lr(lr)
+    _check_nonnegative(momentum, "momentum")
+    _check_nonnegative(weight_decay, "weight_decay")
+    _check_eps(eps)
+    _require(not nesterov or momentum > 0, "Nesterov momentum requires a momentum")
+    return chain(
+        negate_if(maximize),
+        add_decayed_weights(weight_decay),
+        scale_by_trust_ratio(trust_coefficient, eps),
+        scale_by_learning_rate(lr),
+        trace(momentum, nesterov=nesterov),
+    )
+
+
+def lion(
+    lr: ScalarOrSchedule = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Lion (Chen et al., 2023)::
+
+        p <- p - lr * (sign(lerp(m, g, 1 - b1)) + weight_decay * p);   m <- lerp(m, g, 1 - b2)
+    """
+    _check_lr(lr)
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+    return _decayed(scale_by_lion(*betas), weight_decay, True, lr, maximize)
+
+
+def adabelief(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-16,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """AdaBelief (Zhuang et al., 2020): ``p <- p - lr * m_hat / (sqrt(s_hat) + eps)`` with the
+    belief ``s`` of :func:`~functional_bagua.scale_by_belief`; weight decay as in :func:`adam`."""
+    _check_adam_like(lr, betas, eps, weight_decay)
+    return _decayed(scale_by_belief(*betas, eps), weight_decay, decoupled_weight_decay, lr, maximize)

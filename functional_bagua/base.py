@@ -1,0 +1,102 @@
+"""The core contract: gradient transformations, chaining, applying updates.
+
+A :class:`GradientTransformation` is a pair of pure functions::
+
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = apply_updates(params, updates)          # params + updates, leaf by leaf
+
+``params``, ``grads`` and ``updates`` are pytrees of tensors with the same structure (a flat
+``{name: tensor}`` dict is the canonical one); ``state`` is a pytree of tensors too, so it can be
+checkpointed, moved and traced. ``update`` never mutates its arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from functional_bagua import tree
+
+Params = Any
+Updates = Any
+OptState = Any
+
+TransformInitFn = Callable[[Params], OptState]
+TransformUpdateFn = Callable[[Updates, OptState, Optional[Params]], "tuple[Updates, OptState]"]
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer (or a piece of one): ``init(params) -> state`` and
+    ``update(grads, state, params=None) -> (updates, new_state)``."""
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """State of a transform that keeps none."""
+
+
+def identity() -> GradientTransformation:
+    """The transform that returns the gradients unchanged: ``u = g``."""
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(grads, state, params=None):
+        del params
+        return grads, state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transforms left to right: ``u = t_n(... t_2(t_1(g)))``.
+
+    The state is the tuple of the inner states, in order.
+
+    Example::
+
+        tx = chain(add_decayed_weights(1e-4), trace(momentum=0.9), scale_by_learning_rate(0.1))
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation")
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain of {len(transforms)} transforms got a state that is not a tuple of "
+                f"{len(transforms)} inner states; was it made by this chain's init?"
+            )
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``params + updates`` leaf by leaf, pure; a ``None`` update leaves its parameter as it is.
+
+    Each result keeps its parameter's dtype (a bf16 parameter stays bf16 whatever the update's
+    dtype; the sum is formed in the wider of the two and rounded once).
+    """
+    param_leaves, spec = tree.flatten(params)
+    update_leaves = tree.leaves_matching(spec, updates, "updates", "params")
+    new_leaves = [
+        p if u is None else _add_keeping_dtype(p, u) for p, u in zip(param_leaves, update_leaves)
+    ]
+    return spec.unflatten(new_leaves)
+
+
+def _add_keeping_dtype(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.add(p, u).to(p.dtype)

@@ -1,0 +1,49 @@
+"""Gradient transformations: one concept per module, each reading like its update rule."""
+
+from functional_bagua.transforms.adam import (
+    ScaleByAdamaxState,
+    ScaleByAdamState,
+    ScaleByNadamState,
+    ScaleByRadamState,
+    scale_by_adam,
+    scale_by_adamax,
+    scale_by_nadam,
+    scale_by_radam,
+)
+from functional_bagua.transforms.asgd import ScaleByAsgdState, scale_by_asgd
+from functional_bagua.transforms.belief import ScaleByBeliefState, scale_by_belief
+from functional_bagua.transforms.factored import (
+    ScaleByFactoredRmsState,
+    ScaleByRelativeStepSizeState,
+    scale_by_factored_rms,
+    scale_by_relative_step_size,
+)
+from functional_bagua.transforms.leafwise import leafwise
+from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
+from functional_bagua.transforms.momentum import EmaMomentumState, TraceState, ema_momentum, trace
+from functional_bagua.transforms.orthogonalize import newton_schulz, orthogonalize, scale_by_shape
+from functional_bagua.transforms.rms import (
+    ScaleByAdadeltaState,
+    ScaleByAdagradState,
+    ScaleByRmsState,
+    scale_by_adadelta,
+    scale_by_adagrad,
+    scale_by_rms,
+)
+from functional_bagua.transforms.rprop import ScaleByRpropState, scale_by_rprop
+from functional_bagua.transforms.scaling import (
+    ScaleByScheduleState,
+    negate_if,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+)
+from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio, trust_ratio
+from functional_bagua.transforms.weight_decay import add_decayed_weights
+
+import types as _types
+
+__all__ = [
+    name for name, value in dict(globals()).items()
+    if not name.startswith("_") and not isinstance(value, _types.ModuleType)
+]

@@ -1,0 +1,171 @@
+"""Adam and its relatives: first and second moment estimates with bias correction.
+
+All four return the *ascent direction* (no learning rate, no sign flip); aliases finish them
+with ``scale_by_learning_rate``. Counts are per tensor, ``t = 1, 2, ...``; scalar factors are
+float64, like torch.optim's Python floats.
+
+``scale_by_adam`` (Kingma & Ba, 2015; AMSGrad: Reddi et al., 2018)::
+
+    m_t = lerp(m_{t-1}, g_t, 1 - b1)             v_t = b2 v_{t-1} + (1 - b2) g_t^2
+    v^max_t = max(v^max_{t-1}, v_t)              (amsgrad; used in place of v_t below)
+    u_t = (m_t / (1 - b1^t)) / (sqrt(v_t) / sqrt(1 - b2^t) + eps)
+
+``scale_by_adamax``::
+
+    m_t = lerp(m_{t-1}, g_t, 1 - b1)             n_t = max(b2 n_{t-1}, |g_t| + eps)
+    u_t = m_t / n_t / (1 - b1^t)
+
+``scale_by_nadam`` (Dozat, 2016, with torch's momentum decay psi)::
+
+    mu_t = b1 (1 - 0.5 * 0.96^(t psi))           P_t = prod_{i<=t} mu_i
+    m_t, v_t as Adam                             d_t = sqrt(v_t / (1 - b2^t)) + eps
+    u_t = (1 - mu_t) / (1 - P_t) * g_t / d_t + mu_{t+1} / (1 - P_t mu_{t+1}) * m_t / d_t
+
+``scale_by_radam`` (Liu et al., 2020)::
+
+    rho_inf = 2 / (1 - b2) - 1                   rho_t = rho_inf - 2 t b2^t / (1 - b2^t)
+    r_t = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t))
+    u_t = m_hat_t * r_t * sqrt(1 - b2^t) / (sqrt(v_t) + eps)   if rho_t > 5   else   m_hat_t
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.leafwise import as_scalar, leafwise, zero_count
+
+
+def bias_correction(beta, t: torch.Tensor) -> torch.Tensor:
+    """``1 - beta^t`` as a float64 scalar tensor (``t`` a float64 step count)."""
+    return 1 - beta**t
+
+
+def second_moment(v: torch.Tensor, g: torch.Tensor, b2) -> torch.Tensor:
+    """``b2 v + (1 - b2) g^2``."""
+    return v.mul(b2).addcmul(g, g, value=1 - b2)
+
+
+class ScaleByAdamState(NamedTuple):
+    """Per tensor: ``count`` (steps taken), ``mu`` and ``nu`` (first and second moments), and
+    ``nu_max`` (running max of ``nu`` with amsgrad, else ``None``)."""
+
+    count: torch.Tensor
+    mu: torch.Tensor
+    nu: torch.Tensor
+    nu_max: Optional[torch.Tensor]
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False) -> GradientTransformation:
+    """Adam's preconditioned direction (module docstring). Example::
+
+        adam = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
+    """
+
+    def init_leaf(p):
+        nu_max = torch.zeros_like(p) if amsgrad else None
+        return ScaleByAdamState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p), nu_max)
+
+    def update_leaf(g, s, p):
+        count = s.count + 1
+        t = as_scalar(count)
+        mu = s.mu.lerp(g, 1 - b1)
+        nu = second_moment(s.nu, g, b2)
+        nu_max = torch.maximum(s.nu_max, nu) if amsgrad else None
+        denom = ((nu_max if amsgrad else nu).sqrt() / bias_correction(b2, t).sqrt()).add(eps)
+        u = mu / bias_correction(b1, t) / denom
+        return u, ScaleByAdamState(count, mu, nu, nu_max)
+
+    return leafwise(ScaleByAdamState, init_leaf, update_leaf, name="scale_by_adam")
+
+
+class ScaleByAdamaxState(NamedTuple):
+    """Per tensor: ``count``, ``mu`` (first moment), ``nu`` (exponentially weighted infinity norm)."""
+
+    count: torch.Tensor
+    mu: torch.Tensor
+    nu: torch.Tensor
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adamax's direction (module docstring)."""
+
+    def init_leaf(p):
+        return ScaleByAdamaxState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        count = s.count + 1
+        mu = s.mu.lerp(g, 1 - b1)
+        nu = torch.maximum(s.nu.mul(b2), g.abs().add(eps))
+        u = mu / nu / bias_correction(b1, as_scalar(count))
+        return u, ScaleByAdamaxState(count, mu, nu)
+
+    return leafwise(ScaleByAdamaxState, init_leaf, update_leaf, name="scale_by_adamax")
+
+
+class ScaleByNadamState(NamedTuple):
+    """Per tensor: ``count``, ``mu_product`` (``P_t``, float64), ``mu``, ``nu`` (moments)."""
+
+    count: torch.Tensor
+    mu_product: torch.Tensor
+    mu: torch.Tensor
+    nu: torch.Tensor
+
+
+def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum_decay: float = 4e-3) -> GradientTransformation:
+    """NAdam's direction with torch.optim.NAdam's momentum schedule (module docstring)."""
+
+    def momentum_at(t):
+        return b1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
+
+    def init_leaf(p):
+        one = torch.ones((), dtype=torch.float64, device=p.device)
+        return ScaleByNadamState(zero_count(p), one, torch.zeros_like(p), torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        count = s.count + 1
+        t = as_scalar(count)
+        mu_t, mu_next = momentum_at(t), momentum_at(t + 1)
+        mu_product = s.mu_product * mu_t
+        mu = s.mu.lerp(g, 1 - b1)
+        nu = second_moment(s.nu, g, b2)
+        denom = nu.div(bias_correction(b2, t)).sqrt().add(eps)
+        u = (g / denom) * ((1 - mu_t) / (1 - mu_product)) + (mu / denom) * (
+            mu_next / (1 - mu_product * mu_next)
+        )
+        return u, ScaleByNadamState(count, mu_product, mu, nu)
+
+    return leafwise(ScaleByNadamState, init_leaf, update_leaf, name="scale_by_nadam")
+
+
+class ScaleByRadamState(NamedTuple):
+    """Per tensor: ``count``, ``mu``, ``nu`` (moments)."""
+
+    count: torch.Tensor
+    mu: torch.Tensor
+    nu: torch.Tensor
+
+
+def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, threshold: float = 5.0) -> GradientTransformation:
+    """RAdam's rectified direction (module docstring); ``threshold`` is torch's 5 on ``rho_t``."""
+    rho_inf = 2 / (1 - b2) - 1
+
+    def init_leaf(p):
+        return ScaleByRadamState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        count = s.count + 1
+        t = as_scalar(count)
+        mu = s.mu.lerp(g, 1 - b1)
+        nu = second_moment(s.nu, g, b2)
+        bc2 = bias_correction(b2, t)
+        mu_hat = mu / bias_correction(b1, t)
+        rho_t = rho_inf - 2 * t * b2**t / bc2
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)).clamp(min=0).sqrt()
+        adaptive = bc2.sqrt() / nu.sqrt().add(eps)
+        u = torch.where(rho_t > threshold, mu_hat * adaptive * rect, mu_hat)
+        return u, ScaleByRadamState(count, mu, nu)
+
+    return leafwise(ScaleByRadamState, init_leaf, update_leaf, name="scale_by_radam")

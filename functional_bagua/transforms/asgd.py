@@ -1,0 +1,52 @@
+"""Averaged SGD (Polyak & Juditsky, 1992), as torch.optim.ASGD.
+
+Unlike the other ``scale_by_*`` transforms this returns the full descent step, because the
+running average of the iterates it keeps needs the new parameters::
+
+    u_t    = -eta_{t-1} (g_t + lambd * p_{t-1})          (p_t = p_{t-1} + u_t)
+    ax_t   = p_t if mu_{t-1} = 1 else ax_{t-1} + mu_{t-1} (p_t - ax_{t-1})
+    eta_t  = lr / (1 + lambd lr t)^alpha,                 eta_0 = lr
+    mu_t   = 1 / max(1, t - t0),                          mu_0 = 1
+
+``state.ax`` holds the averaged parameters (use them for evaluation).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.leafwise import SCALAR_DTYPE, as_scalar, leafwise, zero_count
+
+
+class ScaleByAsgdState(NamedTuple):
+    """Per tensor: ``count``, ``eta`` (step size), ``mu`` (averaging weight), ``ax`` (average)."""
+
+    count: torch.Tensor
+    eta: torch.Tensor
+    mu: torch.Tensor
+    ax: torch.Tensor
+
+
+def scale_by_asgd(lr: float = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6) -> GradientTransformation:
+    """ASGD's descent step and iterate averaging (module docstring)."""
+
+    def init_leaf(p):
+        def scalar(x):
+            return torch.tensor(x, dtype=SCALAR_DTYPE, device=p.device)
+
+        return ScaleByAsgdState(zero_count(p), scalar(lr), scalar(1.0), torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        count = s.count + 1
+        t = as_scalar(count)
+        u = -s.eta * (g + lambd * p)
+        new_p = p + u
+        ax = torch.where(s.mu == 1, new_p, s.ax + (new_p - s.ax) * s.mu)
+        eta = lr / (1 + lambd * lr * t) ** alpha
+        mu = 1 / (t - t0).clamp(min=1)
+        return u, ScaleByAsgdState(count, eta, mu, ax)
+
+    return leafwise(ScaleByAsgdState, init_leaf, update_leaf, name="scale_by_asgd", needs_params=True)

@@ -1,0 +1,41 @@
+"""AdaBelief (Zhuang et al., 2020): Adam whose second moment tracks the belief ``(g - m)^2``::
+
+    m_t = lerp(m_{t-1}, g_t, 1 - b1)
+    s_t = b2 s_{t-1} + (1 - b2) (g_t - m_t)^2 + eps
+    u_t = (m_t / (1 - b1^t)) / (sqrt(s_t) / sqrt(1 - b2^t) + eps)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.adam import bias_correction, second_moment
+from functional_bagua.transforms.leafwise import as_scalar, leafwise, zero_count
+
+
+class ScaleByBeliefState(NamedTuple):
+    """Per tensor: ``count``, ``mu`` (first moment), ``nu`` (belief ``s``)."""
+
+    count: torch.Tensor
+    mu: torch.Tensor
+    nu: torch.Tensor
+
+
+def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16) -> GradientTransformation:
+    """AdaBelief's direction (module docstring)."""
+
+    def init_leaf(p):
+        return ScaleByBeliefState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        count = s.count + 1
+        t = as_scalar(count)
+        mu = s.mu.lerp(g, 1 - b1)
+        nu = second_moment(s.nu, g - mu, b2).add(eps)
+        u = mu / bias_correction(b1, t) / (nu.sqrt() / bias_correction(b2, t).sqrt()).add(eps)
+        return u, ScaleByBeliefState(count, mu, nu)
+
+    return leafwise(ScaleByBeliefState, init_leaf, update_leaf, name="scale_by_belief")

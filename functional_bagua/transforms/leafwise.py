@@ -1,0 +1,140 @@
+"""Build a transform from the rule for a single tensor.
+
+Most optimizer math is written for one parameter tensor at a time::
+
+    def update_leaf(g, s, p):            # gradient, this tensor's state, parameter
+        ...
+        return u, new_s
+
+:func:`leafwise` lifts such a rule to whole parameter trees: the state becomes a NamedTuple of
+trees (``state.mu["layer.weight"]``, as in optax), a ``None`` gradient leaves its update ``None``
+and its state untouched (as torch.optim skips parameters whose ``.grad`` is ``None``), and bad
+input (a gradient tree that does not match the parameters, a wrong dtype or shape, a sparse
+gradient) raises a ValueError/TypeError naming the offending parameter.
+
+Each update and state tensor keeps the dtype of its gradient and its initial state. Step counts
+are kept per tensor, as torch.optim keeps ``state["step"]`` per parameter, so a
+parameter that skipped steps bias-corrects with its own count.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation
+
+COUNT_DTYPE = torch.int64
+SCALAR_DTYPE = torch.float64
+
+
+def zero_count(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim integer step counter on ``like``'s device."""
+    return torch.zeros((), dtype=COUNT_DTYPE, device=like.device)
+
+
+def as_scalar(count: torch.Tensor) -> torch.Tensor:
+    """A count as a 0-dim float64 tensor, for scalar hyperparameter math.
+
+    Scalar math (bias corrections, step sizes) runs in float64 like torch.optim's Python floats;
+    a 0-dim tensor does not promote the tensors it multiplies, so a float32 parameter's update
+    stays float32.
+    """
+    return count.to(SCALAR_DTYPE)
+
+
+def leafwise(
+    state_type: type,
+    init_leaf: Callable[[torch.Tensor], NamedTuple],
+    update_leaf: Callable[[torch.Tensor, NamedTuple, Optional[torch.Tensor]], tuple],
+    *,
+    name: str,
+    needs_params: bool = False,
+) -> GradientTransformation:
+    """A transform applying ``update_leaf(g, state_leaf, p) -> (u, new_state_leaf)`` per tensor.
+
+    ``state_type`` is the NamedTuple of the per-tensor state; the transform's state is that
+    NamedTuple with one tree per field. ``name`` appears in error messages. With
+    ``needs_params=True``, ``update`` requires the ``params`` argument.
+    """
+    fields = state_type._fields
+
+    def init(params):
+        leaves, spec = tree.flatten(params)
+        per_leaf = [state_type(*([None] * len(fields))) if p is None else init_leaf(p) for p in leaves]
+        return state_type(*(spec.unflatten([s[i] for s in per_leaf]) for i in range(len(fields))))
+
+    def update(grads, state, params=None):
+        if needs_params and params is None:
+            raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
+        grad_leaves, spec = tree.flatten(grads)
+        state_leaves = [_field_leaves(spec, state, f, name) for f in fields]
+        if params is None:
+            param_leaves = [None] * len(grad_leaves)
+        else:
+            param_leaves = tree.leaves_matching(spec, params, "params", "grads")
+        names = tree.leaf_names(spec)
+
+        updates, new_state_leaves = [], []
+        for i, (g, p) in enumerate(zip(grad_leaves, param_leaves)):
+            s = state_type(*(leaves[i] for leaves in state_leaves))
+            if g is None:
+                updates.append(None)
+                new_state_leaves.append(s)
+                continue
+            _check_grad(g, p, names[i], name)
+            u, new_s = update_leaf(g, s, p)
+            updates.append(u.to(g.dtype))
+            new_state_leaves.append(_with_dtypes_of(new_s, s))
+        new_state = state_type(
+            *(spec.unflatten([s[i] for s in new_state_leaves]) for i in range(len(fields)))
+        )
+        return spec.unflatten(updates), new_state
+
+    return GradientTransformation(init, update)
+
+
+def _field_leaves(spec, state, field: str, name: str) -> list:
+    try:
+        field_tree = getattr(state, field)
+    except AttributeError:
+        raise ValueError(
+            f"{name}: state has no field {field!r}; was it made by this transform's init?"
+        ) from None
+    leaves, field_spec = tree.flatten(field_tree)
+    if field_spec != spec:
+        raise ValueError(
+            f"{name}: "
+            + tree.describe_mismatch(field_spec, spec, "grads", f"the params the state was made for")
+        )
+    return leaves
+
+
+def _with_dtypes_of(new: NamedTuple, old: NamedTuple) -> NamedTuple:
+    """``new`` with each tensor cast to the dtype of its counterpart in ``old``.
+
+    Scalar factors are float64 0-dim tensors, and 0-dim by 0-dim arithmetic promotes, so a 0-dim
+    float32 parameter's math runs in float64; the cast brings state and updates back to the
+    tensor's own dtype (a no-op for every other tensor).
+    """
+    return type(new)(*(
+        n.to(o.dtype) if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) else n
+        for n, o in zip(new, old)
+    ))
+
+
+def _check_grad(g, p, key: str, name: str) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"{name}: gradient of {key!r} is a {type(g).__name__}, not a tensor")
+    if g.is_sparse:
+        raise TypeError(f"{name}: gradient of {key!r} is sparse; sparse gradients are not supported")
+    if p is None:
+        return
+    if g.shape != p.shape:
+        raise ValueError(
+            f"{name}: gradient of {key!r} has shape {tuple(g.shape)}, parameter has {tuple(p.shape)}"
+        )
+    if g.dtype != p.dtype:
+        raise TypeError(f"{name}: gradient of {key!r} is {g.dtype}, parameter is {p.dtype}")

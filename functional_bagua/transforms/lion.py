@@ -1,0 +1,34 @@
+"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms")::
+
+    c_t = lerp(m_{t-1}, g_t, 1 - b1)          (= b1 m + (1 - b1) g)
+    u_t = sign(c_t)
+    m_t = lerp(m_{t-1}, g_t, 1 - b2)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.leafwise import leafwise
+
+
+class ScaleByLionState(NamedTuple):
+    """Per tensor: ``mu`` (the momentum ``m``)."""
+
+    mu: torch.Tensor
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    """Lion's sign direction (module docstring)."""
+
+    def init_leaf(p):
+        return ScaleByLionState(torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        u = s.mu.lerp(g, 1 - b1).sign()
+        return u, ScaleByLionState(s.mu.lerp(g, 1 - b2))
+
+    return leafwise(ScaleByLionState, init_leaf, update_leaf, name="scale_by_lion")

@@ -1,0 +1,73 @@
+"""Momentum (heavy ball and Nesterov), as torch.optim.SGD computes it.
+
+``trace(momentum, dampening, nesterov)``::
+
+    b_1 = g_1                                      (first step: the gradient itself)
+    b_t = momentum * b_{t-1} + (1 - dampening) * g_t
+    u_t = g_t + momentum * b_t   if nesterov   else   b_t
+
+``ema_momentum(decay)`` is the other common form, an exponential moving average ``b_t = lerp(b_{t-1}, g_t,
+1 - decay)`` from zero (torch.optim.Muon's buffer), optionally Nesterov: ``u_t = lerp(g_t, b_t, decay)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from functional_bagua.base import GradientTransformation, identity
+from functional_bagua.transforms.leafwise import leafwise, zero_count
+
+
+class TraceState(NamedTuple):
+    """``count``: steps taken per tensor; ``trace``: the momentum buffer ``b``."""
+
+    count: torch.Tensor
+    trace: torch.Tensor
+
+
+def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
+    """SGD momentum (see module docstring); the identity when ``momentum == 0``.
+
+    Example::
+
+        sgd_nesterov = chain(trace(0.9, nesterov=True), scale_by_learning_rate(0.1))
+    """
+    if isinstance(momentum, (int, float)) and momentum == 0:
+        return identity()
+
+    def init_leaf(p):
+        return TraceState(count=zero_count(p), trace=torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        first = s.count == 0
+        if isinstance(dampening, (int, float)) and dampening == 0:
+            b = s.trace.mul(momentum).add(g)      # from b_0 = 0 this gives b_1 = g exactly
+        else:
+            b = torch.where(first, g, s.trace.mul(momentum).add(g, alpha=1 - dampening))
+        u = g.add(b, alpha=momentum) if nesterov else b
+        return u, TraceState(count=s.count + 1, trace=b)
+
+    return leafwise(TraceState, init_leaf, update_leaf, name="trace")
+
+
+class EmaMomentumState(NamedTuple):
+    """``ema``: the moving average of the updates."""
+
+    ema: torch.Tensor
+
+
+def ema_momentum(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """``b_t = lerp(b_{t-1}, g_t, 1 - decay)`` from ``b_0 = 0``; ``u_t = b_t``, or
+    ``lerp(g_t, b_t, decay)`` with ``nesterov`` (torch.optim.Muon's momentum). No bias correction."""
+
+    def init_leaf(p):
+        return EmaMomentumState(ema=torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        b = s.ema.lerp(g, 1 - decay)
+        u = g.lerp(b, decay) if nesterov else b
+        return u, EmaMomentumState(ema=b)
+
+    return leafwise(EmaMomentumState, init_leaf, update_leaf, name="ema_momentum")

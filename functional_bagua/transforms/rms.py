@@ -1,0 +1,106 @@
+"""Preconditioning by accumulated squared gradients: RMSprop, Adagrad, Adadelta.
+
+Each returns the ascent direction; aliases finish with ``scale_by_learning_rate``.
+
+``scale_by_rms(alpha, eps, centered)`` (Hinton's RMSprop, torch.optim.RMSprop)::
+
+    s_t = alpha s_{t-1} + (1 - alpha) g_t^2
+    c_t = lerp(c_{t-1}, g_t, 1 - alpha)                       (centered only)
+    u_t = g_t / (sqrt(s_t - c_t^2) + eps)   (centered)    or    g_t / (sqrt(s_t) + eps)
+
+``scale_by_adagrad(lr_decay, initial_accumulator_value, eps)`` (Duchi et al., 2011)::
+
+    S_t = S_{t-1} + g_t^2,   S_0 = initial_accumulator_value
+    u_t = g_t / (sqrt(S_t) + eps) / (1 + (t - 1) lr_decay)
+
+``scale_by_adadelta(rho, eps)`` (Zeiler, 2012)::
+
+    s_t = rho s_{t-1} + (1 - rho) g_t^2
+    d_t = sqrt(D_{t-1} + eps) / sqrt(s_t + eps) * g_t
+    D_t = rho D_{t-1} + (1 - rho) d_t^2
+    u_t = d_t
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.adam import second_moment
+from functional_bagua.transforms.leafwise import as_scalar, leafwise, zero_count
+
+
+class ScaleByRmsState(NamedTuple):
+    """Per tensor: ``square_avg`` (``s``) and ``grad_avg`` (``c``, ``None`` unless centered)."""
+
+    square_avg: torch.Tensor
+    grad_avg: Optional[torch.Tensor]
+
+
+def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False) -> GradientTransformation:
+    """RMSprop's direction (module docstring). Momentum composes after it::
+
+        rmsprop_momentum = chain(scale_by_rms(), trace(0.9), scale_by_learning_rate(1e-2))
+    """
+
+    def init_leaf(p):
+        return ScaleByRmsState(torch.zeros_like(p), torch.zeros_like(p) if centered else None)
+
+    def update_leaf(g, s, p):
+        square_avg = second_moment(s.square_avg, g, alpha)
+        if centered:
+            grad_avg = s.grad_avg.lerp(g, 1 - alpha)
+            rms = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt()
+        else:
+            grad_avg, rms = None, square_avg.sqrt()
+        return g / rms.add(eps), ScaleByRmsState(square_avg, grad_avg)
+
+    return leafwise(ScaleByRmsState, init_leaf, update_leaf, name="scale_by_rms")
+
+
+class ScaleByAdagradState(NamedTuple):
+    """Per tensor: ``count`` and ``sum_of_squares`` (``S``)."""
+
+    count: torch.Tensor
+    sum_of_squares: torch.Tensor
+
+
+def scale_by_adagrad(lr_decay: float = 0.0, initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> GradientTransformation:
+    """Adagrad's direction with torch's per-tensor learning-rate decay (module docstring)."""
+
+    def init_leaf(p):
+        return ScaleByAdagradState(zero_count(p), torch.full_like(p, initial_accumulator_value))
+
+    def update_leaf(g, s, p):
+        count = s.count + 1
+        sum_of_squares = s.sum_of_squares.addcmul(g, g)
+        u = g / sum_of_squares.sqrt().add(eps)
+        if lr_decay != 0:
+            u = u / (1 + (as_scalar(count) - 1) * lr_decay)
+        return u, ScaleByAdagradState(count, sum_of_squares)
+
+    return leafwise(ScaleByAdagradState, init_leaf, update_leaf, name="scale_by_adagrad")
+
+
+class ScaleByAdadeltaState(NamedTuple):
+    """Per tensor: ``square_avg`` (``s``) and ``acc_delta`` (``D``)."""
+
+    square_avg: torch.Tensor
+    acc_delta: torch.Tensor
+
+
+def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransformation:
+    """Adadelta's step (module docstring); torch.optim.Adadelta multiplies it by ``lr`` (1.0)."""
+
+    def init_leaf(p):
+        return ScaleByAdadeltaState(torch.zeros_like(p), torch.zeros_like(p))
+
+    def update_leaf(g, s, p):
+        square_avg = second_moment(s.square_avg, g, rho)
+        delta = s.acc_delta.add(eps).sqrt().div(square_avg.add(eps).sqrt()).mul(g)
+        acc_delta = second_moment(s.acc_delta, delta, rho)
+        return delta, ScaleByAdadeltaState(square_avg, acc_delta)
+
+    return leafwise(ScaleByAdadeltaState, init_leaf, update_leaf, name="scale_by_adadelta")

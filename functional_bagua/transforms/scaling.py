@@ -1,0 +1,85 @@
+"""Scaling the updates by constants, learning rates and schedules.
+
+- ``scale(c)``:                    ``u = c * g``
+- ``scale_by_learning_rate(lr)``:  ``u = -lr * g``   (descent; ``lr`` may be a schedule)
+- ``scale_by_schedule(f)``:        ``u = f(t) * g``  with ``t`` the number of updates so far
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Union
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import EmptyState, GradientTransformation, identity
+
+Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
+ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
+
+
+def _scale_leaves(updates, factor):
+    return tree.tree_map(lambda u: None if u is None else (u * factor).to(u.dtype), updates)
+
+
+def scale(step_size: Union[float, torch.Tensor]) -> GradientTransformation:
+    """``u = step_size * g``.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))
+    """
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return _scale_leaves(updates, step_size), state
+
+    return GradientTransformation(init, update)
+
+
+def negate_if(flag: bool) -> GradientTransformation:
+    """``u = -g`` when ``flag`` (torch.optim's ``maximize=True``), else the identity."""
+    return scale(-1.0) if flag else identity()
+
+
+class ScaleByScheduleState(NamedTuple):
+    """``count``: number of updates done so far (0-dim int64 tensor)."""
+
+    count: torch.Tensor
+
+
+def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
+    """``u_t = schedule(t) * g_t`` with ``t = 0, 1, 2, ...`` the number of previous updates.
+
+    ``t`` is a 0-dim int64 tensor, so a schedule written with tensor ops is traced by
+    torch.compile once and never recompiles as ``t`` grows.
+    """
+
+    def init(params):
+        leaves, _ = tree.flatten(params)
+        device = next((p.device for p in leaves if p is not None), None)
+        return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64, device=device))
+
+    def update(updates, state, params=None):
+        del params
+        factor = schedule(state.count)
+        return _scale_leaves(updates, factor), ScaleByScheduleState(count=state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
+    """``u = -lr * g`` (or ``+lr * g`` with ``flip_sign=False``); ``lr`` may be a schedule of the step.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(1e-3))
+    """
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    return scale(sign * learning_rate)

@@ -1,0 +1,44 @@
+"""Layer-wise trust ratio (LARS: You et al., 2017; LAMB: You et al., 2020), per tensor::
+
+    r = trust_coefficient * ||p|| / (||u|| + eps)        (r = 1 if ||p|| = 0 or ||u|| = 0)
+    u <- r * u
+"""
+
+from __future__ import annotations
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import EmptyState, GradientTransformation
+
+
+def trust_ratio(p: torch.Tensor, u: torch.Tensor, trust_coefficient: float = 1.0, eps: float = 0.0) -> torch.Tensor:
+    """The 0-dim trust ratio of one tensor (module docstring)."""
+    p_norm, u_norm = p.norm(), u.norm()
+    ratio = trust_coefficient * p_norm / (u_norm + eps)
+    return torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+
+
+def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> GradientTransformation:
+    """``u = trust_ratio(p, u) * u`` per tensor (module docstring). Example (LAMB)::
+
+        lamb = chain(scale_by_adam(eps=1e-6), add_decayed_weights(0.01),
+                     scale_by_trust_ratio(), scale_by_learning_rate(1e-3))
+    """
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("scale_by_trust_ratio needs the parameters: call update(grads, state, params)")
+        _, spec = tree.flatten(updates)
+        param_leaves = tree.leaves_matching(spec, params, "params", "updates")
+        update_leaves, _ = tree.flatten(updates)
+        scaled = [
+            None if u is None else u * trust_ratio(p, u, trust_coefficient, eps)
+            for p, u in zip(param_leaves, update_leaves)
+        ]
+        return spec.unflatten(scaled), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,63 @@
+"""Pytree helpers on optree.
+
+Every tree here is flattened with ``none_is_leaf=True``: a ``None`` gradient or update is a leaf
+that stands for "nothing for this parameter", so trees with ``None`` holes keep the structure of
+the parameter tree they belong to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+
+NONE_IS_LEAF = True
+
+
+def flatten(tree: Any) -> tuple[list, optree.PyTreeSpec]:
+    """Leaves and structure of ``tree`` (``None`` counts as a leaf)."""
+    return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
+
+
+def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
+    """optree's ``tree_map`` with ``None`` as a leaf."""
+    return optree.tree_map(fn, tree, *rest, none_is_leaf=NONE_IS_LEAF)
+
+
+def leaf_names(spec: optree.PyTreeSpec) -> list[str]:
+    """A readable name per leaf: dict keys and sequence indices joined by ``/``."""
+    return ["/".join(str(k) for k in path) or "<root>" for path in optree.treespec_paths(spec)]
+
+
+def leaves_matching(spec: optree.PyTreeSpec, tree: Any, name: str, reference: str) -> list:
+    """Leaves of ``tree``, which must have structure ``spec``; else a ValueError naming the keys.
+
+    ``name`` and ``reference`` are what the two trees are called in the message, e.g.
+    ``leaves_matching(params_spec, grads, "grads", "params")``.
+    """
+    leaves, tree_spec = flatten(tree)
+    if tree_spec != spec:
+        raise ValueError(describe_mismatch(spec, tree_spec, name, reference))
+    return leaves
+
+
+def describe_mismatch(
+    expected: optree.PyTreeSpec, got: optree.PyTreeSpec, name: str, reference: str
+) -> str:
+    """A message naming the keys in which two tree structures differ."""
+    want, have = leaf_names(expected), leaf_names(got)
+    missing = [k for k in want if k not in set(have)]
+    extra = [k for k in have if k not in set(want)]
+    parts = [f"{name} do not match the structure of {reference}"]
+    if missing:
+        parts.append(f"missing from {name}: {_some(missing)}")
+    if extra:
+        parts.append(f"in {name} but not in {reference}: {_some(extra)}")
+    if not missing and not extra:
+        parts.append(f"same keys, different containers: {got} vs {expected}")
+    return "; ".join(parts)
+
+
+def _some(keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")

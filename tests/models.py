@@ -1,0 +1,63 @@
+"""Small models and data shared by the tests: parameters of several shapes, random batches."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class ShapesNet(torch.nn.Module):
+    """Parameters of every common shape: 4-D conv kernel, biases, a matrix and a 0-dim scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, kernel_size=3)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.conv(x)).flatten(1)) * self.scale
+
+
+class MatrixNet(torch.nn.Module):
+    """Only 2-D parameters (for Muon): two bias-free linear layers, one tall and one wide."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(2 * 6 * 6, 10, bias=False)
+        self.down = torch.nn.Linear(10, 4, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x.flatten(1))))
+
+
+def make_model(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = {"shapes": ShapesNet, "matrix": MatrixNet}[kind]()
+    return model.to(dtype)
+
+
+def batches(n: int, dtype: torch.dtype, seed: int = 1, batch_size: int = 8):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch_size, 2, 6, 6, generator=gen, dtype=dtype),
+         torch.randn(batch_size, 4, generator=gen, dtype=dtype))
+        for _ in range(n)
+    ]
+
+
+def loss_fn(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch.optim keeps scalar state (steps, NAdam's mu_product, ASGD's eta) in the default dtype;
+    run the reference in the dtype under test so that float64 runs are float64 throughout."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point and dtype.itemsize >= 4 else old)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
