@@ -41,6 +41,16 @@ def leaves_matching(spec: optree.PyTreeSpec, tree: Any, name: str, reference: st
     return leaves
 
 
+def leaves_with_params(updates: Any, params: Any) -> tuple[list, list, optree.PyTreeSpec]:
+    """Leaves of ``updates`` and of ``params`` and their common structure.
+
+    ``params`` is the reference: a gradient/update tree of another structure raises a ValueError
+    naming the keys missing from it and the keys it has in excess.
+    """
+    param_leaves, spec = flatten(params)
+    return leaves_matching(spec, updates, "grads", "params"), param_leaves, spec
+
+
 def describe_mismatch(
     expected: optree.PyTreeSpec, got: optree.PyTreeSpec, name: str, reference: str
 ) -> str:

@@ -69,12 +69,12 @@ def leafwise(
     def update(grads, state, params=None):
         if needs_params and params is None:
             raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
-        grad_leaves, spec = tree.flatten(grads)
-        state_leaves = [_field_leaves(spec, state, f, name) for f in fields]
         if params is None:
+            grad_leaves, spec = tree.flatten(grads)
             param_leaves = [None] * len(grad_leaves)
         else:
-            param_leaves = tree.leaves_matching(spec, params, "params", "grads")
+            grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
+        state_leaves = [_field_leaves(spec, state, f, name) for f in fields]
         names = tree.leaf_names(spec)
 
         updates, new_state_leaves = [], []
@@ -107,7 +107,7 @@ def _field_leaves(spec, state, field: str, name: str) -> list:
     if field_spec != spec:
         raise ValueError(
             f"{name}: "
-            + tree.describe_mismatch(field_spec, spec, "grads", f"the params the state was made for")
+            + tree.describe_mismatch(field_spec, spec, "grads", "the params the state was made for")
         )
     return leaves
 

@@ -18,7 +18,9 @@ Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
 ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
 
 
-def _scale_leaves(updates, factor):
+def _scale_leaves(updates, factor, params=None):
+    if params is not None:
+        tree.leaves_with_params(updates, params)  # a clear error for mismatched trees
     return tree.tree_map(lambda u: None if u is None else (u * factor).to(u.dtype), updates)
 
 
@@ -35,8 +37,7 @@ def scale(step_size: Union[float, torch.Tensor]) -> GradientTransformation:
         return EmptyState()
 
     def update(updates, state, params=None):
-        del params
-        return _scale_leaves(updates, step_size), state
+        return _scale_leaves(updates, step_size, params), state
 
     return GradientTransformation(init, update)
 
@@ -65,9 +66,8 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
         return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64, device=device))
 
     def update(updates, state, params=None):
-        del params
         factor = schedule(state.count)
-        return _scale_leaves(updates, factor), ScaleByScheduleState(count=state.count + 1)
+        return _scale_leaves(updates, factor, params), ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init, update)
 

@@ -32,9 +32,7 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("scale_by_trust_ratio needs the parameters: call update(grads, state, params)")
-        _, spec = tree.flatten(updates)
-        param_leaves = tree.leaves_matching(spec, params, "params", "updates")
-        update_leaves, _ = tree.flatten(updates)
+        update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
         scaled = [
             None if u is None else u * trust_ratio(p, u, trust_coefficient, eps)
             for p, u in zip(param_leaves, update_leaves)

@@ -32,9 +32,7 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("add_decayed_weights needs the parameters: call update(grads, state, params)")
-        _, spec = tree.flatten(updates)
-        param_leaves = tree.leaves_matching(spec, params, "params", "updates")
-        update_leaves, _ = tree.flatten(updates)
+        update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
         decayed = [
             None if u is None else u.add(p, alpha=weight_decay) if _is_number(weight_decay)
             else (u + weight_decay * p).to(u.dtype)
