@@ -1,0 +1,31 @@
+"""The README's main example runs and its loss goes down."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_loss_goes_down():
+    losses = load_example("quickstart").main(steps=150)
+    assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:10]) / 10
+
+
+def test_quickstart_runs_as_a_script():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "5"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "full-data loss" in result.stdout
