@@ -18,7 +18,7 @@ from functional_bagua.transforms.factored import (
     scale_by_factored_rms,
     scale_by_relative_step_size,
 )
-from functional_bagua.transforms.leafwise import leafwise
+from functional_bagua.transforms.leafwise import leafwise, stateless
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_bagua.transforms.momentum import EmaMomentumState, TraceState, ema_momentum, trace
 from functional_bagua.transforms.orthogonalize import newton_schulz, orthogonalize, scale_by_shape

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from functional_bagua import tree
-from functional_bagua.base import GradientTransformation
+from functional_bagua.base import EmptyState, GradientTransformation
 
 COUNT_DTYPE = torch.int64
 SCALAR_DTYPE = torch.float64
@@ -92,6 +92,36 @@ def leafwise(
             *(spec.unflatten([s[i] for s in new_state_leaves]) for i in range(len(fields)))
         )
         return spec.unflatten(updates), new_state
+
+    return GradientTransformation(init, update)
+
+
+def stateless(
+    update_leaf: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
+    *,
+    name: str,
+    needs_params: bool = False,
+) -> GradientTransformation:
+    """A transform without state applying ``update_leaf(u, p) -> new_u`` per tensor.
+
+    ``None`` updates stay ``None``; each new update keeps its input's dtype; ``params`` (``p``
+    is ``None`` without them) must match the updates' structure, else a ValueError names the keys.
+    """
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        if params is None:
+            if needs_params:
+                raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
+            update_leaves, spec = tree.flatten(updates)
+            param_leaves = [None] * len(update_leaves)
+        else:
+            update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
+        new = [None if u is None else update_leaf(u, p).to(u.dtype) for u, p in zip(update_leaves, param_leaves)]
+        return spec.unflatten(new), state
 
     return GradientTransformation(init, update)
 

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from functional_bagua import tree
-from functional_bagua.base import EmptyState, GradientTransformation
+from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.leafwise import stateless
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -45,24 +45,13 @@ def newton_schulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS
     return x.T if tall else x
 
 
-def _map_updates(fn, updates):
-    return tree.tree_map(lambda u: None if u is None else fn(u), updates)
-
-
 def orthogonalize(ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS) -> GradientTransformation:
     """``u = NewtonSchulz(g)`` per 2-D tensor, cast back to the gradient's dtype."""
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if len(ns_coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
-
-    def init(params):
-        return EmptyState()
-
-    def update(updates, state, params=None):
-        return _map_updates(lambda u: newton_schulz(u, ns_coefficients, ns_steps, eps).to(u.dtype), updates), state
-
-    return GradientTransformation(init, update)
+    return stateless(lambda u, p: newton_schulz(u, ns_coefficients, ns_steps, eps), name="orthogonalize")
 
 
 def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:
@@ -78,11 +67,4 @@ def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:
 def scale_by_shape(adjust_lr_fn: Optional[str] = None) -> GradientTransformation:
     """``u = shape_factor(shape(g)) * g`` per tensor (module docstring)."""
     shape_factor((1, 1), adjust_lr_fn)  # validates the name
-
-    def init(params):
-        return EmptyState()
-
-    def update(updates, state, params=None):
-        return _map_updates(lambda u: u * shape_factor(u.shape, adjust_lr_fn), updates), state
-
-    return GradientTransformation(init, update)
+    return stateless(lambda u, p: u * shape_factor(u.shape, adjust_lr_fn), name="scale_by_shape")

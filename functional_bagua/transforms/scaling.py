@@ -13,15 +13,10 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import EmptyState, GradientTransformation, identity
+from functional_bagua.transforms.leafwise import stateless
 
 Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
 ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
-
-
-def _scale_leaves(updates, factor, params=None):
-    if params is not None:
-        tree.leaves_with_params(updates, params)  # a clear error for mismatched trees
-    return tree.tree_map(lambda u: None if u is None else (u * factor).to(u.dtype), updates)
 
 
 def scale(step_size: Union[float, torch.Tensor]) -> GradientTransformation:
@@ -31,15 +26,7 @@ def scale(step_size: Union[float, torch.Tensor]) -> GradientTransformation:
 
         tx = fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))
     """
-
-    def init(params):
-        del params
-        return EmptyState()
-
-    def update(updates, state, params=None):
-        return _scale_leaves(updates, step_size, params), state
-
-    return GradientTransformation(init, update)
+    return stateless(lambda u, p: u * step_size, name="scale")
 
 
 def negate_if(flag: bool) -> GradientTransformation:
@@ -66,8 +53,8 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
         return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64, device=device))
 
     def update(updates, state, params=None):
-        factor = schedule(state.count)
-        return _scale_leaves(updates, factor, params), ScaleByScheduleState(count=state.count + 1)
+        updates, _ = scale(schedule(state.count)).update(updates, EmptyState(), params)
+        return updates, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init, update)
 

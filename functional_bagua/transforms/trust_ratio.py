@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from functional_bagua import tree
-from functional_bagua.base import EmptyState, GradientTransformation
+from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.leafwise import stateless
 
 
 def trust_ratio(p: torch.Tensor, u: torch.Tensor, trust_coefficient: float = 1.0, eps: float = 0.0) -> torch.Tensor:
@@ -25,18 +25,6 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
         lamb = chain(scale_by_adam(eps=1e-6), add_decayed_weights(0.01),
                      scale_by_trust_ratio(), scale_by_learning_rate(1e-3))
     """
-
-    def init(params):
-        return EmptyState()
-
-    def update(updates, state, params=None):
-        if params is None:
-            raise ValueError("scale_by_trust_ratio needs the parameters: call update(grads, state, params)")
-        update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
-        scaled = [
-            None if u is None else u * trust_ratio(p, u, trust_coefficient, eps)
-            for p, u in zip(param_leaves, update_leaves)
-        ]
-        return spec.unflatten(scaled), state
-
-    return GradientTransformation(init, update)
+    return stateless(
+        lambda u, p: u * trust_ratio(p, u, trust_coefficient, eps), name="scale_by_trust_ratio", needs_params=True
+    )
