@@ -4,6 +4,9 @@ Each alias matches its torch.optim namesake step for step (same state per parame
 update, same ``maximize``/``weight_decay`` handling) and raises the ValueError torch.optim raises
 for an invalid hyperparameter. ``lamb``, ``lars``, ``lion`` and ``adabelief`` follow their papers.
 
+Every float hyperparameter may also be a schedule (a function of the step count); the alias is
+then built through :func:`~functional_bagua.inject_hyperparams`.
+
 Everything returns a :class:`~functional_bagua.GradientTransformation`::
 
     tx = fb.adamw(lr=1e-3, weight_decay=0.01)
@@ -18,10 +21,12 @@ from typing import Optional
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, chain
+from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.transforms.adam import scale_by_adam, scale_by_adamax, scale_by_nadam, scale_by_radam
 from functional_bagua.transforms.asgd import scale_by_asgd
 from functional_bagua.transforms.belief import scale_by_belief
 from functional_bagua.transforms.factored import scale_by_factored_rms, scale_by_relative_step_size
+from functional_bagua.transforms.leafwise import is_number
 from functional_bagua.transforms.lion import scale_by_lion
 from functional_bagua.transforms.momentum import ema_momentum, trace
 from functional_bagua.transforms.orthogonalize import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, scale_by_shape
@@ -40,28 +45,32 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _is_value(x) -> bool:
-    """A hyperparameter that can be checked now (a number or 1-element tensor, not a schedule)."""
-    return not callable(x)
+def _known(*values) -> bool:
+    """All Python numbers: checkable now. A tensor (injected hyperparameter) or a schedule is
+    checked by inject_hyperparams on its initial value instead, never inside a traced step."""
+    return all(is_number(v) for v in values)
+
+
+def _check(value, ok, message: str) -> None:
+    if _known(value):
+        _require(ok(value), message)
 
 
 def _check_lr(lr) -> None:
-    if _is_value(lr):
-        _require(0.0 <= lr, f"Invalid learning rate: {lr}")
+    _check(lr, lambda v: 0.0 <= v, f"Invalid learning rate: {lr}")
 
 
 def _check_nonnegative(value, name: str) -> None:
-    if _is_value(value):
-        _require(0.0 <= value, f"Invalid {name} value: {value}")
+    _check(value, lambda v: 0.0 <= v, f"Invalid {name} value: {value}")
 
 
 def _check_eps(eps) -> None:
-    _require(0.0 <= eps, f"Invalid epsilon value: {eps}")
+    _check(eps, lambda v: 0.0 <= v, f"Invalid epsilon value: {eps}")
 
 
 def _check_betas(betas) -> None:
     for i, beta in enumerate(betas):
-        _require(0.0 <= beta < 1.0, f"Invalid beta parameter at index {i}: {beta}")
+        _check(beta, lambda v: 0.0 <= v < 1.0, f"Invalid beta parameter at index {i}: {beta}")
 
 
 def _check_adam_like(lr, betas, eps, weight_decay) -> None:
@@ -81,6 +90,7 @@ def _decayed(preconditioner, weight_decay, decoupled: bool, lr, maximize: bool) 
 # --- torch.optim --------------------------------------------------------------------------------
 
 
+@accepts_schedules
 def sgd(
     lr: ScalarOrSchedule = 1e-3,
     momentum: float = 0.0,
@@ -99,7 +109,8 @@ def sgd(
     _check_lr(lr)
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
-    _require(not nesterov or (momentum > 0 and dampening == 0), "Nesterov momentum requires a momentum and zero dampening")
+    if nesterov and _known(momentum, dampening):
+        _require(momentum > 0 and dampening == 0, "Nesterov momentum requires a momentum and zero dampening")
     return chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),
@@ -108,6 +119,7 @@ def sgd(
     )
 
 
+@accepts_schedules
 def adam(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -125,6 +137,7 @@ def adam(
     return _decayed(scale_by_adam(*betas, eps, amsgrad), weight_decay, decoupled_weight_decay, lr, maximize)
 
 
+@accepts_schedules
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -141,6 +154,7 @@ def adamw(
     return adam(lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True)
 
 
+@accepts_schedules
 def adamax(
     lr: ScalarOrSchedule = 2e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -155,6 +169,7 @@ def adamax(
     return _decayed(scale_by_adamax(*betas, eps), weight_decay, False, lr, maximize)
 
 
+@accepts_schedules
 def nadam(
     lr: ScalarOrSchedule = 2e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -171,6 +186,7 @@ def nadam(
     return _decayed(scale_by_nadam(*betas, eps, momentum_decay), weight_decay, decoupled_weight_decay, lr, maximize)
 
 
+@accepts_schedules
 def radam(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -185,6 +201,7 @@ def radam(
     return _decayed(scale_by_radam(*betas, eps), weight_decay, decoupled_weight_decay, lr, maximize)
 
 
+@accepts_schedules
 def adagrad(
     lr: ScalarOrSchedule = 1e-2,
     lr_decay: float = 0.0,
@@ -206,6 +223,7 @@ def adagrad(
     return _decayed(scale_by_adagrad(lr_decay, initial_accumulator_value, eps), weight_decay, False, lr, maximize)
 
 
+@accepts_schedules
 def adadelta(
     lr: ScalarOrSchedule = 1.0,
     rho: float = 0.9,
@@ -217,12 +235,13 @@ def adadelta(
     """Adadelta, as ``torch.optim.Adadelta``: ``p <- p - lr * d_t`` (see
     :func:`~functional_bagua.scale_by_adadelta`)."""
     _check_lr(lr)
-    _require(0.0 <= rho <= 1.0, f"Invalid rho value: {rho}")
+    _check(rho, lambda v: 0.0 <= v <= 1.0, f"Invalid rho value: {rho}")
     _check_eps(eps)
     _check_nonnegative(weight_decay, "weight_decay")
     return _decayed(scale_by_adadelta(rho, eps), weight_decay, False, lr, maximize)
 
 
+@accepts_schedules
 def rmsprop(
     lr: ScalarOrSchedule = 1e-2,
     alpha: float = 0.99,
@@ -252,6 +271,7 @@ def rmsprop(
     )
 
 
+@accepts_schedules
 def rprop(
     lr: float = 1e-2,
     etas: tuple[float, float] = (0.5, 1.2),
@@ -262,10 +282,12 @@ def rprop(
     """Rprop, as ``torch.optim.Rprop``: ``p <- p - sign(g') * h_t`` with per-element step sizes
     ``h`` starting at ``lr`` (see :func:`~functional_bagua.scale_by_rprop`)."""
     _check_lr(lr)
-    _require(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
+    if _known(*etas):
+        _require(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
     return chain(negate_if(maximize), scale_by_rprop(lr, etas, step_sizes), scale(-1.0))
 
 
+@accepts_schedules
 def asgd(
     lr: float = 1e-2,
     lambd: float = 1e-4,
@@ -282,6 +304,7 @@ def asgd(
     return chain(negate_if(maximize), add_decayed_weights(weight_decay), scale_by_asgd(lr, lambd, alpha, t0))
 
 
+@accepts_schedules
 def adafactor(
     lr: float = 1e-2,
     beta2_decay: float = -0.8,
@@ -299,11 +322,11 @@ def adafactor(
     """
     eps1, eps2 = eps
     _check_lr(lr)
-    _require(beta2_decay <= 0.0, f"beta2_decay should be <= 0 but is: {beta2_decay}")
-    _require(eps1 is None or 0.0 <= eps1, f"epsilon1 should be >= 0 but is: {eps1}")
-    _require(0.0 <= eps2, f"epsilon2 should be >= 0 but is: {eps2}")
-    _require(1.0 <= d, f"Clipping threshold d should be >= 1 but is: {d}")
-    _require(0.0 <= weight_decay, f"weight_decay should be >= 0 but is: {weight_decay}")
+    _check(beta2_decay, lambda v: v <= 0.0, f"beta2_decay should be <= 0 but is: {beta2_decay}")
+    _check(eps1, lambda v: 0.0 <= v, f"epsilon1 should be >= 0 but is: {eps1}")
+    _check(eps2, lambda v: 0.0 <= v, f"epsilon2 should be >= 0 but is: {eps2}")
+    _check(d, lambda v: 1.0 <= v, f"Clipping threshold d should be >= 1 but is: {d}")
+    _check(weight_decay, lambda v: 0.0 <= v, f"weight_decay should be >= 0 but is: {weight_decay}")
     return chain(
         negate_if(maximize),
         scale_by_factored_rms(beta2_decay, eps1, d),
@@ -313,6 +336,7 @@ def adafactor(
     )
 
 
+@accepts_schedules
 def muon(
     lr: ScalarOrSchedule = 1e-3,
     weight_decay: float = 0.1,
@@ -332,8 +356,8 @@ def muon(
     :func:`functional_bagua.partition` or a second transform.
     """
     _check_lr(lr)
-    _require(0.0 <= momentum, f"momentum should be >= 0 but is: {momentum}")
-    _require(0.0 <= weight_decay, f"weight decay should be >= 0 but is: {weight_decay}")
+    _check(momentum, lambda v: 0.0 <= v, f"momentum should be >= 0 but is: {momentum}")
+    _check(weight_decay, lambda v: 0.0 <= v, f"weight decay should be >= 0 but is: {weight_decay}")
     _require(
         adjust_lr_fn in (None, "original", "match_rms_adamw"),
         f"Adjust learning rate function {adjust_lr_fn} is not supported",
@@ -362,6 +386,7 @@ def muon(
 # --- beyond torch.optim ---------------------------------------------------------------------
 
 
+@accepts_schedules
 def lamb(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -385,6 +410,7 @@ def lamb(
     )
 
 
+@accepts_schedules
 def lars(
     lr: ScalarOrSchedule = 1e-1,
     momentum: float = 0.9,
@@ -405,7 +431,8 @@ def lars(
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
     _check_eps(eps)
-    _require(not nesterov or momentum > 0, "Nesterov momentum requires a momentum")
+    if nesterov and _known(momentum):
+        _require(momentum > 0, "Nesterov momentum requires a momentum")
     return chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),
@@ -415,6 +442,7 @@ def lars(
     )
 
 
+@accepts_schedules
 def lion(
     lr: ScalarOrSchedule = 1e-4,
     betas: tuple[float, float] = (0.9, 0.99),
@@ -432,6 +460,7 @@ def lion(
     return _decayed(scale_by_lion(*betas), weight_decay, True, lr, maximize)
 
 
+@accepts_schedules
 def adabelief(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),

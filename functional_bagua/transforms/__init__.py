@@ -3,6 +3,7 @@
 from functional_bagua.transforms.adam import (
     ScaleByAdamaxState,
     ScaleByAdamState,
+    ScaleByAmsgradState,
     ScaleByNadamState,
     ScaleByRadamState,
     scale_by_adam,
@@ -25,6 +26,7 @@ from functional_bagua.transforms.orthogonalize import newton_schulz, orthogonali
 from functional_bagua.transforms.rms import (
     ScaleByAdadeltaState,
     ScaleByAdagradState,
+    ScaleByCenteredRmsState,
     ScaleByRmsState,
     scale_by_adadelta,
     scale_by_adagrad,

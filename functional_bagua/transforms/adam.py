@@ -30,12 +30,12 @@ float64, like torch.optim's Python floats.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import as_scalar, leafwise, zero_count
+from functional_bagua.transforms.leafwise import as_scalar, is_number, leafwise, lerp, zero_count
 
 
 def bias_correction(beta, t: torch.Tensor) -> torch.Tensor:
@@ -44,18 +44,27 @@ def bias_correction(beta, t: torch.Tensor) -> torch.Tensor:
 
 
 def second_moment(v: torch.Tensor, g: torch.Tensor, b2) -> torch.Tensor:
-    """``b2 v + (1 - b2) g^2``."""
-    return v.mul(b2).addcmul(g, g, value=1 - b2)
+    """``b2 v + (1 - b2) g^2`` (``b2`` a number or a 0-dim tensor)."""
+    if is_number(b2):
+        return v.mul(b2).addcmul(g, g, value=1 - b2)
+    return v * b2 + (1 - b2) * g * g
 
 
 class ScaleByAdamState(NamedTuple):
-    """Per tensor: ``count`` (steps taken), ``mu`` and ``nu`` (first and second moments), and
-    ``nu_max`` (running max of ``nu`` with amsgrad, else ``None``)."""
+    """Per tensor: ``count`` (steps taken), ``mu`` and ``nu`` (first and second moments)."""
 
     count: torch.Tensor
     mu: torch.Tensor
     nu: torch.Tensor
-    nu_max: Optional[torch.Tensor]
+
+
+class ScaleByAmsgradState(NamedTuple):
+    """:class:`ScaleByAdamState` plus ``nu_max``, the running maximum of ``nu``."""
+
+    count: torch.Tensor
+    mu: torch.Tensor
+    nu: torch.Tensor
+    nu_max: torch.Tensor
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False) -> GradientTransformation:
@@ -63,22 +72,26 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad
 
         adam = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
     """
+    state_type = ScaleByAmsgradState if amsgrad else ScaleByAdamState
 
     def init_leaf(p):
-        nu_max = torch.zeros_like(p) if amsgrad else None
-        return ScaleByAdamState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p), nu_max)
+        moments = (zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
+        return state_type(*moments, torch.zeros_like(p)) if amsgrad else state_type(*moments)
 
     def update_leaf(g, s, p):
         count = s.count + 1
         t = as_scalar(count)
-        mu = s.mu.lerp(g, 1 - b1)
+        mu = lerp(s.mu, g, 1 - b1)
         nu = second_moment(s.nu, g, b2)
-        nu_max = torch.maximum(s.nu_max, nu) if amsgrad else None
-        denom = ((nu_max if amsgrad else nu).sqrt() / bias_correction(b2, t).sqrt()).add(eps)
-        u = mu / bias_correction(b1, t) / denom
-        return u, ScaleByAdamState(count, mu, nu, nu_max)
+        if amsgrad:
+            nu_max = torch.maximum(s.nu_max, nu)
+            new_state = state_type(count, mu, nu, nu_max)
+        else:
+            nu_max, new_state = nu, state_type(count, mu, nu)
+        denom = (nu_max.sqrt() / bias_correction(b2, t).sqrt()).add(eps)
+        return mu / bias_correction(b1, t) / denom, new_state
 
-    return leafwise(ScaleByAdamState, init_leaf, update_leaf, name="scale_by_adam")
+    return leafwise(state_type, init_leaf, update_leaf, name="scale_by_adam")
 
 
 class ScaleByAdamaxState(NamedTuple):
@@ -97,7 +110,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
 
     def update_leaf(g, s, p):
         count = s.count + 1
-        mu = s.mu.lerp(g, 1 - b1)
+        mu = lerp(s.mu, g, 1 - b1)
         nu = torch.maximum(s.nu.mul(b2), g.abs().add(eps))
         u = mu / nu / bias_correction(b1, as_scalar(count))
         return u, ScaleByAdamaxState(count, mu, nu)
@@ -129,7 +142,7 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, moment
         t = as_scalar(count)
         mu_t, mu_next = momentum_at(t), momentum_at(t + 1)
         mu_product = s.mu_product * mu_t
-        mu = s.mu.lerp(g, 1 - b1)
+        mu = lerp(s.mu, g, 1 - b1)
         nu = second_moment(s.nu, g, b2)
         denom = nu.div(bias_correction(b2, t)).sqrt().add(eps)
         u = (g / denom) * ((1 - mu_t) / (1 - mu_product)) + (mu / denom) * (
@@ -158,7 +171,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, thresh
     def update_leaf(g, s, p):
         count = s.count + 1
         t = as_scalar(count)
-        mu = s.mu.lerp(g, 1 - b1)
+        mu = lerp(s.mu, g, 1 - b1)
         nu = second_moment(s.nu, g, b2)
         bc2 = bias_correction(b2, t)
         mu_hat = mu / bias_correction(b1, t)

@@ -35,7 +35,7 @@ def scale_by_asgd(lr: float = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0
 
     def init_leaf(p):
         def scalar(x):
-            return torch.tensor(x, dtype=SCALAR_DTYPE, device=p.device)
+            return torch.as_tensor(x, dtype=SCALAR_DTYPE, device=p.device).clone()
 
         return ScaleByAsgdState(zero_count(p), scalar(lr), scalar(1.0), torch.zeros_like(p))
 

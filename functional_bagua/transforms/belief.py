@@ -13,7 +13,7 @@ import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.transforms.adam import bias_correction, second_moment
-from functional_bagua.transforms.leafwise import as_scalar, leafwise, zero_count
+from functional_bagua.transforms.leafwise import as_scalar, leafwise, lerp, zero_count
 
 
 class ScaleByBeliefState(NamedTuple):
@@ -33,7 +33,7 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16) -> G
     def update_leaf(g, s, p):
         count = s.count + 1
         t = as_scalar(count)
-        mu = s.mu.lerp(g, 1 - b1)
+        mu = lerp(s.mu, g, 1 - b1)
         nu = second_moment(s.nu, g - mu, b2).add(eps)
         u = mu / bias_correction(b1, t) / (nu.sqrt() / bias_correction(b2, t).sqrt()).add(eps)
         return u, ScaleByBeliefState(count, mu, nu)

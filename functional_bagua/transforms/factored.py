@@ -25,17 +25,18 @@ from typing import NamedTuple, Optional
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import SCALAR_DTYPE, as_scalar, leafwise, zero_count
+from functional_bagua.transforms.leafwise import SCALAR_DTYPE, as_scalar, leafwise, lerp, zero_count
 
 
 class ScaleByFactoredRmsState(NamedTuple):
     """Per tensor: ``count``; ``row_var``/``col_var`` (``R``, ``C``) for tensors of 2 or more
-    dims, else ``variance`` (``V``); the unused fields are ``None``."""
+    dims, else ``variance`` (``V``). The unused fields hold empty tensors (not ``None``: a state
+    field must hold at least one tensor for torch.compile to trace it)."""
 
     count: torch.Tensor
-    row_var: Optional[torch.Tensor]
-    col_var: Optional[torch.Tensor]
-    variance: Optional[torch.Tensor]
+    row_var: torch.Tensor
+    col_var: torch.Tensor
+    variance: torch.Tensor
 
 
 def _mean_square(g: torch.Tensor, dim: int) -> torch.Tensor:
@@ -50,20 +51,20 @@ def scale_by_factored_rms(beta2_decay: float = -0.8, eps1: Optional[float] = Non
         if p.dim() > 1:
             row_shape, col_shape = list(p.shape), list(p.shape)
             row_shape[-1], col_shape[-2] = 1, 1
-            return ScaleByFactoredRmsState(zero_count(p), p.new_zeros(row_shape), p.new_zeros(col_shape), None)
-        return ScaleByFactoredRmsState(zero_count(p), None, None, torch.zeros_like(p))
+            return ScaleByFactoredRmsState(zero_count(p), p.new_zeros(row_shape), p.new_zeros(col_shape), p.new_zeros(0))
+        return ScaleByFactoredRmsState(zero_count(p), p.new_zeros(0), p.new_zeros(0), torch.zeros_like(p))
 
     def update_leaf(g, s, p):
         eps = torch.finfo(g.dtype).eps if eps1 is None else eps1
         count = s.count + 1
-        weight = (as_scalar(count) ** beta2_decay).to(g.dtype)
-        row_var = col_var = variance = None
+        weight = as_scalar(count) ** beta2_decay
+        row_var, col_var, variance = s.row_var, s.col_var, s.variance
         if g.dim() > 1:
-            row_var = s.row_var.lerp(_mean_square(g, -1), weight)
-            col_var = s.col_var.lerp(_mean_square(g, -2), weight)
+            row_var = lerp(s.row_var, _mean_square(g, -1), weight)
+            col_var = lerp(s.col_var, _mean_square(g, -2), weight)
             var_estimate = (row_var @ col_var).div(row_var.mean(dim=-2, keepdim=True).clamp(min=eps))
         else:
-            variance = s.variance.lerp(g * g, weight)
+            variance = lerp(s.variance, g * g, weight)
             var_estimate = variance
         u = var_estimate.clamp(min=eps * eps).rsqrt().mul(g)
         clip = (u.norm(2).to(SCALAR_DTYPE) / (u.numel() ** 0.5 * d)).clamp(min=1.0)

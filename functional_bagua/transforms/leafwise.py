@@ -45,6 +45,26 @@ def as_scalar(count: torch.Tensor) -> torch.Tensor:
     return count.to(SCALAR_DTYPE)
 
 
+def is_number(x) -> bool:
+    """A Python number (a hyperparameter fixed at build time), as opposed to a tensor."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
+    """``start + weight * (end - start)``; ``weight`` a number or a 0-dim tensor (any dtype)."""
+    return start.lerp(end, weight if is_number(weight) else weight.to(start.dtype))
+
+
+def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
+    """``x + alpha * y``; ``alpha`` a number (one fused kernel) or a 0-dim tensor."""
+    return x.add(y, alpha=alpha) if is_number(alpha) else x + alpha * y
+
+
+def filled_like(p: torch.Tensor, value) -> torch.Tensor:
+    """A tensor like ``p`` filled with ``value`` (a number or a 0-dim tensor), in ``p``'s dtype."""
+    return torch.full_like(p, value) if is_number(value) else torch.zeros_like(p).add_(value)
+
+
 def leafwise(
     state_type: type,
     init_leaf: Callable[[torch.Tensor], NamedTuple],
@@ -75,7 +95,6 @@ def leafwise(
         else:
             grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
         state_leaves = [_field_leaves(spec, state, f, name) for f in fields]
-        names = tree.leaf_names(spec)
 
         updates, new_state_leaves = [], []
         for i, (g, p) in enumerate(zip(grad_leaves, param_leaves)):
@@ -84,7 +103,7 @@ def leafwise(
                 updates.append(None)
                 new_state_leaves.append(s)
                 continue
-            _check_grad(g, p, names[i], name)
+            _check_grad(g, p, lambda i=i: tree.leaf_names(spec)[i], name)
             u, new_s = update_leaf(g, s, p)
             updates.append(u.to(g.dtype))
             new_state_leaves.append(_with_dtypes_of(new_s, s))
@@ -155,16 +174,17 @@ def _with_dtypes_of(new: NamedTuple, old: NamedTuple) -> NamedTuple:
     ))
 
 
-def _check_grad(g, p, key: str, name: str) -> None:
+def _check_grad(g, p, key: Callable[[], str], name: str) -> None:
+    """Raise naming the parameter (``key()``, computed only on failure) if ``g`` is unusable."""
     if not isinstance(g, torch.Tensor):
-        raise TypeError(f"{name}: gradient of {key!r} is a {type(g).__name__}, not a tensor")
+        raise TypeError(f"{name}: gradient of {key()!r} is a {type(g).__name__}, not a tensor")
     if g.is_sparse:
-        raise TypeError(f"{name}: gradient of {key!r} is sparse; sparse gradients are not supported")
+        raise TypeError(f"{name}: gradient of {key()!r} is sparse; sparse gradients are not supported")
     if p is None:
         return
     if g.shape != p.shape:
         raise ValueError(
-            f"{name}: gradient of {key!r} has shape {tuple(g.shape)}, parameter has {tuple(p.shape)}"
+            f"{name}: gradient of {key()!r} has shape {tuple(g.shape)}, parameter has {tuple(p.shape)}"
         )
     if g.dtype != p.dtype:
-        raise TypeError(f"{name}: gradient of {key!r} is {g.dtype}, parameter is {p.dtype}")
+        raise TypeError(f"{name}: gradient of {key()!r} is {g.dtype}, parameter is {p.dtype}")

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import leafwise
+from functional_bagua.transforms.leafwise import leafwise, lerp
 
 
 class ScaleByLionState(NamedTuple):
@@ -28,7 +28,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         return ScaleByLionState(torch.zeros_like(p))
 
     def update_leaf(g, s, p):
-        u = s.mu.lerp(g, 1 - b1).sign()
-        return u, ScaleByLionState(s.mu.lerp(g, 1 - b2))
+        u = lerp(s.mu, g, 1 - b1).sign()
+        return u, ScaleByLionState(lerp(s.mu, g, 1 - b2))
 
     return leafwise(ScaleByLionState, init_leaf, update_leaf, name="scale_by_lion")

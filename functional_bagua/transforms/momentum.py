@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation, identity
-from functional_bagua.transforms.leafwise import leafwise, zero_count
+from functional_bagua.transforms.leafwise import add_scaled, is_number, leafwise, lerp, zero_count
 
 
 class TraceState(NamedTuple):
@@ -34,7 +34,7 @@ def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False)
 
         sgd_nesterov = chain(trace(0.9, nesterov=True), scale_by_learning_rate(0.1))
     """
-    if isinstance(momentum, (int, float)) and momentum == 0:
+    if is_number(momentum) and momentum == 0:
         return identity()
 
     def init_leaf(p):
@@ -42,11 +42,11 @@ def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False)
 
     def update_leaf(g, s, p):
         first = s.count == 0
-        if isinstance(dampening, (int, float)) and dampening == 0:
+        if is_number(dampening) and dampening == 0:
             b = s.trace.mul(momentum).add(g)      # from b_0 = 0 this gives b_1 = g exactly
         else:
-            b = torch.where(first, g, s.trace.mul(momentum).add(g, alpha=1 - dampening))
-        u = g.add(b, alpha=momentum) if nesterov else b
+            b = torch.where(first, g, add_scaled(s.trace.mul(momentum), g, 1 - dampening))
+        u = add_scaled(g, b, momentum) if nesterov else b
         return u, TraceState(count=s.count + 1, trace=b)
 
     return leafwise(TraceState, init_leaf, update_leaf, name="trace")
@@ -66,8 +66,8 @@ def ema_momentum(decay: float, nesterov: bool = False) -> GradientTransformation
         return EmaMomentumState(ema=torch.zeros_like(p))
 
     def update_leaf(g, s, p):
-        b = s.ema.lerp(g, 1 - decay)
-        u = g.lerp(b, decay) if nesterov else b
+        b = lerp(s.ema, g, 1 - decay)
+        u = lerp(g, b, decay) if nesterov else b
         return u, EmaMomentumState(ema=b)
 
     return leafwise(EmaMomentumState, init_leaf, update_leaf, name="ema_momentum")

@@ -23,20 +23,26 @@ Each returns the ascent direction; aliases finish with ``scale_by_learning_rate`
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.transforms.adam import second_moment
-from functional_bagua.transforms.leafwise import as_scalar, leafwise, zero_count
+from functional_bagua.transforms.leafwise import as_scalar, filled_like, is_number, leafwise, lerp, zero_count
 
 
 class ScaleByRmsState(NamedTuple):
-    """Per tensor: ``square_avg`` (``s``) and ``grad_avg`` (``c``, ``None`` unless centered)."""
+    """Per tensor: ``square_avg`` (``s``)."""
 
     square_avg: torch.Tensor
-    grad_avg: Optional[torch.Tensor]
+
+
+class ScaleByCenteredRmsState(NamedTuple):
+    """Per tensor: ``square_avg`` (``s``) and ``grad_avg`` (``c``)."""
+
+    square_avg: torch.Tensor
+    grad_avg: torch.Tensor
 
 
 def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False) -> GradientTransformation:
@@ -44,20 +50,21 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False)
 
         rmsprop_momentum = chain(scale_by_rms(), trace(0.9), scale_by_learning_rate(1e-2))
     """
+    state_type = ScaleByCenteredRmsState if centered else ScaleByRmsState
 
     def init_leaf(p):
-        return ScaleByRmsState(torch.zeros_like(p), torch.zeros_like(p) if centered else None)
+        return state_type(*(torch.zeros_like(p) for _ in state_type._fields))
 
     def update_leaf(g, s, p):
         square_avg = second_moment(s.square_avg, g, alpha)
         if centered:
-            grad_avg = s.grad_avg.lerp(g, 1 - alpha)
-            rms = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt()
+            grad_avg = lerp(s.grad_avg, g, 1 - alpha)
+            rms, new_state = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt(), state_type(square_avg, grad_avg)
         else:
-            grad_avg, rms = None, square_avg.sqrt()
-        return g / rms.add(eps), ScaleByRmsState(square_avg, grad_avg)
+            rms, new_state = square_avg.sqrt(), state_type(square_avg)
+        return g / rms.add(eps), new_state
 
-    return leafwise(ScaleByRmsState, init_leaf, update_leaf, name="scale_by_rms")
+    return leafwise(state_type, init_leaf, update_leaf, name="scale_by_rms")
 
 
 class ScaleByAdagradState(NamedTuple):
@@ -71,13 +78,13 @@ def scale_by_adagrad(lr_decay: float = 0.0, initial_accumulator_value: float = 0
     """Adagrad's direction with torch's per-tensor learning-rate decay (module docstring)."""
 
     def init_leaf(p):
-        return ScaleByAdagradState(zero_count(p), torch.full_like(p, initial_accumulator_value))
+        return ScaleByAdagradState(zero_count(p), filled_like(p, initial_accumulator_value))
 
     def update_leaf(g, s, p):
         count = s.count + 1
         sum_of_squares = s.sum_of_squares.addcmul(g, g)
         u = g / sum_of_squares.sqrt().add(eps)
-        if lr_decay != 0:
+        if not (is_number(lr_decay) and lr_decay == 0):
             u = u / (1 + (as_scalar(count) - 1) * lr_decay)
         return u, ScaleByAdagradState(count, sum_of_squares)
 

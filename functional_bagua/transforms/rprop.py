@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import leafwise
+from functional_bagua.transforms.leafwise import filled_like, leafwise
 
 
 class ScaleByRpropState(NamedTuple):
@@ -35,13 +35,13 @@ def scale_by_rprop(
     step_min, step_max = step_sizes
 
     def init_leaf(p):
-        return ScaleByRpropState(torch.zeros_like(p), torch.full_like(p, learning_rate))
+        return ScaleByRpropState(torch.zeros_like(p), filled_like(p, learning_rate))
 
     def update_leaf(g, s, p):
         agreement = (g * s.prev).sign()
         same, flipped = agreement > 0, agreement < 0
         eta = torch.ones_like(g).masked_fill(same, eta_plus).masked_fill(flipped, eta_minus)
-        step_size = s.step_size.mul(eta).clamp(step_min, step_max)
+        step_size = s.step_size.mul(eta).clamp(min=step_min).clamp(max=step_max)
         g = g.masked_fill(flipped, 0)
         return g.sign() * step_size, ScaleByRpropState(g, step_size)
 

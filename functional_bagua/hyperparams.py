@@ -1,0 +1,136 @@
+"""Hyperparameters as data: tensors in the optimizer state, or schedules of the step count.
+
+``inject_hyperparams(factory)(**hyperparams)`` builds ``factory(**hyperparams)`` anew at every
+update with each numeric hyperparameter as a 0-dim float64 tensor held in the state::
+
+    tx = fb.inject_hyperparams(fb.adamw)(lr=fb.schedules.warmup_cosine_decay(0, 1e-3, 100, 1000),
+                                         weight_decay=0.01)
+    state = tx.init(params)
+    state.hyperparams["weight_decay"].fill_(0.05)      # takes effect at the next update
+    state.hyperparams["lr"]                            # the lr of the last update (from the schedule)
+
+Because the values are tensors, a compiled step neither bakes them in nor recompiles when they
+change. A schedule is evaluated from the wrapper's count (the number of updates done: 0, 1, ...,
+the step of torch's LR schedulers), and its value is written into ``state.hyperparams``.
+
+Which arguments become tensors: floats, tensors and schedules (callables), also inside tuples
+(``betas=(0.9, 0.999)``). Ints, bools, strings and ``None`` stay static (``ns_steps``,
+``amsgrad``...), as does every name in ``static_args``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation
+
+DTYPE = torch.float64
+
+
+class InjectHyperparamsState(NamedTuple):
+    """``count``: updates done; ``hyperparams``: name -> 0-dim tensor (or tuple of them);
+    ``inner_state``: the state of the transform the factory builds."""
+
+    count: torch.Tensor
+    hyperparams: dict
+    inner_state: Any
+
+
+def _is_dynamic_leaf(x) -> bool:
+    return (isinstance(x, float) or isinstance(x, torch.Tensor) or callable(x)) and not isinstance(x, bool)
+
+
+def _is_dynamic(value) -> bool:
+    if isinstance(value, tuple):
+        return any(_is_dynamic_leaf(v) for v in value)
+    return _is_dynamic_leaf(value)
+
+
+def _map_dynamic(fn: Callable, value):
+    """Apply ``fn`` to the dynamic leaves of a hyperparameter (itself, or each tuple element)."""
+    if isinstance(value, tuple):
+        return tuple(fn(v) if _is_dynamic_leaf(v) else v for v in value)
+    return fn(value)
+
+
+def _value_at(hyperparameter, count):
+    """A schedule's value at ``count``; any other value as it is."""
+    return _map_dynamic(lambda v: v(count) if callable(v) else v, hyperparameter)
+
+
+def _as_tensor(value, device) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=DTYPE, device=device)
+
+
+def _as_number(value):
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+def inject_hyperparams(factory: Callable[..., GradientTransformation], static_args: Sequence[str] = ()):
+    """Wrap ``factory`` so that its numeric hyperparameters live in the state (module docstring).
+
+    The values are validated once, when the wrapper is called, by building ``factory`` with them
+    as Python numbers (schedules at step 0): invalid ones raise the factory's ValueError then.
+    """
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def build(*args, **kwargs) -> GradientTransformation:
+        arguments = signature.bind(*args, **kwargs).arguments
+        dynamic = {k: v for k, v in arguments.items() if k not in static_args and _is_dynamic(v)}
+        static = {k: v for k, v in arguments.items() if k not in dynamic}
+        factory(**static, **{k: _map_dynamic(_as_number, _value_at(v, 0)) for k, v in dynamic.items()})
+
+        def tensors_at(count, current: dict) -> dict:
+            def value(name, position=None):
+                given = dynamic[name] if position is None else dynamic[name][position]
+                if callable(given):
+                    return _as_tensor(given(count), count.device)
+                held = current[name] if position is None else current[name][position]
+                return _as_tensor(held, count.device)
+
+            out = {}
+            for name, given in dynamic.items():
+                if isinstance(given, tuple):
+                    out[name] = tuple(value(name, i) if _is_dynamic_leaf(v) else v for i, v in enumerate(given))
+                else:
+                    out[name] = value(name)
+            return out
+
+        def init(params):
+            leaves, _ = tree.flatten(params)
+            device = next((p.device for p in leaves if p is not None), None)
+            count = torch.zeros((), dtype=torch.int64, device=device)
+            hyperparams = tensors_at(count, {k: _value_at(v, 0) for k, v in dynamic.items()})
+            inner_state = factory(**static, **hyperparams).init(params)
+            return InjectHyperparamsState(count, hyperparams, inner_state)
+
+        def update(updates, state, params=None):
+            hyperparams = tensors_at(state.count, state.hyperparams)
+            updates, inner_state = factory(**static, **hyperparams).update(updates, state.inner_state, params)
+            return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
+
+        return GradientTransformation(init, update)
+
+    return build
+
+
+def accepts_schedules(alias: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """Let every float hyperparameter of ``alias`` be a schedule: when any argument is callable,
+    the alias is built through :func:`inject_hyperparams` (its state is then an
+    :class:`InjectHyperparamsState`); otherwise it is built directly."""
+    signature = inspect.signature(alias)
+
+    @functools.wraps(alias)
+    def wrapper(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        if any(callable(v) or (isinstance(v, tuple) and any(callable(e) for e in v)) for v in arguments.values()):
+            return inject_hyperparams(alias)(*args, **kwargs)
+        return alias(*args, **kwargs)
+
+    return wrapper

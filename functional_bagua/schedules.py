@@ -1,0 +1,205 @@
+"""Schedules: functions of the step count ``t = 0, 1, 2, ...`` returning a hyperparameter value.
+
+A schedule takes ``t`` as a Python int or a 0-dim integer tensor and returns a 0-dim float64
+tensor, computed with tensor ops only, so a step compiled by torch.compile traces it once and
+never recompiles as ``t`` grows. Each one equals its closed form below; where torch has an LR
+scheduler for it, the sequence ``f(0), f(1), ...`` equals the scheduler's ``get_last_lr()``
+sequence (``init_value`` = the optimizer's initial ``lr``):
+
+=====================================================  ============================================
+schedule                                               torch.optim.lr_scheduler
+=====================================================  ============================================
+``exponential_decay(lr, step_size, gamma,               ``StepLR(step_size, gamma)``
+staircase=True)``
+``piecewise_constant(lr, {m: gamma for m in ms})``     ``MultiStepLR(ms, gamma)``
+``exponential_decay(lr, 1, gamma)``                    ``ExponentialLR(gamma)``
+``cosine_decay(lr, T_max, alpha=eta_min / lr)``        ``CosineAnnealingLR(T_max, eta_min)`` (t <= T_max)
+``linear(lr * start, lr * end, total_iters)``          ``LinearLR(start, end, total_iters)``
+``one_cycle(total_steps, max_lr, ...)``                ``OneCycleLR(max_lr, total_steps, ...)``
+=====================================================  ============================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+
+Schedule = Callable[[Union[int, torch.Tensor]], torch.Tensor]
+DTYPE = torch.float64
+
+
+def _step(count) -> torch.Tensor:
+    """The step count as a float64 tensor."""
+    return torch.as_tensor(count).to(DTYPE)
+
+
+def _fraction(t: torch.Tensor, begin: float, steps: float) -> torch.Tensor:
+    """``clip((t - begin) / steps, 0, 1)``: how far ``t`` is through a transition."""
+    return ((t - begin) / max(steps, 1)).clamp(0.0, 1.0)
+
+
+def constant(value: float) -> Schedule:
+    """``f(t) = value``."""
+    return lambda count: torch.full_like(_step(count), value)
+
+
+def linear(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
+    """``f(t) = init + (end - init) * clip((t - begin) / steps, 0, 1)``."""
+    return polynomial(init_value, end_value, 1.0, transition_steps, transition_begin)
+
+
+def polynomial(
+    init_value: float, end_value: float, power: float, transition_steps: int, transition_begin: int = 0
+) -> Schedule:
+    """``f(t) = end + (init - end) * (1 - clip((t - begin) / steps, 0, 1)) ** power``.
+
+    Matches ``torch.optim.lr_scheduler.PolynomialLR(total_iters=steps, power)`` with
+    ``end_value=0`` (and LinearLR for ``power=1``).
+    """
+
+    def schedule(count):
+        t = _step(count)
+        if power == 1.0:  # the linear form, exactly as LinearLR interpolates
+            return init_value + (end_value - init_value) * _fraction(t, transition_begin, transition_steps)
+        return end_value + (init_value - end_value) * (1 - _fraction(t, transition_begin, transition_steps)) ** power
+
+    return schedule
+
+
+def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0) -> Schedule:
+    """``f(t) = init * ((1 - alpha) * c(t) ** exponent + alpha)`` with
+    ``c(t) = (1 + cos(pi * min(t, decay_steps) / decay_steps)) / 2``."""
+    if decay_steps <= 0:
+        raise ValueError(f"cosine_decay: decay_steps must be positive, got {decay_steps}")
+
+    def schedule(count):
+        t = _step(count).clamp(max=decay_steps)
+        cosine = 0.5 * (1 + torch.cos(math.pi * t / decay_steps))
+        return init_value * ((1 - alpha) * cosine**exponent + alpha)
+
+    return schedule
+
+
+def exponential_decay(
+    init_value: float,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+    end_value: Optional[float] = None,
+) -> Schedule:
+    """``f(t) = init * decay_rate ** (max(t - begin, 0) / transition_steps)`` (the exponent floored
+    with ``staircase``), bounded by ``end_value`` when given."""
+    if transition_steps <= 0:
+        raise ValueError(f"exponential_decay: transition_steps must be positive, got {transition_steps}")
+
+    def schedule(count):
+        exponent = (_step(count) - transition_begin).clamp(min=0) / transition_steps
+        if staircase:
+            exponent = exponent.floor()
+        value = init_value * decay_rate**exponent
+        if end_value is not None:
+            value = value.clamp(min=end_value) if decay_rate < 1 else value.clamp(max=end_value)
+        return value
+
+    return schedule
+
+
+def piecewise_constant(init_value: float, boundaries_and_scales: Mapping[int, float]) -> Schedule:
+    """``f(t) = init * prod(scale_b for each boundary b <= t)``: the value is multiplied by
+    ``scale_b`` from step ``b`` on."""
+    items = sorted(boundaries_and_scales.items())
+
+    def schedule(count):
+        t = _step(count)
+        value = torch.full_like(t, init_value)
+        for boundary, scale in items:
+            value = torch.where(t >= boundary, value * scale, value)
+        return value
+
+    return schedule
+
+
+def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
+    """Schedule ``i`` runs from ``boundaries[i-1]`` on, with its own count restarted at zero:
+    ``f(t) = schedules[i](t - boundaries[i-1])``."""
+    if len(schedules) != len(boundaries) + 1:
+        raise ValueError(
+            f"join_schedules: {len(schedules)} schedules need {len(schedules) - 1} boundaries, got {len(boundaries)}"
+        )
+
+    def schedule(count):
+        t = _step(count)
+        value = schedules[0](t)
+        for start, later in zip(boundaries, schedules[1:]):
+            value = torch.where(t >= start, later(t - start), value)
+        return value
+
+    return schedule
+
+
+def warmup_cosine_decay(
+    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0, exponent: float = 1.0
+) -> Schedule:
+    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine
+    decay to ``end_value`` at step ``decay_steps`` (counted from 0, warmup included)."""
+    return join_schedules(
+        [
+            linear(init_value, peak_value, warmup_steps),
+            cosine_decay(peak_value, max(decay_steps - warmup_steps, 1), end_value / peak_value if peak_value else 0.0, exponent),
+        ],
+        [warmup_steps],
+    )
+
+
+def one_cycle(
+    transition_steps: int,
+    peak_value: float,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    anneal_strategy: str = "cos",
+    three_phase: bool = False,
+) -> Schedule:
+    """The 1cycle policy (Smith & Topin), as ``torch.optim.lr_scheduler.OneCycleLR``.
+
+    From ``peak / div_factor`` up to ``peak`` at step ``pct_start * T - 1``, then down to
+    ``peak / (div_factor * final_div_factor)`` at step ``T - 1`` (``T = transition_steps``);
+    ``three_phase`` goes back to the initial value first. Each phase anneals as
+    ``anneal(start, end, p) = end + (start - end) / 2 * (1 + cos(pi p))`` (or linearly).
+    """
+    if anneal_strategy not in ("cos", "linear"):
+        raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
+    initial = peak_value / div_factor
+    minimum = initial / final_div_factor
+    up_end = float(pct_start * transition_steps) - 1
+    if three_phase:
+        phases = [(up_end, initial, peak_value), (2 * up_end, peak_value, initial), (transition_steps - 1, initial, minimum)]
+    else:
+        phases = [(up_end, initial, peak_value), (transition_steps - 1, peak_value, minimum)]
+
+    def anneal(start, end, pct):
+        if anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def schedule(count):
+        t = _step(count)
+        value = None
+        for (start, end), low, high in reversed(_with_starts(phases)):
+            here = anneal(low, high, (t - start) / (end - start))
+            value = here if value is None else torch.where(t <= end, here, value)
+        return value
+
+    return schedule
+
+
+def _with_starts(phases):
+    """Each phase as ``((start_step, end_step), start_value, end_value)``; the first starts at 0."""
+    out, start = [], 0.0
+    for end, low, high in phases:
+        out.append(((start, end), low, high))
+        start = end
+    return out
