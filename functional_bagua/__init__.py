@@ -36,6 +36,7 @@ from functional_bagua.base import (
     identity,
 )
 from functional_bagua import schedules
+from functional_bagua.checkpoint import load_state_dict, state_dict
 from functional_bagua.hyperparams import InjectHyperparamsState, accepts_schedules, inject_hyperparams
 from functional_bagua.modules import buffers_of, load_params, params_of
 from functional_bagua.transforms import *  # noqa: F401,F403  (the building blocks)
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GradientTransformation", "EmptyState", "identity", "chain", "apply_updates",
     "params_of", "buffers_of", "load_params",
-    "schedules", "inject_hyperparams", "accepts_schedules", "InjectHyperparamsState",
+    "state_dict", "load_state_dict", "schedules", "inject_hyperparams", "accepts_schedules", "InjectHyperparamsState",
     "sgd", "adam", "adamw", "adamax", "nadam", "radam", "adagrad", "adadelta", "rmsprop",
     "rprop", "asgd", "adafactor", "muon", "lamb", "lars", "lion", "adabelief",
     *_transforms_all,
