@@ -19,6 +19,17 @@ from functional_bagua.transforms.factored import (
     scale_by_factored_rms,
     scale_by_relative_step_size,
 )
+from functional_bagua.transforms.clipping import clip, clip_by_global_norm, global_norm
+from functional_bagua.transforms.wrappers import (
+    ApplyIfFiniteState,
+    MaskedState,
+    PartitionState,
+    apply_if_finite,
+    freeze,
+    masked,
+    partition,
+    set_to_zero,
+)
 from functional_bagua.transforms.leafwise import leafwise, stateless
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_bagua.transforms.momentum import EmaMomentumState, TraceState, ema_momentum, trace

@@ -1,0 +1,178 @@
+"""Transforms that route, freeze or guard other transforms.
+
+- ``masked(inner, mask)``: ``inner`` updates the leaves where ``mask`` is True; the others pass
+  through unchanged, and ``inner`` keeps no state for them.
+- ``partition(transforms, labels)``: parameter groups; leaf ``k`` is updated by
+  ``transforms[labels[k]]`` (``labels`` a tree of labels or a function of the params).
+- ``set_to_zero()``: a zero update, represented as ``None``: no tensor is made, and
+  ``apply_updates`` leaves the parameter as it is. ``freeze(mask)`` = ``masked(set_to_zero(), mask)``.
+- ``apply_if_finite(inner, max_consecutive_errors)``: skip (zero update, state kept) any step whose
+  gradients hold NaN or inf; after ``max_consecutive_errors`` such steps in a row, apply anyway.
+
+A leaf that a transform does not own reaches it as a ``None`` gradient, and ``None`` gradients
+leave parameters and state untouched: that is all the routing there is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Union
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import EmptyState, GradientTransformation
+
+
+def _resolve(tree_or_fn, params):
+    return tree_or_fn(params) if callable(tree_or_fn) else tree_or_fn
+
+
+def _keep_where(updates, keep_leaves):
+    leaves, spec = tree.flatten(updates)
+    return spec.unflatten([u if keep else None for u, keep in zip(leaves, keep_leaves)])
+
+
+def _mask_leaves(mask, params) -> list:
+    _, spec = tree.flatten(params)
+    return [bool(m) for m in tree.leaves_matching(spec, _resolve(mask, params), "mask", "params")]
+
+
+class MaskedState(NamedTuple):
+    """``inner_state``: the masked transform's state (``None`` where the mask is False)."""
+
+    inner_state: Any
+
+
+def masked(inner: GradientTransformation, mask: Union[Any, Callable[[Any], Any]]) -> GradientTransformation:
+    """Apply ``inner`` only where ``mask`` (a tree of bools like params, or a function of the
+    params returning one) is True. Example: no weight decay on biases::
+
+        tx = fb.chain(fb.scale_by_adam(),
+                      fb.masked(fb.add_decayed_weights(0.01), lambda p: {k: v.dim() > 1 for k, v in p.items()}),
+                      fb.scale_by_learning_rate(1e-3))
+    """
+
+    def init(params):
+        return MaskedState(inner.init(_keep_where(params, _mask_leaves(mask, params))))
+
+    def update(updates, state, params=None):
+        if callable(mask) and params is None:
+            raise ValueError("masked: a mask given as a function needs the parameters")
+        keep = _mask_leaves(mask, params if params is not None else updates)
+        inner_params = None if params is None else _keep_where(params, keep)
+        inner_updates, inner_state = inner.update(_keep_where(updates, keep), state.inner_state, inner_params)
+        leaves, spec = tree.flatten(updates)
+        new_leaves, _ = tree.flatten(inner_updates)
+        return spec.unflatten([n if k else u for u, n, k in zip(leaves, new_leaves, keep)]), MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+class PartitionState(NamedTuple):
+    """``inner_states``: label -> that group's state."""
+
+    inner_states: dict
+
+
+def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[Any, Callable[[Any], Any]]) -> GradientTransformation:
+    """Parameter groups: each leaf is updated by the transform its label names. Example (AdamW
+    without decay on biases and norms, a 10x learning rate for the head)::
+
+        labels = lambda p: {k: "head" if k.startswith("head") else "no_decay" if v.dim() < 2 else "decay"
+                            for k, v in p.items()}
+        tx = fb.partition({"decay": fb.adamw(1e-3, weight_decay=0.01),
+                           "no_decay": fb.adamw(1e-3, weight_decay=0.0),
+                           "head": fb.adamw(1e-2, weight_decay=0.01)}, labels)
+    """
+
+    def label_leaves(params):
+        _, spec = tree.flatten(params)
+        found = tree.leaves_matching(spec, _resolve(labels, params), "labels", "params")
+        unknown = sorted({str(l) for l in found if l not in transforms})
+        if unknown:
+            raise ValueError(f"partition: labels without a transform: {unknown}; transforms are for {list(transforms)}")
+        return found
+
+    def masks(params):
+        found = label_leaves(params)
+        return {name: [l == name for l in found] for name in transforms}
+
+    def init(params):
+        return PartitionState({name: tx.init(_keep_where(params, m)) for (name, tx), m in zip(transforms.items(), masks(params).values())})
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("partition needs the parameters: call update(grads, state, params)")
+        leaves, spec = tree.flatten(updates)
+        merged = list(leaves)
+        new_states = {}
+        for name, keep in masks(params).items():
+            group_updates, new_states[name] = transforms[name].update(
+                _keep_where(updates, keep), state.inner_states[name], _keep_where(params, keep)
+            )
+            for i, (u, k) in enumerate(zip(tree.flatten(group_updates)[0], keep)):
+                if k:
+                    merged[i] = u
+        return spec.unflatten(merged), PartitionState(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def set_to_zero() -> GradientTransformation:
+    """A zero update for every leaf, as ``None`` (module docstring): no work, no memory."""
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        return tree.tree_map(lambda u: None, updates), state
+
+    return GradientTransformation(init, update)
+
+
+def freeze(mask: Union[Any, Callable[[Any], Any]]) -> GradientTransformation:
+    """Freeze the leaves where ``mask`` is True: their updates are ``None``, so the transforms
+    chained after this one skip them (no work; their state stays as initialised). To allocate no
+    optimizer state at all for frozen leaves, use ``partition({..., "frozen": set_to_zero()}, labels)``."""
+    return masked(set_to_zero(), mask)
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """``notfinite_count``: non-finite steps in a row; ``last_finite``: whether the last step was
+    finite; ``total_notfinite``: non-finite steps in all; ``inner_state``."""
+
+    notfinite_count: torch.Tensor
+    last_finite: torch.Tensor
+    total_notfinite: torch.Tensor
+    inner_state: Any
+
+
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
+    """Run ``inner`` only on steps whose gradients are all finite (module docstring).
+
+    Branch-free (``torch.where``), so it traces into one graph: on a skipped step the updates are
+    zeros and every state tensor keeps its old value, bit for bit.
+    """
+
+    def init(params):
+        leaves, _ = tree.flatten(params)
+        device = next((p.device for p in leaves if p is not None), None)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool, device=device), zero, inner.init(params))
+
+    def update(updates, state, params=None):
+        leaves = [u for u in tree.flatten(updates)[0] if u is not None]
+        finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else torch.tensor(True)
+        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
+        apply = finite | (notfinite_count > max_consecutive_errors)
+        chosen_updates = tree.tree_map(lambda u: None if u is None else torch.where(apply, u, torch.zeros_like(u)), new_updates)
+        chosen_inner = tree.tree_map(
+            lambda new, old: new if not isinstance(new, torch.Tensor) else torch.where(apply, new, old),
+            new_inner, state.inner_state,
+        )
+        return chosen_updates, ApplyIfFiniteState(
+            torch.where(apply & ~finite, 0, notfinite_count), finite, state.total_notfinite + (~finite).long(), chosen_inner
+        )
+
+    return GradientTransformation(init, update)
