@@ -157,8 +157,10 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     def init(params):
         leaves, _ = tree.flatten(params)
         device = next((p.device for p in leaves if p is not None), None)
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool, device=device), zero, inner.init(params))
+        def zero():
+            return torch.zeros((), dtype=torch.int64, device=device)
+
+        return ApplyIfFiniteState(zero(), torch.ones((), dtype=torch.bool, device=device), zero(), inner.init(params))
 
     def update(updates, state, params=None):
         leaves = [u for u in tree.flatten(updates)[0] if u is not None]
