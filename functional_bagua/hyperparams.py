@@ -87,25 +87,23 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
         factory(**static, **{k: _map_dynamic(_as_number, _value_at(v, 0)) for k, v in dynamic.items()})
 
         def tensors_at(count, current: dict) -> dict:
-            def value(name, position=None):
-                given = dynamic[name] if position is None else dynamic[name][position]
-                if callable(given):
-                    return _as_tensor(given(count), count.device)
-                held = current[name] if position is None else current[name][position]
-                return _as_tensor(held, count.device)
+            """Each dynamic hyperparameter as a tensor: a schedule's value at ``count``, else the
+            value held in ``current`` (which the user may have overwritten)."""
+
+            def now(given, held):
+                return _as_tensor(given(count) if callable(given) else held, count.device)
 
             out = {}
             for name, given in dynamic.items():
+                held = current[name]
                 if isinstance(given, tuple):
-                    out[name] = tuple(value(name, i) if _is_dynamic_leaf(v) else v for i, v in enumerate(given))
+                    out[name] = tuple(now(g, h) if _is_dynamic_leaf(g) else g for g, h in zip(given, held))
                 else:
-                    out[name] = value(name)
+                    out[name] = now(given, held)
             return out
 
         def init(params):
-            leaves, _ = tree.flatten(params)
-            device = next((p.device for p in leaves if p is not None), None)
-            count = torch.zeros((), dtype=torch.int64, device=device)
+            count = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
             hyperparams = tensors_at(count, {k: _value_at(v, 0) for k, v in dynamic.items()})
             inner_state = factory(**static, **hyperparams).init(params)
             return InjectHyperparamsState(count, hyperparams, inner_state)

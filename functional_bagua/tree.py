@@ -24,6 +24,11 @@ def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
     return optree.tree_map(fn, tree, *rest, none_is_leaf=NONE_IS_LEAF)
 
 
+def device_of(tree: Any):
+    """The device of the first tensor leaf of ``tree`` (``None`` if it holds none)."""
+    return next((leaf.device for leaf in flatten(tree)[0] if leaf is not None), None)
+
+
 def leaf_names(spec: optree.PyTreeSpec) -> list[str]:
     """A readable name per leaf: dict keys and sequence indices joined by ``/``."""
     return ["/".join(str(k) for k in path) or "<root>" for path in optree.treespec_paths(spec)]

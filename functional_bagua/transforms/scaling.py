@@ -48,9 +48,7 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     """
 
     def init(params):
-        leaves, _ = tree.flatten(params)
-        device = next((p.device for p in leaves if p is not None), None)
-        return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64, device=device))
+        return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64, device=tree.device_of(params)))
 
     def update(updates, state, params=None):
         updates, _ = scale(schedule(state.count)).update(updates, EmptyState(), params)

@@ -155,8 +155,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     """
 
     def init(params):
-        leaves, _ = tree.flatten(params)
-        device = next((p.device for p in leaves if p is not None), None)
+        device = tree.device_of(params)
+
         def zero():
             return torch.zeros((), dtype=torch.int64, device=device)
 
