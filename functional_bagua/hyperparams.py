@@ -28,6 +28,7 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.schedules import step_count
 
 DTYPE = torch.float64
 
@@ -91,7 +92,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
             value held in ``current`` (which the user may have overwritten)."""
 
             def now(given, held):
-                return _as_tensor(given(count) if callable(given) else held, count.device)
+                return _as_tensor(given(step_count(count)) if callable(given) else held, count.device)
 
             out = {}
             for name, given in dynamic.items():
@@ -118,17 +119,30 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
     return build
 
 
-def accepts_schedules(alias: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+def _holds_schedule(value) -> bool:
+    if isinstance(value, tuple):
+        return any(callable(e) for e in value)
+    return callable(value)
+
+
+def accepts_schedules(alias: Callable[..., GradientTransformation] = None, *, static_args: Sequence[str] = ()):
     """Let every float hyperparameter of ``alias`` be a schedule: when any argument is callable,
     the alias is built through :func:`inject_hyperparams` (its state is then an
-    :class:`InjectHyperparamsState`); otherwise it is built directly."""
+    :class:`InjectHyperparamsState`); otherwise it is built directly. Arguments named in
+    ``static_args`` (say, an inner transform) are never taken for schedules::
+
+        @accepts_schedules(static_args=("inner",))
+        def lookahead(inner, sync_period=5, alpha=0.5): ...
+    """
+    if alias is None:
+        return functools.partial(accepts_schedules, static_args=static_args)
     signature = inspect.signature(alias)
 
     @functools.wraps(alias)
     def wrapper(*args, **kwargs):
         arguments = signature.bind(*args, **kwargs).arguments
-        if any(callable(v) or (isinstance(v, tuple) and any(callable(e) for e in v)) for v in arguments.values()):
-            return inject_hyperparams(alias)(*args, **kwargs)
+        if any(_holds_schedule(v) for k, v in arguments.items() if k not in static_args):
+            return inject_hyperparams(alias, static_args)(*args, **kwargs)
         return alias(*args, **kwargs)
 
     return wrapper

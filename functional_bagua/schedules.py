@@ -1,7 +1,9 @@
 """Schedules: functions of the step count ``t = 0, 1, 2, ...`` returning a hyperparameter value.
 
-A schedule takes ``t`` as a Python int or a 0-dim integer tensor and returns a 0-dim float64
-tensor, computed with tensor ops only, so a step compiled by torch.compile traces it once and
+A schedule takes ``t`` as a Python int or a 0-dim tensor holding an integer and returns a 0-dim
+float64 tensor. The optimizers call schedules with ``t`` as a float64 tensor (:func:`step_count`),
+so that a schedule of your own like ``lambda t: 0.1 / (1.0 + t)`` computes in float64, as torch's
+schedulers compute in Python floats. Schedules are computed with tensor ops only, so a step compiled by torch.compile traces it once and
 never recompiles as ``t`` grows. Each one equals its closed form below; where torch has an LR
 scheduler for it, the sequence ``f(0), f(1), ...`` equals the scheduler's ``get_last_lr()``
 sequence (``init_value`` = the optimizer's initial ``lr``):
@@ -28,6 +30,11 @@ import torch
 
 Schedule = Callable[[Union[int, torch.Tensor]], torch.Tensor]
 DTYPE = torch.float64
+
+
+def step_count(count: torch.Tensor) -> torch.Tensor:
+    """An optimizer's integer step counter as the float64 tensor its schedules receive."""
+    return count.to(DTYPE)
 
 
 def _step(count) -> torch.Tensor:

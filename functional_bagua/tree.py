@@ -46,6 +46,16 @@ def leaves_matching(spec: optree.PyTreeSpec, tree: Any, name: str, reference: st
     return leaves
 
 
+def leaves_up_to(spec: optree.PyTreeSpec, tree: Any, name: str, reference: str) -> list:
+    """Leaves of ``tree`` cut at the leaves of ``spec`` (a mask or label tree, a tree of ``None``):
+    like :func:`leaves_matching`, but it also traces under torch.compile for trees that hold no
+    tensors, which optree's flatten does not. A mismatch raises a ValueError naming the keys."""
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        raise ValueError(describe_mismatch(spec, flatten(tree)[1], name, reference)) from None
+
+
 def leaves_with_params(updates: Any, params: Any) -> tuple[list, list, optree.PyTreeSpec]:
     """Leaves of ``updates`` and of ``params`` and their common structure.
 

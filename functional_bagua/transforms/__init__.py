@@ -11,6 +11,8 @@ from functional_bagua.transforms.adam import (
     scale_by_nadam,
     scale_by_radam,
 )
+from functional_bagua.transforms.accumulation import MultiSteps, MultiStepsState, multi_steps
+from functional_bagua.transforms.averaging import EmaParamsState, ema
 from functional_bagua.transforms.asgd import ScaleByAsgdState, scale_by_asgd
 from functional_bagua.transforms.belief import ScaleByBeliefState, scale_by_belief
 from functional_bagua.transforms.factored import (
@@ -32,6 +34,7 @@ from functional_bagua.transforms.wrappers import (
 )
 from functional_bagua.transforms.leafwise import leafwise, stateless
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
+from functional_bagua.transforms.lookahead import LookaheadState, lookahead
 from functional_bagua.transforms.momentum import EmaMomentumState, TraceState, ema_momentum, trace
 from functional_bagua.transforms.orthogonalize import newton_schulz, orthogonalize, scale_by_shape
 from functional_bagua.transforms.rms import (

@@ -13,6 +13,7 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import EmptyState, GradientTransformation, identity
+from functional_bagua.schedules import step_count
 from functional_bagua.transforms.leafwise import stateless
 
 Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
@@ -43,15 +44,16 @@ class ScaleByScheduleState(NamedTuple):
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     """``u_t = schedule(t) * g_t`` with ``t = 0, 1, 2, ...`` the number of previous updates.
 
-    ``t`` is a 0-dim int64 tensor, so a schedule written with tensor ops is traced by
-    torch.compile once and never recompiles as ``t`` grows.
+    ``t`` is a 0-dim float64 tensor (:func:`~functional_bagua.schedules.step_count`), so a
+    schedule written with tensor ops is traced by torch.compile once and never recompiles as
+    ``t`` grows.
     """
 
     def init(params):
         return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64, device=tree.device_of(params)))
 
     def update(updates, state, params=None):
-        updates, _ = scale(schedule(state.count)).update(updates, EmptyState(), params)
+        updates, _ = scale(schedule(step_count(state.count))).update(updates, EmptyState(), params)
         return updates, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init, update)

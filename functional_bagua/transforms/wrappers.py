@@ -34,7 +34,7 @@ def _keep_where(updates, keep_leaves):
 
 def _mask_leaves(mask, params) -> list:
     _, spec = tree.flatten(params)
-    return [bool(m) for m in tree.leaves_matching(spec, _resolve(mask, params), "mask", "params")]
+    return [bool(m) for m in tree.leaves_up_to(spec, _resolve(mask, params), "mask", "params")]
 
 
 class MaskedState(NamedTuple):
@@ -62,7 +62,7 @@ def masked(inner: GradientTransformation, mask: Union[Any, Callable[[Any], Any]]
         inner_params = None if params is None else _keep_where(params, keep)
         inner_updates, inner_state = inner.update(_keep_where(updates, keep), state.inner_state, inner_params)
         leaves, spec = tree.flatten(updates)
-        new_leaves, _ = tree.flatten(inner_updates)
+        new_leaves = spec.flatten_up_to(inner_updates)
         return spec.unflatten([n if k else u for u, n, k in zip(leaves, new_leaves, keep)]), MaskedState(inner_state)
 
     return GradientTransformation(init, update)
@@ -87,7 +87,7 @@ def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[An
 
     def label_leaves(params):
         _, spec = tree.flatten(params)
-        found = tree.leaves_matching(spec, _resolve(labels, params), "labels", "params")
+        found = tree.leaves_up_to(spec, _resolve(labels, params), "labels", "params")
         unknown = sorted({str(l) for l in found if l not in transforms})
         if unknown:
             raise ValueError(f"partition: labels without a transform: {unknown}; transforms are for {list(transforms)}")
@@ -110,7 +110,7 @@ def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[An
             group_updates, new_states[name] = transforms[name].update(
                 _keep_where(updates, keep), state.inner_states[name], _keep_where(params, keep)
             )
-            for i, (u, k) in enumerate(zip(tree.flatten(group_updates)[0], keep)):
+            for i, (u, k) in enumerate(zip(spec.flatten_up_to(group_updates), keep)):
                 if k:
                     merged[i] = u
         return spec.unflatten(merged), PartitionState(new_states)

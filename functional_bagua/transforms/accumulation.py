@@ -1,0 +1,142 @@
+"""Gradient accumulation: one optimizer step per ``k`` micro-batches.
+
+``multi_steps(inner, k)`` sums the gradients of ``k`` consecutive calls, then runs ``inner`` once
+on their mean (or sum)::
+
+    a_j = a_{j-1} + g_j                      (j = 1..k, in the accumulator dtype)
+    u   = inner(a_k / k)   at j = k,  else 0 (and inner's state is kept)
+
+With equal micro-batches and a mean loss, ``mean_j g_j`` is the gradient of the whole
+``k``-times batch, so the parameters follow the same path as one step per big batch, and as
+torch's ``(loss / k).backward()`` accumulation followed by ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation
+
+
+class MultiStepsState(NamedTuple):
+    """``mini_step``: micro-batches summed in the current window (0..k-1); ``gradient_step``: inner
+    steps done; ``inner_state``; ``acc_grads``: the window's gradient sum, one tensor per parameter."""
+
+    mini_step: torch.Tensor
+    gradient_step: torch.Tensor
+    inner_state: Any
+    acc_grads: Any
+
+
+def multi_steps(
+    inner: GradientTransformation,
+    every_k_schedule: int,
+    *,
+    use_grad_mean: bool = True,
+    accumulator_dtype: Optional[torch.dtype] = None,
+) -> GradientTransformation:
+    """Run ``inner`` once every ``every_k_schedule`` updates, on the accumulated gradients
+    (module docstring). The other updates are zeros and leave ``inner``'s state as it was.
+
+    ``accumulator_dtype`` (default: each parameter's dtype) holds the running sum, e.g.
+    ``torch.float32`` for bfloat16 parameters; the mean is rounded to the parameter's dtype once,
+    before ``inner`` sees it. A ``None`` gradient adds nothing to the sum; a parameter whose
+    gradient is ``None`` on every micro-batch of a window reaches ``inner`` with a zero gradient
+    (torch.optim would skip it; ``torch.func.grad`` never yields ``None``).
+
+    Eagerly, the inner step runs only at the end of a window (a Python branch on
+    ``mini_step``). Under torch.compile the step is branch-free: ``inner`` runs on every call
+    and ``torch.where`` keeps its result only at the end of a window, so one graph serves all
+    ``k`` calls; both paths give the same numbers.
+
+    Example (an effective batch of 4 micro-batches)::
+
+        tx = fb.multi_steps(fb.adamw(1e-3), every_k_schedule=4)
+    """
+    k = every_k_schedule
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"every_k_schedule must be an int >= 1, got {k!r}")
+    if accumulator_dtype is not None and not accumulator_dtype.is_floating_point:
+        raise TypeError(f"accumulator_dtype must be a floating point dtype, got {accumulator_dtype}")
+
+    def init(params):
+        zero = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
+        return MultiStepsState(zero, zero.clone(), inner.init(params), tree.tree_map(_zeros_for_sum, params))
+
+    def _zeros_for_sum(p):
+        return None if p is None else torch.zeros_like(p, dtype=accumulator_dtype or p.dtype)
+
+    def update(grads, state, params=None):
+        acc_leaves, spec = tree.flatten(state.acc_grads)
+        grad_leaves = tree.leaves_matching(spec, grads, "grads", "the params the state was made for")
+        acc = spec.unflatten([a if g is None else a + g.to(a.dtype) for a, g in zip(acc_leaves, grad_leaves)])
+        mini_step = state.mini_step + 1
+        if torch.compiler.is_compiling():
+            return _select_at_window_end(mini_step == k, grads, acc, state, params)
+        if int(mini_step) < k:
+            zeros = tree.tree_map(_zeros_like_grad, grads)
+            return zeros, MultiStepsState(mini_step, state.gradient_step, state.inner_state, acc)
+        updates, inner_state = inner.update(_average(acc, grads, params), state.inner_state, params)
+        reset = tree.tree_map(torch.zeros_like, acc)
+        return updates, MultiStepsState(mini_step * 0, state.gradient_step + 1, inner_state, reset)
+
+    def _average(acc, grads, params):
+        """The gradient ``inner`` sees: the window's mean (or sum), rounded to the dtype of the
+        gradient (or, where this call's gradient is ``None``, of the parameter)."""
+        divisor = k if use_grad_mean else 1
+        like = grads if params is None else params
+        return tree.tree_map(lambda a, g, p: None if a is None else (a / divisor).to(_dtype_of(g, p, a)), acc, grads, like)
+
+    def _select_at_window_end(at_end, grads, acc, state, params):
+        updates, inner_state = inner.update(_average(acc, grads, params), state.inner_state, params)
+        keep_new = lambda new, old: torch.where(at_end, new, old)  # noqa: E731
+        chosen_updates = tree.tree_map(
+            lambda u: None if u is None else torch.where(at_end, u, torch.zeros_like(u)), updates
+        )
+        chosen_inner = tree.tree_map(
+            lambda new, old: keep_new(new, old) if isinstance(new, torch.Tensor) else new, inner_state, state.inner_state
+        )
+        chosen_acc = tree.tree_map(lambda a: None if a is None else torch.where(at_end, torch.zeros_like(a), a), acc)
+        return chosen_updates, MultiStepsState(
+            torch.where(at_end, 0, state.mini_step + 1),
+            state.gradient_step + at_end.long(),
+            chosen_inner,
+            chosen_acc,
+        )
+
+    return GradientTransformation(init, update)
+
+
+def _dtype_of(*candidates) -> torch.dtype:
+    return next(c for c in candidates if c is not None).dtype
+
+
+def _zeros_like_grad(g):
+    return None if g is None else torch.zeros_like(g)
+
+
+class MultiSteps:
+    """optax-style class around :func:`multi_steps`: ``MultiSteps(inner, k).init/.update``,
+    ``.gradient_transformation()`` for use in ``chain``, and ``has_updated(state)``."""
+
+    def __init__(
+        self,
+        opt: GradientTransformation,
+        every_k_schedule: int,
+        use_grad_mean: bool = True,
+        accumulator_dtype: Optional[torch.dtype] = None,
+    ):
+        self._tx = multi_steps(opt, every_k_schedule, use_grad_mean=use_grad_mean, accumulator_dtype=accumulator_dtype)
+        self.init = self._tx.init
+        self.update = self._tx.update
+
+    def gradient_transformation(self) -> GradientTransformation:
+        return self._tx
+
+    @staticmethod
+    def has_updated(state: MultiStepsState) -> torch.Tensor:
+        """Whether the last update ran the inner optimizer (the window just closed)."""
+        return (state.mini_step == 0) & (state.gradient_step > 0)

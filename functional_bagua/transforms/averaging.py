@@ -1,0 +1,62 @@
+"""Parameter averaging: an exponential moving average of the weights, for evaluation.
+
+After each step ``t`` (parameters ``p_t``)::
+
+    ema_1 = p_1
+    ema_t = decay * ema_{t-1} + (1 - decay) * p_t          (t > 1)
+
+as ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))`` with
+``update_parameters`` called after every ``optimizer.step()``.
+
+Unlike optax's ``ema`` (which smooths the *updates*), ``fb.ema`` averages the *parameters*: put
+it last in a chain; it passes the updates through and keeps the average of
+``apply_updates(params, updates)`` in its state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation, apply_updates
+from functional_bagua.hyperparams import accepts_schedules
+from functional_bagua.transforms.leafwise import is_number, lerp
+
+
+class EmaParamsState(NamedTuple):
+    """``count``: parameter versions averaged so far; ``ema``: the averaged parameters."""
+
+    count: torch.Tensor
+    ema: Any
+
+
+@accepts_schedules
+def ema(decay: float = 0.999) -> GradientTransformation:
+    """Exponential moving average of the parameters (module docstring); ``decay`` may be a schedule.
+
+    Example::
+
+        tx = fb.chain(fb.adamw(1e-3), fb.ema(0.999))
+        ...
+        eval_params = state[-1].ema
+    """
+    if is_number(decay) and not 0.0 <= decay <= 1.0:
+        raise ValueError(f"Invalid decay value {decay} provided. Please provide a value in [0,1] range.")
+
+    def init(params):
+        count = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
+        return EmaParamsState(count, tree.tree_map(lambda p: None if p is None else p.clone(), params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("ema needs the parameters: call update(grads, state, params)")
+        new_params = apply_updates(params, updates)
+        first = state.count == 0
+        averaged = tree.tree_map(
+            lambda avg, p: None if p is None else torch.where(first, p, lerp(avg, p, 1 - decay)), state.ema, new_params
+        )
+        return updates, EmaParamsState(state.count + 1, averaged)
+
+    return GradientTransformation(init, update)
