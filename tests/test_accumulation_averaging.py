@@ -233,19 +233,23 @@ def test_lookahead_follows_the_written_rule_with_torch_adam_inside():
         assert_close(state.slow, slow)
 
 
-def test_lookahead_with_alpha_one_is_the_inner_optimizer():
+def train_side_by_side(first, second, steps):
+    """The final params of two transforms fed the same random gradients, and their states."""
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(4, 3, generator=gen, dtype=DTYPE)}
-    inner, wrapped = fb.adam(lr=0.1), fb.lookahead(fb.adam(lr=0.1), sync_period=2, alpha=1.0)
-    p_inner, p_wrapped = params, params
-    s_inner, s_wrapped = inner.init(params), wrapped.init(params)
-    for _ in range(6):
+    runs = [[tx, params, tx.init(params)] for tx in (first, second)]
+    for _ in range(steps):
         g = {"w": torch.randn(4, 3, generator=gen, dtype=DTYPE)}
-        u, s_inner = inner.update(g, s_inner, p_inner)
-        p_inner = fb.apply_updates(p_inner, u)
-        u, s_wrapped = wrapped.update(g, s_wrapped, p_wrapped)
-        p_wrapped = fb.apply_updates(p_wrapped, u)
-    torch.testing.assert_close(p_wrapped["w"], p_inner["w"], rtol=1e-14, atol=1e-14)
+        for run in runs:
+            tx, p, s = run
+            u, run[2] = tx.update(g, s, p)
+            run[1] = fb.apply_updates(p, u)
+    return [(p, s) for _, p, s in runs]
+
+
+def test_lookahead_with_alpha_one_is_the_inner_optimizer():
+    (inner, _), (wrapped, _) = train_side_by_side(fb.adam(lr=0.1), fb.lookahead(fb.adam(lr=0.1), sync_period=2, alpha=1.0), 6)
+    torch.testing.assert_close(wrapped["w"], inner["w"], rtol=1e-14, atol=1e-14)
 
 
 def test_lookahead_rejects_bad_arguments():
@@ -258,19 +262,13 @@ def test_lookahead_rejects_bad_arguments():
 
 
 def test_lookahead_alpha_as_a_schedule_equals_the_constant():
-    gen = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(4, 3, generator=gen, dtype=DTYPE)}
-    fixed = fb.lookahead(fb.sgd(lr=0.1, momentum=0.9), sync_period=2, alpha=0.6)
-    scheduled = fb.lookahead(fb.sgd(lr=0.1, momentum=0.9), sync_period=2, alpha=fb.schedules.constant(0.6))
-    p_fixed, p_scheduled, s_fixed, s_scheduled = params, params, fixed.init(params), scheduled.init(params)
-    for _ in range(5):
-        g = {"w": torch.randn(4, 3, generator=gen, dtype=DTYPE)}
-        u, s_fixed = fixed.update(g, s_fixed, p_fixed)
-        p_fixed = fb.apply_updates(p_fixed, u)
-        u, s_scheduled = scheduled.update(g, s_scheduled, p_scheduled)
-        p_scheduled = fb.apply_updates(p_scheduled, u)
-    assert isinstance(s_scheduled, fb.InjectHyperparamsState)
-    torch.testing.assert_close(p_scheduled["w"], p_fixed["w"], rtol=1e-14, atol=1e-14)
+    (fixed, _), (scheduled, state) = train_side_by_side(
+        fb.lookahead(fb.sgd(lr=0.1, momentum=0.9), sync_period=2, alpha=0.6),
+        fb.lookahead(fb.sgd(lr=0.1, momentum=0.9), sync_period=2, alpha=fb.schedules.constant(0.6)),
+        5,
+    )
+    assert isinstance(state, fb.InjectHyperparamsState)
+    torch.testing.assert_close(scheduled["w"], fixed["w"], rtol=1e-14, atol=1e-14)
 
 
 def test_ema_inside_multi_steps_averages_once_per_window():
