@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from functional_bagua import tree
+import torch
+
 from functional_bagua.base import GradientTransformation, chain
+from functional_bagua.fusion import tensor_shapes
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.transforms.adam import scale_by_adam, scale_by_adamax, scale_by_nadam, scale_by_radam
 from functional_bagua.transforms.asgd import scale_by_asgd
@@ -371,12 +373,11 @@ def muon(
     )
 
     def init(params):
-        leaves, spec = tree.flatten(params)
-        for key, p in zip(tree.leaf_names(spec), leaves):
-            if p is not None and p.dim() != 2:
+        for key, shape in tensor_shapes(params):
+            if len(shape) != 2:
                 raise ValueError(
                     f"Muon only supports 2D parameters whereas we found a parameter with size: "
-                    f"{p.size()} ({key!r})"
+                    f"{torch.Size(shape)} ({key!r})"
                 )
         return inner.init(params)
 

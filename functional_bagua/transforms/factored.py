@@ -70,7 +70,7 @@ def scale_by_factored_rms(beta2_decay: float = -0.8, eps1: Optional[float] = Non
         clip = (u.norm(2).to(SCALAR_DTYPE) / (u.numel() ** 0.5 * d)).clamp(min=1.0)
         return u / clip, ScaleByFactoredRmsState(count, row_var, col_var, variance)
 
-    return leafwise(ScaleByFactoredRmsState, init_leaf, update_leaf, name="scale_by_factored_rms")
+    return leafwise(ScaleByFactoredRmsState, init_leaf, update_leaf, name="scale_by_factored_rms", per_tensor=True)
 
 
 class ScaleByRelativeStepSizeState(NamedTuple):
@@ -92,5 +92,5 @@ def scale_by_relative_step_size(lr: float = 1e-2, eps2: float = 1e-3) -> Gradien
         return g * (param_rms.clamp(min=eps2) * rho), ScaleByRelativeStepSizeState(count)
 
     return leafwise(
-        ScaleByRelativeStepSizeState, init_leaf, update_leaf, name="scale_by_relative_step_size", needs_params=True
+        ScaleByRelativeStepSizeState, init_leaf, update_leaf, name="scale_by_relative_step_size", needs_params=True, per_tensor=True
     )

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 
 COUNT_DTYPE = torch.int64
@@ -72,18 +72,30 @@ def leafwise(
     *,
     name: str,
     needs_params: bool = False,
+    per_tensor: bool = False,
 ) -> GradientTransformation:
     """A transform applying ``update_leaf(g, state_leaf, p) -> (u, new_state_leaf)`` per tensor.
 
     ``state_type`` is the NamedTuple of the per-tensor state; the transform's state is that
     NamedTuple with one tree per field. ``name`` appears in error messages. With
     ``needs_params=True``, ``update`` requires the ``params`` argument.
+
+    ``per_tensor=True`` declares that the rule is not elementwise (it takes norms, means or
+    shapes of the whole tensor). Inside :func:`~functional_bagua.fuse` such a rule runs on each
+    parameter's segment of the flat buffer, and its state holds a tuple of per-segment states
+    per buffer; an elementwise rule runs once on the whole buffer.
     """
     fields = state_type._fields
 
     def init(params):
         leaves, spec = tree.flatten(params)
-        per_leaf = [state_type(*([None] * len(fields))) if p is None else init_leaf(p) for p in leaves]
+        keys = _segmented_keys(spec, per_tensor)
+        per_leaf = [
+            state_type(*([None] * len(fields))) if p is None
+            else init_leaf(p) if keys is None
+            else _per_segment_states(state_type, [init_leaf(seg.of(p)) for seg in fusion.segments_of(keys[i])])
+            for i, p in enumerate(leaves)
+        ]
         return state_type(*(spec.unflatten([s[i] for s in per_leaf]) for i in range(len(fields))))
 
     def update(grads, state, params=None):
@@ -94,7 +106,8 @@ def leafwise(
             param_leaves = [None] * len(grad_leaves)
         else:
             grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
-        state_leaves = [_field_leaves(spec, state, f, name) for f in fields]
+        keys = _segmented_keys(spec, per_tensor)
+        state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
 
         updates, new_state_leaves = [], []
         for i, (g, p) in enumerate(zip(grad_leaves, param_leaves)):
@@ -104,7 +117,10 @@ def leafwise(
                 new_state_leaves.append(s)
                 continue
             _check_grad(g, p, lambda i=i: tree.leaf_names(spec)[i], name)
-            u, new_s = update_leaf(g, s, p)
+            if keys is None:
+                u, new_s = update_leaf(g, s, p)
+            else:
+                u, new_s = _update_segments(update_leaf, state_type, g, s, p, fusion.segments_of(keys[i]))
             updates.append(u.to(g.dtype))
             new_state_leaves.append(_with_dtypes_of(new_s, s))
         new_state = state_type(
@@ -120,11 +136,13 @@ def stateless(
     *,
     name: str,
     needs_params: bool = False,
+    per_tensor: bool = False,
 ) -> GradientTransformation:
     """A transform without state applying ``update_leaf(u, p) -> new_u`` per tensor.
 
     ``None`` updates stay ``None``; each new update keeps its input's dtype; ``params`` (``p``
     is ``None`` without them) must match the updates' structure, else a ValueError names the keys.
+    ``per_tensor`` as in :func:`leafwise`.
     """
 
     def init(params):
@@ -139,19 +157,56 @@ def stateless(
             param_leaves = [None] * len(update_leaves)
         else:
             update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
-        new = [None if u is None else update_leaf(u, p).to(u.dtype) for u, p in zip(update_leaves, param_leaves)]
+        keys = _segmented_keys(spec, per_tensor)
+        new = [
+            None if u is None
+            else update_leaf(u, p).to(u.dtype) if keys is None
+            else _map_segments(update_leaf, u, p, fusion.segments_of(keys[i]))
+            for i, (u, p) in enumerate(zip(update_leaves, param_leaves))
+        ]
         return spec.unflatten(new), state
 
     return GradientTransformation(init, update)
 
 
-def _field_leaves(spec, state, field: str, name: str) -> list:
+def _segmented_keys(spec, per_tensor: bool) -> Optional[list]:
+    """The flat-buffer key of each leaf when a per-tensor rule runs inside a fused update, else ``None``."""
+    return tree.leaf_names(spec) if per_tensor and fusion.active_layout() is not None else None
+
+
+def _per_segment_states(state_type: type, states: list) -> NamedTuple:
+    """Per-segment states of one buffer, as one state whose fields are tuples over the segments."""
+    return state_type(*(tuple(s[k] for s in states) for k in range(len(state_type._fields))))
+
+
+def _update_segments(update_leaf, state_type, g, s, p, segments) -> tuple:
+    """A per-tensor rule on each segment of a flat buffer: the updates concatenated back into one
+    buffer, the states kept per segment."""
+    updates, states = [], []
+    for j, seg in enumerate(segments):
+        old = state_type(*(field[j] for field in s))
+        u, new = update_leaf(seg.of(g), old, None if p is None else seg.of(p))
+        updates.append(u.to(g.dtype).reshape(-1))
+        states.append(_with_dtypes_of(new, old))
+    return torch.cat(updates), _per_segment_states(state_type, states)
+
+
+def _map_segments(update_leaf, u, p, segments) -> torch.Tensor:
+    """A stateless per-tensor rule on each segment of a flat buffer, concatenated back."""
+    return torch.cat([
+        update_leaf(seg.of(u), None if p is None else seg.of(p)).to(u.dtype).reshape(-1) for seg in segments
+    ])
+
+
+def _field_leaves(spec, state, field: str, name: str, segmented: bool = False) -> list:
     try:
         field_tree = getattr(state, field)
     except AttributeError:
         raise ValueError(
             f"{name}: state has no field {field!r}; was it made by this transform's init?"
         ) from None
+    if segmented:  # one tuple of per-segment tensors per buffer
+        return tree.leaves_up_to(spec, field_tree, "grads", "the params the state was made for")
     leaves, field_spec = tree.flatten(field_tree)
     if field_spec != spec:
         raise ValueError(

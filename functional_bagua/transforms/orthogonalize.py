@@ -51,7 +51,7 @@ def orthogonalize(ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if len(ns_coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    return stateless(lambda u, p: newton_schulz(u, ns_coefficients, ns_steps, eps), name="orthogonalize")
+    return stateless(lambda u, p: newton_schulz(u, ns_coefficients, ns_steps, eps), name="orthogonalize", per_tensor=True)
 
 
 def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:
@@ -67,4 +67,4 @@ def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:
 def scale_by_shape(adjust_lr_fn: Optional[str] = None) -> GradientTransformation:
     """``u = shape_factor(shape(g)) * g`` per tensor (module docstring)."""
     shape_factor((1, 1), adjust_lr_fn)  # validates the name
-    return stateless(lambda u, p: u * shape_factor(u.shape, adjust_lr_fn), name="scale_by_shape")
+    return stateless(lambda u, p: u * shape_factor(u.shape, adjust_lr_fn), name="scale_by_shape", per_tensor=True)

@@ -26,5 +26,5 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
                      scale_by_trust_ratio(), scale_by_learning_rate(1e-3))
     """
     return stateless(
-        lambda u, p: u * trust_ratio(p, u, trust_coefficient, eps), name="scale_by_trust_ratio", needs_params=True
+        lambda u, p: u * trust_ratio(p, u, trust_coefficient, eps), name="scale_by_trust_ratio", needs_params=True, per_tensor=True
     )

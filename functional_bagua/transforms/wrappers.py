@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 
 
@@ -33,6 +33,7 @@ def _keep_where(updates, keep_leaves):
 
 
 def _mask_leaves(mask, params) -> list:
+    fusion.refuse_inside_fuse("masked", "a flat buffer has no parameter names to mask")
     _, spec = tree.flatten(params)
     return [bool(m) for m in tree.leaves_up_to(spec, _resolve(mask, params), "mask", "params")]
 
@@ -86,6 +87,7 @@ def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[An
     """
 
     def label_leaves(params):
+        fusion.refuse_inside_fuse("partition", "a flat buffer has no parameter names to label")
         _, spec = tree.flatten(params)
         found = tree.leaves_up_to(spec, _resolve(labels, params), "labels", "params")
         unknown = sorted({str(l) for l in found if l not in transforms})

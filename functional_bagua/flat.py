@@ -1,0 +1,199 @@
+"""Flat buffers: every tensor of one (dtype, device) group as a view into one contiguous buffer.
+
+A :class:`FlatLayout` records, once, where each named tensor lives::
+
+    layout = fb.FlatLayout.of(params)        # groups by (dtype, device), keeps the tree's order
+    flat = layout.flatten(params)            # {"float32@cpu": 1-D buffer, ...}: one copy, once
+    views = layout.unflatten(flat)           # the params tree again, each leaf a view (no copy)
+
+Flat buffers are a pytree too (a dict by group key), so any transform runs over them: elementwise
+math becomes one kernel per group whatever the number of tensors (see :mod:`functional_bagua.fusion`).
+``flatten_module`` re-points a module's parameters and gradients into flat buffers, as Bagua's
+``do_flatten`` does, so that ``backward()`` writes every gradient into one buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from functional_bagua import tree
+
+
+class Segment(NamedTuple):
+    """One tensor of the tree: its name, where it starts in its group's buffer, its shape."""
+
+    name: str
+    offset: int
+    shape: tuple
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def of(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This tensor's view into ``buffer`` (the group's flat buffer, or one like it)."""
+        return buffer[self.offset : self.offset + self.numel].view(self.shape)
+
+
+class FlatGroup(NamedTuple):
+    """The tensors sharing one buffer: ``key`` (``"float32@cpu"``), dtype, device, segments, size."""
+
+    key: str
+    dtype: torch.dtype
+    device: torch.device
+    segments: tuple
+    numel: int
+
+
+def group_key(dtype: torch.dtype, device: torch.device) -> str:
+    return f"{str(dtype).removeprefix('torch.')}@{device}"
+
+
+class FlatLayout:
+    """Where each leaf of a parameter tree lives in the flat buffers (module docstring).
+
+    ``groups`` maps each key to its :class:`FlatGroup`; within a group the segments follow the
+    tree's leaf order, back to back. The layout depends only on names, shapes, dtypes and devices,
+    so the same model always gets the same layout (checkpoints do not depend on accidents).
+    """
+
+    def __init__(self, spec: optree.PyTreeSpec, names: list, metas: list):
+        self.spec = spec
+        segments: dict[str, list] = {}
+        kinds: dict[str, tuple] = {}
+        self._slots = []  # per leaf: (group key, index of its segment)
+        for name, (shape, dtype, device) in zip(names, metas):
+            key = group_key(dtype, device)
+            kinds.setdefault(key, (dtype, device))
+            members = segments.setdefault(key, [])
+            offset = members[-1].offset + members[-1].numel if members else 0
+            members.append(Segment(name, offset, tuple(shape)))
+            self._slots.append((key, len(members) - 1))
+        self.groups = {
+            key: FlatGroup(key, *kinds[key], tuple(segs), sum(s.numel for s in segs)) for key, segs in segments.items()
+        }
+
+    @classmethod
+    def of(cls, params: Any) -> "FlatLayout":
+        """The layout of a tree of tensors (no ``None`` leaves)."""
+        leaves, spec = tree.flatten(params)
+        names = tree.leaf_names(spec)
+        for name, leaf in zip(names, leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"FlatLayout: leaf {name!r} is {type(leaf).__name__}, not a tensor")
+            if leaf.is_sparse:
+                raise TypeError(f"FlatLayout: leaf {name!r} is sparse; flat buffers hold dense tensors")
+        return cls(spec, names, [(tuple(p.shape), p.dtype, p.device) for p in leaves])
+
+    @property
+    def keys(self) -> list:
+        return list(self.groups)
+
+    def segments(self, key: str) -> tuple:
+        return self.groups[key].segments
+
+    def flatten(self, params: Any) -> dict:
+        """``{key: buffer}``: the leaves of ``params`` (a tree of this layout) copied into new flat
+        buffers, one ``torch.cat`` per group. Do it once; then keep working on the buffers."""
+        leaves = tree.leaves_matching(self.spec, params, "tree", "the layout's params")
+        members: dict[str, list] = {key: [] for key in self.groups}
+        for leaf, (key, _) in zip(leaves, self._slots):
+            members[key].append(leaf.reshape(-1))
+        return {key: torch.cat(parts) if len(parts) > 1 else parts[0].clone() for key, parts in members.items()}
+
+    def unflatten(self, buffers: dict) -> Any:
+        """The tree of this layout whose leaves are views into ``buffers`` (no copy).
+
+        The views come from one ``torch.split`` per group, which autograd differentiates with a
+        single concatenation (per-slice views would each cost a full-size zero buffer)."""
+        self.check(buffers)
+        pieces = {
+            key: torch.split(buffers[key], [s.numel for s in group.segments])
+            for key, group in self.groups.items()
+        }
+        leaves = [
+            pieces[key][i].view(self.groups[key].segments[i].shape) for key, i in self._slots
+        ]
+        return self.spec.unflatten(leaves)
+
+    def zeros(self) -> dict:
+        """New zero buffers of this layout."""
+        return {key: torch.zeros(g.numel, dtype=g.dtype, device=g.device) for key, g in self.groups.items()}
+
+    def check(self, buffers: Any) -> None:
+        """Raise naming what is wrong if ``buffers`` are not flat buffers of this layout."""
+        if not isinstance(buffers, dict) or set(buffers) != set(self.groups):
+            got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
+            raise ValueError(
+                f"expected flat buffers with keys {sorted(self.groups)}, got {got}; "
+                "make them with layout.flatten(tree)"
+            )
+        for key, group in self.groups.items():
+            b = buffers[key]
+            if not isinstance(b, torch.Tensor) or b.shape != (group.numel,) or b.dtype != group.dtype:
+                desc = f"{tuple(b.shape)} {b.dtype}" if isinstance(b, torch.Tensor) else type(b).__name__
+                raise ValueError(f"flat buffer {key!r} should be ({group.numel},) {group.dtype}, got {desc}")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FlatLayout) and self.spec == other.spec and self.groups == other.groups
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.groups))
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k}: {len(g.segments)} tensors, {g.numel} elements" for k, g in self.groups.items())
+        return f"FlatLayout({parts})"
+
+
+class FlatModule(NamedTuple):
+    """A module whose trainable parameters and gradients live in flat buffers:
+    ``params[key]`` / ``grads[key]`` are the buffers the parameters' ``.data`` / ``.grad`` view."""
+
+    layout: FlatLayout
+    params: dict
+    grads: dict
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers in place (``module.zero_grad()`` would drop the views)."""
+        for g in self.grads.values():
+            g.zero_()
+
+    def check(self, module: torch.nn.Module) -> None:
+        """Raise if a parameter or gradient of ``module`` no longer views its flat buffer
+        (a replaced ``p.data``, or ``.grad`` set to ``None`` by ``zero_grad(set_to_none=True)``)."""
+        named = dict(module.named_parameters())
+        for key, group in self.layout.groups.items():
+            for seg in group.segments:
+                p = named[seg.name]
+                for what, t, buf in (("parameter", p, self.params[key]), ("gradient", p.grad, self.grads[key])):
+                    if t is None or not _views(t, buf, seg):
+                        raise RuntimeError(
+                            f"the {what} of {seg.name!r} is no longer a view of its flat buffer {key!r} "
+                            "(was .data replaced, or .grad set to None?); flatten the module again"
+                        )
+
+
+def _views(t: torch.Tensor, buffer: torch.Tensor, seg: Segment) -> bool:
+    return t.data_ptr() == buffer.data_ptr() + seg.offset * buffer.element_size() and t.shape == seg.shape
+
+
+def flatten_module(module: torch.nn.Module) -> FlatModule:
+    """Move ``module``'s trainable parameters into flat buffers and give each a gradient that is
+    a view of a flat gradient buffer. The ``Parameter`` objects keep their identity (and any
+    optimizer or hook holding them keeps working); ``backward()`` accumulates into the existing
+    ``.grad`` views, so gradients land in the flat buffers with no copy. Zero them with
+    :meth:`FlatModule.zero_grad` (not ``module.zero_grad()``, which sets them to ``None``)."""
+    named = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    layout = FlatLayout.of({name: p.detach() for name, p in named.items()})
+    params = layout.flatten({name: p.detach() for name, p in named.items()})
+    grads = layout.zeros()
+    param_views, grad_views = layout.unflatten(params), layout.unflatten(grads)
+    with torch.no_grad():
+        for name, p in named.items():
+            p.data = param_views[name]
+            p.grad = grad_views[name]
+    return FlatModule(layout, params, grads)

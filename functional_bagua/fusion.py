@@ -1,0 +1,90 @@
+"""Fusion: run any transform over flat buffers, one kernel per group instead of one per tensor.
+
+``fuse(tx, layout)`` is ``tx`` applied to the flat buffers of ``layout`` (:mod:`functional_bagua.flat`)::
+
+    layout = fb.FlatLayout.of(params)
+    flat_params = layout.flatten(params)                  # once
+    fused = fb.fuse(fb.adamw(1e-3), layout)
+    state = fused.init(flat_params)                       # state.mu == {"float32@cpu": buffer}
+    updates, state = fused.update(flat_grads, state, flat_params)
+    flat_params = fb.apply_updates(flat_params, updates)
+    layout.unflatten(flat_params)                         # named views, for functional_call
+
+Elementwise math does not care where one tensor ends and the next begins, so on a flat buffer it
+gives the same numbers as per tensor, with one kernel per group. Transforms whose rule is *per
+tensor* (trust ratios, factored moments, Newton-Schulz, shape factors: ``per_tensor=True`` in
+:func:`~functional_bagua.leafwise`) run their rule on each segment's view while a fused update
+is active, so fused LAMB, LARS, Adafactor and Muon keep their per-parameter math. Wrappers that
+route by parameter name (``masked``, ``partition``) cannot see names in a flat buffer and raise
+instead of guessing. Step counts are kept once per buffer, so every tensor of a fused group must
+get a gradient at every step (flat gradients always do).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation
+from functional_bagua.flat import FlatLayout
+
+_ACTIVE: list = []  # the layouts of the fused updates running now (innermost last)
+
+
+def active_layout() -> Optional[FlatLayout]:
+    """The layout of the fused update running now, or ``None`` outside of one."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def segments_of(key: str) -> Optional[tuple]:
+    """The segments of the flat buffer ``key`` in the fused update running now (else ``None``)."""
+    layout = active_layout()
+    return None if layout is None else layout.segments(key)
+
+
+def tensor_shapes(params) -> list:
+    """``(name, shape)`` of each parameter tensor of ``params``, also when ``params`` are the flat
+    buffers of the fused update running now (then the names and shapes are the layout's)."""
+    leaves, spec = tree.flatten(params)
+    names = tree.leaf_names(spec)
+    if active_layout() is None:
+        return [(name, tuple(p.shape)) for name, p in zip(names, leaves) if p is not None]
+    return [(seg.name, seg.shape) for key in names for seg in segments_of(key)]
+
+
+def refuse_inside_fuse(name: str, why: str) -> None:
+    """Raise if called while a fused update runs: for transforms that cannot be fused faithfully."""
+    if active_layout() is not None:
+        raise NotImplementedError(
+            f"{name} cannot run inside fuse(): {why}. Fuse the transforms of each group separately, "
+            "or run it unfused."
+        )
+
+
+def _run_with(layout: FlatLayout, fn, *args):
+    _ACTIVE.append(layout)
+    try:
+        return fn(*args)
+    finally:
+        _ACTIVE.pop()
+
+
+def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformation:
+    """``tx`` over the flat buffers of ``layout`` (module docstring). ``init`` and ``update`` take
+    flat buffers (``{key: 1-D tensor}``) and check them against the layout."""
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"fuse: tx is {type(tx).__name__}, not a GradientTransformation")
+    if not isinstance(layout, FlatLayout):
+        raise TypeError(f"fuse: layout is {type(layout).__name__}, not a FlatLayout (make one with FlatLayout.of(params))")
+
+    def init(params):
+        layout.check(params)
+        return _run_with(layout, tx.init, params)
+
+    def update(grads, state, params=None):
+        layout.check(grads)
+        if params is not None:
+            layout.check(params)
+        return _run_with(layout, tx.update, grads, state, params)
+
+    return GradientTransformation(init, update)

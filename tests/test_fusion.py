@@ -1,0 +1,164 @@
+"""Flat buffers and fused execution: fused == unfused for every alias of the parity table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_bagua as fb
+from functional_bagua.flat import group_key
+from models import batches, loss_fn, make_model
+from test_torch_parity import CASES, STEPS, run_functional
+
+# per-tensor rules that reduce over a tensor (norms, means, matmuls) run on segment views; the
+# only math that may differ from unfused at all is a reduction across tensors (global norms)
+EXACT = dict(rtol=0, atol=0)
+
+
+def run_fused(tx, kind, dtype, data):
+    model = make_model(kind, dtype)
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params)
+    flat = layout.flatten(params)
+    fused = fb.fuse(tx, layout)
+    state = fused.init(flat)
+
+    def loss_of(buffers, x, y):
+        return loss_fn(torch.func.functional_call(model, layout.unflatten(buffers), (x,)), y)
+
+    for x, y in data:
+        grads = torch.func.grad(loss_of)(flat, x, y)
+        updates, state = fused.update(grads, state, flat)
+        flat = fb.apply_updates(flat, updates)
+    return layout.unflatten(flat), state, layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("alias, torch_cls, kind, kwargs", CASES)
+def test_fused_equals_unfused(alias, torch_cls, kind, kwargs, dtype):
+    data = batches(STEPS, dtype)
+    expected, _ = run_functional(alias(**kwargs), kind, dtype, data)
+    actual, state, layout = run_fused(alias(**kwargs), kind, dtype, data)
+    assert layout.keys == [f"{str(dtype).removeprefix('torch.')}@cpu"]
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype
+        torch.testing.assert_close(actual[name], expected[name], **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+def _mixed_params():
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "emb": torch.randn(6, 4, generator=gen).bfloat16(),
+        "w": torch.randn(4, 3, generator=gen, dtype=torch.float64),
+        "b": torch.randn(3, generator=gen, dtype=torch.float64),
+        "v": torch.randn(3, 5, generator=gen, dtype=torch.float64),
+        "s": torch.randn((), generator=gen, dtype=torch.float64),
+    }
+
+
+BEYOND_TORCH = {
+    "lamb": lambda: fb.lamb(lr=1e-2, weight_decay=0.1),
+    "lars": lambda: fb.lars(lr=0.1, weight_decay=0.01, nesterov=True),
+    "lion": lambda: fb.lion(lr=1e-2, weight_decay=0.1),
+    "adabelief": lambda: fb.adabelief(lr=1e-2),
+    "multi_steps+ema": lambda: fb.multi_steps(fb.chain(fb.adamw(1e-2), fb.ema(0.9)), 2),
+    "lookahead": lambda: fb.lookahead(fb.sgd(0.1, momentum=0.9), sync_period=2),
+    "apply_if_finite": lambda: fb.apply_if_finite(fb.adam(1e-2), 2),
+}
+
+
+def _train_both(tx_fn, params, steps=5, dtype_of_grads=None):
+    """The same random gradients through ``tx`` unfused and fused; both final params trees."""
+    gen = torch.Generator().manual_seed(1)
+    layout = fb.FlatLayout.of(params)
+    tx, fused = tx_fn(), fb.fuse(tx_fn(), layout)
+    plain, flat = params, layout.flatten(params)
+    state, fused_state = tx.init(plain), fused.init(flat)
+    for _ in range(steps):
+        grads = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in params.items()}
+        updates, state = tx.update(grads, state, plain)
+        plain = fb.apply_updates(plain, updates)
+        updates, fused_state = fused.update(layout.flatten(grads), fused_state, flat)
+        flat = fb.apply_updates(flat, updates)
+    return plain, layout.unflatten(flat)
+
+
+@pytest.mark.parametrize("make", BEYOND_TORCH.values(), ids=BEYOND_TORCH.keys())
+def test_fused_equals_unfused_beyond_torch_and_for_wrappers_with_mixed_dtypes(make):
+    expected, actual = _train_both(make, _mixed_params())
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype
+        torch.testing.assert_close(actual[name], expected[name], **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_global_norm_clipping_equals_unfused_up_to_summation_order():
+    """A norm over all tensors sums in another order over flat buffers: float tolerance."""
+    make = lambda: fb.chain(fb.clip_by_global_norm(0.5), fb.sgd(0.1, momentum=0.9))  # noqa: E731
+    expected, actual = _train_both(make, {k: v for k, v in _mixed_params().items() if k != "emb"})
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-14, atol=1e-14)
+
+
+def test_flat_layout_groups_by_dtype_and_round_trips():
+    params = _mixed_params()
+    layout = fb.FlatLayout.of(params)
+    assert set(layout.keys) == {"bfloat16@cpu", "float64@cpu"}
+    flat = layout.flatten(params)
+    assert flat["float64@cpu"].numel() == 12 + 3 + 15 + 1 and flat["bfloat16@cpu"].numel() == 24
+    views = layout.unflatten(flat)
+    for name, p in params.items():
+        assert torch.equal(views[name], p) and views[name].dtype == p.dtype
+        assert views[name].untyped_storage().data_ptr() == flat[group_key(p.dtype, p.device)].untyped_storage().data_ptr()
+    views["w"][0, 0] = 42.0  # a view: writes go to the buffer
+    assert 42.0 in flat["float64@cpu"]
+
+
+def test_fuse_rejects_trees_that_are_not_the_layouts_flat_buffers():
+    params = _mixed_params()
+    layout = fb.FlatLayout.of(params)
+    fused = fb.fuse(fb.adam(), layout)
+    with pytest.raises(ValueError, match=r"expected flat buffers with keys \['bfloat16@cpu', 'float64@cpu'\]"):
+        fused.init(params)
+    flat = layout.flatten(params)
+    bad = dict(flat, **{"float64@cpu": flat["float64@cpu"][:-1]})
+    with pytest.raises(ValueError, match=r"flat buffer 'float64@cpu' should be \(31,\) torch.float64, got \(30,\)"):
+        fused.update(bad, fused.init(flat), flat)
+
+
+def test_name_routing_wrappers_refuse_to_run_fused():
+    params = _mixed_params()
+    layout = fb.FlatLayout.of(params)
+    for tx in (fb.masked(fb.add_decayed_weights(0.1), lambda p: {k: True for k in p}),
+               fb.partition({"a": fb.sgd()}, lambda p: {k: "a" for k in p})):
+        with pytest.raises(NotImplementedError, match="cannot run inside fuse"):
+            fb.fuse(tx, layout).init(layout.flatten(params))
+
+
+def test_fused_muon_checks_each_tensor_shape():
+    layout = fb.FlatLayout.of({"w": torch.zeros(3, 4), "b": torch.zeros(4)})
+    with pytest.raises(ValueError, match=r"Muon only supports 2D parameters .* torch.Size\(\[4\]\) \('b'\)"):
+        fb.fuse(fb.muon(), layout).init(layout.zeros())
+
+
+def test_flatten_module_puts_params_and_grads_in_flat_buffers():
+    model, reference = make_model("shapes", torch.float32), make_model("shapes", torch.float32)
+    parameters = list(model.parameters())
+    flat = fb.flatten_module(model)
+    assert list(model.parameters()) == parameters  # same Parameter objects
+    x, y = batches(1, torch.float32)[0]
+    for _ in range(2):  # the second backward accumulates into the same views
+        loss_fn(model(x), y).backward()
+        loss_fn(reference(x), y).backward()
+    flat.check(model)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    grads = flat.layout.unflatten(flat.grads)
+    assert all(torch.equal(grads[n], p.grad) for n, p in model.named_parameters())
+    flat.zero_grad()
+    assert not any(g.any() for g in flat.grads.values())
+    # a torch optimizer on the module steps the flat buffer through the views
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    flat.check(model)
+    model.zero_grad()  # set_to_none drops the views: check() says so
+    with pytest.raises(RuntimeError, match="no longer a view of its flat buffer"):
+        flat.check(model)
