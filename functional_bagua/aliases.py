@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from functional_bagua import kernels
 from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.fusion import tensor_shapes
 from functional_bagua.hyperparams import accepts_schedules
@@ -113,11 +114,17 @@ def sgd(
     _check_nonnegative(weight_decay, "weight_decay")
     if nesterov and _known(momentum, dampening):
         _require(momentum > 0 and dampening == 0, "Nesterov momentum requires a momentum and zero dampening")
-    return chain(
+    tx = chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),
         trace(momentum, dampening, nesterov),
         scale_by_learning_rate(lr),
+    )
+    if not _known(lr, momentum, dampening, weight_decay):
+        return tx
+    return kernels.tag(
+        tx, "sgd", state_index=2,
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
     )
 
 
@@ -136,7 +143,13 @@ def adam(
     :func:`~functional_bagua.scale_by_adam`), with L2 weight decay added to the gradient, or
     decoupled (``p <- p - lr * weight_decay * p``) when ``decoupled_weight_decay``."""
     _check_adam_like(lr, betas, eps, weight_decay)
-    return _decayed(scale_by_adam(*betas, eps, amsgrad), weight_decay, decoupled_weight_decay, lr, maximize)
+    tx = _decayed(scale_by_adam(*betas, eps, amsgrad), weight_decay, decoupled_weight_decay, lr, maximize)
+    if not _known(lr, *betas, eps, weight_decay):
+        return tx
+    return kernels.tag(
+        tx, "adamw" if decoupled_weight_decay else "adam", state_index=1 if decoupled_weight_decay else 2,
+        lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
+    )
 
 
 @accepts_schedules

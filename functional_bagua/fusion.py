@@ -22,10 +22,12 @@ get a gradient at every step (flat gradients always do).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
-from functional_bagua import tree
-from functional_bagua.base import GradientTransformation
+import torch
+
+from functional_bagua import kernels, tree
+from functional_bagua.base import GradientTransformation, apply_updates
 from functional_bagua.flat import FlatLayout
 
 _ACTIVE: list = []  # the layouts of the fused updates running now (innermost last)
@@ -88,3 +90,54 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
         return _run_with(layout, tx.update, grads, state, params)
 
     return GradientTransformation(init, update)
+
+
+KERNELS = ("auto", "torch", "compiled", "eager")
+
+
+def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "auto") -> Callable[..., None]:
+    """``step_(grads, state, params)``: one fused step that overwrites ``params`` and ``state``
+    (made by ``fuse(tx, layout).init``) in place, for callers that give up their buffers
+    ("donation"). ``kernel`` picks how:
+
+    - ``"eager"``: the pure fused update, then a copy into the buffers: the same numbers as
+      ``fuse(tx, layout)``, bit for bit.
+    - ``"compiled"``: the same function through ``torch.compile(fullgraph=True)``; inductor turns
+      the copies into in-place writes of one generated kernel (numbers within float rounding).
+    - ``"torch"``: torch's own fused kernel (:mod:`functional_bagua.kernels`), for ``sgd``,
+      ``adam`` and ``adamw`` built with number hyperparameters: the numbers of
+      ``torch.optim.*(fused=True)``. The fastest on CPU (benchmarks/RESULTS.md).
+    - ``"auto"``: ``"torch"`` where it exists, else ``"compiled"``.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"fuse_inplace: kernel must be one of {KERNELS}, got {kernel!r}")
+    fused = fuse(tx, layout)
+    spec = kernels.spec_of(tx)
+    if kernel == "torch" and spec is None:
+        raise ValueError(
+            "fuse_inplace: torch has a fused kernel only for sgd, adam and adamw built with number "
+            "hyperparameters (not schedules); use kernel='compiled' or 'eager'"
+        )
+    if kernel == "auto":
+        kernel = "torch" if spec is not None else "compiled"
+
+    def pure_into_buffers(grads, state, params) -> None:
+        updates, new_state = fused.update(grads, state, params)
+        _copy_into((params, state), (apply_updates(params, updates), new_state))
+
+    if kernel == "torch":
+        def torch_kernel_step(grads, state, params) -> None:
+            layout.check(grads)
+            layout.check(params)
+            kernels.run(spec, grads, state, params)
+
+        return torch_kernel_step
+    if kernel == "compiled":
+        return torch.compile(pure_into_buffers, fullgraph=True)
+    return pure_into_buffers
+
+
+def _copy_into(old_tree, new_tree) -> None:
+    for old, new in zip(tree.flatten(old_tree)[0], tree.flatten(new_tree)[0]):
+        if isinstance(old, torch.Tensor) and new is not old:
+            old.copy_(new)

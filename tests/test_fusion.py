@@ -162,3 +162,108 @@ def test_flatten_module_puts_params_and_grads_in_flat_buffers():
     model.zero_grad()  # set_to_none drops the views: check() says so
     with pytest.raises(RuntimeError, match="no longer a view of its flat buffer"):
         flat.check(model)
+
+
+# --- in-place (donated) execution ----------------------------------------------------------------
+
+KERNEL_CASES = {
+    "adam-amsgrad-l2": (lambda: fb.adam(lr=1e-2, weight_decay=0.1, amsgrad=True), lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)),
+    "adamw": (lambda: fb.adamw(lr=1e-2, weight_decay=0.1), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)),
+    "adamw-maximize": (lambda: fb.adamw(lr=1e-2, maximize=True), lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True, fused=True)),
+    "sgd": (lambda: fb.sgd(lr=0.1, weight_decay=0.01), lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.01, fused=True)),
+    "sgd-momentum": (lambda: fb.sgd(lr=0.1, momentum=0.9, dampening=0.2), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2, fused=True)),
+    "sgd-nesterov": (lambda: fb.sgd(lr=0.1, momentum=0.9, nesterov=True, maximize=True), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, maximize=True, fused=True)),
+}
+
+
+def _inplace_run(make_tx, kernel, steps=5, dtype=torch.float32, on_grads=None):
+    """Params and state after ``steps`` in-place steps; ``on_grads(flat_grads)`` sees each step's
+    gradients first. Checks that the step leaves the gradients as they were."""
+    model = make_model("shapes", dtype)
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params)
+    flat = layout.flatten(params)
+    state = fb.fuse(make_tx(), layout).init(flat)
+    step_ = fb.fuse_inplace(make_tx(), layout, kernel=kernel)
+
+    def loss_of(buffers, x, y):
+        return loss_fn(torch.func.functional_call(model, layout.unflatten(buffers), (x,)), y)
+
+    for x, y in batches(steps, dtype):
+        grads = torch.func.grad(loss_of)(flat, x, y)
+        if on_grads is not None:
+            on_grads(grads)
+        kept = {k: g.clone() for k, g in grads.items()}
+        step_(grads, state, flat)
+        assert all(torch.equal(grads[k], kept[k]) for k in grads), "the step wrote into the gradients"
+    return layout.unflatten(flat), state
+
+
+@pytest.mark.parametrize("make_tx, make_torch", KERNEL_CASES.values(), ids=KERNEL_CASES.keys())
+def test_torch_kernel_in_place_equals_torch_fused_optimizer(make_tx, make_torch):
+    """Bitwise equal to the torch optimizer (fused=True) stepping the same flat buffer; within
+    float32 rounding of it stepping the model's separate tensors (the kernel's vectorised body and
+    scalar tail round differently, and which elements fall in the tail depends on the split)."""
+    start = fb.params_of(make_model("shapes", torch.float32))
+    layout = fb.FlatLayout.of(start)
+    flat_param = torch.nn.Parameter(layout.flatten(start)["float32@cpu"])
+    flat_opt = make_torch([flat_param])
+
+    def step_flat_reference(grads):
+        flat_param.grad = grads["float32@cpu"].clone()
+        flat_opt.step()
+
+    actual, _ = _inplace_run(make_tx, "torch", on_grads=step_flat_reference)
+    torch.testing.assert_close(layout.flatten(actual)["float32@cpu"], flat_param.detach(), **EXACT)
+
+    model = make_model("shapes", torch.float32)
+    opt = make_torch(model.parameters())
+    for x, y in batches(5, torch.float32):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(actual[name], p.detach(), rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("make_tx", [v[0] for v in KERNEL_CASES.values()], ids=KERNEL_CASES.keys())
+def test_torch_kernel_in_place_is_within_rounding_of_the_pure_update(make_tx):
+    expected, expected_state, _ = run_fused(make_tx(), "shapes", torch.float64, batches(5, torch.float64))
+    actual, state = _inplace_run(make_tx, "torch", dtype=torch.float64)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fb.state_dict(state), fb.state_dict(expected_state), rtol=1e-12, atol=1e-12)
+
+
+INPLACE_EAGER = {
+    "adamw": lambda: fb.adamw(lr=1e-2, weight_decay=0.1),
+    "lamb": lambda: fb.lamb(lr=1e-2, weight_decay=0.1),
+    "adafactor": lambda: fb.adafactor(lr=1e-2),
+    "sgd-schedule": lambda: fb.sgd(lr=fb.schedules.exponential_decay(0.1, 1, 0.9), momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("make_tx", INPLACE_EAGER.values(), ids=INPLACE_EAGER.keys())
+def test_eager_in_place_equals_the_pure_fused_update_bitwise(make_tx):
+    expected, expected_state, _ = run_fused(make_tx(), "shapes", torch.float32, batches(5, torch.float32))
+    actual, state = _inplace_run(make_tx, "eager")
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **EXACT)
+    torch.testing.assert_close(fb.state_dict(state), fb.state_dict(expected_state), **EXACT)
+
+
+@pytest.mark.slow
+def test_compiled_in_place_equals_the_pure_fused_update():
+    make_tx = INPLACE_EAGER["sgd-schedule"]
+    expected, _, _ = run_fused(make_tx(), "shapes", torch.float32, batches(5, torch.float32))
+    actual, _ = _inplace_run(make_tx, "compiled")
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_fuse_inplace_rejects_unknown_kernels():
+    layout = fb.FlatLayout.of({"w": torch.zeros(3)})
+    with pytest.raises(ValueError, match="torch has a fused kernel only for sgd, adam and adamw"):
+        fb.fuse_inplace(fb.lamb(), layout, kernel="torch")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fb.fuse_inplace(fb.adamw(), layout, kernel="triton")

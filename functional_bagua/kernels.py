@@ -1,0 +1,69 @@
+"""torch's hand-fused optimizer kernels, for the aliases that have one.
+
+``torch._fused_adam_``, ``torch._fused_adamw_`` and ``torch._fused_sgd_`` (what
+``torch.optim.Adam/AdamW/SGD(fused=True)`` run) update parameters and moments in place, one
+kernel per list of tensors. On a flat buffer the list has one tensor per group, so the whole
+optimizer step is one kernel: the fastest update these machines have (benchmarks/RESULTS.md).
+
+An alias built with plain-number hyperparameters records which kernel computes it
+(:func:`tag`); :func:`functional_bagua.fuse_inplace` uses the kernel when asked. The kernel's
+numbers are those of ``torch.optim``'s fused optimizers (bitwise, elementwise on the flat buffer)
+and within float rounding of the pure update.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from functional_bagua.base import GradientTransformation
+
+STEP_DTYPE = torch.float32  # torch's fused kernels read the step count as a float tensor
+
+
+class KernelSpec(NamedTuple):
+    """``kind``: "adam", "adamw" or "sgd"; ``hyper``: the kernel's keyword arguments;
+    ``state_index``: position of the moments' state in the alias's chain state."""
+
+    kind: str
+    hyper: dict
+    state_index: int
+
+
+def tag(tx: GradientTransformation, kind: str, state_index: int, **hyper) -> GradientTransformation:
+    """Record on ``tx`` that torch's ``kind`` kernel computes it with ``hyper``."""
+    tx.update.fused_kernel = KernelSpec(kind, hyper, state_index)
+    return tx
+
+
+def spec_of(tx: GradientTransformation) -> Optional[KernelSpec]:
+    """The kernel recorded on ``tx`` by :func:`tag`, if any."""
+    return getattr(tx.update, "fused_kernel", None)
+
+
+def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
+    """One optimizer step in place: ``params`` and ``state`` (the alias's own, from its ``init``
+    over the flat buffers) are overwritten; ``grads`` are read only."""
+    keys = list(params)
+    moments = state[spec.state_index]
+    p, g = [params[k] for k in keys], [grads[k] for k in keys]
+    if spec.kind == "sgd":
+        _sgd(spec.hyper, moments, keys, p, g)
+        return
+    for k in keys:
+        moments.count[k].add_(1)
+    steps = [moments.count[k].to(STEP_DTYPE) for k in keys]
+    max_nu = [moments.nu_max[k] for k in keys] if spec.hyper["amsgrad"] else []
+    kernel = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
+    kernel(p, g, [moments.mu[k] for k in keys], [moments.nu[k] for k in keys], max_nu, steps, **spec.hyper)
+
+
+def _sgd(hyper: dict, moments, keys: list, p: list, g: list) -> None:
+    if hyper["momentum"] == 0:
+        torch._fused_sgd_(p, g, [], is_first_step=False, **hyper)
+        return
+    is_first_step = bool(moments.count[keys[0]] == 0)
+    torch._fused_sgd_(p, g, [moments.trace[k] for k in keys], is_first_step=is_first_step, **hyper)
+    for k in keys:
+        moments.count[k].add_(1)
