@@ -38,6 +38,7 @@ from functional_bagua.base import (
 from functional_bagua import schedules
 from functional_bagua.flat import FlatLayout, FlatModule, flatten_module
 from functional_bagua.fusion import fuse, fuse_inplace
+from functional_bagua.train_step import make_train_step
 from functional_bagua.checkpoint import load_state_dict, state_dict
 from functional_bagua.hyperparams import InjectHyperparamsState, accepts_schedules, inject_hyperparams
 from functional_bagua.modules import buffers_of, load_params, params_of
@@ -49,7 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GradientTransformation", "EmptyState", "identity", "chain", "apply_updates",
     "params_of", "buffers_of", "load_params",
-    "FlatLayout", "FlatModule", "flatten_module", "fuse", "fuse_inplace",
+    "FlatLayout", "FlatModule", "flatten_module", "fuse", "fuse_inplace", "make_train_step",
     "state_dict", "load_state_dict", "schedules", "inject_hyperparams", "accepts_schedules", "InjectHyperparamsState",
     "sgd", "adam", "adamw", "adamax", "nadam", "radam", "adagrad", "adadelta", "rmsprop",
     "rprop", "asgd", "adafactor", "muon", "lamb", "lars", "lion", "adabelief",

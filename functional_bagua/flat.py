@@ -15,7 +15,7 @@ math becomes one kernel per group whatever the number of tensors (see :mod:`func
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import optree
 import torch
@@ -61,8 +61,9 @@ class FlatLayout:
     so the same model always gets the same layout (checkpoints do not depend on accidents).
     """
 
-    def __init__(self, spec: optree.PyTreeSpec, names: list, metas: list):
+    def __init__(self, spec: optree.PyTreeSpec, names: list, metas: list, dict_keys: Optional[list] = None):
         self.spec = spec
+        self._dict_keys = dict_keys  # the keys, in leaf order, when the tree is a flat dict
         segments: dict[str, list] = {}
         kinds: dict[str, tuple] = {}
         self._slots = []  # per leaf: (group key, index of its segment)
@@ -87,7 +88,10 @@ class FlatLayout:
                 raise TypeError(f"FlatLayout: leaf {name!r} is {type(leaf).__name__}, not a tensor")
             if leaf.is_sparse:
                 raise TypeError(f"FlatLayout: leaf {name!r} is sparse; flat buffers hold dense tensors")
-        return cls(spec, names, [(tuple(p.shape), p.dtype, p.device) for p in leaves])
+        paths = optree.treespec_paths(spec)
+        flat_dict = type(params) is dict and all(len(path) == 1 for path in paths)
+        return cls(spec, names, [(tuple(p.shape), p.dtype, p.device) for p in leaves],
+                   [path[0] for path in paths] if flat_dict else None)
 
     @property
     def keys(self) -> list:
@@ -118,6 +122,8 @@ class FlatLayout:
         leaves = [
             pieces[key][i].view(self.groups[key].segments[i].shape) for key, i in self._slots
         ]
+        if self._dict_keys is not None:  # built directly: torch.compile cannot trace spec.unflatten
+            return dict(zip(self._dict_keys, leaves))
         return self.spec.unflatten(leaves)
 
     def zeros(self) -> dict:

@@ -136,12 +136,12 @@ def accepts_schedules(alias: Callable[..., GradientTransformation] = None, *, st
     """
     if alias is None:
         return functools.partial(accepts_schedules, static_args=static_args)
-    signature = inspect.signature(alias)
+    names = list(inspect.signature(alias).parameters)  # no Signature.bind per call: it may run inside a trace
 
     @functools.wraps(alias)
     def wrapper(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
-        if any(_holds_schedule(v) for k, v in arguments.items() if k not in static_args):
+        arguments = [*zip(names, args), *kwargs.items()]
+        if any(_holds_schedule(v) for k, v in arguments if k not in static_args):
             return inject_hyperparams(alias, static_args)(*args, **kwargs)
         return alias(*args, **kwargs)
 

@@ -32,9 +32,22 @@ class MatrixNet(torch.nn.Module):
         return self.down(torch.tanh(self.up(x.flatten(1))))
 
 
+class NormNet(torch.nn.Module):
+    """A conv net with BatchNorm: buffers (running statistics) that training updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, kernel_size=3, bias=False)  # BatchNorm cancels a bias
+        self.norm = torch.nn.BatchNorm2d(3)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
 def make_model(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = {"shapes": ShapesNet, "matrix": MatrixNet}[kind]()
+    model = {"shapes": ShapesNet, "matrix": MatrixNet, "norm": NormNet}[kind]()
     return model.to(dtype)
 
 

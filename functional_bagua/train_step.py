@@ -1,0 +1,82 @@
+"""Whole training steps: forward, backward and the optimizer update as one pure function.
+
+``make_train_step(model, loss_fn, tx)`` builds::
+
+    step(params, state, batch) -> (params, state, loss)
+
+    (loss, buffers'), grads = grad_and_value(loss_of)(params)     # torch.func, w.r.t. params only
+    updates, state = tx.update(grads, state, params)
+    params = apply_updates(params, updates)
+
+with ``loss_of(params) = loss_fn(functional_call(model, (params, buffers), inputs), targets)``
+for ``batch = (inputs, targets)``. Compiled (``compile=True``, the default) the step is one
+``torch.compile(fullgraph=True)`` graph: forward, backward and update fused together;
+hyperparameters and schedules are tensors in ``state``, so changing them never recompiles.
+
+Buffers (BatchNorm running statistics) are read from ``model`` and written back into it after
+each step, as eager training would leave them. With ``layout`` (a :class:`~functional_bagua.FlatLayout`)
+``params`` are flat buffers and ``tx`` runs fused over them (:func:`~functional_bagua.fuse`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from functional_bagua.base import GradientTransformation, apply_updates
+from functional_bagua.flat import FlatLayout
+from functional_bagua.fusion import fuse
+
+
+def make_train_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    tx: GradientTransformation,
+    *,
+    compile: Union[bool, dict] = True,
+    layout: Optional[FlatLayout] = None,
+) -> Callable:
+    """``step(params, state, batch) -> (params, state, loss)`` (module docstring).
+
+    ``compile``: ``True`` for ``torch.compile(fullgraph=True)``, ``False`` for eager, or a dict
+    of ``torch.compile`` keyword arguments (``{"backend": "eager"}``, ``{"mode": "max-autotune"}``).
+    ``state`` comes from ``tx.init(params)`` (``fuse(tx, layout).init(flat)`` with a layout).
+
+    Example::
+
+        step = fb.make_train_step(model, torch.nn.functional.cross_entropy, fb.adamw(1e-3))
+        params = fb.params_of(model)
+        state = fb.adamw(1e-3).init(params)
+        for batch in loader:
+            params, state, loss = step(params, state, batch)
+    """
+    update = (fuse(tx, layout) if layout is not None else tx).update
+    to_tree = layout.unflatten if layout is not None else (lambda params: params)
+
+    def loss_of(params, buffers, inputs, targets):
+        buffers = {k: b.clone() for k, b in buffers.items()}  # the forward may update them in place
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        out = torch.func.functional_call(model, (to_tree(params), buffers), args)
+        return loss_fn(out, targets), buffers
+
+    value_and_grad = torch.func.grad_and_value(loss_of, has_aux=True)
+
+    def pure_step(params, state, batch, buffers):
+        inputs, targets = batch
+        grads, (loss, new_buffers) = value_and_grad(params, buffers, inputs, targets)
+        updates, state = update(grads, state, params)
+        return apply_updates(params, updates), state, loss.detach(), new_buffers
+
+    if compile:
+        pure_step = torch.compile(pure_step, fullgraph=True, **(compile if isinstance(compile, dict) else {}))
+
+    def step(params, state, batch):
+        buffers = dict(model.named_buffers())
+        params, state, loss, new_buffers = pure_step(params, state, batch, buffers)
+        with torch.no_grad():
+            for name, value in new_buffers.items():
+                buffers[name].copy_(value)
+        return params, state, loss
+
+    return step

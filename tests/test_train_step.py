@@ -1,0 +1,89 @@
+"""make_train_step: eager and compiled, plain and fused, against torch.optim on the module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import functional_bagua as fb
+from models import batches, default_dtype, loss_fn, make_model
+
+DTYPE = torch.float64
+STEPS = 6
+
+
+def train_torch(kind="norm"):
+    model = make_model(kind, DTYPE)
+    with default_dtype(DTYPE):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = []
+        for x, y in batches(STEPS, DTYPE):
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return model, losses
+
+
+def train_step_fn(compile, fused=False, tx=None, kind="norm"):
+    model = make_model(kind, DTYPE)
+    tx = tx or fb.adamw(lr=1e-2, weight_decay=0.1)
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params) if fused else None
+    if fused:
+        params = layout.flatten(params)
+    state = (fb.fuse(tx, layout) if fused else tx).init(params)
+    step = fb.make_train_step(model, loss_fn, tx, compile=compile, layout=layout)
+    losses = []
+    for batch in batches(STEPS, DTYPE):
+        params, state, loss = step(params, state, batch)
+        losses.append(loss.item())
+    return model, (layout.unflatten(params) if fused else params), losses, state
+
+
+def assert_model_matches(model, params, reference, tol=1e-12):
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    for name, b in reference.named_buffers():  # running statistics came back into the module
+        torch.testing.assert_close(dict(model.named_buffers())[name], b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["tree", "fused"])
+def test_eager_train_step_equals_torch_optim_with_batchnorm_buffers(fused):
+    reference, ref_losses = train_torch()
+    model, params, losses, _ = train_step_fn(compile=False, fused=fused)
+    assert_model_matches(model, params, reference)
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    assert dict(model.named_buffers())["norm.num_batches_tracked"].item() == STEPS
+
+
+@pytest.mark.slow
+def test_compiled_train_step_with_a_schedule_compiles_once_and_equals_torch():
+    counter = CompileCounter()
+    schedule = fb.schedules.warmup_cosine_decay(0.0, 1e-2, 2, STEPS)
+    reference = make_model("norm", DTYPE)
+    with default_dtype(DTYPE):
+        opt = torch.optim.AdamW(reference.parameters(), lr=1.0, weight_decay=0.1)
+        for t, (x, y) in enumerate(batches(STEPS, DTYPE)):
+            opt.param_groups[0]["lr"] = schedule(t).item()
+            opt.zero_grad()
+            loss_fn(reference(x), y).backward()
+            opt.step()
+    model, params, _, state = train_step_fn(
+        compile={"backend": counter}, fused=True, tx=fb.adamw(lr=schedule, weight_decay=0.1)
+    )
+    assert counter.frame_count == 1
+    assert state.hyperparams["lr"].item() == pytest.approx(schedule(STEPS - 1).item())
+    assert_model_matches(model, params, reference)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_train_step_equals_eager():
+    torch._dynamo.reset()
+    model, params, losses, _ = train_step_fn(compile=True, kind="shapes")
+    eager_model, eager_params, eager_losses, _ = train_step_fn(compile=False, kind="shapes")
+    for name in eager_params:
+        torch.testing.assert_close(params[name], eager_params[name], rtol=1e-9, atol=1e-9)
+    assert losses == pytest.approx(eager_losses, rel=1e-9)
