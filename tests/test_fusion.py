@@ -267,3 +267,12 @@ def test_fuse_inplace_rejects_unknown_kernels():
         fb.fuse_inplace(fb.lamb(), layout, kernel="torch")
     with pytest.raises(ValueError, match="kernel must be one of"):
         fb.fuse_inplace(fb.adamw(), layout, kernel="triton")
+
+
+def test_flat_layout_of_a_nested_tree_round_trips():
+    params = {"enc": {"w": torch.randn(3, 2), "b": torch.zeros(2)}, "heads": [torch.ones(4), torch.arange(6.0).view(2, 3)]}
+    layout = fb.FlatLayout.of(params)
+    back = layout.unflatten(layout.flatten(params))
+    assert back["heads"][1].shape == (2, 3) and torch.equal(back["heads"][1], params["heads"][1])
+    assert torch.equal(back["enc"]["w"], params["enc"]["w"])
+    assert [s.name for s in layout.segments("float32@cpu")] == ["enc/b", "enc/w", "heads/0", "heads/1"]

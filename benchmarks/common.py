@@ -1,0 +1,126 @@
+"""Shared benchmark helpers: timing, peak memory, copy bandwidth, tables, charts."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 3) -> float:
+    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def first_call_s(fn: Callable[[], object], device: str) -> float:
+    """Seconds taken by the first call (the compile, for a compiled function)."""
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+class PeakMemory:
+    """Peak memory above the start, in MiB: CUDA's allocator statistics on GPU; on CPU the
+    process's peak resident set (VmHWM, reset through /proc/self/clear_refs)."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            _reset_peak_rss()
+            self.start = _rss_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.startswith("cuda"):
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = _rss_kib("VmHWM") * 1024
+        self.mib = max(0, peak - self.start) / 2**20
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def copy_bandwidth_gbs(device: str, mib: int = 256) -> float:
+    """The machine's copy bandwidth (read + write bytes per second) on a ``mib`` MiB buffer."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, steps=10)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A Markdown table of ``rows`` (dicts) with the given columns."""
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def bar_chart(path: str, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> bool:
+    """A grouped bar chart (group -> variant -> value) written to ``path``; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    variants = sorted({v for g in groups.values() for v in g}, key=lambda v: (not v.startswith("torch"), v))
+    width = 0.8 / max(1, len(variants))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4.5))
+    for i, variant in enumerate(variants):
+        xs = [j + i * width for j in range(len(groups))]
+        ax.bar(xs, [g.get(variant, 0.0) for g in groups.values()], width, label=variant)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], list(groups), rotation=20, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
