@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import optree
+import torch
 
 NONE_IS_LEAF = True
 
@@ -22,6 +23,22 @@ def flatten(tree: Any) -> tuple[list, optree.PyTreeSpec]:
 def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
     """optree's ``tree_map`` with ``None`` as a leaf."""
     return optree.tree_map(fn, tree, *rest, none_is_leaf=NONE_IS_LEAF)
+
+
+def clone(tree: Any) -> Any:
+    """A copy of every tensor leaf of ``tree`` (``None`` leaves stay ``None``)."""
+    return tree_map(lambda x: None if x is None else x.clone(), tree)
+
+
+def where(condition, new: Any, old: Any) -> Any:
+    """``new`` where the 0-dim bool ``condition`` holds, else ``old``, tensor leaf by tensor leaf
+    (branch-free, so it traces into one graph); non-tensor leaves are taken from ``new``."""
+    return tree_map(lambda n, o: torch.where(condition, n, o) if isinstance(n, torch.Tensor) else n, new, old)
+
+
+def zeros_unless(condition, updates: Any) -> Any:
+    """``updates`` where the 0-dim bool ``condition`` holds, else zeros (``None`` stays ``None``)."""
+    return tree_map(lambda u: None if u is None else torch.where(condition, u, torch.zeros_like(u)), updates)
 
 
 def device_of(tree: Any):

@@ -19,6 +19,7 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.leafwise import zero_count
 
 
 class MultiStepsState(NamedTuple):
@@ -63,8 +64,7 @@ def multi_steps(
         raise TypeError(f"accumulator_dtype must be a floating point dtype, got {accumulator_dtype}")
 
     def init(params):
-        zero = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
-        return MultiStepsState(zero, zero.clone(), inner.init(params), tree.tree_map(_zeros_for_sum, params))
+        return MultiStepsState(zero_count(params), zero_count(params), inner.init(params), tree.tree_map(_zeros_for_sum, params))
 
     def _zeros_for_sum(p):
         return None if p is None else torch.zeros_like(p, dtype=accumulator_dtype or p.dtype)
@@ -81,7 +81,7 @@ def multi_steps(
             return zeros, MultiStepsState(mini_step, state.gradient_step, state.inner_state, acc)
         updates, inner_state = inner.update(_average(acc, grads, params), state.inner_state, params)
         reset = tree.tree_map(torch.zeros_like, acc)
-        return updates, MultiStepsState(mini_step * 0, state.gradient_step + 1, inner_state, reset)
+        return updates, MultiStepsState(torch.zeros_like(mini_step), state.gradient_step + 1, inner_state, reset)
 
     def _average(acc, grads, params):
         """The gradient ``inner`` sees: the window's mean (or sum), rounded to the dtype of the
@@ -92,19 +92,11 @@ def multi_steps(
 
     def _select_at_window_end(at_end, grads, acc, state, params):
         updates, inner_state = inner.update(_average(acc, grads, params), state.inner_state, params)
-        keep_new = lambda new, old: torch.where(at_end, new, old)  # noqa: E731
-        chosen_updates = tree.tree_map(
-            lambda u: None if u is None else torch.where(at_end, u, torch.zeros_like(u)), updates
-        )
-        chosen_inner = tree.tree_map(
-            lambda new, old: keep_new(new, old) if isinstance(new, torch.Tensor) else new, inner_state, state.inner_state
-        )
-        chosen_acc = tree.tree_map(lambda a: None if a is None else torch.where(at_end, torch.zeros_like(a), a), acc)
-        return chosen_updates, MultiStepsState(
+        return tree.zeros_unless(at_end, updates), MultiStepsState(
             torch.where(at_end, 0, state.mini_step + 1),
             state.gradient_step + at_end.long(),
-            chosen_inner,
-            chosen_acc,
+            tree.where(at_end, inner_state, state.inner_state),
+            tree.zeros_unless(~at_end, acc),
         )
 
     return GradientTransformation(init, update)

@@ -22,7 +22,7 @@ import torch
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, apply_updates
 from functional_bagua.hyperparams import accepts_schedules
-from functional_bagua.transforms.leafwise import is_number, lerp
+from functional_bagua.transforms.leafwise import is_number, lerp, zero_count
 
 
 class EmaParamsState(NamedTuple):
@@ -46,8 +46,7 @@ def ema(decay: float = 0.999) -> GradientTransformation:
         raise ValueError(f"Invalid decay value {decay} provided. Please provide a value in [0,1] range.")
 
     def init(params):
-        count = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
-        return EmaParamsState(count, tree.tree_map(lambda p: None if p is None else p.clone(), params))
+        return EmaParamsState(zero_count(params), tree.clone(params))
 
     def update(updates, state, params=None):
         if params is None:

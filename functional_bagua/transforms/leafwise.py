@@ -30,9 +30,10 @@ COUNT_DTYPE = torch.int64
 SCALAR_DTYPE = torch.float64
 
 
-def zero_count(like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim integer step counter on ``like``'s device."""
-    return torch.zeros((), dtype=COUNT_DTYPE, device=like.device)
+def zero_count(like) -> torch.Tensor:
+    """A 0-dim integer step counter on the device of ``like`` (a tensor, or a tree of them)."""
+    device = like.device if isinstance(like, torch.Tensor) else tree.device_of(like)
+    return torch.zeros((), dtype=COUNT_DTYPE, device=device)
 
 
 def as_scalar(count: torch.Tensor) -> torch.Tensor:

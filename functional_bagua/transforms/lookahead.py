@@ -20,7 +20,7 @@ import torch
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, apply_updates
 from functional_bagua.hyperparams import accepts_schedules
-from functional_bagua.transforms.leafwise import is_number, lerp
+from functional_bagua.transforms.leafwise import is_number, lerp, zero_count
 
 
 class LookaheadState(NamedTuple):
@@ -49,9 +49,7 @@ def lookahead(inner: GradientTransformation, sync_period: int = 5, alpha: float 
         raise ValueError(f"Invalid alpha: {alpha} (in [0, 1])")
 
     def init(params):
-        count = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
-        slow = tree.tree_map(lambda p: None if p is None else p.clone(), params)
-        return LookaheadState(count, slow, inner.init(params))
+        return LookaheadState(zero_count(params), tree.clone(params), inner.init(params))
 
     def update(grads, state, params=None):
         if params is None:

@@ -11,10 +11,9 @@ from typing import Callable, NamedTuple, Union
 
 import torch
 
-from functional_bagua import tree
 from functional_bagua.base import EmptyState, GradientTransformation, identity
 from functional_bagua.schedules import step_count
-from functional_bagua.transforms.leafwise import stateless
+from functional_bagua.transforms.leafwise import stateless, zero_count
 
 Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
 ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
@@ -50,7 +49,7 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     """
 
     def init(params):
-        return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64, device=tree.device_of(params)))
+        return ScaleByScheduleState(count=zero_count(params))
 
     def update(updates, state, params=None):
         updates, _ = scale(schedule(step_count(state.count))).update(updates, EmptyState(), params)

@@ -21,6 +21,7 @@ import torch
 
 from functional_bagua import fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
+from functional_bagua.transforms.leafwise import zero_count
 
 
 def _resolve(tree_or_fn, params):
@@ -157,12 +158,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     """
 
     def init(params):
-        device = tree.device_of(params)
-
-        def zero():
-            return torch.zeros((), dtype=torch.int64, device=device)
-
-        return ApplyIfFiniteState(zero(), torch.ones((), dtype=torch.bool, device=device), zero(), inner.init(params))
+        finite = torch.ones((), dtype=torch.bool, device=tree.device_of(params))
+        return ApplyIfFiniteState(zero_count(params), finite, zero_count(params), inner.init(params))
 
     def update(updates, state, params=None):
         leaves = [u for u in tree.flatten(updates)[0] if u is not None]
@@ -170,13 +167,11 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         apply = finite | (notfinite_count > max_consecutive_errors)
-        chosen_updates = tree.tree_map(lambda u: None if u is None else torch.where(apply, u, torch.zeros_like(u)), new_updates)
-        chosen_inner = tree.tree_map(
-            lambda new, old: new if not isinstance(new, torch.Tensor) else torch.where(apply, new, old),
-            new_inner, state.inner_state,
-        )
-        return chosen_updates, ApplyIfFiniteState(
-            torch.where(apply & ~finite, 0, notfinite_count), finite, state.total_notfinite + (~finite).long(), chosen_inner
+        return tree.zeros_unless(apply, new_updates), ApplyIfFiniteState(
+            torch.where(apply & ~finite, 0, notfinite_count),
+            finite,
+            state.total_notfinite + (~finite).long(),
+            tree.where(apply, new_inner, state.inner_state),
         )
 
     return GradientTransformation(init, update)
