@@ -14,7 +14,8 @@ Elementwise math does not care where one tensor ends and the next begins, so on 
 gives the same numbers as per tensor, with one kernel per group. Transforms whose rule is *per
 tensor* (trust ratios, factored moments, Newton-Schulz, shape factors: ``per_tensor=True`` in
 :func:`~functional_bagua.leafwise`) run their rule on each segment's view while a fused update
-is active, so fused LAMB, LARS, Adafactor and Muon keep their per-parameter math. Wrappers that
+is active, so fused LAMB, LARS, Adafactor and Muon keep their per-parameter math (the trust ratio
+of LAMB/LARS takes all segment norms in one op, :mod:`functional_bagua.segments`). Wrappers that
 route by parameter name (``masked``, ``partition``) cannot see names in a flat buffer and raise
 instead of guessing. Step counts are kept once per buffer, so every tensor of a fused group must
 get a gradient at every step (flat gradients always do).

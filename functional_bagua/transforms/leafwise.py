@@ -138,12 +138,16 @@ def stateless(
     name: str,
     needs_params: bool = False,
     per_tensor: bool = False,
+    per_buffer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor], list], torch.Tensor]] = None,
 ) -> GradientTransformation:
     """A transform without state applying ``update_leaf(u, p) -> new_u`` per tensor.
 
     ``None`` updates stay ``None``; each new update keeps its input's dtype; ``params`` (``p``
     is ``None`` without them) must match the updates' structure, else a ValueError names the keys.
-    ``per_tensor`` as in :func:`leafwise`.
+    ``per_tensor`` as in :func:`leafwise`. ``per_buffer(u, p, lengths)``, optional with
+    ``per_tensor``, is the same rule written for a whole flat buffer whose segments have
+    ``lengths`` elements (with :mod:`functional_bagua.segments`); inside a fused update it runs
+    instead of a loop over the segments.
     """
 
     def init(params):
@@ -162,6 +166,7 @@ def stateless(
         new = [
             None if u is None
             else update_leaf(u, p).to(u.dtype) if keys is None
+            else per_buffer(u, p, [seg.numel for seg in fusion.segments_of(keys[i])]).to(u.dtype) if per_buffer
             else _map_segments(update_leaf, u, p, fusion.segments_of(keys[i]))
             for i, (u, p) in enumerate(zip(update_leaves, param_leaves))
         ]

@@ -1,0 +1,93 @@
+"""The fusion and compiled-step paths on CUDA (run on a GPU machine; CPU-only CI has none).
+
+Each test compares against torch.optim on the same device, as the CPU tests do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_bagua as fb
+from models import batches, loss_fn, make_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda"
+
+
+def cuda_batches(n, dtype=torch.float32):
+    return [(x.to(DEVICE), y.to(DEVICE)) for x, y in batches(n, dtype)]
+
+
+def torch_adamw_run(steps=5, fused=True):
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    for x, y in cuda_batches(steps):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return dict(model.named_parameters())
+
+
+def test_flatten_module_gradients_land_in_the_cuda_buffer():
+    reference = make_model("shapes", torch.float32).to(DEVICE)
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    flat = fb.flatten_module(model)
+    assert list(flat.grads) == ["float32@cuda:0"]
+    x, y = cuda_batches(1)[0]
+    loss_fn(reference(x), y).backward()
+    loss_fn(model(x), y).backward()
+    grads_in_buffer = flat.layout.unflatten(flat.grads)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads_in_buffer[name], p.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    flat.check(model)
+
+
+@pytest.mark.parametrize("make_tx", [lambda: fb.adamw(1e-2, weight_decay=0.1), lambda: fb.lamb(1e-2, weight_decay=0.1)],
+                         ids=["adamw", "lamb"])
+def test_fused_equals_unfused_on_cuda(make_tx):
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params)
+    tx, fused = make_tx(), fb.fuse(make_tx(), layout)
+    flat = layout.flatten(params)
+    state, flat_state = tx.init(params), fused.init(flat)
+    for x, y in cuda_batches(4):
+        grads = torch.func.grad(lambda ps: loss_fn(torch.func.functional_call(model, ps, (x,)), y))(params)
+        updates, state = tx.update(grads, state, params)
+        params = fb.apply_updates(params, updates)
+        flat_updates, flat_state = fused.update(layout.flatten(grads), flat_state, flat)
+        flat = fb.apply_updates(flat, flat_updates)
+    for name, p in layout.unflatten(flat).items():
+        torch.testing.assert_close(p, params[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_torch_kernel_in_place_on_cuda_equals_torch_fused_adamw():
+    reference = torch_adamw_run()
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    flat = fb.flatten_module(model)
+    state = fb.fuse(fb.adamw(1e-2, weight_decay=0.1), flat.layout).init(flat.params)
+    step_ = fb.fuse_inplace(fb.adamw(1e-2, weight_decay=0.1), flat.layout, kernel="torch")
+    for x, y in cuda_batches(5):
+        flat.zero_grad()
+        loss_fn(model(x), y).backward()
+        step_(flat.grads, state, flat.params)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, reference[name], rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["tree", "flat"])
+def test_compiled_train_step_on_cuda_equals_torch_adamw(fused):
+    reference = torch_adamw_run(fused=False)
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    tx = fb.adamw(1e-2, weight_decay=0.1)
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params) if fused else None
+    if fused:
+        params = layout.flatten(params)
+    state = (fb.fuse(tx, layout) if fused else tx).init(params)
+    step = fb.make_train_step(model, loss_fn, tx, compile=True, layout=layout)
+    for batch in cuda_batches(5):
+        params, state, _ = step(params, state, batch)
+    params = layout.unflatten(params) if fused else params
+    for name, p in reference.items():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
