@@ -59,12 +59,24 @@ def refuse_inside_fuse(name: str, why: str) -> None:
     """Raise if called while a fused update runs: for transforms that cannot be fused faithfully."""
     if active_layout() is not None:
         raise NotImplementedError(
-            f"{name} cannot run inside fuse(): {why}. Fuse the transforms of each group separately, "
-            "or run it unfused."
+            f"{name} cannot run inside fuse() or shard(): {why}. Fuse the transforms of each group "
+            "separately, or run it unfused."
         )
 
 
-def _run_with(layout: FlatLayout, fn, *args):
+def refuse_on_shards(name: str, why: str) -> None:
+    """Raise if called on one rank's shard of the flat buffers (inside ``distributed.shard``): for
+    transforms that reduce across all tensors, which a shard holds only a part of."""
+    if getattr(active_layout(), "is_shard", False):
+        raise NotImplementedError(
+            f"{name} cannot run inside shard(): {why}. Put it before shard() (on the whole gradients) "
+            "or use an unsharded chain."
+        )
+
+
+def run_on_flat_buffers(layout, fn, *args):
+    """``fn(*args)`` with ``layout`` as the active layout: per-tensor rules inside ``fn`` ask it for
+    the segments of each buffer (``layout.segments(key)``)."""
     _ACTIVE.append(layout)
     try:
         return fn(*args)
@@ -82,13 +94,13 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
 
     def init(params):
         layout.check(params)
-        return _run_with(layout, tx.init, params)
+        return run_on_flat_buffers(layout, tx.init, params)
 
     def update(grads, state, params=None):
         layout.check(grads)
         if params is not None:
             layout.check(params)
-        return _run_with(layout, tx.update, grads, state, params)
+        return run_on_flat_buffers(layout, tx.update, grads, state, params)
 
     return GradientTransformation(init, update)
 

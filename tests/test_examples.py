@@ -29,3 +29,16 @@ def test_quickstart_runs_as_a_script():
     )
     assert result.returncode == 0, result.stderr
     assert "full-data loss" in result.stdout
+
+
+def test_distributed_example_runs_under_torchrun_on_two_ranks():
+    from dist_harness import free_port
+
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(ROOT / "examples" / "distributed_train.py"),
+         "--steps", "30", "--compression", "bf16"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "parameters agree across ranks" in result.stdout

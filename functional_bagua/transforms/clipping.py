@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.transforms.leafwise import stateless
 
@@ -34,6 +34,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         return EmptyState()
 
     def update(updates, state, params=None):
+        fusion.refuse_on_shards("clip_by_global_norm", "the norm of one shard is not the global norm")
         total = global_norm(updates, norm_type)
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
         return tree.tree_map(lambda u: None if u is None else u * factor.to(u.dtype), updates), state

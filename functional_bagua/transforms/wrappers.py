@@ -162,6 +162,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         return ApplyIfFiniteState(zero_count(params), finite, zero_count(params), inner.init(params))
 
     def update(updates, state, params=None):
+        fusion.refuse_on_shards("apply_if_finite", "each rank would see only its shard, and ranks could disagree on skipping")
         leaves = [u for u in tree.flatten(updates)[0] if u is not None]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else torch.tensor(True)
         new_updates, new_inner = inner.update(updates, state.inner_state, params)

@@ -1,0 +1,197 @@
+"""Data-parallel step on 2 gloo ranks (spawned on this machine, loopback): torch DDP vs
+functional_bagua.distributed, plus the bytes each compression hands to the collectives and the
+optimizer-state memory per rank with and without ZeRO sharding.
+
+    python benchmarks/distributed.py                      # 2 ranks, CPU, gloo
+    python benchmarks/distributed.py --ranks 4 --hidden 1024
+
+Every variant trains the same MLP (same weights, same batches) for the same steps; the step is
+forward + backward + gradient averaging + AdamW. Times are rank 0's median; `bytes/step` is
+the payload given to the collectives per rank and step, counted by wrapping torch's functional
+collectives (the wire traffic of a ring all-reduce is ~2(n-1)/n of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import functional_bagua as fb  # noqa: E402
+import functional_bagua.distributed as fbd  # noqa: E402
+from common import machine, table  # noqa: E402
+
+COUNTED = ("all_reduce", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
+LR = 1e-3
+
+
+def count_collective_bytes(counter: list) -> None:
+    """Wrap torch's functional collectives so that each call adds its input's bytes to ``counter[0]``."""
+    for name in COUNTED:
+        original = getattr(funcol, name)
+
+        def counting(tensor, *args, _original=original, **kwargs):
+            if not torch.compiler.is_compiling():  # eager calls only: the compiled step is not counted
+                counter[0] += tensor.numel() * tensor.element_size()
+            return _original(tensor, *args, **kwargs)
+
+        setattr(funcol, name, counting)
+
+
+def make_model(hidden: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    dims = [256] + [hidden] * layers + [10]
+    mods = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        mods += [torch.nn.Linear(a, b)] + ([torch.nn.GELU()] if i < len(dims) - 2 else [])
+    return torch.nn.Sequential(*mods)
+
+
+def batches(steps: int, global_batch: int, rank: int, world: int):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(global_batch, 256, generator=gen)
+        y = torch.randint(0, 10, (global_batch,), generator=gen)
+        out.append((x.chunk(world)[rank], y.chunk(world)[rank]))
+    return out
+
+
+def loss_fn(out, y):
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def torch_ddp(args, data):
+    model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+
+    def step(batch):
+        x, y = batch
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step, lambda: sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+
+
+def fb_chain(tx_of):
+    def build(args, data):
+        model = make_model(args.hidden, args.layers)
+        params = fb.params_of(model)
+        tx = tx_of(args)
+        holder = {"params": params, "state": tx.init(params)}
+        grad_of = torch.func.grad(lambda ps, x, y: loss_fn(torch.func.functional_call(model, ps, (x,)), y))
+
+        def step(batch):
+            grads = grad_of(holder["params"], *batch)
+            updates, holder["state"] = tx.update(grads, holder["state"], holder["params"])
+            holder["params"] = fb.apply_updates(holder["params"], updates)
+
+        def state_bytes():
+            return sum(t.numel() * t.element_size() for t in fb.tree.flatten(holder["state"])[0] if isinstance(t, torch.Tensor))
+
+        return step, state_bytes
+    return build
+
+
+def fb_compiled_flat(args, data):
+    """forward + backward + allreduce + AdamW as one compiled step on the flat buffer."""
+    model = make_model(args.hidden, args.layers)
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params)
+    tx = fb.chain(fbd.allreduce_gradients(args.bucket_cap_mb), fb.adamw(LR))
+    flat = layout.flatten(params)
+    holder = {"params": flat, "state": fb.fuse(tx, layout).init(flat)}
+    train_step = fb.make_train_step(model, loss_fn, tx, compile=True, layout=layout)
+
+    def step(batch):
+        holder["params"], holder["state"], _ = train_step(holder["params"], holder["state"], batch)
+
+    def state_bytes():
+        return sum(t.numel() * t.element_size() for t in fb.tree.flatten(holder["state"])[0] if isinstance(t, torch.Tensor))
+
+    return step, state_bytes
+
+
+VARIANTS = {
+    "torch DDP + AdamW(fused)": torch_ddp,
+    "fb adamw, no communication (reference)": fb_chain(lambda a: fb.adamw(LR)),
+    "fb allreduce + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb), fb.adamw(LR))),
+    "fb allreduce fp16 + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="fp16"), fb.adamw(LR))),
+    "fb allreduce bf16 + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="bf16"), fb.adamw(LR))),
+    "fb allreduce minmax_uint8 + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="minmax_uint8"), fb.adamw(LR))),
+    "fb shard(adamw)": fb_chain(lambda a: fbd.shard(fb.adamw(LR))),
+    "fb adamw + periodic_average(4)": fb_chain(lambda a: fb.chain(fb.adamw(LR), fbd.periodic_average(4))),
+    "fb compiled flat step (allreduce + adamw)": fb_compiled_flat,
+}
+
+
+def worker(rank, world, port, args, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.threads))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    counter = [0]
+    count_collective_bytes(counter)
+    data = batches(args.steps + args.warmup, args.global_batch, rank, world)
+    rows = []
+    for name, build in VARIANTS.items():
+        step, state_bytes = build(args, data)
+        times = []
+        for i, batch in enumerate(data):
+            if i == args.warmup:
+                counter[0] = 0
+            dist.barrier()
+            start = time.perf_counter()
+            step(batch)
+            times.append(time.perf_counter() - start)
+        timed = times[args.warmup:]
+        rows.append(dict(variant=name, ms=statistics.median(timed) * 1e3,
+                         collective_mib_per_step=counter[0] / len(timed) / 2**20 if counter[0] else None,
+                         state_mib=state_bytes() / 2**20))
+    if rank == 0:
+        torch.save(rows, out_path)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.start_processes(worker, args=(args.ranks, port, args, out), nprocs=args.ranks, join=True, start_method="spawn")
+        rows = torch.load(out)
+    n_params = sum(p.numel() for p in make_model(args.hidden, args.layers).parameters())
+    base = rows[0]["ms"]
+    for r in rows:
+        r["vs_ddp"] = f"{r['ms'] / base:.2f}x"
+        if r["collective_mib_per_step"] is None:
+            r["collective_mib_per_step"] = "n/a"
+    print(f"# {args.ranks} gloo ranks ({args.threads} torch thread each), {machine()}; MLP {n_params / 1e6:.2f}M params "
+          f"({n_params * 4 / 2**20:.1f} MiB float32), global batch {args.global_batch}\n")
+    print(table(rows, ["variant", "ms", "vs_ddp", "collective_mib_per_step", "state_mib"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Data-parallel training as composable transforms over torch.distributed (gloo, NCCL).
+
+    import functional_bagua.distributed as fbd
+
+    tx = fb.chain(fbd.allreduce_gradients(bucket_cap_mb=25), fb.clip_by_global_norm(1.0), fb.adamw(1e-3))
+    tx = fbd.shard(fb.adamw(1e-3))                                         # ZeRO: state sharded
+    tx = fb.chain(fb.sgd(0.1), fbd.periodic_average(period=4))             # local SGD
+    tx = fb.chain(fb.sgd(0.1), fbd.decentralized("shift_one"))             # decentralized SGD
+
+Each transform checks at ``init`` that a process group exists and that all ranks hold the same
+parameters, and uses torch's functional collectives, so it runs eagerly and inside a compiled step.
+"""
+
+from functional_bagua.distributed.allreduce import allreduce_gradients
+from functional_bagua.distributed.averaging import AveragingState, decentralized, peer_of, periodic_average
+from functional_bagua.distributed.buckets import assign_buckets
+from functional_bagua.distributed.compression import COMPRESSIONS, dequantize, quantize
+from functional_bagua.distributed.sharding import ShardState, shard
+
+__all__ = [
+    "allreduce_gradients", "shard", "ShardState", "periodic_average", "decentralized", "AveragingState",
+    "peer_of", "assign_buckets", "COMPRESSIONS", "quantize", "dequantize",
+]

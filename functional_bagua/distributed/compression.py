@@ -1,0 +1,84 @@
+"""All-reduce of flat buffers, plain or compressed. Every function launches the collectives of all
+buffers before it waits for any (torch's functional collectives: an op returns at once, and the
+result waits when first used), so the buffers' communication overlaps.
+
+- ``None``: ``mean_r g_r`` (or the sum) in the buffer's own dtype.
+- ``"fp16"`` / ``"bf16"``: each rank sends ``cast(g_r / n)``, the sum is taken in the low
+  precision and cast back (as DDP's ``fp16_compress_hook``): half the bytes of float32.
+- ``"minmax_uint8"`` (ByteGrad-style): the buffer is padded to a multiple of the world size ``n``
+  and cut into ``n`` chunks; each chunk is quantized to 8 bits with its own minimum and maximum::
+
+      step = (max - min) / 255,   q = round((x - min) / step),   x^ = min + q * step
+
+  An all-to-all sends chunk ``j`` of every rank to rank ``j``, which dequantizes the ``n`` copies,
+  reduces them, quantizes the result again, and an all-gather gives every rank every reduced
+  chunk. Result for chunk ``j``: ``Q(mean_r Q(g_r[j]))``, the same bits on every rank; a quarter
+  of the bytes of float32 (plus 8 bytes per chunk for min and max). The error is at most half a
+  step of each quantization: ``|x^ - x| <= mean_r step_r[j] / 2 + step[j] / 2``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from functional_bagua.distributed.process_group import Group
+
+COMPRESSIONS = (None, "fp16", "bf16", "minmax_uint8")
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LEVELS = 255
+MINMAX_BYTES = 8  # min and max as float32, sent with each chunk's codes
+
+
+def check_compression(compression) -> None:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+
+
+def all_reduce(buffers: list, group: Group, average: bool = True, compression=None) -> list:
+    """``buffers`` reduced over the ranks of ``group`` (mean or sum), each in its own dtype."""
+    check_compression(compression)
+    if compression is None:
+        sums = [funcol.all_reduce(b, "sum", group.group) for b in buffers]
+        return [s / group.world_size if average else s for s in sums]
+    if compression in CAST_DTYPES:
+        low = CAST_DTYPES[compression]
+        sent = [(b / group.world_size if average else b).to(low) for b in buffers]
+        sums = [funcol.all_reduce(s, "sum", group.group) for s in sent]
+        return [s.to(b.dtype) for s, b in zip(sums, buffers)]
+    return _minmax_uint8_all_reduce(buffers, group, average)
+
+
+def quantize(chunks: torch.Tensor) -> torch.Tensor:
+    """Rows of ``chunks`` (float) as rows of uint8 codes followed by the row's min and max
+    (float32, as 8 bytes): ``[rows, columns + 8]``."""
+    lo = chunks.amin(dim=1, keepdim=True).float()
+    hi = chunks.amax(dim=1, keepdim=True).float()
+    step = (hi - lo) / LEVELS
+    codes = ((chunks.float() - lo) / torch.where(step > 0, step, 1.0)).round().clamp(0, LEVELS).to(torch.uint8)
+    return torch.cat([codes, torch.cat([lo, hi], dim=1).view(torch.uint8)], dim=1)
+
+
+def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows that :func:`quantize` packed, in ``dtype``."""
+    codes, minmax = packed[:, :-MINMAX_BYTES], packed[:, -MINMAX_BYTES:].contiguous().view(torch.float32)
+    lo, hi = minmax[:, :1], minmax[:, 1:]
+    return (lo + codes.float() * ((hi - lo) / LEVELS)).to(dtype)
+
+
+def padded_chunks(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """``buffer`` zero-padded to a multiple of ``n`` elements, as ``n`` rows."""
+    padding = -buffer.numel() % n
+    return torch.nn.functional.pad(buffer, (0, padding)).view(n, -1)
+
+
+def _minmax_uint8_all_reduce(buffers: list, group: Group, average: bool) -> list:
+    n = group.world_size
+    sent = [quantize(padded_chunks(b, n)) for b in buffers]
+    received = [funcol.all_to_all_single(p.reshape(-1), None, None, group.group) for p in sent]
+    mine = []
+    for r, p, b in zip(received, sent, buffers):
+        copies = dequantize(r.view(p.shape), torch.float32)  # row j: rank j's copy of my chunk
+        reduced = copies.mean(dim=0) if average else copies.sum(dim=0)
+        mine.append(funcol.all_gather_single(quantize(reduced.unsqueeze(0)), 0, group.group))
+    return [dequantize(m, b.dtype).reshape(-1)[: b.numel()] for m, b in zip(mine, buffers)]

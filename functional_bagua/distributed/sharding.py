@@ -1,0 +1,83 @@
+"""ZeRO over the flat buffer: each rank keeps and updates only its shard of the optimizer state.
+
+With ``n`` ranks, every flat buffer (one per dtype and device, :mod:`functional_bagua.flat`) is
+zero-padded to a multiple of ``n`` and cut into ``n`` equal shards; rank ``r`` owns shard ``r``::
+
+    g[r] = (1/n) * sum_j g_j[r]                    reduce-scatter of the gradients
+    u[r], s[r] = inner.update(g[r], s[r], p[r])    the inner optimizer on the shard only
+    u = all_gather_r u[r]                          every rank gets the whole update
+
+so ``shard(adamw)`` gives the update of ``allreduce_gradients()`` followed by ``adamw`` while the
+moments of AdamW exist only for the local shard (per-rank state memory ~ 1/n). ``inner`` must be
+elementwise (sgd, adam, adamw, lion, ...): a shard cuts tensors apart, so per-tensor rules (LAMB's
+trust ratio, Adafactor, Muon) raise instead of computing norms of pieces.
+
+Example (under torchrun)::
+
+    tx = fbd.shard(fb.adamw(1e-3, weight_decay=0.01))
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch.distributed._functional_collectives as funcol
+
+from functional_bagua import fusion
+from functional_bagua.base import GradientTransformation
+from functional_bagua.distributed.compression import padded_chunks
+from functional_bagua.distributed.process_group import check_same_params, resolve
+from functional_bagua.flat import FlatLayout
+
+NAME = "shard"
+
+
+class ShardState(NamedTuple):
+    """``inner``: the inner transform's state over this rank's shards (``{key: shard}`` trees)."""
+
+    inner: Any
+
+
+class _Shards:
+    """Stands in for a layout while ``inner`` runs on shards: per-tensor rules ask it for the
+    segments of a buffer, and there are none to give."""
+
+    is_shard = True  # transforms that reduce across tensors refuse (fusion.refuse_on_shards)
+
+    def segments(self, key: str):
+        raise NotImplementedError(
+            f"a per-tensor rule cannot run inside {NAME}(): each rank holds 1/world_size of the flat buffer "
+            f"{key!r}, which cuts tensors apart. Shard an elementwise optimizer (sgd, adam, adamw, lion, ...)."
+        )
+
+
+def shard(inner: GradientTransformation, average: bool = True, group=None) -> GradientTransformation:
+    """``inner`` on this rank's shard of the flat buffers (module docstring). ``update`` takes the
+    gradient tree without ``None`` leaves (every rank must send every gradient)."""
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"{NAME}: inner is {type(inner).__name__}, not a GradientTransformation")
+
+    def local_shards(layout, tree, g) -> dict:
+        return {key: padded_chunks(b, g.world_size)[g.rank] for key, b in layout.flatten(tree).items()}
+
+    def init(params):
+        g = resolve(group, NAME)
+        check_same_params(params, g, NAME)
+        return ShardState(fusion.run_on_flat_buffers(_Shards(), inner.init, local_shards(FlatLayout.of(params), params, g)))
+
+    def update(grads, state, params=None):
+        g = resolve(group, NAME)
+        layout = FlatLayout.of(grads)
+        grad_shards = {}
+        for key, buffer in layout.flatten(grads).items():
+            summed = funcol.reduce_scatter_single(padded_chunks(buffer, g.world_size).reshape(-1), "sum", 0, g.group)
+            grad_shards[key] = summed / g.world_size if average else summed
+        param_shards = None if params is None else local_shards(layout, params, g)
+        update_shards, inner_state = fusion.run_on_flat_buffers(_Shards(), inner.update, grad_shards, state.inner, param_shards)
+        full = {
+            key: funcol.all_gather_single(u, 0, g.group)[: layout.groups[key].numel]
+            for key, u in update_shards.items()
+        }
+        return layout.unflatten(full), ShardState(inner_state)
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,81 @@
+"""Run scenarios on N gloo ranks (spawned processes, loopback only) and collect their results.
+
+    results = run_ranks(2, ["allreduce_sgd", "shard_adamw"])    # results[rank][name]
+
+Each scenario is a function ``name(rank, world_size)`` in :mod:`dist_scenarios`; its return value
+(tensors allowed) comes back through ``torch.save``. An exception in a scenario comes back as
+``ScenarioError`` (its type name, message and the seconds it took). Every wait has a timeout, so a
+hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from typing import NamedTuple
+
+import torch
+import torch.multiprocessing as mp
+
+PROCESS_GROUP_TIMEOUT_S = 20
+
+
+class ScenarioError(NamedTuple):
+    type: str
+    message: str
+    seconds: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, names: list, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    import dist_scenarios
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
+    )
+    results = {}
+    for name in names:
+        start = time.monotonic()
+        try:
+            results[name] = getattr(dist_scenarios, name)(rank, world_size)
+        except Exception as e:  # reported to the test, which decides
+            results[name] = ScenarioError(type(e).__name__, str(e), time.monotonic() - start)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, names: list, timeout_s: float = 300) -> list[dict]:
+    """``results[rank][name]`` of each scenario run on ``world_size`` ranks, in order."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, names, out_dir)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout_s} s: {names}")
+        results = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
+        return results

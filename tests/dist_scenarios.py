@@ -1,0 +1,169 @@
+"""Scenarios run on each gloo rank by dist_harness.run_ranks; test_distributed.py checks the results
+against single-process references and torch's own distributed implementations."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
+
+import functional_bagua as fb
+import functional_bagua.distributed as fbd
+from models import batches, loss_fn, make_model
+
+DTYPE = torch.float64
+STEPS = 4
+TINY_BUCKETS_MB = 0.0005  # 524 bytes: several buckets even for the small test model
+LR = 0.1
+
+TXS = {
+    "sgd": lambda: fb.sgd(LR, momentum=0.9),
+    "adamw": lambda: fb.adamw(1e-2, weight_decay=0.1),
+}
+
+
+def global_batches():
+    return batches(STEPS, DTYPE)
+
+
+def local_batches(rank, world_size, seed=1):
+    """This rank's slice of the global batch (the global loss is the mean of the ranks' losses)."""
+    return [(x.chunk(world_size)[rank], y.chunk(world_size)[rank]) for x, y in batches(STEPS, DTYPE, seed=seed)]
+
+
+def grads_of(model, params, x, y):
+    return torch.func.grad(lambda ps: loss_fn(torch.func.functional_call(model, ps, (x,)), y))(params)
+
+
+def train(tx, data, seed=0, update=None, trace=None):
+    """Params and state after one ``tx`` step per batch; ``trace`` collects (params, grads) per step."""
+    model = make_model("shapes", DTYPE, seed=seed)
+    params = fb.params_of(model)
+    state = tx.init(params)
+    update = update or tx.update
+    for x, y in data:
+        grads = grads_of(model, params, x, y)
+        if trace is not None:
+            trace.append((params, grads))
+        updates, state = update(grads, state, params)
+        params = fb.apply_updates(params, updates)
+    return params, state
+
+
+def state_bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor))
+
+
+# --- all-reduce and sharding: N ranks x batch b == 1 process x batch N*b --------------------------
+
+def allreduce_sgd(rank, world_size):
+    return train(fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), TXS["sgd"]()), local_batches(rank, world_size))[0]
+
+
+def allreduce_adamw(rank, world_size):
+    return train(fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), TXS["adamw"]()), local_batches(rank, world_size))[0]
+
+
+def shard_adamw(rank, world_size):
+    params, state = train(fbd.shard(TXS["adamw"]()), local_batches(rank, world_size))
+    return params, state_bytes(state)
+
+
+def shard_lamb_refused(rank, world_size):
+    return train(fbd.shard(fb.lamb(1e-2)), local_batches(rank, world_size))
+
+
+def shard_clip_refused(rank, world_size):
+    return train(fbd.shard(fb.chain(fb.clip_by_global_norm(1.0), fb.sgd(LR))), local_batches(rank, world_size))
+
+
+# --- torch's PostLocalSGDOptimizer on the same schedule ---------------------------------------------
+
+PERIOD, WARMUP = 2, 1
+
+
+def periodic_average(rank, world_size):
+    data = batches(6, DTYPE, seed=10 + rank)  # different data per rank: the models drift apart
+    model = make_model("shapes", DTYPE)
+    opt = PostLocalSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+        PeriodicModelAverager(period=PERIOD, warmup_steps=WARMUP),
+    )
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    expected = {name: p.detach() for name, p in model.named_parameters()}
+    actual, _ = train(fb.chain(fb.sgd(LR, momentum=0.9), fbd.periodic_average(PERIOD, WARMUP)), data)
+    local_only, _ = train(fb.sgd(LR, momentum=0.9), data)
+    return expected, actual, local_only
+
+
+# --- decentralized: each rank starts from its own weights ------------------------------------------
+
+def decentralized(mode, interval):
+    def scenario(rank, world_size):
+        trace = []
+        params, _ = train(fb.chain(fb.sgd(LR), fbd.decentralized(mode, interval)),
+                          batches(3, DTYPE, seed=20 + rank), seed=rank, trace=trace)
+        return trace, params
+    return scenario
+
+
+decentralized_shift_one = decentralized("shift_one", 1)
+decentralized_all_every_2 = decentralized("all", 2)
+
+
+# --- compression -------------------------------------------------------------------------------------
+
+def compressed_mean(compression):
+    def scenario(rank, world_size):
+        gen = torch.Generator().manual_seed(100 + rank)
+        params = {"a": torch.zeros(20, 25), "b": torch.zeros(537)}
+        grads = {k: torch.randn(p.shape, generator=gen) * (rank + 1) for k, p in params.items()}
+        tx = fbd.allreduce_gradients(bucket_cap_mb=0.001, compression=compression)
+        return grads, tx.update(grads, tx.init(params), params)[0]
+    return scenario
+
+
+compressed_fp16 = compressed_mean("fp16")
+compressed_bf16 = compressed_mean("bf16")
+compressed_minmax_uint8 = compressed_mean("minmax_uint8")
+
+
+# --- compiled: the same transforms inside torch.compile(fullgraph=True) -----------------------------
+
+def compiled(make_tx):
+    def scenario(rank, world_size):
+        data = local_batches(rank, world_size)
+        eager, _ = train(make_tx(), data)
+        tx = make_tx()
+        compiled_params, _ = train(tx, data, update=torch.compile(tx.update, fullgraph=True))
+        return eager, compiled_params
+    return scenario
+
+
+compiled_allreduce_adamw = compiled(lambda: fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), TXS["adamw"]()))
+compiled_allreduce_minmax_uint8 = compiled(
+    lambda: fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression="minmax_uint8"), fb.sgd(LR)))
+compiled_shard_adamw = compiled(lambda: fbd.shard(TXS["adamw"]()))
+compiled_periodic_average = compiled(lambda: fb.chain(fb.sgd(LR), fbd.periodic_average(2)))
+compiled_shift_one = compiled(lambda: fb.chain(fb.sgd(LR), fbd.decentralized("shift_one")))
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+def mismatched_shapes(rank, world_size):
+    params = {"w": torch.zeros(3, 4 + rank), "b": torch.zeros(3)}
+    fbd.allreduce_gradients().init(params)
+
+
+def dead_rank(rank, world_size):
+    params = {"w": torch.zeros(3, 4)}
+    tx = fbd.allreduce_gradients()
+    state = tx.init(params)
+    if rank == world_size - 1:
+        os._exit(0)  # dies without a word, after init
+    return tx.update({"w": torch.ones(3, 4)}, state, params)

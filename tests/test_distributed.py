@@ -1,0 +1,226 @@
+"""functional_bagua.distributed on 2 and 4 gloo ranks (spawned, loopback) against single-process
+references, torch's PostLocalSGDOptimizer, Bagua's shift_one peers and the compression formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import functional_bagua as fb
+import functional_bagua.distributed as fbd
+import dist_scenarios as sc
+from dist_harness import PROCESS_GROUP_TIMEOUT_S, ScenarioError, run_ranks
+
+TWO_RANKS = [
+    "allreduce_sgd", "allreduce_adamw", "shard_adamw", "shard_lamb_refused", "shard_clip_refused", "periodic_average",
+    "compressed_fp16", "compressed_bf16", "compressed_minmax_uint8", "mismatched_shapes",
+]
+FOUR_RANKS = ["allreduce_sgd", "decentralized_shift_one", "decentralized_all_every_2"]
+COMPILED = ["compiled_allreduce_adamw", "compiled_allreduce_minmax_uint8", "compiled_shard_adamw", "compiled_periodic_average", "compiled_shift_one"]
+TOL = dict(rtol=1e-10, atol=1e-12)  # float64: only the summation order differs
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_ranks(2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(4, FOUR_RANKS)
+
+
+def ok(result):
+    assert not isinstance(result, ScenarioError), f"scenario raised {result}"
+    return result
+
+
+def assert_trees_close(actual, expected, **tol):
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **(tol or TOL), msg=lambda m: f"{name}: {m}")
+
+
+# --- N ranks x batch b == 1 process x batch N*b -----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_two_ranks_with_allreduce_equal_one_process_with_the_global_batch(two, name):
+    expected, _ = sc.train(sc.TXS[name](), sc.global_batches())
+    for rank in range(2):
+        assert_trees_close(ok(two[rank][f"allreduce_{name}"]), expected)
+
+
+def test_four_ranks_with_allreduce_equal_one_process_with_the_global_batch(four):
+    expected, _ = sc.train(sc.TXS["sgd"](), sc.global_batches())
+    for rank in range(4):
+        assert_trees_close(ok(four[rank]["allreduce_sgd"]), expected)
+
+
+def test_shard_adamw_equals_adamw_unsharded_with_half_the_state_per_rank(two):
+    expected, full_state = sc.train(sc.TXS["adamw"](), sc.global_batches())
+    full_bytes = sc.state_bytes(full_state)
+    for rank in range(2):
+        params, shard_bytes = ok(two[rank]["shard_adamw"])
+        assert_trees_close(params, expected)
+        # the moments (2 x params) are halved; the step count (8 bytes) is per rank
+        assert shard_bytes <= full_bytes / 2 + 64, (shard_bytes, full_bytes)
+
+
+def test_shard_refuses_per_tensor_rules_and_global_norms(two):
+    for rank in range(2):
+        error = two[rank]["shard_lamb_refused"]
+        assert isinstance(error, ScenarioError) and error.type == "NotImplementedError"
+        assert "per-tensor rule cannot run inside shard()" in error.message
+        error = two[rank]["shard_clip_refused"]
+        assert isinstance(error, ScenarioError) and error.type == "NotImplementedError"
+        assert "clip_by_global_norm cannot run inside shard(): the norm of one shard" in error.message
+
+
+# --- model averaging ----------------------------------------------------------------------------------
+
+def test_periodic_average_equals_torch_post_local_sgd(two):
+    for rank in range(2):
+        expected, actual, local_only = ok(two[rank]["periodic_average"])
+        assert_trees_close(actual, expected)
+        assert not torch.allclose(local_only["fc.weight"], expected["fc.weight"])  # averaging did something
+    torch.testing.assert_close(two[0]["periodic_average"][1]["fc.weight"], two[1]["periodic_average"][1]["fc.weight"])
+
+
+SHIFT_ONE_PEERS_4 = [{0: 2, 1: 3, 2: 0, 3: 1}, {0: 3, 1: 2, 2: 1, 3: 0}]  # Bagua's pairs, rounds 0 and 1
+
+
+def test_shift_one_peers_are_baguas():
+    for s in range(6):
+        assert [fbd.peer_of(r, 4, s) for r in range(4)] == [SHIFT_ONE_PEERS_4[s % 2][r] for r in range(4)]
+    for n in (2, 6, 8):
+        for s in range(5):
+            peers = [fbd.peer_of(r, n, s) for r in range(n)]
+            assert all(peers[peers[r]] == r and (peers[r] < n // 2) != (r < n // 2) for r in range(n)), (n, s, peers)
+
+
+def test_decentralized_shift_one_averages_with_baguas_peer_then_adds_the_local_step(four):
+    traces = [ok(four[r]["decentralized_shift_one"])[0] for r in range(4)]
+    finals = [ok(four[r]["decentralized_shift_one"])[1] for r in range(4)]
+    for t in range(len(traces[0])):
+        for r in range(4):
+            p, g = traces[r][t]
+            peer_p = traces[SHIFT_ONE_PEERS_4[t % 2][r]][t][0]
+            after = traces[r][t + 1][0] if t + 1 < len(traces[r]) else finals[r]
+            expected = {k: (p[k] + peer_p[k]) / 2 - sc.LR * g[k] for k in p}
+            assert_trees_close(after, expected)
+
+
+def test_decentralized_all_is_the_mean_of_ranks_on_communication_steps(four):
+    traces = [ok(four[r]["decentralized_all_every_2"])[0] for r in range(4)]
+    finals = [ok(four[r]["decentralized_all_every_2"])[1] for r in range(4)]
+    for t in range(len(traces[0])):
+        for r in range(4):
+            p, g = traces[r][t]
+            after = traces[r][t + 1][0] if t + 1 < len(traces[r]) else finals[r]
+            base = {k: sum(traces[j][t][0][k] for j in range(4)) / 4 for k in p} if t % 2 == 0 else p
+            assert_trees_close(after, {k: base[k] - sc.LR * g[k] for k in p})
+
+
+# --- compression ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compression, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_cast_compression_is_within_the_cast_error(two, compression, dtype):
+    (g0, u0), (g1, u1) = ok(two[0][f"compressed_{compression}"]), ok(two[1][f"compressed_{compression}"])
+    eps = torch.finfo(dtype).eps
+    for k in g0:
+        exact = (g0[k].double() + g1[k].double()) / 2
+        bound = 2 * eps * (g0[k].abs() + g1[k].abs()).double() / 2 + 1e-7
+        assert ((u0[k].double() - exact).abs() <= bound).all(), k
+        assert not torch.equal(u0[k].double(), exact), "no rounding at all: was it compressed?"
+        torch.testing.assert_close(u0[k], u1[k], rtol=0, atol=0)
+
+
+def test_minmax_uint8_compression_is_within_the_quantization_steps(two):
+    (g0, u0), (g1, u1) = ok(two[0]["compressed_minmax_uint8"]), ok(two[1]["compressed_minmax_uint8"])
+    # every chunk's range (padding zeros included) is at most the whole gradient's range with 0
+    ranges = [max(g.max() for g in gs.values()).clamp(min=0) - min(g.min() for g in gs.values()).clamp(max=0)
+              for gs in (g0, g1)]
+    step_in = sum(ranges) / 2 / 255  # the mean of the ranks' steps
+    step_out = step_in  # the reduced chunk lies between the means of the ranks' minima and maxima
+    for k in g0:
+        exact = (g0[k] + g1[k]) / 2
+        assert ((u0[k] - exact).abs() <= step_in / 2 + step_out / 2 + 1e-5).all(), k
+        torch.testing.assert_close(u0[k], u1[k], rtol=0, atol=0)  # the same bits on every rank
+
+
+def test_quantize_round_trip_is_within_half_a_step():
+    x = torch.randn(4, 300) * torch.tensor([[1.0], [10.0], [1e-3], [0.0]])
+    x[3] = 2.5  # a constant row: no error at all
+    back = fbd.dequantize(fbd.quantize(x), x.dtype)
+    step = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 255
+    assert ((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    torch.testing.assert_close(back[3], x[3], rtol=0, atol=0)
+    assert fbd.quantize(x).dtype == torch.uint8 and fbd.quantize(x).shape == (4, 308)
+
+
+# --- buckets --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cap", [1, 600, 4096, 1 << 20])
+def test_buckets_are_ddps(cap):
+    sizes = [10, 300, 20, 400, 5, 1, 77, 250]
+    leaves = [torch.empty(n) for n in sizes]
+    ours = fbd.assign_buckets(leaves, cap)
+    # DDP hands its reducer the tensors in reverse order; map its positions back to ours
+    theirs, _ = dist._compute_bucket_assignment_by_size(list(reversed(leaves)), [cap], [False] * len(sizes), list(range(len(sizes))))
+    assert ours == [[len(sizes) - 1 - i for i in bucket] for bucket in theirs]
+
+
+def test_buckets_keep_dtypes_apart():
+    leaves = [torch.empty(100), torch.empty(100, dtype=torch.float64), torch.empty(100)]
+    buckets = fbd.assign_buckets(leaves, 1 << 20)
+    assert sorted(map(sorted, buckets)) == [[0, 2], [1]]
+
+
+# --- compiled ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_compiled_transforms_equal_eager_on_two_ranks():
+    results = run_ranks(2, COMPILED)
+    for rank in range(2):
+        for name in COMPILED:
+            eager, compiled = ok(results[rank][name])
+            assert_trees_close(compiled, eager, rtol=1e-9, atol=1e-10)
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: fbd.allreduce_gradients(), lambda: fbd.shard(fb.adamw()),
+    lambda: fbd.periodic_average(2), lambda: fbd.decentralized("shift_one"),
+])
+def test_without_a_process_group_init_says_so(make):
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        make().init({"w": torch.zeros(2)})
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="compression must be one of"):
+        fbd.allreduce_gradients(compression="int4")
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        fbd.allreduce_gradients(bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="period must be an int >= 1"):
+        fbd.periodic_average(0)
+    with pytest.raises(ValueError, match="peer_selection_mode must be one of"):
+        fbd.decentralized("ring")
+    with pytest.raises(TypeError, match="not a GradientTransformation"):
+        fbd.shard(fb.adamw)
+
+
+def test_parameters_that_differ_across_ranks_fail_at_init_on_every_rank(two):
+    for rank in range(2):
+        error = two[rank]["mismatched_shapes"]
+        assert isinstance(error, ScenarioError) and error.type == "ValueError"
+        assert "parameters differ across ranks: rank 0 has 'w' of shape (3, 4) float32, rank 1 has 'w' of shape (3, 5)" in error.message
+
+
+def test_a_dead_rank_makes_the_others_fail_in_bounded_time():
+    results = run_ranks(2, ["dead_rank"], timeout_s=PROCESS_GROUP_TIMEOUT_S + 60)
+    error = results[0]["dead_rank"]
+    assert isinstance(error, ScenarioError), f"rank 0 did not fail: {error}"
+    assert error.seconds <= PROCESS_GROUP_TIMEOUT_S + 10, error
