@@ -98,26 +98,26 @@ def test_shift_one_peers_are_baguas():
             assert all(peers[peers[r]] == r and (peers[r] < n // 2) != (r < n // 2) for r in range(n)), (n, s, peers)
 
 
+def transitions(results, name):
+    """Per step ``t``: per rank ``(params_t, grads_t, params_t+1)`` of a decentralized run."""
+    runs = [ok(results[r][name]) for r in range(len(results))]
+    return [
+        [(trace[t][0], trace[t][1], trace[t + 1][0] if t + 1 < len(trace) else final) for trace, final in runs]
+        for t in range(len(runs[0][0]))
+    ]
+
+
 def test_decentralized_shift_one_averages_with_baguas_peer_then_adds_the_local_step(four):
-    traces = [ok(four[r]["decentralized_shift_one"])[0] for r in range(4)]
-    finals = [ok(four[r]["decentralized_shift_one"])[1] for r in range(4)]
-    for t in range(len(traces[0])):
-        for r in range(4):
-            p, g = traces[r][t]
-            peer_p = traces[SHIFT_ONE_PEERS_4[t % 2][r]][t][0]
-            after = traces[r][t + 1][0] if t + 1 < len(traces[r]) else finals[r]
-            expected = {k: (p[k] + peer_p[k]) / 2 - sc.LR * g[k] for k in p}
-            assert_trees_close(after, expected)
+    for t, ranks in enumerate(transitions(four, "decentralized_shift_one")):
+        for r, (p, g, after) in enumerate(ranks):
+            peer_p = ranks[SHIFT_ONE_PEERS_4[t % 2][r]][0]
+            assert_trees_close(after, {k: (p[k] + peer_p[k]) / 2 - sc.LR * g[k] for k in p})
 
 
 def test_decentralized_all_is_the_mean_of_ranks_on_communication_steps(four):
-    traces = [ok(four[r]["decentralized_all_every_2"])[0] for r in range(4)]
-    finals = [ok(four[r]["decentralized_all_every_2"])[1] for r in range(4)]
-    for t in range(len(traces[0])):
-        for r in range(4):
-            p, g = traces[r][t]
-            after = traces[r][t + 1][0] if t + 1 < len(traces[r]) else finals[r]
-            base = {k: sum(traces[j][t][0][k] for j in range(4)) / 4 for k in p} if t % 2 == 0 else p
+    for t, ranks in enumerate(transitions(four, "decentralized_all_every_2")):
+        for p, g, after in ranks:
+            base = {k: sum(q[k] for q, _, _ in ranks) / 4 for k in p} if t % 2 == 0 else p
             assert_trees_close(after, {k: base[k] - sc.LR * g[k] for k in p})
 
 
