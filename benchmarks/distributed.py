@@ -72,6 +72,10 @@ def loss_fn(out, y):
     return torch.nn.functional.cross_entropy(out, y)
 
 
+def state_bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor))
+
+
 def torch_ddp(args, data):
     model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -82,7 +86,7 @@ def torch_ddp(args, data):
         loss_fn(model(x), y).backward()
         opt.step()
 
-    return step, lambda: sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    return step, lambda: state_bytes(list(opt.state.values()))
 
 
 def fb_chain(tx_of):
@@ -98,10 +102,7 @@ def fb_chain(tx_of):
             updates, holder["state"] = tx.update(grads, holder["state"], holder["params"])
             holder["params"] = fb.apply_updates(holder["params"], updates)
 
-        def state_bytes():
-            return sum(t.numel() * t.element_size() for t in fb.tree.flatten(holder["state"])[0] if isinstance(t, torch.Tensor))
-
-        return step, state_bytes
+        return step, lambda: state_bytes(holder["state"])
     return build
 
 
@@ -118,10 +119,7 @@ def fb_compiled_flat(args, data):
     def step(batch):
         holder["params"], holder["state"], _ = train_step(holder["params"], holder["state"], batch)
 
-    def state_bytes():
-        return sum(t.numel() * t.element_size() for t in fb.tree.flatten(holder["state"])[0] if isinstance(t, torch.Tensor))
-
-    return step, state_bytes
+    return step, lambda: state_bytes(holder["state"])
 
 
 VARIANTS = {
@@ -146,7 +144,7 @@ def worker(rank, world, port, args, out_path):
     data = batches(args.steps + args.warmup, args.global_batch, rank, world)
     rows = []
     for name, build in VARIANTS.items():
-        step, state_bytes = build(args, data)
+        step, measure_state = build(args, data)
         times = []
         for i, batch in enumerate(data):
             if i == args.warmup:
@@ -158,7 +156,7 @@ def worker(rank, world, port, args, out_path):
         timed = times[args.warmup:]
         rows.append(dict(variant=name, ms=statistics.median(timed) * 1e3,
                          collective_mib_per_step=counter[0] / len(timed) / 2**20 if counter[0] else None,
-                         state_mib=state_bytes() / 2**20))
+                         state_mib=measure_state() / 2**20))
     if rank == 0:
         torch.save(rows, out_path)
     dist.destroy_process_group()

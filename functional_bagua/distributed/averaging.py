@@ -56,7 +56,10 @@ def periodic_average(period: int, warmup_steps: int = 0, group=None) -> Gradient
     def due(count):
         return (count >= warmup_steps) & ((count - warmup_steps) % period == 0)
 
-    return _averaging("periodic_average", due, lambda new, g, count: mean_over_ranks(new, g), group)
+    def average_locals(params, updates, local, g, count):
+        return mean_over_ranks(local, g)
+
+    return _averaging("periodic_average", due, average_locals, group)
 
 
 def decentralized(peer_selection_mode: str = "all", communication_interval: int = 1, group=None) -> GradientTransformation:
@@ -69,23 +72,23 @@ def decentralized(peer_selection_mode: str = "all", communication_interval: int 
     def due(count):
         return count % communication_interval == 0
 
-    def average_then_add(params_and_updates, g, count):
-        params, updates = params_and_updates
+    def average_then_add(params, updates, local, g, count):
         if peer_selection_mode == "all":
             averaged = mean_over_ranks(params, g)
         else:
             averaged = mean_with_peer(params, g, count // communication_interval)
-        return tree.tree_map(lambda a, u: a + u, averaged, updates)
+        return [a + u for a, u in zip(averaged, updates)]
 
     def check_world(g: Group):
         if peer_selection_mode == "shift_one" and g.world_size % 2:
             raise ValueError(f"decentralized: peer_selection_mode='shift_one' needs an even world size, got {g.world_size}")
 
-    return _averaging("decentralized", due, average_then_add, group, check_world, split=True)
+    return _averaging("decentralized", due, average_then_add, group, check_world)
 
 
-def _averaging(name: str, due: Callable, average: Callable, group, check_world=None, split=False) -> GradientTransformation:
-    """A transform that replaces ``p + u`` by ``average(...)`` on the steps where ``due(count)``."""
+def _averaging(name: str, due: Callable, average: Callable, group, check_world=None) -> GradientTransformation:
+    """A transform that replaces ``local = p + u`` by ``average(p, u, local, group, count)`` (lists
+    over the parameters that have an update) on the steps where ``due(count)``."""
 
     def init(params):
         g = resolve(group, name)
@@ -100,13 +103,13 @@ def _averaging(name: str, due: Callable, average: Callable, group, check_world=N
         g = resolve(group, name)
         update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
         kept = [i for i, u in enumerate(update_leaves) if u is not None]
-        local = [param_leaves[i] + update_leaves[i] for i in kept]
-        argument = ([param_leaves[i] for i in kept], [update_leaves[i] for i in kept]) if split else local
+        params_kept, updates_kept = [param_leaves[i] for i in kept], [update_leaves[i] for i in kept]
+        local = [p + u for p, u in zip(params_kept, updates_kept)]
         is_due = due(state.count)
         if torch.compiler.is_compiling():
-            new = tree.where(is_due, average(argument, g, state.count), local)
+            new = tree.where(is_due, average(params_kept, updates_kept, local, g, state.count), local)
         else:
-            new = average(argument, g, state.count) if bool(is_due) else local
+            new = average(params_kept, updates_kept, local, g, state.count) if bool(is_due) else local
         out = list(update_leaves)
         for i, n in zip(kept, new):
             out[i] = (n - param_leaves[i]).to(update_leaves[i].dtype)
@@ -141,7 +144,7 @@ def mean_with_peer(tensors: list, g: Group, s) -> list:
         for key, b in mine.items():
             theirs[key] = funcol.all_gather_single(b.unsqueeze(0), 0, g.group).index_select(0, peer.reshape(1)).reshape(-1)
     else:
-        peer = int(peer_of(g.rank, g.world_size, int(s)))
+        peer = peer_of(g.rank, g.world_size, int(s))
         for key, b in mine.items():
             splits = [b.numel() if r == peer else 0 for r in range(g.world_size)]
             theirs[key] = funcol.all_to_all_single(b, splits, splits, g.group)
