@@ -1,0 +1,298 @@
+"""Bagua's fused optimizer, rebuilt for torch 2.x: any optimizer steps runs of parameters as one.
+
+    optimizer = fuse_optimizer(torch.optim.Adadelta(model.parameters(), lr=1.0))
+    loss.backward()
+    optimizer.fuse_step()        # the same result as optimizer.step(), bit for bit
+
+Why it is exact. For an elementwise optimizer the update of element ``j`` of a parameter reads
+only element ``j`` of the parameter, its gradient and its state, plus scalars shared by the
+whole step (``lr``, ``step``). So for a run of parameters ``p_1 .. p_n`` lying back to back in
+memory, with their gradients and state tensors lying back to back the same way,
+
+    step([p_1; ...; p_n], [g_1; ...; g_n], [s_1; ...; s_n]) == [step(p_1, g_1, s_1); ...; step(p_n, g_n, s_n)]
+
+and the left side costs a few kernel launches instead of a few per parameter. ``fuse_step``
+finds such runs, hands the optimizer one flat view per run (a ``Parameter`` sharing the
+storage) with a flat gradient and flat state, calls the optimizer's own ``step`` once, and
+writes scalar state (``step`` counters) back to every member.
+
+What makes a run: consecutive parameters of one param group that have a dense gradient, lie
+back to back in one storage (``do_flatten=True`` arranges that once, per (group, device,
+dtype)), and whose state has the same keys, kinds and scalar values. Gradients and state
+tensors that are not back to back yet (a fresh ``backward`` after ``zero_grad(set_to_none=True)``,
+a ``load_state_dict``) are copied into the group's flat buffers once and re-pointed there.
+Everything else (no gradient, sparse, a 0-dim parameter, odd state) is stepped as it is, in the
+same ``step`` call.
+
+Optimizers with per-tensor math (per-parameter norms, clipping, trust ratios) are not
+elementwise. The first time a group would be fused, ``fuse_step`` steps copies of a few of its
+parameters both ways (:mod:`functional_bagua.compat.fusion_check`); if the bits differ it warns
+once and steps that group unfused from then on. Fusion never changes a result silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from functional_bagua.compat import flat_buckets
+from functional_bagua.compat.fusion_check import fusion_changes_step
+from functional_bagua.compat.runs import Run, candidate_runs
+from functional_bagua.compat.spans import span
+
+__all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "fused_steps"]
+
+def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, check_flatten: bool = True):
+    """Give ``optimizer`` a fused step, ``optimizer.fuse_step(closure=None)``, and return it.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``, torch's or your own.
+        do_flatten: move each param group's trainable parameters into one buffer per (device,
+            dtype) now (``p.data`` becomes a view; the ``Parameter`` objects stay the same), and
+            their gradients and state tensors into buffers of the same layout. Without it,
+            ``fuse_step`` fuses only parameters that already lie back to back (e.g. flattened by
+            someone else).
+        check_flatten: before each ``fuse_step``, check that the flattened parameters still
+            view their buffers; if one does not (``p.data`` was replaced), warn once and flatten
+            again. Either way the result stays correct: a parameter that moved away is just
+            stepped on its own. Only meaningful with ``do_flatten``.
+
+    ``optimizer.step()`` keeps working unfused, and the two can be mixed freely. Fusing the same
+    optimizer twice raises ``RuntimeError``. ``optimizer._bagua_fused_count`` counts, like
+    Bagua's, the param groups that were stepped fused, summed over ``fuse_step`` calls.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> optimizer = fuse_optimizer(torch.optim.Adadelta(model.parameters(), lr=1.0))
+        >>> model(torch.ones(3, 4)).sum().backward()
+        >>> optimizer.fuse_step()
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fuse_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if is_fused_optimizer(optimizer):
+        raise RuntimeError(f"this {type(optimizer).__name__} is already fused; fuse_optimizer was called twice on it")
+    fusion = _Fusion(optimizer, do_flatten=do_flatten, check_flatten=check_flatten)
+    optimizer._bagua_fusion = fusion
+    optimizer._bagua_fused_count = 0
+    optimizer.fuse_step = fusion.step
+    return optimizer
+
+
+def is_fused_optimizer(optimizer) -> bool:
+    """Whether ``fuse_optimizer`` was applied to ``optimizer``."""
+    return isinstance(getattr(optimizer, "_bagua_fusion", None), _Fusion)
+
+
+def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = None):
+    """``optimizer.fuse_step(closure)`` for an optimizer returned by :func:`fuse_optimizer`:
+    one optimizer step, with runs of parameters stepped as one tensor. Returns the closure's loss.
+
+    With a closure, the closure is evaluated once before the step (its gradients are what gets
+    fused); an optimizer that calls the closure again (e.g. LBFGS) re-evaluates it from then on.
+    """
+    if not is_fused_optimizer(optimizer):
+        raise RuntimeError(
+            f"fuse_step needs an optimizer passed through fuse_optimizer first; got a plain {type(optimizer).__name__}"
+        )
+    return optimizer._bagua_fusion.step(closure)
+
+
+@contextlib.contextmanager
+def fused_steps(optimizer: torch.optim.Optimizer):
+    """Within the block, ``optimizer.step`` means ``optimizer.fuse_step``: for code that calls
+    ``step()`` itself, such as ``GradScaler.step``::
+
+        scaler.scale(loss).backward()
+        with fused_steps(optimizer):
+            scaler.step(optimizer)       # unscale, skip on inf/NaN, else a fused step
+        scaler.update()
+    """
+    if not is_fused_optimizer(optimizer):
+        raise RuntimeError(f"fused_steps needs an optimizer passed through fuse_optimizer; got {type(optimizer).__name__}")
+    had_own_step = "step" in vars(optimizer)
+    original = vars(optimizer).get("step")
+    optimizer.step = _FusedAlias(optimizer._bagua_fusion, original)
+    try:
+        yield optimizer
+    finally:
+        if had_own_step:
+            optimizer.step = original
+        else:
+            del optimizer.step
+
+
+class _FusedAlias:
+    """``optimizer.step`` inside :func:`fused_steps`; remembers the step it stands in for."""
+
+    def __init__(self, fusion: "_Fusion", original):
+        self.fusion, self.original = fusion, original
+
+    def __call__(self, closure=None, **kwargs):
+        if kwargs:  # e.g. grad_scaler=..., for optimizers with their own AMP handling
+            raise TypeError(f"fuse_step takes only a closure, got {sorted(kwargs)}")
+        return self.fusion.step(closure)
+
+
+class _GroupPlan(NamedTuple):
+    """How one param group is stepped: ``runs`` fused, ``alone`` as they are. Valid while the
+    group holds the same parameters, the same ones have gradients, and every run is intact."""
+
+    param_ids: tuple
+    runs: list
+    alone: list
+    alone_has_grad: list
+
+
+class _Fusion:
+    """The fused step of one optimizer (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, do_flatten: bool, check_flatten: bool):
+        self.optimizer = optimizer
+        self.do_flatten, self.check_flatten = do_flatten, check_flatten
+        self.layouts: dict = {}  # group index -> (ids of the group's params, [FlatBucket])
+        self.bucket_of: dict = {}  # id(param) -> its FlatBucket
+        self.plans: dict = {}  # group index -> _GroupPlan of the last fused step
+        self.fusable: dict = {}  # (group index, device, dtype) -> whether the check passed
+        self.warned_not_flat = False
+        if do_flatten:
+            for index, group in enumerate(optimizer.param_groups):
+                self._flatten(index, group)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            closure = _evaluated_once(closure, loss)
+        state = self.optimizer.state
+        swapped, runs = [], []
+        try:
+            for index, group in enumerate(self.optimizer.param_groups):
+                plan = self._plan(index, group)
+                if not plan.runs:
+                    continue
+                for run in plan.runs:
+                    for chunk, chunk_state in zip(run.chunks, run.fused_states()):
+                        state[chunk] = chunk_state
+                    runs.append(run)
+                swapped.append((group, group["params"]))
+                group["params"] = [chunk for run in plan.runs for chunk in run.chunks] + plan.alone
+                self.optimizer._bagua_fused_count += 1
+            plain_step = self._plain_step()
+            result = plain_step(closure) if closure is not None else plain_step()
+        finally:
+            for group, params in swapped:
+                group["params"] = params
+            for run in runs:
+                run.scatter(state, [state.pop(chunk, {}) for chunk in run.chunks], type(self.optimizer).__name__)
+        return loss if closure is not None else result
+
+    def _plain_step(self) -> Callable:
+        """The optimizer's own step (with any lr-scheduler wrapper), even inside fused_steps."""
+        own = vars(self.optimizer).get("step")
+        if isinstance(own, _FusedAlias):
+            return own.original or type(self.optimizer).step.__get__(self.optimizer)
+        return self.optimizer.step
+
+    # ---- planning -------------------------------------------------------------------------
+
+    def _plan(self, index: int, group: dict) -> _GroupPlan:
+        """The last step's plan if it still holds, else a new one."""
+        if self.do_flatten:
+            self._keep_flat(index, group)
+        plan = self.plans.get(index)
+        if plan is not None and self._still_valid(plan, group):
+            return plan
+        plan = self.plans[index] = self._new_plan(index, group)
+        return plan
+
+    def _still_valid(self, plan: _GroupPlan, group: dict) -> bool:
+        state = self.optimizer.state
+        return (
+            plan.param_ids == tuple(map(id, group["params"]))
+            and all((p.grad is not None) == had for p, had in zip(plan.alone, plan.alone_has_grad))
+            and all(run.still_valid(state) for run in plan.runs)
+        )
+
+    def _new_plan(self, index: int, group: dict) -> _GroupPlan:
+        state = self.optimizer.state
+        candidates, alone = candidate_runs(group["params"], state)
+        fused = []
+        for params in candidates:
+            flat = span(params) if len(params) > 1 else None
+            if flat is None or not self._check_passes(index, group, params):
+                alone.extend(params)
+            else:
+                fused.append(Run(params, flat, state, self._placer(params, flat.numel())))
+        return _GroupPlan(tuple(map(id, group["params"])), fused, alone, [p.grad is not None for p in alone])
+
+    def _check_passes(self, index: int, group: dict, params: list) -> bool:
+        key = (index, params[0].device, params[0].dtype)
+        if key not in self.fusable:
+            reason = fusion_changes_step(self.optimizer, group, params)
+            self.fusable[key] = reason is None
+            if reason is not None:
+                warnings.warn(
+                    f"fuse_step: {type(self.optimizer).__name__} param group {index} ({params[0].dtype}) stays "
+                    f"unfused: {reason}. fuse_step steps it tensor by tensor, as step() does.",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+        return self.fusable[key]
+
+    # ---- flat buffers ---------------------------------------------------------------------
+
+    def _flatten(self, index: int, group: dict) -> None:
+        buckets = flat_buckets.flatten_group(group["params"], self.optimizer.state)
+        self.layouts[index] = (tuple(map(id, group["params"])), buckets)
+        for bucket in buckets:
+            for p in bucket.params:
+                self.bucket_of[id(p)] = bucket
+        self.plans.pop(index, None)
+
+    def _keep_flat(self, index: int, group: dict) -> None:
+        """Flatten a group that is new or whose parameter list changed; with ``check_flatten``,
+        flatten again (warning once) a group whose parameters left their buffers."""
+        layout = self.layouts.get(index)
+        if layout is None or layout[0] != tuple(map(id, group["params"])):
+            self._flatten(index, group)
+        elif self.check_flatten and not all(bucket.intact() for bucket in layout[1]):
+            if not self.warned_not_flat:
+                flat_buckets.warn_not_flat(type(self.optimizer).__name__)
+                self.warned_not_flat = True
+            self._flatten(index, group)
+
+    def _placer(self, params: list, numel: int) -> Callable:
+        """Where a run's gradients and state go: its slice of the bucket's flat buffers when it
+        sits at its slots in a bucket, else new tensors (``None``)."""
+        bucket = self.bucket_of.get(id(params[0]))
+        slot = bucket.slot(params[0], numel) if bucket is not None else None
+
+        def place(kind, key, like):
+            if slot is None:
+                return None
+            if kind == "grad":
+                return bucket.grads_slice(*slot)
+            return bucket.state_slice(key, like.dtype, like.device, *slot)
+
+        return place
+
+
+def _evaluated_once(closure: Callable, loss) -> Callable:
+    """A closure whose first call returns ``loss`` (already computed) and later calls evaluate."""
+    calls = [0]
+
+    def once():
+        calls[0] += 1
+        if calls[0] == 1:
+            return loss
+        with torch.enable_grad():
+            return closure()
+
+    return once

@@ -1,0 +1,156 @@
+"""Does stepping a run of parameters as one tensor change an optimizer's result? Try it once.
+
+Fusion is exact for elementwise updates: if every output element depends only on the same
+element of the parameter, gradient and state (plus scalars such as ``step`` and ``lr``), then
+
+    update([p_1; ...; p_n], [g_1; ...; g_n], [s_1; ...; s_n]) == [update(p_1, g_1, s_1); ...]
+
+bit for bit. Optimizers with per-tensor math (a per-parameter gradient-norm clip, a trust ratio
+``||p|| / ||u||``, a factored second moment) break it. We cannot read an optimizer's code, so we
+test it: :func:`fusion_changes_step` runs the optimizer three steps on copies of a few members of
+a run, once tensor by tensor and once fused, with gradients and parameters whose norms differ by
+orders of magnitude (so that norm-dependent math cannot agree by accident), and compares the bits
+of the parameters and of every state tensor.
+
+The probe runs on a shadow of the optimizer (same class, same attributes, its own param groups
+and state, no step hooks), so the real optimizer, its state and its hooks are untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict, defaultdict
+from typing import Optional
+
+import torch
+
+PROBE_STEPS = 3
+PROBE_MEMBERS = 3
+# norms far apart, the first two already on both sides of any usual clip threshold (a run may
+# have only two members)
+GRAD_NORMS = (1e4, 1e-4, 1.0)
+PARAM_NORMS = (1e2, 1e-2, 1.0)
+HALF_GRAD_NORMS = (1e2, 1e-2, 1.0)  # float16/bfloat16: 1e4 would overflow squared moments
+PROBE_LR = 1e-3  # used when the group's lr is 0 (e.g. warmup starting at 0), which would hide everything
+
+
+def fusion_changes_step(optimizer: torch.optim.Optimizer, group: dict, run: list) -> Optional[str]:
+    """Why stepping ``run`` (parameters of ``group``) as one flat tensor would change the result,
+    or ``None`` if the fused and unfused probe steps agree bit for bit."""
+    if group.get("fused"):
+        return ("torch's fused=True kernel already steps all tensors in one launch, and its vectorized "
+                "code rounds differently depending on where an element sits, so a flat tensor changes bits")
+    if group.get("differentiable"):
+        return "differentiable=True builds an autograd graph through each parameter's update"
+    members = run[:PROBE_MEMBERS]
+    gen = torch.Generator().manual_seed(0)
+    half = members[0].element_size() <= 2
+    start = [_random_like(p, norm, gen) for p, norm in zip(members, PARAM_NORMS)]
+    grads = [
+        [_random_like(p, norm, gen) for p, norm in zip(members, HALF_GRAD_NORMS if half else GRAD_NORMS)]
+        for _ in range(PROBE_STEPS)
+    ]
+    states = [_clone_state(optimizer.state.get(p, {})) for p in members]
+
+    separate = [torch.nn.Parameter(t.clone()) for t in start]
+    separate_state = {p: _clone_state(s) for p, s in zip(separate, states)}
+    fused = torch.nn.Parameter(torch.cat([t.reshape(-1) for t in start]))
+    fused_state = {fused: _fuse_states(states)}
+    try:
+        _run(optimizer, group, separate, separate_state, grads)
+    except Exception as e:  # the optimizer cannot step copies: do not fuse what we cannot check
+        return f"it failed on a probe step ({type(e).__name__}: {e})"
+    try:
+        _run(optimizer, group, [fused], fused_state, [[torch.cat([g.reshape(-1) for g in gs])] for gs in grads])
+    except Exception as e:
+        return f"its step fails on a fused tensor ({type(e).__name__}: {e})"
+
+    if not _same_bits(fused.detach(), torch.cat([p.detach().reshape(-1) for p in separate])):
+        return "fused and unfused probe steps give different parameters (per-tensor math)"
+    return _state_difference(fused, fused_state[fused], [separate_state[p] for p in separate])
+
+
+def _random_like(p: torch.Tensor, norm: float, gen: torch.Generator) -> torch.Tensor:
+    """Random values of ``p``'s shape, dtype and device whose L2 norm is about ``norm``."""
+    values = torch.randn(p.shape, generator=gen, dtype=torch.float64) * (norm / math.sqrt(p.numel()))
+    return values.to(dtype=p.dtype, device=p.device)
+
+
+def _clone_state(state: dict) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
+def _fuse_states(states: list) -> dict:
+    """The state a fused parameter gets: parameter-shaped tensors concatenated, scalars from the
+    first member (a run's members share them)."""
+    fused = {}
+    for key, value in states[0].items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            fused[key] = torch.cat([s[key].reshape(-1) for s in states])
+        else:
+            fused[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    return fused
+
+
+def _shadow(optimizer: torch.optim.Optimizer, group: dict, params: list, state: dict) -> torch.optim.Optimizer:
+    """An optimizer of the same class and attributes stepping ``params`` with ``group``'s
+    hyperparameters and its own ``state``; no hooks, no link back to ``optimizer``."""
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(vars(optimizer))
+    for patched in ("step", "fuse_step", "_bagua_fusion"):  # lr-scheduler wrapper, our own attributes
+        shadow.__dict__.pop(patched, None)
+    probe_group = {**group, "params": params}
+    if isinstance(probe_group.get("lr"), (int, float)) and probe_group["lr"] == 0:
+        probe_group["lr"] = PROBE_LR
+    shadow.param_groups = [probe_group]
+    shadow.state = defaultdict(dict, state)
+    shadow._optimizer_step_pre_hooks = OrderedDict()
+    shadow._optimizer_step_post_hooks = OrderedDict()
+    return shadow
+
+
+def _run(optimizer, group, params, state, grads_per_step) -> None:
+    shadow = _shadow(optimizer, group, params, state)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        type(optimizer).step(shadow)
+    state.clear()
+    state.update(shadow.state)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (so equal NaNs count as equal, and -0.0 differs from 0.0)."""
+    if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def _state_difference(fused: torch.Tensor, fused_state: dict, separate_states: list) -> Optional[str]:
+    for s in separate_states:
+        if set(s) != set(fused_state):
+            return f"fused and unfused probe steps keep different state keys ({sorted(map(str, fused_state))} vs {sorted(map(str, s))})"
+    for key, value in fused_state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.shape != fused.shape:
+                return f"its state {key!r} has shape {tuple(value.shape)}, not the parameter's (per-tensor state)"
+            joined = torch.cat([s[key].reshape(-1) for s in separate_states])
+            if not _same_bits(value, joined):
+                return f"fused and unfused probe steps give different state {key!r} (per-tensor math)"
+        elif isinstance(value, torch.Tensor):
+            if not all(_same_bits(value, s[key]) for s in separate_states):
+                return f"fused and unfused probe steps give different scalar state {key!r}"
+        elif not all(_equal_values(value, s[key]) for s in separate_states):
+            return f"fused and unfused probe steps give different state {key!r}"
+    return None
+
+
+def _equal_values(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

@@ -1,0 +1,516 @@
+"""functional_bagua.compat.fuse_optimizer: fuse_step gives the plain step's result, bit for bit,
+for every torch.optim optimizer and for optimizers written outside torch; per-tensor optimizers
+are detected and stepped unfused; torch 2.x habits (set_to_none, 0-dim step tensors, schedulers,
+state_dict round trips, GradScaler, closures) keep working.
+
+Reference: the same optimizer class on an identical copy of the parameters, stepped with plain
+``step()`` on the same gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+from custom_optimizers import BertAdam, SignMomentum
+from functional_bagua.compat import fuse_optimizer, fuse_step, fused_steps, is_fused_optimizer
+from functional_bagua.compat.fusion_check import fusion_changes_step
+
+STEPS = 100
+
+# name -> (class, group-0 defaults, group-1 overrides)
+OPTIMIZERS = {
+    "SGD": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), dict(lr=0.01, momentum=0.5, nesterov=False)),
+    "Adam": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True), dict(lr=3e-3, weight_decay=0.1, amsgrad=False)),
+    "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05), dict(lr=2e-3, betas=(0.8, 0.9))),
+    "RMSprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9, centered=True), dict(lr=1e-2, alpha=0.9)),
+    "Rprop": (torch.optim.Rprop, dict(lr=1e-2), dict(lr=1e-3, etas=(0.4, 1.3))),
+    "ASGD": (torch.optim.ASGD, dict(lr=1e-2, t0=10), dict(lr=5e-3, weight_decay=1e-2)),
+    "Adamax": (torch.optim.Adamax, dict(lr=1e-2), dict(lr=2e-3, weight_decay=0.01)),
+    "Adadelta": (torch.optim.Adadelta, dict(lr=1.0), dict(lr=0.5, rho=0.8, weight_decay=1e-3)),
+    "NAdam": (torch.optim.NAdam, dict(lr=1e-2), dict(lr=3e-3, decoupled_weight_decay=True, weight_decay=0.01)),
+    "RAdam": (torch.optim.RAdam, dict(lr=1e-2), dict(lr=3e-3, weight_decay=0.01)),
+    "Adagrad": (torch.optim.Adagrad, dict(lr=1e-1, initial_accumulator_value=0.1), dict(lr=5e-2, lr_decay=1e-3)),
+}
+HAS_FUSED_KERNEL = {"SGD", "Adam", "AdamW", "Adagrad"}
+CASES = [(name, impl) for name in OPTIMIZERS for impl in ("for-loop", "foreach")]
+CASES += [(name, "fused") for name in sorted(HAS_FUSED_KERNEL)]
+IMPL_KWARGS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+
+
+def make_params(seed=0):
+    """Two groups. Group 0: float32, with an unused parameter (never a gradient) and a frozen one
+    between trainable ones. Group 1: float64 and float32 mixed."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def param(shape, dtype=torch.float32, requires_grad=True):
+        return torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype), requires_grad=requires_grad)
+
+    group0 = [param((5, 3)), param((3,)), param((4, 4)), param((6,)), param((2, 2), requires_grad=False), param((7,)), param((3, 1))]
+    group1 = [param((3, 2), torch.float64), param((2, 2)), param((6,), torch.float64), param((5,)), param((2, 3), torch.float64)]
+    return group0, group1
+
+
+UNUSED = {(0, 3)}  # (group, index) of the parameter that never gets a gradient
+
+
+def make_optimizer(name, impl, groups):
+    cls, defaults, overrides = OPTIMIZERS[name]
+    return cls([{"params": groups[0]}, {"params": groups[1], **overrides}], **defaults, **IMPL_KWARGS[impl])
+
+
+def set_grads(groups, step, seed=1):
+    """The gradients of step ``step`` (same for every copy): fresh tensors on even steps (as after
+    ``zero_grad(set_to_none=True)``), written into the existing ``.grad`` on odd ones."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    for gi, params in enumerate(groups):
+        for i, p in enumerate(params):
+            if not p.requires_grad or (gi, i) in UNUSED:
+                continue
+            g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+            if step % 2 == 1 and p.grad is not None:
+                p.grad.copy_(g)
+            else:
+                p.grad = g
+
+
+def assert_same(ref_groups, groups, ref_opt, opt):
+    """Parameters and every state entry equal bit for bit."""
+    for ps, qs in zip(ref_groups, groups):
+        for p, q in zip(ps, qs):
+            assert torch.equal(p, q), (p - q).abs().max()
+            sp, sq = ref_opt.state.get(p, {}), opt.state.get(q, {})
+            assert sp.keys() == sq.keys()
+            for key in sp:
+                if isinstance(sp[key], torch.Tensor):
+                    assert sp[key].shape == sq[key].shape and sp[key].dtype == sq[key].dtype, key
+                    assert torch.equal(sp[key], sq[key]), key
+                else:
+                    assert sp[key] == sq[key], key
+
+
+def trainable_groups(groups):
+    return sum(1 for params in groups if sum(p.requires_grad for p in params) > 1)
+
+
+@pytest.mark.parametrize("name,impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_alternating_fuse_step_and_step_equals_plain_step(name, impl):
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = make_optimizer(name, impl, ref_groups)
+    opt = fuse_optimizer(make_optimizer(name, impl, groups))
+    fused_calls = 0
+    for t in range(STEPS):
+        set_grads(ref_groups, t)
+        set_grads(groups, t)
+        ref_opt.step()
+        if t % 2 == 0:
+            opt.fuse_step()
+            fused_calls += 1
+        else:
+            opt.step()
+    assert_same(ref_groups, groups, ref_opt, opt)
+    if impl == "fused":  # torch's fused kernels round by position: refused by the check, never fused
+        assert opt._bagua_fused_count == 0
+    else:  # every fuse_step fused both groups (Bagua's count: one per fused group and call)
+        assert opt._bagua_fused_count == fused_calls * trainable_groups(groups)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(SignMomentum, dict(lr=1e-2, weight_decay=0.1)), (BertAdam, dict(lr=1e-2, t_total=STEPS, max_grad_norm=0.5))])
+def test_custom_optimizers_equal_plain_step(cls, kwargs):
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = cls([{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 1e-3}], **kwargs)
+    opt = fuse_optimizer(cls([{"params": groups[0]}, {"params": groups[1], "lr": 1e-3}], **kwargs))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(STEPS):
+            set_grads(ref_groups, t)
+            set_grads(groups, t)
+            ref_opt.step()
+            (opt.fuse_step if t % 2 == 0 else opt.step)()
+    assert_same(ref_groups, groups, ref_opt, opt)
+    per_tensor = [w for w in caught if "stays unfused" in str(w.message)]
+    if cls is BertAdam:  # per-parameter clipping: detected, warned once per (group, dtype), never fused
+        assert opt._bagua_fused_count == 0
+        assert len(per_tensor) == 3 and all("per-tensor math" in str(w.message) for w in per_tensor)
+    else:
+        assert opt._bagua_fused_count == (STEPS // 2) * 2 and not per_tensor
+
+
+def test_per_tensor_optimizer_would_change_if_fused_naively():
+    """The check is load-bearing: BertAdam stepped on the concatenation differs from BertAdam
+    stepped per tensor (its clip uses each tensor's own norm), while Adam does not."""
+    params = [torch.nn.Parameter(torch.randn(4) * s) for s in (0.01, 100.0)]
+    for cls, expect_same in ((BertAdam, False), (torch.optim.Adam, True)):
+        separate = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        flat = torch.nn.Parameter(torch.cat([p.detach() for p in params]))
+        a, b = cls(separate, lr=0.1), cls([flat], lr=0.1)
+        for _ in range(3):
+            for p in separate:
+                p.grad = p.detach() * 3
+            flat.grad = flat.detach() * 3
+            a.step()
+            b.step()
+        assert torch.equal(torch.cat([p.detach() for p in separate]), flat.detach()) == expect_same
+        reason = fusion_changes_step(cls(separate, lr=0.1), {**a.param_groups[0]}, separate)
+        assert (reason is None) == expect_same, reason
+
+
+# ---- API -------------------------------------------------------------------------------------
+
+
+def test_api_returns_same_object_refuses_twice_and_module_functions():
+    params = make_params()[0]
+    opt = torch.optim.SGD(params, lr=0.1)
+    assert not is_fused_optimizer(opt)
+    with pytest.raises(RuntimeError, match="fuse_optimizer"):
+        fuse_step(opt)
+    assert fuse_optimizer(opt) is opt and is_fused_optimizer(opt)
+    with pytest.raises(RuntimeError, match="already fused"):
+        fuse_optimizer(opt)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fuse_optimizer([p for p in params])
+    set_grads([params], 0)
+    before = [p.detach().clone() for p in params]
+    fuse_step(opt)  # the module function is the method
+    for p, b in zip(params, before):
+        if p.grad is not None:
+            assert torch.equal(p.detach(), torch.add(b, p.grad, alpha=-0.1))
+
+
+def test_do_flatten_puts_params_grads_and_state_in_one_buffer_per_group_and_dtype():
+    groups = make_params()
+    ids = [[id(p) for p in ps] for ps in groups]
+    opt = fuse_optimizer(torch.optim.Adam([{"params": groups[0]}, {"params": groups[1]}], lr=1e-2))
+    assert [[id(p) for p in g["params"]] for g in opt.param_groups] == ids  # identity kept
+    set_grads(groups, 0)
+    opt.fuse_step()
+    for params in groups:
+        for dtype in (torch.float32, torch.float64):
+            members = [p for p in params if p.requires_grad and p.dtype == dtype]
+            if len(members) < 2:
+                continue
+            base = members[0].data_ptr()
+            grads = [(p, p.grad) for p in members if p.grad is not None]
+            states = [(p, opt.state[p]["exp_avg"]) for p in members if p in opt.state]
+            for pairs in (grads, states):
+                # one storage, laid out like the parameters (an unused parameter leaves a gap)
+                assert len({t.untyped_storage().data_ptr() for _, t in pairs}) == 1
+                start = pairs[0][1].data_ptr() - (pairs[0][0].data_ptr() - base)
+                assert all(t.data_ptr() - start == p.data_ptr() - base for p, t in pairs)
+            assert all(a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(members, members[1:]))
+    # the scalar step stays a separate 0-dim tensor per parameter
+    steps = [opt.state[p]["step"] for p in groups[0] if p in opt.state]
+    assert all(s.dim() == 0 for s in steps) and len({id(s) for s in steps}) == len(steps)
+
+
+def test_do_flatten_false_leaves_params_in_place_and_still_matches():
+    ref_groups, groups = make_params(), make_params()
+    pointers = [p.data_ptr() for p in groups[0]]
+    ref_opt = make_optimizer("AdamW", "for-loop", ref_groups)
+    opt = fuse_optimizer(make_optimizer("AdamW", "for-loop", groups), do_flatten=False)
+    assert [p.data_ptr() for p in groups[0]] == pointers
+    for t in range(6):
+        set_grads(ref_groups, t)
+        set_grads(groups, t)
+        ref_opt.step()
+        opt.fuse_step()
+    assert_same(ref_groups, groups, ref_opt, opt)
+    assert [p.data_ptr() for p in groups[0]] == pointers
+
+
+def test_flattened_group_fuses_into_few_views():
+    """A fused step hands the optimizer one view per run: the unused and frozen parameters cut
+    group 0 into runs; float64 and float32 make two runs in group 1."""
+    groups = make_params()
+    opt = fuse_optimizer(make_optimizer("SGD", "for-loop", groups))
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append([len(g["params"]) for g in o.param_groups]))
+    set_grads(groups, 0)
+    opt.fuse_step()
+    # group 0: runs [0..2] and [5..6] + the unused and frozen params stepped as they are
+    # group 1: a float64 run of 3 and a float32 run of 2
+    assert seen == [[2 + 2, 2]]
+
+
+@pytest.mark.parametrize("check_flatten", [True, False])
+def test_replaced_param_data_stays_correct_and_warns_once(check_flatten):
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = make_optimizer("Adam", "for-loop", ref_groups)
+    opt = fuse_optimizer(make_optimizer("Adam", "for-loop", groups), check_flatten=check_flatten)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(8):
+            if t in (2, 5):  # the user replaces storage behind the optimizer's back
+                for ps in (ref_groups[0], groups[0]):
+                    ps[1].data = ps[1].data.clone()
+                    ps[5].data = ps[5].data * 1.0
+            set_grads(ref_groups, t)
+            set_grads(groups, t)
+            ref_opt.step()
+            opt.fuse_step()
+    assert_same(ref_groups, groups, ref_opt, opt)
+    moved = [w for w in caught if "no longer live in the flat buffers" in str(w.message)]
+    assert len(moved) == (1 if check_flatten else 0)
+    if check_flatten:  # flattened again: back to one buffer
+        assert groups[0][1].data_ptr() + 3 * 4 == groups[0][2].data_ptr()
+
+
+# ---- torch 2.x habits -------------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.unused = torch.nn.Linear(3, 3)
+        self.c = torch.nn.Linear(16, 2)
+        self.a.weight.requires_grad_(False)  # frozen
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+def batches(n, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)) for _ in range(n)]
+
+
+def two_copies(make_opt, fuse_kwargs=None):
+    torch.manual_seed(0)
+    ref = Net()
+    net = copy.deepcopy(ref)
+    return ref, make_opt(ref), net, fuse_optimizer(make_opt(net), **(fuse_kwargs or {}))
+
+
+def loss_of(net, x, y):
+    return torch.nn.functional.mse_loss(net(x), y)
+
+
+def assert_models_equal(ref, net):
+    for (n, p), q in zip(ref.named_parameters(), net.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_training_loop_with_backward_and_zero_grad(set_to_none):
+    def make(net):
+        return torch.optim.AdamW([{"params": [net.b.weight, net.b.bias, net.unused.weight]},
+                                  {"params": [net.a.weight, net.a.bias, net.c.weight, net.c.bias, net.unused.bias], "lr": 3e-3}],
+                                 lr=1e-2, weight_decay=0.1)
+    ref, ref_opt, net, opt = two_copies(make)
+    grad_pointer = None
+    for t, (x, y) in enumerate(batches(20)):
+        for model, o in ((ref, ref_opt), (net, opt)):
+            o.zero_grad(set_to_none=set_to_none)
+            loss_of(model, x, y).backward()
+        if not set_to_none and t > 1:  # backward accumulated into the flat gradient views
+            assert net.b.bias.grad.data_ptr() == grad_pointer
+        grad_pointer = net.b.bias.grad.data_ptr()
+        ref_opt.step()
+        opt.fuse_step()
+    assert_models_equal(ref, net)
+    assert net.unused.weight.grad is None and net.a.weight.grad is None
+
+
+def test_lr_scheduler_attached_to_fused_optimizer():
+    def make(net):
+        return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    ref, ref_opt, net, opt = two_copies(make)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.5, total_steps=12)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for x, y in batches(10):
+            for model, o in ((ref, ref_opt), (net, opt)):
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+            ref_opt.step()
+            opt.fuse_step()
+            ref_sched.step()
+            sched.step()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert_models_equal(ref, net)
+
+
+def test_state_dict_round_trips_between_fused_and_plain():
+    def make(net):
+        return torch.optim.Adam(net.parameters(), lr=1e-2)
+    ref, ref_opt, net, opt = two_copies(make)
+    data = batches(12)
+
+    def train(pairs, chunk):
+        for x, y in chunk:
+            for model, o, fused in pairs:
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+                (o.fuse_step if fused else o.step)()
+
+    train([(ref, ref_opt, False), (net, opt, True)], data[:4])
+    # fused -> plain: a fresh plain optimizer on a copy of the fused model
+    buffer = io.BytesIO()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    plain_net = Net()
+    plain_net.load_state_dict(saved["model"])
+    plain_opt = make(plain_net)
+    plain_opt.load_state_dict(saved["opt"])
+    train([(ref, ref_opt, False), (net, opt, True), (plain_net, plain_opt, False)], data[4:8])
+    assert_models_equal(ref, plain_net)
+    # plain -> fused: the fused optimizer loads the plain one's state and goes on
+    opt.load_state_dict(plain_opt.state_dict())
+    net.load_state_dict(plain_net.state_dict())
+    train([(ref, ref_opt, False), (net, opt, True)], data[8:])
+    assert_models_equal(ref, net)
+    assert_same([list(ref.parameters())], [list(net.parameters())], ref_opt, opt)
+
+
+def test_grad_scaler_with_fused_steps_skips_inf_and_matches_plain():
+    def make(net):
+        return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    ref, ref_opt, net, opt = two_copies(make)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+    for t, (x, y) in enumerate(batches(8)):
+        for model, o, scaler in ((ref, ref_opt, scalers[0]), (net, opt, scalers[1])):
+            o.zero_grad()
+            scaler.scale(loss_of(model, x, y)).backward()
+            if t == 3:  # an overflow: the step must be skipped and the scale halved
+                model.b.weight.grad.view(-1)[0] = float("inf")
+        scalers[0].step(ref_opt)
+        count = opt._bagua_fused_count
+        with fused_steps(opt):
+            scalers[1].step(opt)
+        assert opt._bagua_fused_count == (count if t == 3 else count + 1)
+        for scaler in scalers:
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert_models_equal(ref, net)
+    assert "step" not in vars(opt)  # fused_steps restored plain step()
+
+
+def test_closure_is_evaluated_once_and_loss_returned():
+    def make(net):
+        return torch.optim.RMSprop(net.parameters(), lr=1e-2)
+    ref, ref_opt, net, opt = two_copies(make)
+    calls = [0]
+    for x, y in batches(5):
+        def closure(model=net, o=opt):
+            calls[0] += 1
+            o.zero_grad()
+            loss = loss_of(model, x, y)
+            loss.backward()
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = loss_of(ref, x, y)
+            loss.backward()
+            return loss
+        assert torch.equal(opt.fuse_step(closure), ref_opt.step(ref_closure))
+    assert calls[0] == 5
+    assert_models_equal(ref, net)
+
+
+def test_lbfgs_is_refused_by_the_check_and_steps_like_step():
+    """LBFGS calls its closure many times and keeps per-group history: the check cannot step it
+    without a closure, so the group is left unfused and fuse_step(closure) is step(closure)."""
+    def make(net):
+        return torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4)
+    ref, ref_opt, net, opt = two_copies(make)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(3):
+            for model, o in ((ref, ref_opt), (net, opt)):
+                def closure(model=model, o=o):
+                    o.zero_grad()
+                    loss = loss_of(model, x, y)
+                    loss.backward()
+                    return loss
+                (o.fuse_step if o is opt else o.step)(closure)
+    assert_models_equal(ref, net)
+    assert opt._bagua_fused_count == 0
+    assert len([w for w in caught if "stays unfused" in str(w.message)]) == 1
+
+
+def test_add_param_group_after_fusing():
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = torch.optim.Adamax(ref_groups[0], lr=1e-2)
+    opt = fuse_optimizer(torch.optim.Adamax(groups[0], lr=1e-2))
+    for t in range(6):
+        if t == 2:
+            ref_opt.add_param_group({"params": ref_groups[1], "lr": 1e-3})
+            opt.add_param_group({"params": groups[1], "lr": 1e-3})
+        set_grads(ref_groups if t >= 2 else ref_groups[:1], t)
+        set_grads(groups if t >= 2 else groups[:1], t)
+        ref_opt.step()
+        opt.fuse_step()
+    assert_same(ref_groups, groups, ref_opt, opt)
+
+
+def test_sparse_gradients_fail_like_step():
+    p = torch.nn.Parameter(torch.randn(5, 2))
+    q = torch.nn.Parameter(torch.randn(3))
+    opt = fuse_optimizer(torch.optim.Adam([p, q], lr=1e-2))
+    p.grad = torch.randn(5, 2).to_sparse()
+    q.grad = torch.randn(3)
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.fuse_step()
+    assert opt.param_groups[0]["params"] == [p, q]  # the fused views were taken out again
+
+
+@pytest.mark.parametrize("name", ["Adam", "Rprop", "ASGD", "Adagrad", "SGD"])
+def test_runs_cut_into_chunks_mid_parameter_still_match(name, monkeypatch):
+    """On the CPU a run is handed to the optimizer in pieces of at most CPU_CHUNK_BYTES; pieces
+    cut parameters in two and the optimizer makes state per piece. Tiny pieces here (10
+    elements) to exercise that."""
+    import functional_bagua.compat.runs as runs
+
+    monkeypatch.setattr(runs, "CPU_CHUNK_BYTES", 40)
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = make_optimizer(name, "foreach", ref_groups)
+    opt = fuse_optimizer(make_optimizer(name, "foreach", groups))
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(len(o.param_groups[0]["params"])))
+    for t in range(12):
+        set_grads(ref_groups, t)
+        set_grads(groups, t)
+        ref_opt.step()
+        (opt.fuse_step if t % 3 else opt.step)()
+    assert_same(ref_groups, groups, ref_opt, opt)
+    # group 0's runs hold 15+3+16 and 7+3 elements: 4 + 1 pieces, plus 2 parameters stepped alone
+    assert seen[0] == 4 + 1 + 2
+
+
+def test_the_check_leaves_the_real_optimizer_and_its_hooks_alone():
+    class Counting(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            self.calls += 1
+            return super().step(closure)
+
+    ref_params, params = make_params()[1], make_params()[1]
+    ref_opt, opt = Counting(ref_params, lr=0.1, momentum=0.9), fuse_optimizer(Counting(params, lr=0.1, momentum=0.9))
+    hook_calls = {id(ref_opt): 0, id(opt): 0}
+
+    def hook(o, args, kwargs):
+        hook_calls[id(o)] += 1
+    for o in (ref_opt, opt):
+        o.register_step_post_hook(hook)
+    for t in range(3):
+        set_grads([ref_params], t)
+        set_grads([params], t)
+        ref_opt.step()
+        opt.fuse_step()
+    # the check's probe steps are invisible: same attribute updates, same hook calls as step()
+    assert opt.calls == ref_opt.calls == 3
+    assert hook_calls[id(opt)] == hook_calls[id(ref_opt)] > 0
+    assert opt._bagua_fused_count == 3
+    assert_same([ref_params], [params], ref_opt, opt)
