@@ -43,7 +43,7 @@ def fusion_changes_step(optimizer: torch.optim.Optimizer, group: dict, run: list
                 "code rounds differently depending on where an element sits, so a flat tensor changes bits")
     if group.get("differentiable"):
         return "differentiable=True builds an autograd graph through each parameter's update"
-    members = run[:PROBE_MEMBERS]
+    members = probe_members(run)
     gen = torch.Generator().manual_seed(0)
     half = members[0].element_size() <= 2
     start = [_random_like(p, norm, gen) for p, norm in zip(members, PARAM_NORMS)]
@@ -69,6 +69,18 @@ def fusion_changes_step(optimizer: torch.optim.Optimizer, group: dict, run: list
     if not _same_bits(fused.detach(), torch.cat([p.detach().reshape(-1) for p in separate])):
         return "fused and unfused probe steps give different parameters (per-tensor math)"
     return _state_difference(fused, fused_state[fused], [separate_state[p] for p in separate])
+
+
+def probe_members(run: list) -> list:
+    """A few members to copy: the smallest of each number of dimensions first (shape-dependent
+    math, such as factored moments, needs 1-D and 2-D), then the smallest others; small, so the
+    probe stays cheap even when the run holds an embedding table."""
+    by_size = sorted(run, key=lambda p: p.numel())
+    chosen = []
+    for ndim in sorted({p.dim() for p in run}):
+        chosen.append(next(p for p in by_size if p.dim() == ndim))
+    chosen += [p for p in by_size if all(p is not c for c in chosen)]
+    return chosen[:PROBE_MEMBERS]
 
 
 def _random_like(p: torch.Tensor, norm: float, gen: torch.Generator) -> torch.Tensor:

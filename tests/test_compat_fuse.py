@@ -103,16 +103,20 @@ def test_alternating_fuse_step_and_step_equals_plain_step(name, impl):
     ref_opt = make_optimizer(name, impl, ref_groups)
     opt = fuse_optimizer(make_optimizer(name, impl, groups))
     fused_calls = 0
-    for t in range(STEPS):
-        set_grads(ref_groups, t)
-        set_grads(groups, t)
-        ref_opt.step()
-        if t % 2 == 0:
-            opt.fuse_step()
-            fused_calls += 1
-        else:
-            opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(STEPS):
+            set_grads(ref_groups, t)
+            set_grads(groups, t)
+            ref_opt.step()
+            if t % 2 == 0:
+                opt.fuse_step()
+                fused_calls += 1
+            else:
+                opt.step()
     assert_same(ref_groups, groups, ref_opt, opt)
+    refused = [w for w in caught if "stays unfused" in str(w.message)]
+    assert len(refused) == (3 if impl == "fused" else 0)  # once per (group, dtype)
     if impl == "fused":  # torch's fused kernels round by position: refused by the check, never fused
         assert opt._bagua_fused_count == 0
     else:  # every fuse_step fused both groups (Bagua's count: one per fused group and call)
@@ -514,3 +518,25 @@ def test_the_check_leaves_the_real_optimizer_and_its_hooks_alone():
     assert hook_calls[id(opt)] == hook_calls[id(ref_opt)] > 0
     assert opt._bagua_fused_count == 3
     assert_same([ref_params], [params], ref_opt, opt)
+
+
+def test_large_parameters_on_the_cpu_are_stepped_alone(monkeypatch):
+    """Above CPU_FUSE_MAX_NUMEL elements a parameter is not fused (nothing to gain, a gradient
+    copy to lose); results stay the same."""
+    import functional_bagua.compat.runs as runs
+
+    monkeypatch.setattr(runs, "CPU_FUSE_MAX_NUMEL", 6)
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = make_optimizer("NAdam", "for-loop", ref_groups)
+    opt = fuse_optimizer(make_optimizer("NAdam", "for-loop", groups))
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append([len(g["params"]) for g in o.param_groups]))
+    for t in range(4):
+        set_grads(ref_groups, t)
+        set_grads(groups, t)
+        ref_opt.step()
+        opt.fuse_step()
+    assert_same(ref_groups, groups, ref_opt, opt)
+    # group 0: only (3,) and (3, 1) are small, and they are not neighbours: nothing to fuse there.
+    # group 1: float64 (6,) sits between (3, 2) and (2, 3), all <= 6: one run; float32 (2, 2), (5,): one run
+    assert seen[0] == [7, 2]

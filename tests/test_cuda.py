@@ -91,3 +91,25 @@ def test_compiled_train_step_on_cuda_equals_torch_adamw(fused):
     params = layout.unflatten(params) if fused else params
     for name, p in reference.items():
         torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach"])
+def test_fuse_step_equals_step_on_cuda(impl):
+    """compat.fuse_optimizer on CUDA: one flat view per run (no CPU chunking), the same bits as
+    plain step() for an elementwise torch optimizer; 0-dim step tensors stay on the CPU."""
+    from functional_bagua.compat import fuse_optimizer
+
+    kwargs = dict(lr=1e-2, weight_decay=0.1, foreach=impl == "foreach")
+    reference = make_model("shapes", torch.float32).to(DEVICE)
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **kwargs)
+    opt = fuse_optimizer(torch.optim.AdamW(model.parameters(), **kwargs))
+    for t, (x, y) in enumerate(cuda_batches(6)):
+        for m, o in ((reference, ref_opt), (model, opt)):
+            o.zero_grad()
+            loss_fn(m(x), y).backward()
+        ref_opt.step()
+        (opt.fuse_step if t % 2 == 0 else opt.step)()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    assert opt._bagua_fused_count == 3

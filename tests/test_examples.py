@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,12 @@ def test_quickstart_runs_as_a_script():
     )
     assert result.returncode == 0, result.stderr
     assert "full-data loss" in result.stdout
+
+
+@pytest.mark.parametrize("optimizer,amp", [("adadelta", False), ("adamw", True)])
+def test_fused_optimizer_example_learns(optimizer, amp):
+    losses = load_example("fused_optimizer").main(optimizer, steps=60, amp=amp)
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
 
 
 def test_distributed_example_runs_under_torchrun_on_two_ranks():

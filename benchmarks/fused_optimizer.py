@@ -1,0 +1,203 @@
+"""Bagua's fused optimizer (functional_bagua.compat.fuse_optimizer): ``fuse_step`` vs ``step``.
+
+    python benchmarks/fused_optimizer.py                      # CPU: all configs and the training loops
+    python benchmarks/fused_optimizer.py --configs mlp --no-train --steps 10
+
+Optimizer step alone, for AdamW, Adam, SGD momentum, Adadelta and a BertAdam-style optimizer
+(tests/custom_optimizers.py; with its per-tensor clip, which fuse_step must leave unfused, and
+without it), each with torch's for-loop and foreach implementations, plain ``step()`` against
+``fuse_step()``, and torch's ``fused=True`` step where it exists (plus ``torch.compile(step)``
+for AdamW foreach on the small model). Configs: ``mlp``, 200 tensors (100 x Linear(64, 64));
+``bert``, BERT-base's 199 parameter shapes at full size (hidden 768, vocab 30522, 109M elements).
+Two gradient regimes: ``in place`` (gradients stay where the last step left them, as with
+``zero_grad(set_to_none=False)``) and ``fresh`` (new gradient tensors before every step, as
+after ``zero_grad(set_to_none=True)``; fuse_step then copies them into its flat buffer, inside
+the timing).
+
+Then whole training steps (zero_grad, forward, backward, step) on a 100-layer MLP and a
+6-layer transformer encoder with ``zero_grad()``'s default ``set_to_none=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from common import machine, table  # noqa: E402
+from custom_optimizers import BertAdam  # noqa: E402
+from optimizer_step import bert_base_shapes  # noqa: E402
+
+from functional_bagua.compat import fuse_optimizer  # noqa: E402
+
+OPTIMIZERS = {
+    "AdamW": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),
+    "Adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw),
+    "SGD momentum": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
+    "Adadelta": lambda ps, **kw: torch.optim.Adadelta(ps, lr=1.0, **kw),
+    "BertAdam (per-tensor clip)": lambda ps, **kw: BertAdam(ps, lr=1e-3, max_grad_norm=1.0),
+    "BertAdam (no clip)": lambda ps, **kw: BertAdam(ps, lr=1e-3, max_grad_norm=0.0),
+}
+TORCH_FUSED = {"AdamW", "Adam", "SGD momentum"}
+IMPLEMENTATIONS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True)}
+CONFIGS = {
+    "mlp": ("200 tensors: 100 x Linear(64, 64)", lambda: [(64, 64), (64,)] * 100),
+    "bert": ("BERT-base shapes: 199 tensors", lambda: bert_base_shapes(hidden=768, vocab=30522)),
+}
+
+
+def interleaved_ms(fns: dict, setup, steps: int, warmup: int = 3) -> dict:
+    """Median milliseconds of each ``fns[k]()``, the calls taken in turns so that the machine's
+    drift hits every variant alike; ``setup()`` runs untimed before every call."""
+    times = {k: [] for k in fns}
+    for i in range(warmup + steps):
+        for k, fn in fns.items():
+            setup()
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def make_tensors(shapes):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    return params, grads
+
+
+def optimizer_on_copies(name, kwargs, params, grads):
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    return ps, OPTIMIZERS[name](ps, **kwargs)
+
+
+def time_steps(variants: dict, grads, fresh: bool, steps: int) -> dict:
+    """``variants``: label -> (parameters, step function)."""
+    def new_grads():
+        if fresh:
+            for ps, _ in variants.values():
+                for p, g in zip(ps, grads):
+                    p.grad = g.clone()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the expected "stays unfused" of the per-tensor BertAdam
+        return interleaved_ms({k: step for k, (_, step) in variants.items()}, new_grads, steps)
+
+
+def bench_steps(key, names, steps, with_compile):
+    label, shapes_fn = CONFIGS[key]
+    params, grads = make_tensors(shapes_fn())
+    rows = []
+    for name in names:
+        for fresh in (False, True):
+            regime = "fresh" if fresh else "in place"
+            impls = IMPLEMENTATIONS if not name.startswith("BertAdam") else {"for-loop": {}}
+            for impl, kwargs in impls.items():
+                plain_params, plain = optimizer_on_copies(name, kwargs, params, grads)
+                fused_params, fused = optimizer_on_copies(name, kwargs, params, grads)
+                ms = time_steps({"step": (plain_params, plain.step),
+                                 "fuse_step": (fused_params, fuse_optimizer(fused).fuse_step)}, grads, fresh, steps)
+                rows.append(dict(optimizer=name, grads=regime, impl=impl, step_ms=ms["step"],
+                                 fuse_step_ms=ms["fuse_step"], speedup=f"{ms['step'] / ms['fuse_step']:.2f}x"))
+                del plain, fused, plain_params, fused_params
+            others = {}
+            if name in TORCH_FUSED:
+                ps, opt = optimizer_on_copies(name, dict(fused=True), params, grads)
+                others["torch fused=True"] = (ps, opt.step)
+            if with_compile and name == "AdamW" and not fresh:
+                ps, opt = optimizer_on_copies(name, dict(foreach=True), params, grads)
+                others["torch.compile(step), foreach"] = (ps, torch.compile(opt.step))
+            for impl, ms in time_steps(others, grads, fresh, steps).items():
+                rows.append(dict(optimizer=name, grads=regime, impl=impl, step_ms=ms))
+            torch._dynamo.reset()
+    return label, rows
+
+
+class DeepMLP(torch.nn.Module):
+    def __init__(self, width=64, depth=100):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def encoder():
+    layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, num_layers=6, enable_nested_tensor=False)
+
+
+TRAIN_MODELS = {
+    "100-layer MLP (200 tensors), batch 32": (DeepMLP, lambda gen: torch.randn(32, 64, generator=gen)),
+    "transformer encoder, 6 x d256 (74 tensors), batch 4 x 32 tokens": (encoder, lambda gen: torch.randn(4, 32, 256, generator=gen)),
+}
+
+
+def bench_training(steps):
+    rows = []
+    for label, (make_model, make_input) in TRAIN_MODELS.items():
+        x = make_input(torch.Generator().manual_seed(1))
+        for name in ("AdamW", "Adadelta"):
+            variants = [("step", "for-loop"), ("fuse_step", "for-loop"), ("step", "foreach"), ("fuse_step", "foreach")]
+            if name in TORCH_FUSED:
+                variants.append(("step", "torch fused=True"))
+            train_steps = {}
+            for how, impl in variants:
+                torch.manual_seed(0)
+                model = make_model()
+                opt = OPTIMIZERS[name](list(model.parameters()), **IMPLEMENTATIONS.get(impl, dict(fused=True)))
+                step = fuse_optimizer(opt).fuse_step if how == "fuse_step" else opt.step
+
+                def train_step(model=model, opt=opt, step=step):
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    step()
+
+                train_steps[(how, impl)] = train_step
+            times = interleaved_ms(train_steps, lambda: None, steps)
+            for (how, impl), ms in times.items():
+                row = dict(model=label, optimizer=name, impl=impl, call=how, ms=ms)
+                if how == "fuse_step":
+                    row["speedup"] = f"{times[('step', impl)] / ms:.2f}x"
+                rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="mlp,bert")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bert-steps", type=int, default=5, help="timed steps on BERT-base shapes (slow on CPU)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(step) (about a minute)")
+    parser.add_argument("--train-steps", type=int, default=40, help="timed training steps (forward/backward are noisy)")
+    parser.add_argument("--no-train", action="store_true", help="skip the training loops")
+    args = parser.parse_args(argv)
+    torch._inductor.config.fx_graph_cache = False
+    print(f"# fuse_step vs step, {machine()}\n")
+    names = args.optimizers.split(",")
+    for key in args.configs.split(","):
+        steps = args.bert_steps if key == "bert" else args.steps
+        label, rows = bench_steps(key, names, steps, with_compile=key == "mlp" and not args.no_compile)
+        print(f"## optimizer step, {label} (median of {steps})\n")
+        print(table(rows, ["optimizer", "grads", "impl", "step_ms", "fuse_step_ms", "speedup"]) + "\n", flush=True)
+    if not args.no_train:
+        print(f"## training step: zero_grad(), forward, backward, step (median of {args.train_steps})\n")
+        print(table(bench_training(args.train_steps), ["model", "optimizer", "impl", "call", "ms", "speedup"]))
+
+
+if __name__ == "__main__":
+    main()
