@@ -21,6 +21,7 @@ Then whole training steps (zero_grad, forward, backward, step) on a 100-layer ML
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -111,6 +112,7 @@ def bench_steps(key, names, steps, with_compile):
                 rows.append(dict(optimizer=name, grads=regime, impl=impl, step_ms=ms["step"],
                                  fuse_step_ms=ms["fuse_step"], speedup=f"{ms['step'] / ms['fuse_step']:.2f}x"))
                 del plain, fused, plain_params, fused_params
+                gc.collect()
             others = {}
             if name in TORCH_FUSED:
                 ps, opt = optimizer_on_copies(name, dict(fused=True), params, grads)

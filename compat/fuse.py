@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -155,7 +156,9 @@ class _Fusion:
     """The fused step of one optimizer (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, do_flatten: bool, check_flatten: bool):
-        self.optimizer = optimizer
+        # a weak reference: the optimizer holds us (and fuse_step), and a cycle would keep its
+        # buffers alive until the garbage collector runs
+        self._optimizer = weakref.ref(optimizer)
         self.do_flatten, self.check_flatten = do_flatten, check_flatten
         self.layouts: dict = {}  # group index -> (ids of the group's params, [FlatBucket])
         self.bucket_of: dict = {}  # id(param) -> its FlatBucket
@@ -165,6 +168,10 @@ class _Fusion:
         if do_flatten:
             for index, group in enumerate(optimizer.param_groups):
                 self._flatten(index, group)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer()
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -11,6 +11,14 @@ from __future__ import annotations
 import torch
 
 
+def evaluate(closure):
+    """The closure's loss, computed with gradients on (as torch.optim does), or ``None``."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def warmup_linear(progress: float, warmup: float) -> float:
     """``progress / warmup`` during warmup, then ``1 - progress``."""
     return progress / warmup if progress < warmup else 1.0 - progress
@@ -34,10 +42,7 @@ class BertAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -74,10 +79,7 @@ class SignMomentum(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:

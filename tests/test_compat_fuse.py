@@ -97,15 +97,13 @@ def trainable_groups(groups):
     return sum(1 for params in groups if sum(p.requires_grad for p in params) > 1)
 
 
-@pytest.mark.parametrize("name,impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
-def test_alternating_fuse_step_and_step_equals_plain_step(name, impl):
-    ref_groups, groups = make_params(), make_params()
-    ref_opt = make_optimizer(name, impl, ref_groups)
-    opt = fuse_optimizer(make_optimizer(name, impl, groups))
+def alternate(ref_groups, groups, ref_opt, opt, steps=STEPS) -> tuple:
+    """``steps`` steps on the same gradients: plain ``step()`` for the reference, ``fuse_step()``
+    and ``step()`` in turns for ``opt``. Returns (fuse_step calls, "stays unfused" warnings)."""
     fused_calls = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for t in range(STEPS):
+        for t in range(steps):
             set_grads(ref_groups, t)
             set_grads(groups, t)
             ref_opt.step()
@@ -114,8 +112,16 @@ def test_alternating_fuse_step_and_step_equals_plain_step(name, impl):
                 fused_calls += 1
             else:
                 opt.step()
+    return fused_calls, [w for w in caught if "stays unfused" in str(w.message)]
+
+
+@pytest.mark.parametrize("name,impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_alternating_fuse_step_and_step_equals_plain_step(name, impl):
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = make_optimizer(name, impl, ref_groups)
+    opt = fuse_optimizer(make_optimizer(name, impl, groups))
+    fused_calls, refused = alternate(ref_groups, groups, ref_opt, opt)
     assert_same(ref_groups, groups, ref_opt, opt)
-    refused = [w for w in caught if "stays unfused" in str(w.message)]
     assert len(refused) == (3 if impl == "fused" else 0)  # once per (group, dtype)
     if impl == "fused":  # torch's fused kernels round by position: refused by the check, never fused
         assert opt._bagua_fused_count == 0
@@ -128,20 +134,13 @@ def test_custom_optimizers_equal_plain_step(cls, kwargs):
     ref_groups, groups = make_params(), make_params()
     ref_opt = cls([{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 1e-3}], **kwargs)
     opt = fuse_optimizer(cls([{"params": groups[0]}, {"params": groups[1], "lr": 1e-3}], **kwargs))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for t in range(STEPS):
-            set_grads(ref_groups, t)
-            set_grads(groups, t)
-            ref_opt.step()
-            (opt.fuse_step if t % 2 == 0 else opt.step)()
+    fused_calls, per_tensor = alternate(ref_groups, groups, ref_opt, opt)
     assert_same(ref_groups, groups, ref_opt, opt)
-    per_tensor = [w for w in caught if "stays unfused" in str(w.message)]
     if cls is BertAdam:  # per-parameter clipping: detected, warned once per (group, dtype), never fused
         assert opt._bagua_fused_count == 0
         assert len(per_tensor) == 3 and all("per-tensor math" in str(w.message) for w in per_tensor)
     else:
-        assert opt._bagua_fused_count == (STEPS // 2) * 2 and not per_tensor
+        assert opt._bagua_fused_count == fused_calls * 2 and not per_tensor
 
 
 def test_per_tensor_optimizer_would_change_if_fused_naively():
@@ -540,3 +539,21 @@ def test_large_parameters_on_the_cpu_are_stepped_alone(monkeypatch):
     # group 0: only (3,) and (3, 1) are small, and they are not neighbours: nothing to fuse there.
     # group 1: float64 (6,) sits between (3, 2) and (2, 3), all <= 6: one run; float32 (2, 2), (5,): one run
     assert seen[0] == [7, 2]
+
+
+def test_a_fused_optimizer_is_freed_without_the_garbage_collector():
+    """No reference cycle through fuse_step: dropping the optimizer frees its flat buffers at once."""
+    import gc
+    import weakref
+
+    params = make_params()[0]
+    opt = fuse_optimizer(torch.optim.Adam(params, lr=1e-3))
+    set_grads([params], 0)
+    opt.fuse_step()
+    gc.disable()
+    try:
+        ref = weakref.ref(opt)
+        del opt
+        assert ref() is None
+    finally:
+        gc.enable()
