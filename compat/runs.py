@@ -129,7 +129,7 @@ class Run:
         first = state.get(params[0]) or {}
         for key, value in first.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                self._adopt_state(state, key, self._flat_of([state[p][key] for p in params], self.place("state", key, value)))
+                self._adopt_state(state, key, *self._flat_of([state[p][key] for p in params], self.place("state", key, value)))
             elif isinstance(value, torch.Tensor):
                 members = [state[p][key] for p in params]
                 self.scalars[key] = (members, [t._version for t in members])
@@ -218,9 +218,9 @@ class Run:
                     f"fuse_step: {optimizer_name} made state {key!r} of shape {tuple(piece.shape)} for a fused "
                     f"parameter of shape {(b - a,)}; it cannot be split back per parameter"
                 )
-        if len(pieces) == 1 and self.place("state", key, pieces[0]) is None:
-            return pieces[0]
         out = self.place("state", key, pieces[0])
+        if out is None and len(pieces) == 1:
+            return pieces[0]
         if out is None:
             out = torch.empty(self.flat.numel(), dtype=pieces[0].dtype, device=pieces[0].device)
         for (a, b), piece in zip(self.bounds, pieces):
@@ -249,9 +249,8 @@ class Run:
             chunk.grad = self.flat_grad[a:b]
         self.grad_views = [p.grad for p in self.params]
 
-    def _adopt_state(self, state, key, flat_and_views) -> None:
-        """Make ``state[p][key]`` the member views of one flat tensor."""
-        flat, views = flat_and_views if isinstance(flat_and_views, tuple) else (flat_and_views, None)
+    def _adopt_state(self, state, key, flat: torch.Tensor, views: Optional[list] = None) -> None:
+        """Make ``state[p][key]`` the member views (``views``, or split from ``flat``) of one flat tensor."""
         if views is None:
             views = split_like(flat, self.params)
         for p, v in zip(self.params, views):

@@ -36,10 +36,10 @@ def span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
 
 
-def gather(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> tuple:
-    """``(flat, views)``: the tensors copied back to back into ``out`` (a 1-D tensor of the total
-    size) or into a new tensor, and each tensor's view of it (same shape, same values)."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors], out=out)
+def gather(tensors: Sequence[torch.Tensor]) -> tuple:
+    """``(flat, views)``: the tensors copied back to back into a new 1-D tensor, and each
+    tensor's view of it (same shape, same values)."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     return flat, split_like(flat, tensors)
 
 
