@@ -29,6 +29,30 @@ def median_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 3
     return statistics.median(times) * 1e3
 
 
+def steady_malloc(mmap_threshold: int = 32 << 20) -> str:
+    """Pin glibc's allocator so that CPU timings of large tensors stop depending on its history.
+
+    By default glibc moves its mmap threshold as blocks are freed, so a temporary of a few MB
+    comes either from the heap (no cost) or from a fresh ``mmap`` (a page fault per 4 KiB, about
+    10 ms per 100 MB here) depending on what was allocated before: identical optimizer steps on
+    BERT-size tensors then differ by up to 2x. With a fixed threshold (32 MiB, glibc's largest)
+    and no trimming, every block below it is reused from the heap and every block above it is
+    always mapped afresh, for every variant alike. Returns what was done, for the report."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return "default allocator (no glibc mallopt)"
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    if not (mallopt(M_MMAP_THRESHOLD, mmap_threshold) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
+        return "default allocator (mallopt refused)"
+    return f"glibc malloc pinned: mmap threshold {mmap_threshold >> 20} MiB, no trimming"
+
+
 def first_call_s(fn: Callable[[], object], device: str) -> float:
     """Seconds taken by the first call (the compile, for a compiled function)."""
     start = time.perf_counter()

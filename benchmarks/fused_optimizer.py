@@ -16,6 +16,11 @@ the timing).
 
 Then whole training steps (zero_grad, forward, backward, step) on a 100-layer MLP and a
 6-layer transformer encoder with ``zero_grad()``'s default ``set_to_none=True``.
+
+glibc's malloc is pinned first (``common.steady_malloc``; ``--default-malloc`` to skip): the
+for-loop implementations allocate parameter-sized temporaries, and with glibc's moving mmap
+threshold whether those page-fault depends on allocation history, which made identical BERT-size
+steps differ by up to 2x between rows.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from common import machine, table  # noqa: E402
+from common import machine, steady_malloc, table  # noqa: E402
 from custom_optimizers import BertAdam  # noqa: E402
 from optimizer_step import bert_base_shapes  # noqa: E402
 
@@ -187,9 +192,12 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(step) (about a minute)")
     parser.add_argument("--train-steps", type=int, default=40, help="timed training steps (forward/backward are noisy)")
     parser.add_argument("--no-train", action="store_true", help="skip the training loops")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (BERT-size for-loop steps then vary up to 2x)")
     args = parser.parse_args(argv)
     torch._inductor.config.fx_graph_cache = False
-    print(f"# fuse_step vs step, {machine()}\n")
+    allocator = steady_malloc() if not args.default_malloc else "default allocator"
+    print(f"# fuse_step vs step, {machine()}, {allocator}\n")
     names = args.optimizers.split(",")
     for key in args.configs.split(","):
         steps = args.bert_steps if key == "bert" else args.steps

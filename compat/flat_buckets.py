@@ -15,16 +15,18 @@ from typing import Optional
 
 import torch
 
+from functional_bagua.compat.runs import small_enough_to_fuse
 from functional_bagua.compat.spans import gather
 
 
 def trainable_by_kind(params) -> list:
     """The parameters worth flattening, as lists of one (device, dtype) each, in group order:
-    those that can have a gradient, hold elements and are not 0-dim (a 0-dim parameter's state
-    could not be told apart from a scalar such as ``step``)."""
+    those that can have a gradient, hold elements, are not 0-dim (a 0-dim parameter's state
+    could not be told apart from a scalar such as ``step``) and are small enough to be fused
+    (a large CPU parameter is stepped on its own, so a flat copy of it would only cost memory)."""
     kinds: dict = defaultdict(list)
     for p in params:
-        if p.requires_grad and p.dim() > 0 and p.numel() > 0 and not p.is_sparse:
+        if p.requires_grad and p.dim() > 0 and p.numel() > 0 and not p.is_sparse and small_enough_to_fuse(p):
             kinds[(p.device, p.dtype)].append(p)
     return [ps for ps in kinds.values() if len(ps) > 1]
 
@@ -43,7 +45,7 @@ class FlatBucket:
         with torch.no_grad():
             for p, view in zip(self.params, views):
                 p.data = view
-        self._pointers = [p.data_ptr() for p in self.params]
+        self._pointers = list(map(torch.Tensor.data_ptr, self.params))
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.grads_buffer: Optional[torch.Tensor] = None
         self.state_buffers: dict = {}
@@ -51,7 +53,7 @@ class FlatBucket:
 
     def intact(self) -> bool:
         """Whether every parameter still views its slot (``p.data`` was not replaced)."""
-        return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self._pointers))
+        return list(map(torch.Tensor.data_ptr, self.params)) == self._pointers
 
     def slot(self, first: torch.Tensor, numel: int) -> Optional[tuple]:
         """``(start, end)`` in this bucket of the run of ``numel`` elements starting at parameter

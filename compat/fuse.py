@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -49,6 +51,8 @@ from functional_bagua.compat.runs import Run, candidate_runs
 from functional_bagua.compat.spans import span
 
 __all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "fused_steps"]
+
+_grad_of = attrgetter("grad")
 
 def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, check_flatten: bool = True):
     """Give ``optimizer`` a fused step, ``optimizer.fuse_step(closure=None)``, and return it.
@@ -171,7 +175,13 @@ class _Fusion:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self._optimizer()
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise RuntimeError(
+                "fuse_step was called after its optimizer was freed: keep a reference to the optimizer, "
+                "not only to optimizer.fuse_step (it holds the optimizer weakly, as torch's lr schedulers do)"
+            )
+        return optimizer
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -215,20 +225,20 @@ class _Fusion:
 
     def _plan(self, index: int, group: dict) -> _GroupPlan:
         """The last step's plan if it still holds, else a new one."""
+        param_ids = tuple(map(id, group["params"]))
         if self.do_flatten:
-            self._keep_flat(index, group)
+            self._keep_flat(index, group, param_ids)
         plan = self.plans.get(index)
-        if plan is not None and self._still_valid(plan, group):
+        if plan is not None and self._still_valid(plan, param_ids):
             return plan
         plan = self.plans[index] = self._new_plan(index, group)
         return plan
 
-    def _still_valid(self, plan: _GroupPlan, group: dict) -> bool:
-        state = self.optimizer.state
+    def _still_valid(self, plan: _GroupPlan, param_ids: tuple) -> bool:
         return (
-            plan.param_ids == tuple(map(id, group["params"]))
-            and all((p.grad is not None) == had for p, had in zip(plan.alone, plan.alone_has_grad))
-            and all(run.still_valid(state) for run in plan.runs)
+            plan.param_ids == param_ids
+            and list(map(is_not, map(_grad_of, plan.alone), repeat(None))) == plan.alone_has_grad
+            and all(run.still_valid(self.optimizer.state) for run in plan.runs)
         )
 
     def _new_plan(self, index: int, group: dict) -> _GroupPlan:
@@ -267,11 +277,11 @@ class _Fusion:
                 self.bucket_of[id(p)] = bucket
         self.plans.pop(index, None)
 
-    def _keep_flat(self, index: int, group: dict) -> None:
+    def _keep_flat(self, index: int, group: dict, param_ids: tuple) -> None:
         """Flatten a group that is new or whose parameter list changed; with ``check_flatten``,
         flatten again (warning once) a group whose parameters left their buffers."""
         layout = self.layouts.get(index)
-        if layout is None or layout[0] != tuple(map(id, group["params"])):
+        if layout is None or layout[0] != param_ids:
             self._flatten(index, group)
         elif self.check_flatten and not all(bucket.intact() for bucket in layout[1]):
             if not self.warned_not_flat:

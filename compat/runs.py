@@ -7,15 +7,19 @@ value for all (``step``) or the same plain value. A :class:`Run` keeps
 - ``flat``: a ``Parameter`` viewing all members' storage (what the optimizer steps),
 - ``flat.grad`` and one flat tensor per parameter-shaped state key, whose views are the
   members' ``.grad`` and ``state[p][key]`` (copied there once if they were elsewhere),
-- one fused 0-dim tensor per scalar key, copied back to every member after each step,
+- per scalar key, a 0-dim tensor per chunk that the optimizer updates, and the members' own
+  0-dim tensors as views of one flat tensor, so that writing the value back is one copy,
 
-and remembers what it gave out, so that the next step can check in a few pointer comparisons
-per member that nothing moved (:meth:`Run.still_valid`) instead of planning again.
+and remembers what it gave out, so that the next step can check that nothing moved
+(:meth:`Run.still_valid`: a few identity comparisons per member, each a C-level ``map``)
+instead of planning again.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from itertools import repeat
+from operator import attrgetter, is_, is_not, ne
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -24,6 +28,10 @@ from functional_bagua.compat.spans import gather, span, split_like
 
 CPU_CHUNK_BYTES = 1 << 20
 CPU_FUSE_MAX_NUMEL = 1 << 15
+
+_data_ptr = torch.Tensor.data_ptr
+_grad_of = attrgetter("grad")
+_NO_STATE: dict = {}  # what still_valid reads for a parameter without state (never written)
 
 
 def signature(p: torch.Tensor, state: Optional[dict]):
@@ -35,9 +43,11 @@ def signature(p: torch.Tensor, state: Optional[dict]):
     (a few microseconds per op), while a fresh gradient (after ``zero_grad(set_to_none=True)``)
     would cost a copy into the flat buffer, about 1 ns per element here."""
     g = p.grad
+    if state is not None and type(state) is not dict:
+        return None
     if g is None or g.is_sparse or g.shape != p.shape or p.dim() == 0 or p.is_complex() or not p.is_contiguous():
         return None
-    if p.device.type == "cpu" and p.numel() > CPU_FUSE_MAX_NUMEL:
+    if not small_enough_to_fuse(p):
         return None
     sig = [p.dtype, p.device]
     for key, value in (state or {}).items():
@@ -55,6 +65,12 @@ def signature(p: torch.Tensor, state: Optional[dict]):
                 return None
             sig.append((key, "value", type(value), value))
     return tuple(sig)
+
+
+def small_enough_to_fuse(p: torch.Tensor) -> bool:
+    """False for a CPU parameter of more than :data:`CPU_FUSE_MAX_NUMEL` elements (see
+    :func:`signature`); such a parameter is neither fused nor moved into a flat buffer."""
+    return p.device.type != "cpu" or p.numel() <= CPU_FUSE_MAX_NUMEL
 
 
 def candidate_runs(params: list, state) -> tuple:
@@ -100,6 +116,16 @@ def _scalar_values(tensors: list) -> list:
     return torch.stack(tensors).tolist()
 
 
+class _Scalars(NamedTuple):
+    """A run's 0-dim state tensors for one key (``step``): ``members[i]`` is parameter ``i``'s,
+    a view of ``flat``. Views share their base's version counter, so ``version``, the counter
+    when the run last wrote them, changes when anyone changes any member in place."""
+
+    flat: torch.Tensor
+    members: list
+    version: int
+
+
 class Run:
     """Members stepped as one (module docstring). ``place("grad" | "state", key, like)`` returns
     the slice of a flat buffer where the run's gradients or ``key`` state (dtype and device of
@@ -116,13 +142,13 @@ class Run:
         self.params, self.flat, self.place = params, flat, place
         self.bounds = chunk_bounds(flat)
         self.chunks = [torch.nn.Parameter(flat[a:b], requires_grad=False) for a, b in self.bounds]
-        self._pointers = [p.data_ptr() for p in params]
+        self._pointers = list(map(_data_ptr, params))
         self.flat_grad: Optional[torch.Tensor] = None
         self.grad_views: list = []
         self.state_views: dict = {}  # key -> members' views of self.flat_state[key]
         self.flat_state: dict = {}  # key -> flat tensor (parameter-shaped keys)
         self.chunk_state: dict = {}  # key -> chunks' views of self.flat_state[key]
-        self.scalars: dict = {}  # key -> (members' 0-dim tensors, their versions when last written)
+        self.scalars: dict = {}  # key -> _Scalars: the members' 0-dim tensors, views of one flat tensor
         self.chunk_scalars: dict = {}  # key -> one 0-dim tensor per chunk, which the optimizer updates
         self.values: dict = {}  # key -> plain value shared by the members
         self._adopt_grads()
@@ -131,8 +157,7 @@ class Run:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 self._adopt_state(state, key, *self._flat_of([state[p][key] for p in params], self.place("state", key, value)))
             elif isinstance(value, torch.Tensor):
-                members = [state[p][key] for p in params]
-                self.scalars[key] = (members, [t._version for t in members])
+                self._adopt_scalar(state, key, value)
                 self.chunk_scalars[key] = [value.clone() for _ in self.chunks]
             else:
                 self.values[key] = value
@@ -142,24 +167,27 @@ class Run:
     def still_valid(self, state) -> bool:
         """Whether the members are where this run left them: parameters at the same place,
         with a gradient, and state entries that are still the run's views, scalars unchanged
-        since the run wrote them (a plain ``step()`` in between changes them)."""
-        nkeys = len(self.state_views) + len(self.scalars) + len(self.values)
-        for i, p in enumerate(self.params):
-            if p.grad is None or p.data_ptr() != self._pointers[i]:
+        since the run wrote them (a plain ``step()`` in between changes them). Each check is
+        one ``map`` over the members, so that it costs well under a microsecond per member."""
+        params, n = self.params, len(self.params)
+        if list(map(_data_ptr, params)) != self._pointers or any(map(is_, map(_grad_of, params), repeat(None))):
+            return False
+        states = list(map(state.get, params, repeat(_NO_STATE, n)))
+        if any(map(is_not, map(type, states), repeat(dict))):
+            return False
+        if any(map(ne, map(len, states), repeat(len(self.state_views) + len(self.scalars) + len(self.values)))):
+            return False
+        for key, views in self.state_views.items():
+            if not all(map(is_, map(dict.get, states, repeat(key, n)), views)):
                 return False
-            s = state.get(p)
-            if s is None or len(s) != nkeys:
+        for key, scalars in self.scalars.items():
+            if not all(map(is_, map(dict.get, states, repeat(key, n)), scalars.members)):
                 return False
-            for key, views in self.state_views.items():
-                if s.get(key) is not views[i]:
-                    return False
-            for key, (members, versions) in self.scalars.items():
-                t = s.get(key)
-                if t is not members[i] or t._version != versions[i]:
-                    return False
-            for key, value in self.values.items():
-                if key not in s or not _same_value(s[key], value):
-                    return False
+            if scalars.flat._version != scalars.version:  # the members share flat's version counter
+                return False
+        for key, value in self.values.items():
+            if not all(_same_value(v, value) for v in map(dict.get, states, repeat(key, n))):
+                return False
         return True
 
     def fused_states(self) -> list:
@@ -176,14 +204,22 @@ class Run:
 
     @torch.no_grad()
     def _refresh_grads(self) -> None:
-        """Copy gradients that are not the run's views (fresh ones, after
-        ``zero_grad(set_to_none=True)``) into the flat gradient and re-point ``.grad`` there."""
-        stale = [i for i, (p, v) in enumerate(zip(self.params, self.grad_views)) if p.grad is not v]
-        if not stale:
+        """Copy gradients that are not the run's views into the flat gradient.
+
+        A fresh gradient (after ``zero_grad(set_to_none=True)``) is copied and left where it
+        is: ``zero_grad`` drops it before the next ``backward`` anyway. A gradient that is not
+        a view but survived since the last fused step (``zero_grad(set_to_none=False)``, which
+        zeroes in place) is re-pointed to its view, so that later steps find it in place."""
+        grads = list(map(_grad_of, self.params))
+        if all(map(is_, grads, self.grad_views)):
             return
-        torch._foreach_copy_([self.grad_views[i] for i in stale], [self.params[i].grad for i in stale])
+        stale = [i for i, same in enumerate(map(is_, grads, self.grad_views)) if not same]
+        torch._foreach_copy_([self.grad_views[i] for i in stale], [grads[i] for i in stale])
+        ids = list(map(id, grads))
         for i in stale:
-            self.params[i].grad = self.grad_views[i]
+            if ids[i] == self._grad_ids[i]:
+                self.params[i].grad = self.grad_views[i]
+        self._grad_ids = ids
 
     # ---- after the step -------------------------------------------------------------------
 
@@ -227,16 +263,29 @@ class Run:
             out[a:b].copy_(piece)
         return out
 
+    @torch.no_grad()
     def _write_scalar(self, state, key, value: torch.Tensor) -> None:
-        members = [state[p].get(key) for p in self.params]
-        if all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == value.dtype and t.device == value.device
-               for t in members):
-            torch._foreach_copy_(members, [value] * len(members))
-        else:
-            members = [value.clone() for _ in self.params]
-            for p, t in zip(self.params, members):
-                state[p][key] = t
-        self.scalars[key] = (members, [t._version for t in members])
+        """Copy the fused 0-dim ``key`` into every member's own 0-dim tensor: one copy into
+        the flat tensor they view (still_valid checked that they are still the members')."""
+        known = self.scalars.get(key)
+        if known is None or known.flat.dtype != value.dtype or known.flat.device != value.device:
+            self._adopt_scalar(state, key, value)
+            return
+        known.flat.copy_(value.expand_as(known.flat))
+        self.scalars[key] = known._replace(version=known.flat._version)
+
+    # ---- moving tensors into flat buffers -------------------------------------------------
+
+    @torch.no_grad()
+    def _adopt_scalar(self, state, key, value: torch.Tensor) -> None:
+        """Make ``state[p][key]`` 0-dim views of one new flat tensor holding ``value`` for every
+        member: each member still has its own 0-dim tensor (a plain ``step()`` adds to it in
+        place), and writing them all back after a fused step is one copy."""
+        flat = value.detach().expand(len(self.params)).clone()
+        members = list(flat.unbind())
+        for p, t in zip(self.params, members):
+            state[p][key] = t
+        self.scalars[key] = _Scalars(flat, members, flat._version)
 
     # ---- moving tensors into flat buffers -------------------------------------------------
 
@@ -248,6 +297,7 @@ class Run:
         for chunk, (a, b) in zip(self.chunks, self.bounds):
             chunk.grad = self.flat_grad[a:b]
         self.grad_views = [p.grad for p in self.params]
+        self._grad_ids = list(map(id, self.grad_views))  # ids of the gradients of the last fused step
 
     def _adopt_state(self, state, key, flat: torch.Tensor, views: Optional[list] = None) -> None:
         """Make ``state[p][key]`` the member views (``views``, or split from ``flat``) of one flat tensor."""

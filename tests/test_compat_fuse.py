@@ -315,9 +315,29 @@ def test_training_loop_with_backward_and_zero_grad(set_to_none):
             assert net.b.bias.grad.data_ptr() == grad_pointer
         grad_pointer = net.b.bias.grad.data_ptr()
         ref_opt.step()
+        backward_made = net.b.bias.grad
         opt.fuse_step()
+        if set_to_none and t > 0:  # a fresh gradient is copied, and left where backward put it
+            assert net.b.bias.grad is backward_made
     assert_models_equal(ref, net)
     assert net.unused.weight.grad is None and net.a.weight.grad is None
+
+
+def test_gradients_kept_between_steps_move_into_the_flat_buffer():
+    """After steps with fresh gradients, switching to ``zero_grad(set_to_none=False)`` moves the
+    surviving gradients into the flat buffer (one step later), so that backward accumulates there."""
+    ref, ref_opt, net, opt = two_copies(lambda n: torch.optim.Adam(n.parameters(), lr=1e-2))
+    fused = [p for p in net.parameters() if p.requires_grad and p is not net.unused.weight and p is not net.unused.bias]
+    for t, (x, y) in enumerate(batches(8)):
+        for model, o in ((ref, ref_opt), (net, opt)):
+            o.zero_grad(set_to_none=t < 4)
+            loss_of(model, x, y).backward()
+        ref_opt.step()
+        opt.fuse_step()
+    assert_models_equal(ref, net)
+    buffers = {p.grad.untyped_storage().data_ptr() for p in fused}
+    bucket_grads = {b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs}
+    assert buffers <= bucket_grads
 
 
 def test_lr_scheduler_attached_to_fused_optimizer():
@@ -536,6 +556,11 @@ def test_large_parameters_on_the_cpu_are_stepped_alone(monkeypatch):
         ref_opt.step()
         opt.fuse_step()
     assert_same(ref_groups, groups, ref_opt, opt)
+    # large parameters are not moved into the flat buffers either: they keep their own storage
+    for ps in groups:
+        for p in ps:
+            if p.numel() > 6 or not p.requires_grad:
+                assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     # group 0: only (3,) and (3, 1) are small, and they are not neighbours: nothing to fuse there.
     # group 1: float64 (6,) sits between (3, 2) and (2, 3), all <= 6: one run; float32 (2, 2), (5,): one run
     assert seen[0] == [7, 2]
@@ -557,3 +582,65 @@ def test_a_fused_optimizer_is_freed_without_the_garbage_collector():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_fuse_step_kept_without_its_optimizer_says_so():
+    step = fuse_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)).fuse_step
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match="optimizer was freed"):
+        step()
+
+
+@pytest.mark.parametrize("edit", ["replace exp_avg", "reset state", "delete state", "new step tensor", "bump step in place"])
+def test_state_edited_between_fused_steps_is_respected(edit):
+    """A fused step re-reads ``optimizer.state`` entries a user replaced, reset or changed in
+    place between steps, exactly as ``step()`` does."""
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = make_optimizer("Adam", "for-loop", ref_groups)
+    opt = fuse_optimizer(make_optimizer("Adam", "for-loop", groups))
+
+    def apply_edit(o, p):
+        if edit == "replace exp_avg":
+            o.state[p]["exp_avg"] = torch.full_like(p, 0.5)
+        elif edit == "reset state":
+            o.state[p] = {}
+        elif edit == "delete state":
+            del o.state[p]
+        elif edit == "new step tensor":
+            o.state[p]["step"] = torch.tensor(40.0)
+        else:
+            o.state[p]["step"].add_(7)
+
+    for t in range(6):
+        set_grads(ref_groups, t)
+        set_grads(groups, t)
+        if t == 3:
+            apply_edit(ref_opt, ref_groups[0][2])
+            apply_edit(opt, groups[0][2])
+        ref_opt.step()
+        opt.fuse_step()
+    assert_same(ref_groups, groups, ref_opt, opt)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(momentum=0.9)], ids=["no-state", "momentum"])
+def test_the_plan_is_kept_between_steps(kwargs, monkeypatch):
+    """Planning (finding runs) happens once; later steps only check that nothing moved, also
+    for an optimizer that keeps no state at all (SGD without momentum)."""
+    import functional_bagua.compat.fuse as fuse
+
+    plans = []
+    original = fuse.candidate_runs
+    monkeypatch.setattr(fuse, "candidate_runs", lambda *args: plans.append(1) or original(*args))
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1]}], lr=0.1, **kwargs)
+    opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, **kwargs))
+    for t in range(6):
+        set_grads(ref_groups, t)
+        set_grads(groups, t)
+        ref_opt.step()
+        opt.fuse_step()
+    assert_same(ref_groups, groups, ref_opt, opt)
+    # once per group: the state the first step creates is adopted by the runs, not re-planned
+    assert len(plans) == 2
