@@ -187,7 +187,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="mlp,bert")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50, help="timed steps on the 200-tensor model")
     parser.add_argument("--bert-steps", type=int, default=5, help="timed steps on BERT-base shapes (slow on CPU)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(step) (about a minute)")
     parser.add_argument("--train-steps", type=int, default=40, help="timed training steps (forward/backward are noisy)")

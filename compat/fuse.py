@@ -47,7 +47,7 @@ import torch
 
 from functional_bagua.compat import flat_buckets
 from functional_bagua.compat.fusion_check import fusion_changes_step
-from functional_bagua.compat.runs import Run, candidate_runs
+from functional_bagua.compat.runs import Run, StateIndex, candidate_runs
 from functional_bagua.compat.spans import span
 
 __all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "fused_steps"]
@@ -154,6 +154,7 @@ class _GroupPlan(NamedTuple):
     runs: list
     alone: list
     alone_has_grad: list
+    pointers_checked: list  # per run: whether _keep_flat's bucket check covers its parameters
 
 
 class _Fusion:
@@ -168,6 +169,7 @@ class _Fusion:
         self.bucket_of: dict = {}  # id(param) -> its FlatBucket
         self.plans: dict = {}  # group index -> _GroupPlan of the last fused step
         self.fusable: dict = {}  # (group index, device, dtype) -> whether the check passed
+        self.state_index = StateIndex()  # optimizer.state read by position, for the plan checks
         self.warned_not_flat = False
         if do_flatten:
             for index, group in enumerate(optimizer.param_groups):
@@ -193,6 +195,7 @@ class _Fusion:
             closure = _evaluated_once(closure, loss)
         state = self.optimizer.state
         swapped, runs = [], []
+        self.state_index.read(state)
         try:
             for index, group in enumerate(self.optimizer.param_groups):
                 plan = self._plan(index, group)
@@ -208,6 +211,7 @@ class _Fusion:
             plain_step = self._plain_step()
             result = plain_step(closure) if closure is not None else plain_step()
         finally:
+            self.state_index.release()
             for group, params in swapped:
                 group["params"] = params
             for run in runs:
@@ -238,20 +242,23 @@ class _Fusion:
         return (
             plan.param_ids == param_ids
             and list(map(is_not, map(_grad_of, plan.alone), repeat(None))) == plan.alone_has_grad
-            and all(run.still_valid(self.optimizer.state) for run in plan.runs)
+            and all(run.still_valid(self.state_index, check_pointers=not checked)
+                    for run, checked in zip(plan.runs, plan.pointers_checked))
         )
 
     def _new_plan(self, index: int, group: dict) -> _GroupPlan:
         state = self.optimizer.state
         candidates, alone = candidate_runs(group["params"], state)
-        fused = []
+        fused, pointers_checked = [], []
         for params in candidates:
             flat = span(params) if len(params) > 1 else None
             if flat is None or not self._check_passes(index, group, params):
                 alone.extend(params)
-            else:
-                fused.append(Run(params, flat, state, self._placer(params, flat.numel())))
-        return _GroupPlan(tuple(map(id, group["params"])), fused, alone, [p.grad is not None for p in alone])
+                continue
+            bucket, slot = self._slot(params, flat.numel())
+            fused.append(Run(params, flat, state, _placer(bucket, slot)))
+            pointers_checked.append(slot is not None and self.check_flatten)
+        return _GroupPlan(tuple(map(id, group["params"])), fused, alone, [p.grad is not None for p in alone], pointers_checked)
 
     def _check_passes(self, index: int, group: dict, params: list) -> bool:
         key = (index, params[0].device, params[0].dtype)
@@ -289,20 +296,25 @@ class _Fusion:
                 self.warned_not_flat = True
             self._flatten(index, group)
 
-    def _placer(self, params: list, numel: int) -> Callable:
-        """Where a run's gradients and state go: its slice of the bucket's flat buffers when it
-        sits at its slots in a bucket, else new tensors (``None``)."""
+    def _slot(self, params: list, numel: int) -> tuple:
+        """``(bucket, (start, end))`` when a run sits at its slots in a flat bucket, else ``(None, None)``."""
         bucket = self.bucket_of.get(id(params[0]))
         slot = bucket.slot(params[0], numel) if bucket is not None else None
+        return (bucket, slot) if slot is not None else (None, None)
 
-        def place(kind, key, like):
-            if slot is None:
-                return None
-            if kind == "grad":
-                return bucket.grads_slice(*slot)
-            return bucket.state_slice(key, like.dtype, like.device, *slot)
 
-        return place
+def _placer(bucket, slot) -> Callable:
+    """Where a run's gradients and state go: its slice of the bucket's flat buffers when it sits
+    at its slots in a bucket, else new tensors (``None``)."""
+
+    def place(kind, key, like):
+        if slot is None:
+            return None
+        if kind == "grad":
+            return bucket.grads_slice(*slot)
+        return bucket.state_slice(key, like.dtype, like.device, *slot)
+
+    return place
 
 
 def _evaluated_once(closure: Callable, loss) -> Callable:

@@ -18,7 +18,7 @@ instead of planning again.
 from __future__ import annotations
 
 from itertools import repeat
-from operator import attrgetter, is_, is_not, ne
+from operator import attrgetter, is_, is_not, itemgetter, ne
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -32,6 +32,42 @@ CPU_FUSE_MAX_NUMEL = 1 << 15
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = attrgetter("grad")
 _NO_STATE: dict = {}  # what still_valid reads for a parameter without state (never written)
+
+
+class StateIndex:
+    """``optimizer.state``'s per-parameter dicts, read by position instead of by key.
+
+    Looking a tensor up in ``optimizer.state`` calls ``Tensor.__hash__``, a Python function
+    (about 0.25 us). :meth:`read` instead takes the keys' ids and the values in order (C-level
+    copies) and, while the ids are the same in the same order as last time, a run reads its
+    members' dicts at remembered positions (a member is alive, so no other key can have its
+    id); any insertion or deletion starts a new ``generation`` of positions. The values are
+    read afresh on every step, so a dict replaced under an existing key
+    (``optimizer.state[p] = {}``) is seen, and dropped by :meth:`release` after the step."""
+
+    def __init__(self):
+        self.key_ids: list = []
+        self.generation = 0
+        self.values: list = []
+        self._positions: dict = {}
+
+    def read(self, state) -> None:
+        key_ids = list(map(id, state))
+        if key_ids != self.key_ids:
+            self.key_ids, self._positions = key_ids, {}
+            self.generation += 1
+        self.values = list(state.values())
+        self.values.append(_NO_STATE)  # at position len(key_ids): parameters without state
+
+    def release(self) -> None:
+        self.values = []
+
+    def getter(self, params: list) -> Callable:
+        """A function of ``values`` giving ``params``' state dicts (``_NO_STATE`` for none)."""
+        if not self._positions:
+            self._positions = {k: i for i, k in enumerate(self.key_ids)}
+        missing = len(self.key_ids)
+        return itemgetter(*[self._positions.get(id(p), missing) for p in params])
 
 
 def signature(p: torch.Tensor, state: Optional[dict]):
@@ -143,6 +179,8 @@ class Run:
         self.bounds = chunk_bounds(flat)
         self.chunks = [torch.nn.Parameter(flat[a:b], requires_grad=False) for a, b in self.bounds]
         self._pointers = list(map(_data_ptr, params))
+        self._states_of, self._states_generation = None, -1  # see StateIndex
+        self._grads_checked: Optional[list] = None  # the members' .grad, as still_valid saw them
         self.flat_grad: Optional[torch.Tensor] = None
         self.grad_views: list = []
         self.state_views: dict = {}  # key -> members' views of self.flat_state[key]
@@ -164,15 +202,22 @@ class Run:
 
     # ---- before the step ------------------------------------------------------------------
 
-    def still_valid(self, state) -> bool:
-        """Whether the members are where this run left them: parameters at the same place,
-        with a gradient, and state entries that are still the run's views, scalars unchanged
-        since the run wrote them (a plain ``step()`` in between changes them). Each check is
-        one ``map`` over the members, so that it costs well under a microsecond per member."""
+    def still_valid(self, index: StateIndex, check_pointers: bool = True) -> bool:
+        """Whether the members are where this run left them: parameters at the same place
+        (``check_pointers=False`` when the caller checked that already), with a gradient, and
+        state entries that are still the run's views, scalars unchanged since the run wrote them
+        (a plain ``step()`` in between changes them). Each check is one ``map`` over the
+        members, so that it costs well under a microsecond per member."""
         params, n = self.params, len(self.params)
-        if list(map(_data_ptr, params)) != self._pointers or any(map(is_, map(_grad_of, params), repeat(None))):
+        if check_pointers and list(map(_data_ptr, params)) != self._pointers:
             return False
-        states = list(map(state.get, params, repeat(_NO_STATE, n)))
+        grads = list(map(_grad_of, params))
+        if any(map(is_, grads, repeat(None))):
+            return False
+        self._grads_checked = grads  # for _refresh_grads, in this step
+        if self._states_generation != index.generation:
+            self._states_of, self._states_generation = index.getter(params), index.generation
+        states = self._states_of(index.values)
         if any(map(is_not, map(type, states), repeat(dict))):
             return False
         if any(map(ne, map(len, states), repeat(len(self.state_views) + len(self.scalars) + len(self.values)))):
@@ -210,7 +255,7 @@ class Run:
         is: ``zero_grad`` drops it before the next ``backward`` anyway. A gradient that is not
         a view but survived since the last fused step (``zero_grad(set_to_none=False)``, which
         zeroes in place) is re-pointed to its view, so that later steps find it in place."""
-        grads = list(map(_grad_of, self.params))
+        grads, self._grads_checked = self._grads_checked or list(map(_grad_of, self.params)), None
         if all(map(is_, grads, self.grad_views)):
             return
         stale = [i for i, same in enumerate(map(is_, grads, self.grad_views)) if not same]
