@@ -3,6 +3,10 @@ references, torch's PostLocalSGDOptimizer, Bagua's shift_one peers and the compr
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -224,3 +228,38 @@ def test_a_dead_rank_makes_the_others_fail_in_bounded_time():
     error = results[0]["dead_rank"]
     assert isinstance(error, ScenarioError), f"rank 0 did not fail: {error}"
     assert error.seconds <= PROCESS_GROUP_TIMEOUT_S + 10, error
+
+
+# --- shutdown ---------------------------------------------------------------------------------------
+
+SHUTDOWN_SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+import functional_bagua as fb, functional_bagua.distributed as fbd
+
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return [n for n in names if "gloo" in n]
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+params = {"w": torch.ones(3)}
+tx = fb.chain(fbd.allreduce_gradients(), fb.sgd(0.1))
+grads = torch.func.grad(lambda p: (p["w"] ** 2).sum())(params)  # imports torch._dynamo, as a training loop does
+updates, _ = tx.update(grads, tx.init(params), params)
+assert gloo_threads(), "the process group should run gloo threads while it exists"
+dist.destroy_process_group()
+print("gloo threads after destroy_process_group:", gloo_threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux's /proc")
+def test_destroy_process_group_stops_gloo_threads_after_torch_func():
+    """A process group that outlives destroy_process_group keeps gloo's worker threads, and one of
+    them releasing a tensor at interpreter exit aborts the process (seen as a flaky SIGABRT of the
+    distributed example under load). Importing functional_bagua.distributed first prevents it."""
+    from dist_harness import free_port
+
+    result = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, str(free_port())], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gloo threads after destroy_process_group: []" in result.stdout, result.stdout

@@ -14,6 +14,16 @@ import torch.distributed as dist
 
 from functional_bagua import tree
 
+if dist.is_available():
+    # torch.distributed.nn.functional's functions take ``group=group.WORLD`` as a default argument,
+    # so whichever process group exists when that module is first imported stays referenced for
+    # the life of the process. torch imports it lazily with torch._dynamo (the first torch.func
+    # or torch.compile call), typically after init_process_group: destroy_process_group() then
+    # leaves gloo's worker threads running, and one that releases a tensor while the interpreter
+    # shuts down aborts the process ("terminate called without an active exception"). Imported
+    # here, before any process group exists, the defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 
 class Group(NamedTuple):
     """A process group with its size and this process's rank in it."""
