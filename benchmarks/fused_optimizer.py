@@ -3,7 +3,7 @@
     python benchmarks/fused_optimizer.py                      # CPU: all configs and the training loops
     python benchmarks/fused_optimizer.py --configs mlp --no-train --steps 10
 
-Optimizer step alone, for AdamW, Adam, SGD momentum, Adadelta and a BertAdam-style optimizer
+Optimizer step alone, for AdamW, Adam, SGD momentum, SGD, Adadelta and a BertAdam-style optimizer
 (tests/custom_optimizers.py; with its per-tensor clip, which fuse_step must leave unfused, and
 without it), each with torch's for-loop and foreach implementations, plain ``step()`` against
 ``fuse_step()``, and torch's ``fused=True`` step where it exists (plus ``torch.compile(step)``
@@ -48,11 +48,12 @@ OPTIMIZERS = {
     "AdamW": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),
     "Adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw),
     "SGD momentum": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
+    "SGD": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, **kw),
     "Adadelta": lambda ps, **kw: torch.optim.Adadelta(ps, lr=1.0, **kw),
     "BertAdam (per-tensor clip)": lambda ps, **kw: BertAdam(ps, lr=1e-3, max_grad_norm=1.0),
     "BertAdam (no clip)": lambda ps, **kw: BertAdam(ps, lr=1e-3, max_grad_norm=0.0),
 }
-TORCH_FUSED = {"AdamW", "Adam", "SGD momentum"}
+TORCH_FUSED = {"AdamW", "Adam", "SGD momentum", "SGD"}
 IMPLEMENTATIONS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True)}
 CONFIGS = {
     "mlp": ("200 tensors: 100 x Linear(64, 64)", lambda: [(64, 64), (64,)] * 100),

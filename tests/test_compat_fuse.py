@@ -18,7 +18,7 @@ import torch
 
 from custom_optimizers import BertAdam, SignMomentum
 from functional_bagua.compat import fuse_optimizer, fuse_step, fused_steps, is_fused_optimizer
-from functional_bagua.compat.fusion_check import fusion_changes_step
+from functional_bagua.compat.fusion_check import SINGLE_OP_WORK, fusion_changes_step, probe
 
 STEPS = 100
 
@@ -679,3 +679,81 @@ def test_state_index_reads_by_position_and_sees_replaced_dicts():
     assert got[0] == {} and got[1] is state[params[0]] and got[2] is state[params[3]]
     index.release()
     assert index.values == []
+
+
+# ---- fresh gradients and cheap optimizers ----------------------------------------------------
+
+
+class OneForeachOp(torch.optim.Optimizer):
+    """``p <- p - lr g`` for all parameters in one ``_foreach_add_``: one foreach slot per tensor."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            torch.zeros(())  # a per-step op that does not depend on the number of tensors
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
+
+
+class OpsPerTensor(torch.optim.Optimizer):
+    """``p <- (p - lr g) * 1`` tensor by tensor, ``ops`` single-tensor ops each."""
+
+    def __init__(self, params, lr=0.1, ops=2):
+        super().__init__(params, dict(lr=lr, ops=ops))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+                    for _ in range(group["ops"] - 1):
+                        p.mul_(1.0)
+
+
+@pytest.mark.parametrize("make,work", [
+    (lambda ps: OneForeachOp(ps), 1),
+    (lambda ps: OpsPerTensor(ps, ops=1), SINGLE_OP_WORK),
+    (lambda ps: OpsPerTensor(ps, ops=3), 3 * SINGLE_OP_WORK),
+], ids=["one-foreach-op", "one-op-per-tensor", "three-ops-per-tensor"])
+def test_probe_counts_the_per_tensor_work_of_a_step(make, work):
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(4,), (3, 2), (5,)]]
+    optimizer = make(params)
+    found = probe(optimizer, optimizer.param_groups[0], params)
+    assert found.reason is None and found.work_per_param == work
+
+
+def fused_count_per_step(opt, groups, ref_opt, ref_groups, steps, fresh) -> list:
+    """``_bagua_fused_count`` increments of ``steps`` fuse_steps (ref: plain steps), gradients
+    fresh tensors or written into the existing ``.grad``."""
+    counts = []
+    for t in range(steps):
+        for gs in (ref_groups, groups):
+            set_grads(gs, 0 if fresh else 1, seed=t)  # set_grads: new tensors on even steps
+        before = opt._bagua_fused_count
+        ref_opt.step()
+        opt.fuse_step()
+        counts.append(opt._bagua_fused_count - before)
+    return counts
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_cheap_optimizers_step_fresh_gradients_unfused(foreach):
+    """torch's foreach SGD without momentum does one foreach slot of work per tensor: copying
+    fresh gradients into the flat buffer would cost more than fusion saves, so fuse_step steps
+    it unfused then, and fused as soon as gradients stay in place. Its for-loop version does
+    more per tensor and is fused either way. Same bits throughout."""
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 0.01}], lr=0.1, foreach=foreach)
+    opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": 0.01}], lr=0.1, foreach=foreach))
+    fresh = fused_count_per_step(opt, groups, ref_opt, ref_groups, 6, fresh=True)
+    in_place = fused_count_per_step(opt, groups, ref_opt, ref_groups, 6, fresh=False)
+    assert_same(ref_groups, groups, ref_opt, opt)
+    if foreach:
+        assert fresh == [2, 0, 0, 0, 0, 0]  # the first step plans, and fuses
+    else:
+        assert fresh == [2] * 6
+    assert in_place == [2] * 6
