@@ -73,9 +73,10 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, ch
         optimizer: any ``torch.optim.Optimizer``, torch's or your own.
         do_flatten: move each param group's trainable parameters into one buffer per (device,
             dtype) now (``p.data`` becomes a view; the ``Parameter`` objects stay the same), and
-            their gradients and state tensors into buffers of the same layout. Without it,
-            ``fuse_step`` fuses only parameters that already lie back to back (e.g. flattened by
-            someone else).
+            their gradients and state tensors into buffers of the same layout. On the CPU a
+            parameter above 32k elements stays where it is (it is stepped on its own; a flat
+            copy would only cost memory). Without it, ``fuse_step`` fuses only parameters that
+            already lie back to back (e.g. flattened by someone else).
         check_flatten: before each ``fuse_step``, check that the flattened parameters still
             view their buffers; if one does not (``p.data`` was replaced), warn once and flatten
             again. Either way the result stays correct: a parameter that moved away is just
