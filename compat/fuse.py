@@ -259,9 +259,9 @@ class _Fusion:
             return True
         if grad is first.grad_views[0]:
             return False
-        survived = self.last_fresh_grad.get(index, _no_tensor)() is grad
+        last = self.last_fresh_grad.get(index)
         self.last_fresh_grad[index] = weakref.ref(grad)
-        return not survived
+        return last is None or last() is not grad
 
     def _plan(self, index: int, group: dict) -> _GroupPlan:
         """The last step's plan if it still holds, else a new one."""
@@ -343,10 +343,6 @@ class _Fusion:
         bucket = self.bucket_of.get(id(params[0]))
         slot = bucket.slot(params[0], numel) if bucket is not None else None
         return (bucket, slot) if slot is not None else (None, None)
-
-
-def _no_tensor():
-    return None
 
 
 def _placer(bucket, slot) -> Callable:

@@ -45,7 +45,7 @@ class ProbeResult(NamedTuple):
     """What the probe found. ``reason``: why fusing would change the result (``None``: it would
     not). ``work_per_param``: the per-tensor work of one unfused step per parameter, in slots of
     a foreach op's tensor list (a single-tensor op counts :data:`SINGLE_OP_WORK`): torch's foreach
-    SGD without momentum does 1 (one ``_foreach_add_``), its for-loop SGD 2, foreach Adam ~11."""
+    SGD without momentum does 1 (one ``_foreach_add_``), its for-loop SGD 2, foreach Adam 12."""
 
     reason: Optional[str]
     work_per_param: float
