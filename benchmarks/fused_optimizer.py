@@ -63,11 +63,11 @@ CONFIGS = {
 
 def interleaved_ms(fns: dict, setup, steps: int, warmup: int = 3) -> dict:
     """Median milliseconds of each ``fns[k]()``, the calls taken in turns so that the machine's
-    drift hits every variant alike; ``setup()`` runs untimed before every call."""
+    drift hits every variant alike; ``setup(k)`` runs untimed before every call of ``fns[k]``."""
     times = {k: [] for k in fns}
     for i in range(warmup + steps):
         for k, fn in fns.items():
-            setup()
+            setup(k)
             start = time.perf_counter()
             fn()
             if i >= warmup:
@@ -90,12 +90,13 @@ def optimizer_on_copies(name, kwargs, params, grads):
 
 
 def time_steps(variants: dict, grads, fresh: bool, steps: int) -> dict:
-    """``variants``: label -> (parameters, step function)."""
-    def new_grads():
+    """``variants``: label -> (parameters, step function). With ``fresh``, each step is given
+    new gradient tensors just before it (its own only: refreshing every variant's would evict
+    the caches of the one about to run, as no backward pass does)."""
+    def new_grads(label):
         if fresh:
-            for ps, _ in variants.values():
-                for p, g in zip(ps, grads):
-                    p.grad = g.clone()
+            for p, g in zip(variants[label][0], grads):
+                p.grad = g.clone()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the expected "stays unfused" of the per-tensor BertAdam
@@ -175,7 +176,7 @@ def bench_training(steps):
                     step()
 
                 train_steps[(how, impl)] = train_step
-            times = interleaved_ms(train_steps, lambda: None, steps)
+            times = interleaved_ms(train_steps, lambda label: None, steps)
             for (how, impl), ms in times.items():
                 row = dict(model=label, optimizer=name, impl=impl, call=how, ms=ms)
                 if how == "fuse_step":

@@ -17,8 +17,8 @@ instead of planning again.
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import attrgetter, is_, is_not, itemgetter, ne
+from itertools import compress, repeat
+from operator import attrgetter, eq, is_, is_not, itemgetter, ne, not_
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -26,7 +26,7 @@ import torch
 from functional_bagua.compat.spans import gather, span, split_like
 
 
-CPU_CHUNK_BYTES = 1 << 20
+CPU_CHUNK_BYTES = 4 << 20
 CPU_FUSE_MAX_NUMEL = 1 << 15
 
 _data_ptr = torch.Tensor.data_ptr
@@ -171,7 +171,9 @@ class Run:
     flat storage, each at most :data:`CPU_CHUNK_BYTES` on the CPU (one on other devices). A
     for-loop optimizer's temporaries then stay small enough for the allocator to reuse them
     (one 400 MB temporary per step costs page faults, and peak memory); a piece may cut a
-    member in two, which elementwise math does not notice.
+    member in two, which elementwise math does not notice. Pieces of 4 MiB measured 10-25%
+    faster steps than 1 MiB on 200 tensors of 4k elements (half the kernel launches) and no
+    slower on 800 tensors of 16k; 32 MiB was slower for for-loop Adam with glibc's default malloc.
     """
 
     def __init__(self, params: list, flat: torch.Tensor, state, place: Callable):
@@ -180,7 +182,7 @@ class Run:
         self.chunks = [torch.nn.Parameter(flat[a:b], requires_grad=False) for a, b in self.bounds]
         self._pointers = list(map(_data_ptr, params))
         self._states_of, self._states_generation = None, -1  # see StateIndex
-        self._grads_checked: Optional[list] = None  # the members' .grad, as still_valid saw them
+        self._moved_grads: Optional[list] = None  # the members' .grad as still_valid saw them, if not all views
         self.flat_grad: Optional[torch.Tensor] = None
         self.grad_views: list = []
         self.state_views: dict = {}  # key -> members' views of self.flat_state[key]
@@ -212,9 +214,10 @@ class Run:
         if check_pointers and list(map(_data_ptr, params)) != self._pointers:
             return False
         grads = list(map(_grad_of, params))
-        if any(map(is_, grads, repeat(None))):
+        in_place = all(map(is_, grads, self.grad_views))
+        if not in_place and any(map(is_, grads, repeat(None))):
             return False
-        self._grads_checked = grads  # for _refresh_grads, in this step
+        self._moved_grads = None if in_place else grads  # for _refresh_grads, in this step
         if self._states_generation != index.generation:
             self._states_of, self._states_generation = index.getter(params), index.generation
         states = self._states_of(index.values)
@@ -255,15 +258,20 @@ class Run:
         is: ``zero_grad`` drops it before the next ``backward`` anyway. A gradient that is not
         a view but survived since the last fused step (``zero_grad(set_to_none=False)``, which
         zeroes in place) is re-pointed to its view, so that later steps find it in place."""
-        grads, self._grads_checked = self._grads_checked or list(map(_grad_of, self.params)), None
-        if all(map(is_, grads, self.grad_views)):
+        grads, self._moved_grads = self._moved_grads, None
+        if grads is None:  # every member's gradient is its view
             return
-        stale = [i for i, same in enumerate(map(is_, grads, self.grad_views)) if not same]
-        torch._foreach_copy_([self.grad_views[i] for i in stale], [grads[i] for i in stale])
+        views = self.grad_views
+        same = list(map(is_, grads, views))
+        if any(same):
+            stale = list(compress(range(len(grads)), map(not_, same)))
+            torch._foreach_copy_([views[i] for i in stale], [grads[i] for i in stale])
+        else:  # all fresh, the usual case: no index lists
+            torch._foreach_copy_(views, grads)
         ids = list(map(id, grads))
-        for i in stale:
-            if ids[i] == self._grad_ids[i]:
-                self.params[i].grad = self.grad_views[i]
+        for i in compress(range(len(grads)), map(eq, ids, self._grad_ids)):
+            if not same[i]:
+                self.params[i].grad = views[i]
         self._grad_ids = ids
 
     # ---- after the step -------------------------------------------------------------------

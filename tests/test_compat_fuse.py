@@ -646,6 +646,42 @@ def test_the_plan_is_kept_between_steps(kwargs, monkeypatch):
     assert len(plans) == 2
 
 
+def test_a_kept_plan_copies_only_the_gradients_that_moved(monkeypatch):
+    """Within one kept plan, every mix of gradients: all in their flat views, all fresh, some
+    fresh (every third parameter given a new tensor), and some surviving zero_grad in place
+    while others are fresh. Each step equals plain step, the plan is made once per group, and
+    a gradient that survived since the last fused step ends up in the flat buffer."""
+    import functional_bagua.compat.fuse as fuse
+
+    plans = []
+    original = fuse.candidate_runs
+    monkeypatch.setattr(fuse, "candidate_runs", lambda *args: plans.append(1) or original(*args))
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1]}], lr=0.1, momentum=0.9)
+    opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, momentum=0.9))
+    patterns = ["fresh", "in place", "every third fresh", "in place", "fresh", "every third fresh", "every third fresh"]
+    for t, pattern in enumerate(patterns):
+        gen = torch.Generator().manual_seed(t)
+        for ps, qs in zip(ref_groups, groups):
+            for i, (p, q) in enumerate(zip(ps, qs)):
+                if not p.requires_grad:
+                    continue
+                g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+                fresh = pattern == "fresh" or (pattern == "every third fresh" and i % 3 == 0)
+                if fresh or p.grad is None:
+                    p.grad, q.grad = g.clone(), g.clone()
+                else:
+                    p.grad.copy_(g)
+                    q.grad.copy_(g)
+        ref_opt.step()
+        opt.fuse_step()
+        assert_same(ref_groups, groups, ref_opt, opt)
+    assert len(plans) == 2
+    grads_buffers = {b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs}
+    survivors = [q for i, q in enumerate(groups[0]) if q.requires_grad and i % 3 != 0]
+    assert survivors and all(q.grad.untyped_storage().data_ptr() in grads_buffers for q in survivors)
+
+
 def test_state_index_reads_by_position_and_sees_replaced_dicts():
     """StateIndex (how the plan checks read optimizer.state without hashing tensors) against
     plain dict lookups, through replacement, deletion and insertion of entries."""
