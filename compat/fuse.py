@@ -31,7 +31,9 @@ a few pointer comparisons per parameter; a plain ``step()`` in between just make
 Optimizers with per-tensor math (per-parameter norms, clipping, trust ratios) are not
 elementwise. The first time a group would be fused, ``fuse_step`` steps copies of a few of its
 parameters both ways (:mod:`functional_bagua.compat.fusion_check`); if the bits differ it warns
-once and steps that group unfused from then on. Fusion never changes a result silently.
+once and steps that group unfused from then on. The verdict is kept per kind of hyperparameters
+(:func:`~functional_bagua.compat.fusion_check.hyperparameter_kinds`): a new ``lr`` keeps it, a
+clip threshold turned on from 0 asks for a new probe. Fusion never changes a result silently.
 
 Fresh gradients cost a copy. After ``zero_grad(set_to_none=True)`` every gradient is a new
 tensor, which the fused step first copies into the flat gradient: about one foreach slot per
@@ -53,7 +55,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from functional_bagua.compat import flat_buckets
-from functional_bagua.compat.fusion_check import ProbeResult, probe
+from functional_bagua.compat.fusion_check import ProbeResult, hyperparameter_kinds, probe
 from functional_bagua.compat.runs import Run, StateIndex, candidate_runs
 from functional_bagua.compat.spans import span
 
@@ -161,9 +163,11 @@ class _FusedAlias:
 
 class _GroupPlan(NamedTuple):
     """How one param group is stepped: ``runs`` fused, ``alone`` as they are. Valid while the
-    group holds the same parameters, the same ones have gradients, and every run is intact."""
+    group holds the same parameters with the same kinds of hyperparameters, the same ones have
+    gradients, and every run is intact."""
 
     param_ids: tuple
+    hyperparameters: tuple  # fusion_check.hyperparameter_kinds of the group when planned
     runs: list
     alone: list
     alone_has_grad: list
@@ -182,7 +186,7 @@ class _Fusion:
         self.layouts: dict = {}  # group index -> (ids of the group's params, [FlatBucket])
         self.bucket_of: dict = {}  # id(param) -> its FlatBucket
         self.plans: dict = {}  # group index -> _GroupPlan of the last fused step
-        self.probes: dict = {}  # (group index, device, dtype) -> ProbeResult
+        self.probes: dict = {}  # (group index, device, dtype, hyperparameter kinds) -> ProbeResult
         self.last_fresh_grad: dict = {}  # group index -> weak reference, see _fresh_and_cheap
         self.state_index = StateIndex()  # optimizer.state read by position, for the plan checks
         self.warned_not_flat = False
@@ -265,30 +269,31 @@ class _Fusion:
 
     def _plan(self, index: int, group: dict) -> _GroupPlan:
         """The last step's plan if it still holds, else a new one."""
-        param_ids = tuple(map(id, group["params"]))
+        param_ids, kinds = tuple(map(id, group["params"])), hyperparameter_kinds(group)
         if self.do_flatten:
             self._keep_flat(index, group, param_ids)
         plan = self.plans.get(index)
-        if plan is not None and self._still_valid(plan, param_ids):
+        if plan is not None and self._still_valid(plan, param_ids, kinds):
             return plan
-        plan = self.plans[index] = self._new_plan(index, group)
+        plan = self.plans[index] = self._new_plan(index, group, kinds)
         return plan
 
-    def _still_valid(self, plan: _GroupPlan, param_ids: tuple) -> bool:
+    def _still_valid(self, plan: _GroupPlan, param_ids: tuple, kinds: tuple) -> bool:
         return (
             plan.param_ids == param_ids
+            and plan.hyperparameters == kinds
             and list(map(is_not, map(_grad_of, plan.alone), repeat(None))) == plan.alone_has_grad
             and all(run.still_valid(self.state_index, check_pointers=not checked)
                     for run, checked in zip(plan.runs, plan.pointers_checked))
         )
 
-    def _new_plan(self, index: int, group: dict) -> _GroupPlan:
+    def _new_plan(self, index: int, group: dict, kinds: tuple) -> _GroupPlan:
         state = self.optimizer.state
         candidates, alone = candidate_runs(group["params"], state)
         fused, pointers_checked, work = [], [], []
         for params in candidates:
             flat = span(params) if len(params) > 1 else None
-            found = self._probe(index, group, params) if flat is not None else None
+            found = self._probe(index, group, params, kinds) if flat is not None else None
             if found is None or found.reason is not None:
                 alone.extend(params)
                 continue
@@ -298,13 +303,13 @@ class _Fusion:
             work.append(found.work_per_param)
         cheap = bool(work) and max(work) < FRESH_GRADS_MIN_WORK
         return _GroupPlan(
-            tuple(map(id, group["params"])), fused, alone, [p.grad is not None for p in alone], pointers_checked, cheap
+            tuple(map(id, group["params"])), kinds, fused, alone, [p.grad is not None for p in alone], pointers_checked, cheap
         )
 
-    def _probe(self, index: int, group: dict, params: list) -> ProbeResult:
-        """The probe's result for this group, device and dtype (run once; warns if fusion would
-        change the result)."""
-        key = (index, params[0].device, params[0].dtype)
+    def _probe(self, index: int, group: dict, params: list, kinds: tuple) -> ProbeResult:
+        """The probe's result for this group, device, dtype and kinds of hyperparameters (run
+        once for each; warns if fusion would change the result)."""
+        key = (index, params[0].device, params[0].dtype, kinds)
         if key not in self.probes:
             found = self.probes[key] = probe(self.optimizer, group, params)
             if found.reason is not None:

@@ -17,6 +17,10 @@ and state, no step hooks), so the real optimizer, its state and its hooks are un
 
 The same two runs also tell how much per-tensor work the optimizer's step does, which decides
 whether fusion pays when gradients arrive fresh (:func:`probe`, ``work_per_param``).
+
+A verdict holds for the hyperparameters it was found with, up to what schedules change every
+step: :func:`hyperparameter_kinds` is what the caller keys it by (turning a per-parameter clip on,
+``max_grad_norm`` 0 -> 1, asks for a new probe; a new ``lr`` or ``betas`` does not).
 """
 
 from __future__ import annotations
@@ -49,6 +53,38 @@ class ProbeResult(NamedTuple):
 
     reason: Optional[str]
     work_per_param: float
+
+
+NOT_HYPERPARAMETERS = ("params", "param_names")
+
+
+def hyperparameter_kinds(group: dict) -> tuple:
+    """A param group's hyperparameters as far as they can change what kind of math a step does:
+    numbers by their sign (a clip threshold or momentum of 0 usually switches a feature off; the
+    values a schedule moves every step, ``lr``, ``betas``, do not matter), tensors by dtype,
+    device and shape, booleans, ``None``, strings and other hashable values as they are, and
+    unhashable ones by their type.
+
+        >>> hyperparameter_kinds({"params": [], "lr": 1e-3, "max_grad_norm": 0.0, "amsgrad": False})
+        (('lr', (<class 'float'>, 1)), ('max_grad_norm', (<class 'float'>, 0)), ('amsgrad', False))
+    """
+    return tuple((key, _kind(value)) for key, value in group.items() if key not in NOT_HYPERPARAMETERS)
+
+
+def _kind(value):
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        return type(value), (value > 0) - (value < 0)
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor, value.dtype, value.device, tuple(value.shape)
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(map(_kind, value))
+    try:
+        hash(value)
+    except TypeError:
+        return type(value)
+    return value
 
 
 def fusion_changes_step(optimizer: torch.optim.Optimizer, group: dict, run: list) -> Optional[str]:

@@ -762,6 +762,41 @@ def test_probe_counts_the_per_tensor_work_of_a_step(make, work):
     assert found.reason is None and found.work_per_param == work
 
 
+def test_a_hyperparameter_that_turns_per_tensor_math_on_asks_for_a_new_probe(monkeypatch):
+    """BertAdam without its clip (max_grad_norm=0) is elementwise and fused; set max_grad_norm=1
+    mid-training and its clip is per parameter: fuse_step probes again, warns, steps the group
+    unfused, and matches plain step bit for bit. A learning rate that changes every step (as
+    with an lr scheduler) probes nothing new."""
+    import functional_bagua.compat.fuse as fuse
+
+    probes = []
+    original = fuse.probe
+    monkeypatch.setattr(fuse, "probe", lambda *args: probes.append(1) or original(*args))
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = BertAdam([{"params": ref_groups[0]}], lr=1e-2, max_grad_norm=0.0)
+    opt = fuse_optimizer(BertAdam([{"params": groups[0]}], lr=1e-2, max_grad_norm=0.0))
+    fused, caught = [], []
+    for t in range(8):
+        for o in (ref_opt, opt):
+            o.param_groups[0]["lr"] = 1e-2 / (t + 1)
+            o.param_groups[0]["max_grad_norm"] = 1.0 if t >= 4 else 0.0
+        for gs in ([ref_groups[0]], [groups[0]]):
+            set_grads(gs, t)
+            for p in gs[0]:
+                if p.grad is not None:
+                    p.grad.mul_(50.0)  # norms well above the clip threshold once it is on
+        before = opt._bagua_fused_count
+        ref_opt.step()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.fuse_step()
+        caught += [str(w.message) for w in seen if "stays unfused" in str(w.message)]
+        fused.append(opt._bagua_fused_count - before)
+        assert_same([ref_groups[0]], [groups[0]], ref_opt, opt)
+    assert fused == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert len(probes) == 2 and len(caught) == 1
+
+
 def fused_count_per_step(opt, groups, ref_opt, ref_groups, steps, fresh) -> list:
     """``_bagua_fused_count`` increments of ``steps`` fuse_steps (ref: plain steps), gradients
     fresh tensors or written into the existing ``.grad``."""
