@@ -38,9 +38,10 @@ clip threshold turned on from 0 asks for a new probe. Fusion never changes a res
 Fresh gradients cost a copy. After ``zero_grad(set_to_none=True)`` every gradient is a new
 tensor, which the fused step first copies into the flat gradient: about one foreach slot per
 parameter, and checking the plan costs about as much again. An optimizer whose own step does
-less per-tensor work than :data:`FRESH_GRADS_MIN_WORK` (the same probe counts it; torch's foreach
-SGD without momentum is one ``_foreach_add_``) is faster unfused then, so ``fuse_step`` steps such
-a group as ``step()`` would whenever its gradients are fresh, and fused when they are in place.
+less per-tensor work than :data:`FRESH_GRADS_MIN_WORK` (the same probe counts it; torch's SGD
+without momentum is one ``_foreach_add_``, or one ``add_`` per tensor in its for-loop version)
+is no faster fused then, so ``fuse_step`` steps such a group as ``step()`` would whenever its
+gradients are fresh, and fused when they are in place.
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ __all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "fused_steps"]
 _grad_of = attrgetter("grad")
 # Per-tensor work per parameter (foreach slots, see fusion_check.ProbeResult) below which an
 # optimizer's step is cheaper unfused than copying fresh gradients into the flat buffer.
-# Measured on 200 tensors of 4k elements, fresh gradients: foreach SGD (1 slot) 0.79x when fused;
-# for-loop SGD (2) 1.07x; foreach SGD with momentum (3) 1.7-1.9x.
-FRESH_GRADS_MIN_WORK = 2
+# Measured on 200 tensors of 4k elements, fresh gradients, fused against step(): foreach SGD
+# (1 slot) 0.74-0.79x; for-loop SGD (2) 0.91-1.34x over nine runs, so it is stepped unfused too;
+# foreach SGD with momentum (3) 1.6-2.0x.
+FRESH_GRADS_MIN_WORK = 3
 
 def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, check_flatten: bool = True):
     """Give ``optimizer`` a fused step, ``optimizer.fuse_step(closure=None)``, and return it.
@@ -213,12 +215,14 @@ class _Fusion:
                 loss = closure()
             closure = _evaluated_once(closure, loss)
         state = self.optimizer.state
-        swapped, runs = [], []
-        self.state_index.read(state)
+        swapped, runs, index_read = [], [], False
         try:
             for index, group in enumerate(self.optimizer.param_groups):
                 if self._fresh_and_cheap(index):
                     continue
+                if not index_read:  # not needed by groups stepped as they are
+                    self.state_index.read(state)
+                    index_read = True
                 plan = self._plan(index, group)
                 if not plan.runs:
                     continue

@@ -813,18 +813,21 @@ def fused_count_per_step(opt, groups, ref_opt, ref_groups, steps, fresh) -> list
 
 @pytest.mark.parametrize("foreach", [True, False])
 def test_cheap_optimizers_step_fresh_gradients_unfused(foreach):
-    """torch's foreach SGD without momentum does one foreach slot of work per tensor: copying
-    fresh gradients into the flat buffer would cost more than fusion saves, so fuse_step steps
-    it unfused then, and fused as soon as gradients stay in place. Its for-loop version does
-    more per tensor and is fused either way. Same bits throughout."""
+    """torch's SGD without momentum does one foreach slot of work per tensor (foreach) or one
+    single-tensor op (for-loop, two slots): copying fresh gradients into the flat buffer costs
+    about what fusion saves, so fuse_step steps it unfused then, and fused as soon as gradients
+    stay in place. With momentum (three slots and more) it is fused either way. Same bits
+    throughout."""
     ref_groups, groups = make_params(), make_params()
     ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 0.01}], lr=0.1, foreach=foreach)
     opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": 0.01}], lr=0.1, foreach=foreach))
     fresh = fused_count_per_step(opt, groups, ref_opt, ref_groups, 6, fresh=True)
     in_place = fused_count_per_step(opt, groups, ref_opt, ref_groups, 6, fresh=False)
     assert_same(ref_groups, groups, ref_opt, opt)
-    if foreach:
-        assert fresh == [2, 0, 0, 0, 0, 0]  # the first step plans, and fuses
-    else:
-        assert fresh == [2] * 6
+    assert fresh == [2, 0, 0, 0, 0, 0]  # the first step plans, and fuses
     assert in_place == [2] * 6
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1]}], lr=0.1, momentum=0.9, foreach=foreach)
+    opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, momentum=0.9, foreach=foreach))
+    assert fused_count_per_step(opt, groups, ref_opt, ref_groups, 4, fresh=True) == [2] * 4
+    assert_same(ref_groups, groups, ref_opt, opt)
