@@ -765,8 +765,8 @@ def test_probe_counts_the_per_tensor_work_of_a_step(make, work):
 def test_a_hyperparameter_that_turns_per_tensor_math_on_asks_for_a_new_probe(monkeypatch):
     """BertAdam without its clip (max_grad_norm=0) is elementwise and fused; set max_grad_norm=1
     mid-training and its clip is per parameter: fuse_step probes again, warns, steps the group
-    unfused, and matches plain step bit for bit. A learning rate that changes every step (as
-    with an lr scheduler) probes nothing new."""
+    unfused, and matches plain step bit for bit. A learning rate and a beta that change every
+    step (as with a scheduler) probe nothing new."""
     import functional_bagua.compat.fuse as fuse
 
     probes = []
@@ -779,6 +779,7 @@ def test_a_hyperparameter_that_turns_per_tensor_math_on_asks_for_a_new_probe(mon
     for t in range(8):
         for o in (ref_opt, opt):
             o.param_groups[0]["lr"] = 1e-2 / (t + 1)
+            o.param_groups[0]["b1"] = 0.9 - 0.01 * t  # as a momentum schedule would
             o.param_groups[0]["max_grad_norm"] = 1.0 if t >= 4 else 0.0
         for gs in ([ref_groups[0]], [groups[0]]):
             set_grads(gs, t)
