@@ -81,7 +81,8 @@ class FlatBucket:
         this bucket's buffers, and re-point them there."""
         for i, p in enumerate(self.params):
             start, end = self.offsets[i], self.offsets[i] + p.numel()
-            if p.grad is not None and not p.grad.is_sparse and p.grad.shape == p.shape:
+            g = p.grad
+            if g is not None and not g.is_sparse and g.shape == p.shape and g.dtype == p.dtype:
                 view = self.grads_slice(start, end).view(p.shape)
                 view.copy_(p.grad)
                 p.grad = view

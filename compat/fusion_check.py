@@ -29,6 +29,7 @@ import contextlib
 import copy
 import math
 from collections import OrderedDict, defaultdict
+from itertools import cycle
 from typing import NamedTuple, Optional
 
 import torch
@@ -36,6 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 PROBE_STEPS = 3
 PROBE_MEMBERS = 3
+# ...and more members until the fused probe tensor holds this many elements: CPU kernels run a
+# vectorized loop plus a scalar tail, and for bfloat16/float16 the two can round differently
+# (``add_(b, alpha=a)`` rounds ``a * b`` to the low precision first in the scalar tail). Members
+# smaller than one vector (up to 64 bytes) are all tail when stepped apart; fused, they would be
+# vectorized, so the probe must be long enough to see that difference.
+PROBE_MIN_NUMEL = 512
 # norms far apart, the first two already on both sides of any usual clip threshold (a run may
 # have only two members)
 GRAD_NORMS = (1e4, 1e-4, 1.0)
@@ -107,9 +114,9 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, run: list) -> ProbeResu
     members = probe_members(run)
     gen = torch.Generator().manual_seed(0)
     half = members[0].element_size() <= 2
-    start = [_random_like(p, norm, gen) for p, norm in zip(members, PARAM_NORMS)]
+    start = [_random_like(p, norm, gen) for p, norm in zip(members, cycle(PARAM_NORMS))]
     grads = [
-        [_random_like(p, norm, gen) for p, norm in zip(members, HALF_GRAD_NORMS if half else GRAD_NORMS)]
+        [_random_like(p, norm, gen) for p, norm in zip(members, cycle(HALF_GRAD_NORMS if half else GRAD_NORMS))]
         for _ in range(PROBE_STEPS)
     ]
     states = [_clone_state(optimizer.state.get(p, {})) for p in members]
@@ -130,7 +137,8 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, run: list) -> ProbeResu
 
     work = (separate_work.total - fused_work.total) / ((len(members) - 1) * (PROBE_STEPS - 1))
     if not _same_bits(fused.detach(), torch.cat([p.detach().reshape(-1) for p in separate])):
-        return ProbeResult("fused and unfused probe steps give different parameters (per-tensor math)", work)
+        return ProbeResult("fused and unfused probe steps give different parameters (per-tensor math, or kernels "
+                           "whose rounding depends on an element's position, as CPU half-precision ones can)", work)
     return ProbeResult(_state_difference(fused, fused_state[fused], [separate_state[p] for p in separate]), work)
 
 
@@ -150,14 +158,19 @@ class _WorkCounter(TorchDispatchMode):
 
 def probe_members(run: list) -> list:
     """A few members to copy: the smallest of each number of dimensions first (shape-dependent
-    math, such as factored moments, needs 1-D and 2-D), then the smallest others; small, so the
-    probe stays cheap even when the run holds an embedding table."""
+    math, such as factored moments, needs 1-D and 2-D), then the smallest others, at least
+    :data:`PROBE_MEMBERS` and, while the run has more, until they hold :data:`PROBE_MIN_NUMEL`
+    elements; small, so the probe stays cheap even when the run holds an embedding table."""
     by_size = sorted(run, key=lambda p: p.numel())
     chosen = []
     for ndim in sorted({p.dim() for p in run}):
         chosen.append(next(p for p in by_size if p.dim() == ndim))
     chosen += [p for p in by_size if all(p is not c for c in chosen)]
-    return chosen[:PROBE_MEMBERS]
+    count, numel = 0, 0
+    while count < len(chosen) and (count < PROBE_MEMBERS or numel < PROBE_MIN_NUMEL):
+        numel += chosen[count].numel()
+        count += 1
+    return chosen[:count]
 
 
 def _random_like(p: torch.Tensor, norm: float, gen: torch.Generator) -> torch.Tensor:

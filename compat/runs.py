@@ -31,6 +31,7 @@ CPU_FUSE_MAX_NUMEL = 1 << 15
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = attrgetter("grad")
+_dtype_of = attrgetter("dtype")
 _NO_STATE: dict = {}  # what still_valid reads for a parameter without state (never written)
 
 
@@ -81,7 +82,9 @@ def signature(p: torch.Tensor, state: Optional[dict]):
     g = p.grad
     if state is not None and type(state) is not dict:
         return None
-    if g is None or g.is_sparse or g.shape != p.shape or p.dim() == 0 or p.is_complex() or not p.is_contiguous():
+    if g is None or g.is_sparse or g.shape != p.shape or g.dtype != p.dtype:  # a grad_dtype of its own
+        return None
+    if p.dim() == 0 or p.is_complex() or not p.is_contiguous():
         return None
     if not small_enough_to_fuse(p):
         return None
@@ -215,8 +218,10 @@ class Run:
             return False
         grads = list(map(_grad_of, params))
         in_place = all(map(is_, grads, self.grad_views))
-        if not in_place and any(map(is_, grads, repeat(None))):
-            return False
+        if not in_place and (
+            any(map(is_, grads, repeat(None))) or any(map(ne, map(_dtype_of, grads), repeat(self.flat_grad.dtype)))
+        ):
+            return False  # a gradient is missing, or has another dtype (p.grad_dtype was changed)
         self._moved_grads = None if in_place else grads  # for _refresh_grads, in this step
         if self._states_generation != index.generation:
             self._states_of, self._states_generation = index.getter(params), index.generation

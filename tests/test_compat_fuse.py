@@ -798,6 +798,82 @@ def test_a_hyperparameter_that_turns_per_tensor_math_on_asks_for_a_new_probe(mon
     assert len(probes) == 2 and len(caught) == 1
 
 
+@pytest.mark.parametrize("name", ["SGD momentum foreach", "SGD momentum for-loop", "Adagrad"])
+def test_gradients_with_a_dtype_of_their_own_are_never_rounded_into_the_flat_buffer(name):
+    """torch 2.x lets a parameter keep gradients of another dtype (``p.grad_dtype``, e.g. float64
+    gradients for float32 parameters). Such a parameter is stepped on its own, also when it got
+    its grad_dtype after fusion had planned it in a float32 run: equal to plain step bit for bit,
+    and its float64 gradient is left as it is (before, it was rounded into the float32 buffer, or
+    re-pointing it there raised)."""
+    make = {
+        "SGD momentum foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+        "SGD momentum for-loop": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+        "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    }[name]
+
+    def params():
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(5, 3), (3,), (4, 4), (6,), (2, 2), (7,)]]
+
+    ref, fused = params(), params()
+    ref_opt, opt = make(ref), fuse_optimizer(make(fused))
+    for t in range(8):
+        if t in (0, 4):  # the second parameter from the start, the third once fused in a run
+            for ps in (ref, fused):
+                ps[1 if t == 0 else 2].grad = None
+                ps[1 if t == 0 else 2].grad_dtype = torch.float64
+        gen = torch.Generator().manual_seed(t + 1)
+        for p, q in zip(ref, fused):
+            g = torch.randn(p.shape, generator=gen).to(p.grad_dtype) * 1.001
+            p.grad, q.grad = g.clone(), g.clone()
+        before = opt._bagua_fused_count
+        ref_opt.step()
+        opt.fuse_step()
+        assert opt._bagua_fused_count - before == 1  # the float32-gradient parameters still fused
+        for p, q in zip(ref, fused):
+            assert torch.equal(p, q) and q.grad.dtype == p.grad.dtype and torch.equal(p.grad, q.grad)
+            for key, value in ref_opt.state[p].items():
+                assert torch.equal(value, opt.state[q][key]), key
+
+
+HALF_CASES = {
+    "SGD momentum for-loop": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+    "SGD momentum foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "SGD for-loop": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
+    "Adam foreach": lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=True),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(HALF_CASES))
+def test_half_precision_steps_equal_plain_step(name, dtype):
+    """CPU kernels run a vectorized loop and a scalar tail, and in bfloat16/float16 torch's
+    ``add_(b, alpha=a)`` rounds differently in the two (SGD's update). Parameters smaller than a
+    vector are all tail when stepped apart and mostly vectorized when fused, so the probe must
+    step enough elements to see it: such groups stay unfused, the others fuse, and every step
+    equals plain step bit for bit."""
+    def params():
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(5, 3), (3,), (4, 4), (6,), (2, 2), (7,), (40,), (9, 9)]
+        return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+    ref, fused = params(), params()
+    ref_opt, opt = HALF_CASES[name](ref), fuse_optimizer(HALF_CASES[name](fused))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the expected "stays unfused" of SGD
+        for t in range(10):
+            gen = torch.Generator().manual_seed(t + 1)
+            for p, q in zip(ref, fused):
+                g = torch.randn(p.shape, generator=gen).to(dtype)
+                p.grad, q.grad = g.clone(), g.clone()
+            ref_opt.step()
+            opt.fuse_step()
+            assert all(torch.equal(p, q) for p, q in zip(ref, fused)), t
+    if not name.startswith("SGD"):
+        assert opt._bagua_fused_count == 10  # the probe does not refuse what fuses exactly
+
+
 def fused_count_per_step(opt, groups, ref_opt, ref_groups, steps, fresh) -> list:
     """``_bagua_fused_count`` increments of ``steps`` fuse_steps (ref: plain steps), gradients
     fresh tensors or written into the existing ``.grad``."""
