@@ -39,7 +39,7 @@ PROBE_STEPS = 3
 PROBE_MEMBERS = 3
 # ...and more members until the fused probe tensor holds this many elements: CPU kernels run a
 # vectorized loop plus a scalar tail, and for bfloat16/float16 the two can round differently
-# (``add_(b, alpha=a)`` rounds ``a * b`` to the low precision first in the scalar tail). Members
+# (seen with ``add_(b, alpha=a)``, SGD's update: a few percent of the elements differ). Members
 # smaller than one vector (up to 64 bytes) are all tail when stepped apart; fused, they would be
 # vectorized, so the probe must be long enough to see that difference.
 PROBE_MIN_NUMEL = 512
