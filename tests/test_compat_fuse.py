@@ -13,8 +13,10 @@ import copy
 import io
 import warnings
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import example, given, settings
 
 from custom_optimizers import BertAdam, SignMomentum
 from functional_bagua.compat import fuse_optimizer, fuse_step, fused_steps, is_fused_optimizer
@@ -908,3 +910,74 @@ def test_cheap_optimizers_step_fresh_gradients_unfused(foreach):
     opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, momentum=0.9, foreach=foreach))
     assert fused_count_per_step(opt, groups, ref_opt, ref_groups, 4, fresh=True) == [2] * 4
     assert_same(ref_groups, groups, ref_opt, opt)
+
+
+# ---- any sequence of what training code does, against plain step (hypothesis) -------------------
+
+ACTIONS = ["fresh", "in place", "every other fresh", "drop a gradient", "plain step", "new lr", "replace p.data",
+           "state_dict round trip", "clip on", "replace a state tensor", "scale a state tensor in place"]
+
+
+def _act(action, t, pair):
+    """Apply ``action`` at step ``t`` to one copy ``(groups, optimizer)``; both copies get the same."""
+    groups, opt = pair
+    gen = torch.Generator().manual_seed(1000 + t)
+    trainable = [(gi, i, p) for gi, ps in enumerate(groups) for i, p in enumerate(ps) if p.requires_grad and (gi, i) not in UNUSED]
+    for k, (gi, i, p) in enumerate(trainable):
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+        fresh = action != "in place" and (action != "every other fresh" or k % 2 == 0)
+        if p.grad is None or fresh:
+            p.grad = g
+        else:
+            p.grad.copy_(g)
+    if action == "drop a gradient":
+        trainable[t % len(trainable)][2].grad = None
+    elif action == "new lr":
+        opt.param_groups[0]["lr"] *= 0.5
+    elif action == "replace p.data":
+        p = trainable[t % len(trainable)][2]
+        p.data = p.data.clone()
+    elif action == "state_dict round trip":
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif action == "clip on" and "max_grad_norm" in opt.param_groups[0]:
+        opt.param_groups[0]["max_grad_norm"] = 1.0
+    elif action in ("replace a state tensor", "scale a state tensor in place"):
+        p = trainable[t % len(trainable)][2]
+        for key, value in opt.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if action == "replace a state tensor":
+                    opt.state[p][key] = value.clone()
+                else:
+                    value.mul_(0.5)
+
+
+SEQUENCE_OPTIMIZERS = {
+    "SGD momentum foreach": lambda gs: torch.optim.SGD([{"params": gs[0]}, {"params": gs[1], "lr": 0.01}], lr=0.05, momentum=0.9, foreach=True),
+    "Adam for-loop": lambda gs: torch.optim.Adam([{"params": gs[0]}, {"params": gs[1], "weight_decay": 0.1}], lr=1e-2, foreach=False),
+    "Adadelta foreach": lambda gs: torch.optim.Adadelta([{"params": gs[0]}, {"params": gs[1]}], lr=1.0, foreach=True),
+    "BertAdam, clip off": lambda gs: BertAdam([{"params": gs[0]}, {"params": gs[1]}], lr=1e-2, max_grad_norm=0.0),
+    "SGD foreach": lambda gs: torch.optim.SGD([{"params": gs[0]}, {"params": gs[1], "lr": 0.01}], lr=0.1, foreach=True),
+}
+
+
+@settings(max_examples=50, deadline=None)
+@example(name="BertAdam, clip off", actions=["fresh", "clip on", "fresh"])  # the probe's verdict must not outlive the clip
+@example(name="SGD momentum foreach", actions=["every other fresh", "in place", "drop a gradient", "state_dict round trip",
+                                               "replace p.data", "plain step", "new lr", "fresh"])
+@given(name=st.sampled_from(sorted(SEQUENCE_OPTIMIZERS)), actions=st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=10))
+def test_any_sequence_of_training_habits_equals_plain_step(name, actions):
+    """Fresh, kept and missing gradients, plain steps in between, lr changes, replaced p.data,
+    state_dict round trips, state tensors replaced or changed in place, and a per-tensor clip
+    switched on, in any order: after every step the fused optimizer's parameters and state equal
+    plain step's bit for bit."""
+    ref_groups, groups = make_params(), make_params()
+    ref = (ref_groups, SEQUENCE_OPTIMIZERS[name](ref_groups))
+    fused = (groups, fuse_optimizer(SEQUENCE_OPTIMIZERS[name](groups)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no longer live in the flat buffers", "stays unfused"
+        for t, action in enumerate(actions):
+            _act(action, t, ref)
+            _act(action, t, fused)
+            ref[1].step()
+            (fused[1].step if action == "plain step" else fused[1].fuse_step)()
+            assert_same(ref_groups, groups, ref[1], fused[1])
