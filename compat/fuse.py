@@ -218,7 +218,7 @@ class _Fusion:
         swapped, runs, index_read = [], [], False
         try:
             for index, group in enumerate(self.optimizer.param_groups):
-                if self._fresh_and_cheap(index):
+                if self._fresh_and_cheap(index, group):
                     continue
                 if not index_read:  # not needed by groups stepped as they are
                     self.state_index.read(state)
@@ -252,14 +252,15 @@ class _Fusion:
 
     # ---- planning -------------------------------------------------------------------------
 
-    def _fresh_and_cheap(self, index: int) -> bool:
+    def _fresh_and_cheap(self, index: int, group: dict) -> bool:
         """Whether group ``index`` is better stepped as it is this time: its optimizer does
-        little work per tensor and its gradients are fresh. The first member's gradient decides
-        (stepping unfused is right whatever the others are): fresh unless it is its view or the
-        same tensor as last time (``zero_grad(set_to_none=False)``: the fused path then moves
-        the surviving gradients into the flat buffer, and later steps find them in place)."""
+        little work per tensor (as probed for its current kinds of hyperparameters: turning
+        momentum on makes it more) and its gradients are fresh. The first member's gradient
+        decides (stepping unfused is right whatever the others are): fresh unless it is its view
+        or the same tensor as last time (``zero_grad(set_to_none=False)``: the fused path then
+        moves the surviving gradients into the flat buffer, and later steps find them in place)."""
         plan = self.plans.get(index)
-        if plan is None or not plan.unfused_when_fresh:
+        if plan is None or not plan.unfused_when_fresh or plan.hyperparameters != hyperparameter_kinds(group):
             return False
         first = plan.runs[0]
         grad = first.params[0].grad

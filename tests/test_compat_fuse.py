@@ -912,6 +912,22 @@ def test_cheap_optimizers_step_fresh_gradients_unfused(foreach):
     assert_same(ref_groups, groups, ref_opt, opt)
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_momentum_turned_on_later_is_fused_with_fresh_gradients(foreach):
+    """SGD without momentum is stepped unfused while its gradients are fresh; set momentum on
+    mid-training and its step does three slots per tensor or more: the next fresh-gradient step
+    probes again and fuses. Same bits throughout."""
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1]}], lr=0.1, foreach=foreach)
+    opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, foreach=foreach))
+    assert fused_count_per_step(opt, groups, ref_opt, ref_groups, 3, fresh=True) == [2, 0, 0]
+    for o in (ref_opt, opt):
+        for group in o.param_groups:
+            group["momentum"] = 0.9
+    assert fused_count_per_step(opt, groups, ref_opt, ref_groups, 4, fresh=True) == [2] * 4
+    assert_same(ref_groups, groups, ref_opt, opt)
+
+
 # ---- any sequence of what training code does, against plain step (hypothesis) -------------------
 
 ACTIONS = ["fresh", "in place", "every other fresh", "drop a gradient", "plain step", "new lr", "replace p.data",
