@@ -15,18 +15,19 @@ from typing import Optional
 
 import torch
 
-from functional_bagua.compat.runs import small_enough_to_fuse
+from functional_bagua.compat.runs import fusable_on_its_device
 from functional_bagua.compat.spans import gather
 
 
 def trainable_by_kind(params) -> list:
     """The parameters worth flattening, as lists of one (device, dtype) each, in group order:
     those that can have a gradient, hold elements, are not 0-dim (a 0-dim parameter's state
-    could not be told apart from a scalar such as ``step``) and are small enough to be fused
-    (a large CPU parameter is stepped on its own, so a flat copy of it would only cost memory)."""
+    could not be told apart from a scalar such as ``step``) and can be fused on their device
+    (:func:`~functional_bagua.compat.runs.fusable_on_its_device`: a large or half-precision CPU
+    parameter is stepped on its own, so a flat copy of it would only cost memory)."""
     kinds: dict = defaultdict(list)
     for p in params:
-        if p.requires_grad and p.dim() > 0 and p.numel() > 0 and not p.is_sparse and small_enough_to_fuse(p):
+        if p.requires_grad and p.dim() > 0 and p.numel() > 0 and not p.is_sparse and fusable_on_its_device(p):
             kinds[(p.device, p.dtype)].append(p)
     return [ps for ps in kinds.values() if len(ps) > 1]
 

@@ -23,8 +23,8 @@ values. Gradients and state tensors that are not back to back yet (a fresh ``bac
 ``zero_grad(set_to_none=True)``, a ``load_state_dict``) are copied into the group's flat buffers
 and re-pointed there. Everything else (no gradient, sparse, a gradient of another dtype
 (``p.grad_dtype``), a 0-dim parameter, odd state and, on the CPU, a parameter above 32k
-elements, whose own kernels are long enough already) is stepped as it is, in the same ``step``
-call. On the CPU a run reaches the optimizer in 4 MiB pieces, so a for-loop optimizer's
+elements, whose own kernels are long enough already, or in bfloat16/float16, whose kernels round
+differently by position) is stepped as it is, in the same ``step`` call. On the CPU a run reaches the optimizer in 4 MiB pieces, so a for-loop optimizer's
 temporaries stay small. The plan is kept between steps and re-checked with a few pointer
 comparisons per parameter; a plain ``step()`` in between just makes the next ``fuse_step`` plan
 again.

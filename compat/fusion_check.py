@@ -37,11 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 PROBE_STEPS = 3
 PROBE_MEMBERS = 3
-# ...and more members until the fused probe tensor holds this many elements: CPU kernels run a
-# vectorized loop plus a scalar tail, and for bfloat16/float16 the two can round differently
-# (seen with ``add_(b, alpha=a)``, SGD's update: a few percent of the elements differ). Members
-# smaller than one vector (up to 64 bytes) are all tail when stepped apart; fused, they would be
-# vectorized, so the probe must be long enough to see that difference.
+# ...and more members until the fused probe tensor holds this many elements. CPU kernels run a
+# vectorized loop plus a scalar tail, and where the two round differently (bfloat16/float16,
+# seen with SGD's ``add_(b, alpha=a)``; runs.fusable_on_its_device keeps those dtypes unfused on
+# the CPU anyway) members smaller than one vector (up to 64 bytes) are all tail when stepped
+# apart and mostly vectorized when fused: the probe must be long enough to contain vectors.
 PROBE_MIN_NUMEL = 512
 # norms far apart, the first two already on both sides of any usual clip threshold (a run may
 # have only two members)

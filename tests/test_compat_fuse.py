@@ -850,11 +850,10 @@ HALF_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", list(HALF_CASES))
 def test_half_precision_steps_equal_plain_step(name, dtype):
-    """CPU kernels run a vectorized loop and a scalar tail, and in bfloat16/float16 torch's
-    ``add_(b, alpha=a)`` rounds differently in the two (SGD's update). Parameters smaller than a
-    vector are all tail when stepped apart and mostly vectorized when fused, so the probe must
-    step enough elements to see it: such groups stay unfused, the others fuse, and every step
-    equals plain step bit for bit."""
+    """CPU kernels run a vectorized loop and a scalar tail, which in bfloat16/float16 round
+    differently (often for SGD's ``add_(b, alpha=a)``, rarely for RMSprop's or Adam's ops), and a
+    flat tensor moves elements from one to the other: fuse_step leaves half-precision CPU
+    parameters as they are, and every step equals plain step bit for bit."""
     def params():
         gen = torch.Generator().manual_seed(0)
         shapes = [(5, 3), (3,), (4, 4), (6,), (2, 2), (7,), (40,), (9, 9)]
@@ -872,8 +871,21 @@ def test_half_precision_steps_equal_plain_step(name, dtype):
             ref_opt.step()
             opt.fuse_step()
             assert all(torch.equal(p, q) for p, q in zip(ref, fused)), t
-    if not name.startswith("SGD"):
-        assert opt._bagua_fused_count == 10  # the probe does not refuse what fuses exactly
+    assert opt._bagua_fused_count == 0
+    assert len({q.untyped_storage().data_ptr() for q in fused}) == len(fused)  # not moved into a flat buffer
+
+
+def test_the_probe_sees_position_dependent_rounding():
+    """The probe itself, on members too small for one vector of the CPU kernels: it steps at
+    least PROBE_MIN_NUMEL elements, so bfloat16 SGD's vector/tail difference shows (before, three
+    members of a few elements each were all tail, fused or not)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16)) for s in [(3,), (2, 2), (6,), (7,), (5, 3)] * 8]
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    assert probe(optimizer, optimizer.param_groups[0], params).reason is not None
+    params32 = [torch.nn.Parameter(p.detach().float()) for p in params]
+    optimizer = torch.optim.SGD(params32, lr=0.1, momentum=0.9)
+    assert probe(optimizer, optimizer.param_groups[0], params32).reason is None
 
 
 def fused_count_per_step(opt, groups, ref_opt, ref_groups, steps, fresh) -> list:
