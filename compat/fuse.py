@@ -189,10 +189,11 @@ class _Fusion:
         self.layouts: dict = {}  # group index -> (ids of the group's params, [FlatBucket])
         self.bucket_of: dict = {}  # id(param) -> its FlatBucket
         self.plans: dict = {}  # group index -> _GroupPlan of the last fused step
-        self.probes: dict = {}  # (group index, device, dtype, hyperparameter kinds) -> ProbeResult
+        self.probes: dict = {}  # ((param ids, hyperparameter kinds), device, dtype, ndims) -> ProbeResult
         self.last_fresh_grad: dict = {}  # group index -> weak reference, see _fresh_and_cheap
         self.state_index = StateIndex()  # optimizer.state read by position, for the plan checks
         self.warned_not_flat = False
+        self.warned_unfused: set = set()  # (group index, dtype, reason) already warned about
         if do_flatten:
             for index, group in enumerate(optimizer.param_groups):
                 self._flatten(index, group)
@@ -281,7 +282,7 @@ class _Fusion:
         plan = self.plans.get(index)
         if plan is not None and self._still_valid(plan, param_ids, kinds):
             return plan
-        plan = self.plans[index] = self._new_plan(index, group, kinds)
+        plan = self.plans[index] = self._new_plan(index, group, param_ids, kinds)
         return plan
 
     def _still_valid(self, plan: _GroupPlan, param_ids: tuple, kinds: tuple) -> bool:
@@ -293,13 +294,13 @@ class _Fusion:
                     for run, checked in zip(plan.runs, plan.pointers_checked))
         )
 
-    def _new_plan(self, index: int, group: dict, kinds: tuple) -> _GroupPlan:
+    def _new_plan(self, index: int, group: dict, param_ids: tuple, kinds: tuple) -> _GroupPlan:
         state = self.optimizer.state
         candidates, alone = candidate_runs(group["params"], state)
         fused, pointers_checked, work = [], [], []
         for params in candidates:
             flat = span(params) if len(params) > 1 else None
-            found = self._probe(index, group, params, kinds) if flat is not None else None
+            found = self._probe(index, group, params, (param_ids, kinds)) if flat is not None else None
             if found is None or found.reason is not None:
                 alone.extend(params)
                 continue
@@ -309,16 +310,20 @@ class _Fusion:
             work.append(found.work_per_param)
         cheap = bool(work) and max(work) < FRESH_GRADS_MIN_WORK
         return _GroupPlan(
-            tuple(map(id, group["params"])), kinds, fused, alone, [p.grad is not None for p in alone], pointers_checked, cheap
+            param_ids, kinds, fused, alone, [p.grad is not None for p in alone], pointers_checked, cheap
         )
 
-    def _probe(self, index: int, group: dict, params: list, kinds: tuple) -> ProbeResult:
-        """The probe's result for this group, device, dtype and kinds of hyperparameters (run
-        once for each; warns if fusion would change the result)."""
-        key = (index, params[0].device, params[0].dtype, kinds)
+    def _probe(self, index: int, group: dict, params: list, group_key: tuple) -> ProbeResult:
+        """The probe's result for a run of ``params``: run once per group (its parameters and
+        kinds of hyperparameters, ``group_key``), device, dtype and numbers of dimensions among
+        the members (an optimizer may treat matrices per tensor and vectors elementwise, and the
+        first run probed may hold only vectors); warns if fusion would change the result."""
+        key = (group_key, params[0].device, params[0].dtype, tuple(sorted({p.dim() for p in params})))
         if key not in self.probes:
             found = self.probes[key] = probe(self.optimizer, group, params)
-            if found.reason is not None:
+            warning = (index, params[0].dtype, found.reason)
+            if found.reason is not None and warning not in self.warned_unfused:
+                self.warned_unfused.add(warning)
                 warnings.warn(
                     f"fuse_step: {type(self.optimizer).__name__} param group {index} ({params[0].dtype}) stays "
                     f"unfused: {found.reason}. fuse_step steps it tensor by tensor, as step() does.",

@@ -888,6 +888,75 @@ def test_the_probe_sees_position_dependent_rounding():
     assert probe(optimizer, optimizer.param_groups[0], params32).reason is None
 
 
+class MatricesPerTensor(torch.optim.Optimizer):
+    """``p <- p - lr g`` for vectors, ``p <- p - lr g / ||g||`` for matrices: elementwise or per
+    tensor depending on the parameter's number of dimensions."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad if p.dim() < 2 else p.grad / p.grad.norm(), alpha=-group["lr"])
+
+
+def _vectors_then_matrices(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(5,), (3,), (4, 4), (2, 3)]]
+
+
+def test_a_verdict_on_vectors_is_not_reused_for_matrices():
+    """The first fused steps see gradients on the vectors only (the probe finds them
+    elementwise); when the matrices get gradients too they join the run, which now holds
+    matrices: it is probed afresh and stepped unfused. Same bits as plain step throughout."""
+    ref, fused = _vectors_then_matrices(), _vectors_then_matrices()
+    ref_opt, opt = MatricesPerTensor(ref), fuse_optimizer(MatricesPerTensor(fused))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(6):
+            gen = torch.Generator().manual_seed(t)
+            for p, q in zip(ref, fused):
+                g = torch.randn(p.shape, generator=gen)
+                if p.grad is not None:  # kept in place (a fresh one would leave this cheap step unfused)
+                    p.grad.copy_(g)
+                    q.grad.copy_(g)
+                elif p.dim() == 1 or t >= 2:
+                    p.grad, q.grad = g.clone(), g.clone()
+            ref_opt.step()
+            opt.fuse_step()
+            assert all(torch.equal(p, q) for p, q in zip(ref, fused)), t
+    assert opt._bagua_fused_count == 2  # the vectors' run, before the matrices had gradients
+    assert sum("stays unfused" in str(w.message) for w in caught) == 1
+
+
+def test_a_verdict_is_not_reused_for_another_group_at_the_same_index():
+    """Group 0 holds vectors (fused), group 1 matrices (per tensor, unfused). Remove group 0 and
+    group 1 is now at index 0: it keeps its own verdict, not group 0's."""
+    ref_params, params = _vectors_then_matrices(), _vectors_then_matrices()
+    ref_opt = MatricesPerTensor([{"params": ref_params[:2]}, {"params": ref_params[2:]}])
+    opt = fuse_optimizer(MatricesPerTensor([{"params": params[:2]}, {"params": params[2:]}]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # group 1's expected "stays unfused"
+        for t in range(6):
+            if t == 3:
+                ref_opt.param_groups.pop(0)
+                opt.param_groups.pop(0)
+            gen = torch.Generator().manual_seed(t)
+            for p, q in zip(ref_params, params):
+                g = torch.randn(p.shape, generator=gen)
+                if p.grad is None:
+                    p.grad, q.grad = g.clone(), g.clone()
+                else:  # kept in place (a fresh one would leave this cheap step unfused)
+                    p.grad.copy_(g)
+                    q.grad.copy_(g)
+            ref_opt.step()
+            opt.fuse_step()
+            assert all(torch.equal(p, q) for p, q in zip(ref_params[2:], params[2:])), t
+
+
 def fused_count_per_step(opt, groups, ref_opt, ref_groups, steps, fresh) -> list:
     """``_bagua_fused_count`` increments of ``steps`` fuse_steps (ref: plain steps), gradients
     fresh tensors or written into the existing ``.grad``."""
