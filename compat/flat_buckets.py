@@ -85,7 +85,7 @@ class FlatBucket:
             g = p.grad
             if g is not None and not g.is_sparse and g.shape == p.shape and g.dtype == p.dtype:
                 view = self.grads_slice(start, end).view(p.shape)
-                view.copy_(p.grad)
+                view.copy_(g)
                 p.grad = view
             for key, value in list(state.get(p, {}).items()):
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape:

@@ -24,10 +24,10 @@ values. Gradients and state tensors that are not back to back yet (a fresh ``bac
 and re-pointed there. Everything else (no gradient, sparse, a gradient of another dtype
 (``p.grad_dtype``), a 0-dim parameter, odd state and, on the CPU, a parameter above 32k
 elements, whose own kernels are long enough already, or in bfloat16/float16, whose kernels round
-differently by position) is stepped as it is, in the same ``step`` call. On the CPU a run reaches the optimizer in 4 MiB pieces, so a for-loop optimizer's
-temporaries stay small. The plan is kept between steps and re-checked with a few pointer
-comparisons per parameter; a plain ``step()`` in between just makes the next ``fuse_step`` plan
-again.
+differently by position) is stepped as it is, in the same ``step`` call. On the CPU a run
+reaches the optimizer in 4 MiB pieces, so a for-loop optimizer's temporaries stay small. The
+plan is kept between steps and re-checked with a few pointer comparisons per parameter; a plain
+``step()`` in between just makes the next ``fuse_step`` plan again.
 
 Optimizers with per-tensor math (per-parameter norms, clipping, trust ratios) are not
 elementwise. The first time a group would be fused, ``fuse_step`` steps copies of a few of its
@@ -262,17 +262,20 @@ class _Fusion:
         or the same tensor as last time (``zero_grad(set_to_none=False)``: the fused path then
         moves the surviving gradients into the flat buffer, and later steps find them in place)."""
         plan = self.plans.get(index)
-        if plan is None or not plan.unfused_when_fresh or plan.hyperparameters != hyperparameter_kinds(group):
+        if plan is None or not plan.unfused_when_fresh:
             return False
         first = plan.runs[0]
         grad = first.params[0].grad
-        if grad is None:
-            return True
-        if grad is first.grad_views[0]:
-            return False
-        last = self.last_fresh_grad.get(index)
-        self.last_fresh_grad[index] = weakref.ref(grad)
-        return last is None or last() is not grad
+        if grad is not None:
+            if grad is first.grad_views[0]:
+                return False
+            last = self.last_fresh_grad.get(index)
+            self.last_fresh_grad[index] = weakref.ref(grad)
+            if last is not None and last() is grad:
+                return False
+        # checked last, so that a group whose gradients are in place (planned by _plan, which
+        # compares the kinds itself) does not compute them twice
+        return plan.hyperparameters == hyperparameter_kinds(group)
 
     def _plan(self, index: int, group: dict) -> _GroupPlan:
         """The last step's plan if it still holds, else a new one."""
