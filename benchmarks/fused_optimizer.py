@@ -14,6 +14,11 @@ Two gradient regimes: ``in place`` (gradients stay where the last step left them
 after ``zero_grad(set_to_none=True)``; fuse_step then copies them into its flat buffer, inside
 the timing).
 
+On the 200-tensor model each row also times ``floor``: the least any fused step can cost, the
+optimizer's own ``step`` on one flat parameter with no checks at all, after (fresh gradients) one
+``_foreach_copy_`` of the 200 gradients into its flat gradient; ``ceiling`` = ``step / floor`` is
+the best speedup fusion could reach there.
+
 Then whole training steps (zero_grad, forward, backward, step) on a 100-layer MLP and a
 6-layer transformer encoder with ``zero_grad()``'s default ``set_to_none=True``.
 
@@ -43,6 +48,7 @@ from custom_optimizers import BertAdam  # noqa: E402
 from optimizer_step import bert_base_shapes  # noqa: E402
 
 from functional_bagua.compat import fuse_optimizer  # noqa: E402
+from functional_bagua.compat.spans import split_like  # noqa: E402
 
 OPTIMIZERS = {
     "AdamW": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),
@@ -89,6 +95,25 @@ def optimizer_on_copies(name, kwargs, params, grads):
     return ps, OPTIMIZERS[name](ps, **kwargs)
 
 
+def floor_on_copies(name, kwargs, params, grads, fresh):
+    """The least a fused step of ``name`` can cost: its own step on one flat parameter, with no
+    plan or checks, after (``fresh``) one ``_foreach_copy_`` of the members' gradients into the
+    flat gradient, the one pass over fresh gradients that any fused design pays. Returns
+    ``(members, step)``; ``members`` carry the gradients that ``time_steps`` renews."""
+    flat = torch.nn.Parameter(torch.cat([p.reshape(-1) for p in params]))
+    flat.grad = torch.cat([g.reshape(-1) for g in grads])
+    views = split_like(flat.grad, params)
+    members, optimizer = optimizer_on_copies(name, kwargs, params, grads)
+    optimizer.param_groups[0]["params"] = [flat]  # same class and hyperparameters, one flat tensor
+
+    def step():
+        if fresh:
+            torch._foreach_copy_(views, [p.grad for p in members])
+        optimizer.step()
+
+    return members, step
+
+
 def time_steps(variants: dict, grads, fresh: bool, steps: int) -> dict:
     """``variants``: label -> (parameters, step function). With ``fresh``, each step is given
     new gradient tensors just before it (its own only: refreshing every variant's would evict
@@ -105,6 +130,7 @@ def time_steps(variants: dict, grads, fresh: bool, steps: int) -> dict:
 
 def bench_steps(key, names, steps, with_compile):
     label, shapes_fn = CONFIGS[key]
+    with_floor = key == "mlp"  # on BERT shapes the large tensors are stepped alone anyway
     params, grads = make_tensors(shapes_fn())
     rows = []
     for name in names:
@@ -114,11 +140,17 @@ def bench_steps(key, names, steps, with_compile):
             for impl, kwargs in impls.items():
                 plain_params, plain = optimizer_on_copies(name, kwargs, params, grads)
                 fused_params, fused = optimizer_on_copies(name, kwargs, params, grads)
-                ms = time_steps({"step": (plain_params, plain.step),
-                                 "fuse_step": (fused_params, fuse_optimizer(fused).fuse_step)}, grads, fresh, steps)
-                rows.append(dict(optimizer=name, grads=regime, impl=impl, step_ms=ms["step"],
-                                 fuse_step_ms=ms["fuse_step"], speedup=f"{ms['step'] / ms['fuse_step']:.2f}x"))
-                del plain, fused, plain_params, fused_params
+                variants = {"step": (plain_params, plain.step),
+                            "fuse_step": (fused_params, fuse_optimizer(fused).fuse_step)}
+                if with_floor and name != "BertAdam (per-tensor clip)":  # fusing it would change the math
+                    variants["floor"] = floor_on_copies(name, kwargs, params, grads, fresh)
+                ms = time_steps(variants, grads, fresh, steps)
+                row = dict(optimizer=name, grads=regime, impl=impl, step_ms=ms["step"],
+                           fuse_step_ms=ms["fuse_step"], speedup=f"{ms['step'] / ms['fuse_step']:.2f}x")
+                if "floor" in ms:
+                    row.update(floor_ms=ms["floor"], ceiling=f"{ms['step'] / ms['floor']:.2f}x")
+                rows.append(row)
+                del plain, fused, plain_params, fused_params, variants
                 gc.collect()
             others = {}
             if name in TORCH_FUSED:
@@ -205,7 +237,7 @@ def main(argv=None):
         steps = args.bert_steps if key == "bert" else args.steps
         label, rows = bench_steps(key, names, steps, with_compile=key == "mlp" and not args.no_compile)
         print(f"## optimizer step, {label} (median of {steps})\n")
-        print(table(rows, ["optimizer", "grads", "impl", "step_ms", "fuse_step_ms", "speedup"]) + "\n", flush=True)
+        print(table(rows, ["optimizer", "grads", "impl", "step_ms", "fuse_step_ms", "speedup", "floor_ms", "ceiling"]) + "\n", flush=True)
     if not args.no_train:
         print(f"## training step: zero_grad(), forward, backward, step (median of {args.train_steps})\n")
         print(table(bench_training(args.train_steps), ["model", "optimizer", "impl", "call", "ms", "speedup"]))

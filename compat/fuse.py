@@ -51,7 +51,7 @@ import contextlib
 import warnings
 import weakref
 from itertools import repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, is_, is_not
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -171,6 +171,7 @@ class _GroupPlan(NamedTuple):
 
     param_ids: tuple
     hyperparameters: tuple  # fusion_check.hyperparameter_kinds of the group when planned
+    values: tuple  # the group's values when planned (the objects themselves), see _fresh_and_cheap
     runs: list
     alone: list
     alone_has_grad: list
@@ -216,10 +217,11 @@ class _Fusion:
             with torch.enable_grad():
                 loss = closure()
             closure = _evaluated_once(closure, loss)
-        state = self.optimizer.state
+        optimizer = self.optimizer
+        state = optimizer.state
         swapped, runs, index_read = [], [], False
         try:
-            for index, group in enumerate(self.optimizer.param_groups):
+            for index, group in enumerate(optimizer.param_groups):
                 if self._fresh_and_cheap(index, group):
                     continue
                 if not index_read:  # not needed by groups stepped as they are
@@ -234,23 +236,16 @@ class _Fusion:
                     runs.append(run)
                 swapped.append((group, group["params"]))
                 group["params"] = [chunk for run in plan.runs for chunk in run.chunks] + plan.alone
-                self.optimizer._bagua_fused_count += 1
-            plain_step = self._plain_step()
+                optimizer._bagua_fused_count += 1
+            plain_step = _plain_step(optimizer)
             result = plain_step(closure) if closure is not None else plain_step()
         finally:
             self.state_index.release()
             for group, params in swapped:
                 group["params"] = params
             for run in runs:
-                run.scatter(state, [state.pop(chunk, {}) for chunk in run.chunks], type(self.optimizer).__name__)
+                run.scatter(state, [state.pop(chunk, {}) for chunk in run.chunks], type(optimizer).__name__)
         return loss if closure is not None else result
-
-    def _plain_step(self) -> Callable:
-        """The optimizer's own step (with any lr-scheduler wrapper), even inside fused_steps."""
-        own = vars(self.optimizer).get("step")
-        if isinstance(own, _FusedAlias):
-            return own.original or type(self.optimizer).step.__get__(self.optimizer)
-        return self.optimizer.step
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -274,7 +269,12 @@ class _Fusion:
             if last is not None and last() is grad:
                 return False
         # checked last, so that a group whose gradients are in place (planned by _plan, which
-        # compares the kinds itself) does not compute them twice
+        # compares the kinds itself) does not compute them twice. The same value objects as when
+        # planned have the same kinds, short of one changed in place (a list's item); missing
+        # that only leaves the group unfused, which is exact, so the identity test suffices.
+        values = tuple(group.values())
+        if len(values) == len(plan.values) and all(map(is_, values, plan.values)):
+            return True
         return plan.hyperparameters == hyperparameter_kinds(group)
 
     def _plan(self, index: int, group: dict) -> _GroupPlan:
@@ -313,7 +313,8 @@ class _Fusion:
             work.append(found.work_per_param)
         cheap = bool(work) and max(work) < FRESH_GRADS_MIN_WORK
         return _GroupPlan(
-            param_ids, kinds, fused, alone, [p.grad is not None for p in alone], pointers_checked, cheap
+            param_ids, kinds, tuple(group.values()), fused, alone, [p.grad is not None for p in alone],
+            pointers_checked, cheap,
         )
 
     def _probe(self, index: int, group: dict, params: list, group_key: tuple) -> ProbeResult:
@@ -362,6 +363,14 @@ class _Fusion:
         bucket = self.bucket_of.get(id(params[0]))
         slot = bucket.slot(params[0], numel) if bucket is not None else None
         return (bucket, slot) if slot is not None else (None, None)
+
+
+def _plain_step(optimizer: torch.optim.Optimizer) -> Callable:
+    """The optimizer's own step (with any lr-scheduler wrapper), even inside fused_steps."""
+    own = vars(optimizer).get("step")
+    if isinstance(own, _FusedAlias):
+        return own.original or type(optimizer).step.__get__(optimizer)
+    return optimizer.step
 
 
 def _placer(bucket, slot) -> Callable:

@@ -342,8 +342,8 @@ class Run:
         if known is None or known.flat.dtype != value.dtype or known.flat.device != value.device:
             self._adopt_scalar(state, key, value)
             return
-        known.flat.copy_(value.expand_as(known.flat))
-        self.scalars[key] = known._replace(version=known.flat._version)
+        known.flat.fill_(value)
+        self.scalars[key] = _Scalars(known.flat, known.members, known.flat._version)
 
     # ---- moving tensors into flat buffers -------------------------------------------------
 
