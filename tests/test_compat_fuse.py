@@ -145,6 +145,34 @@ def test_custom_optimizers_equal_plain_step(cls, kwargs):
         assert opt._bagua_fused_count == fused_calls * 2 and not per_tensor
 
 
+PER_TENSOR_TORCH_OPTIMIZERS = {
+    # relative step size and update clip from each parameter's own RMS, factored second moments
+    "Adafactor-for-loop": (torch.optim.Adafactor, dict(lr=1e-2, foreach=False)),
+    "Adafactor-foreach": (torch.optim.Adafactor, dict(lr=1e-2, foreach=True)),
+    # Newton-Schulz orthogonalization of each 2-D parameter's update; refuses a 1-D flat tensor
+    "Muon": (torch.optim.Muon, dict(lr=1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", list(PER_TENSOR_TORCH_OPTIMIZERS))
+def test_torch_optimizers_with_per_tensor_math_stay_unfused_and_equal_plain_step(name):
+    """torch.optim's Adafactor and Muon (newer than the issue's list) treat each parameter as a
+    whole: the probe refuses them (one warning per group and dtype), and fuse_step mixed with
+    step gives plain step's bits."""
+    cls, kwargs = PER_TENSOR_TORCH_OPTIMIZERS[name]
+    ref_groups, groups = make_params(), make_params()
+    if cls is torch.optim.Muon:  # Muon takes matrices only
+        ref_groups, groups = ([[p for p in ps if p.dim() == 2] for ps in gs] for gs in (ref_groups, groups))
+    ref_opt = cls([{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 1e-3}], **kwargs)
+    opt = fuse_optimizer(cls([{"params": groups[0]}, {"params": groups[1], "lr": 1e-3}], **kwargs))
+    _, refused = alternate(ref_groups, groups, ref_opt, opt, steps=20)
+    assert_same(ref_groups, groups, ref_opt, opt)
+    assert opt._bagua_fused_count == 0
+    # a warning per group and dtype that has a run to fuse (two trainable parameters or more)
+    dtypes = [[p.dtype for p in ps if p.requires_grad] for ps in groups]
+    assert len(refused) == sum(sum(ds.count(d) > 1 for d in set(ds)) for ds in dtypes)
+
+
 def test_per_tensor_optimizer_would_change_if_fused_naively():
     """The check is load-bearing: BertAdam stepped on the concatenation differs from BertAdam
     stepped per tensor (its clip uses each tensor's own norm), while Adam does not."""
