@@ -33,8 +33,9 @@ Optimizers with per-tensor math (per-parameter norms, clipping, trust ratios) ar
 elementwise. The first time a group would be fused, ``fuse_step`` steps copies of a few of its
 parameters both ways (:mod:`functional_bagua.compat.fusion_check`); if the bits differ it warns
 once and steps that group unfused from then on. The verdict is kept per kind of hyperparameters
-(:func:`~functional_bagua.compat.fusion_check.hyperparameter_kinds`): a new ``lr`` keeps it, a
-clip threshold turned on from 0 asks for a new probe. Fusion never changes a result silently.
+(:func:`~functional_bagua.compat.fusion_check.hyperparameter_kinds`): a new ``lr`` (or
+``momentum``, ``betas``, ``weight_decay``, of the same sign) keeps it, any other change (a clip
+threshold from ``inf`` to ``0.1``) asks for a new probe. Fusion never changes a result silently.
 
 Fresh gradients cost a copy. After ``zero_grad(set_to_none=True)`` every gradient is a new
 tensor, which the fused step first copies into the flat gradient: about one foreach slot per
@@ -57,6 +58,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from functional_bagua.compat import flat_buckets
+from functional_bagua.compat import fusion_check
 from functional_bagua.compat.fusion_check import ProbeResult, hyperparameter_kinds, probe
 from functional_bagua.compat.runs import Run, StateIndex, candidate_runs
 from functional_bagua.compat.spans import span
@@ -190,7 +192,8 @@ class _Fusion:
         self.layouts: dict = {}  # group index -> (ids of the group's params, [FlatBucket])
         self.bucket_of: dict = {}  # id(param) -> its FlatBucket
         self.plans: dict = {}  # group index -> _GroupPlan of the last fused step
-        self.probes: dict = {}  # ((param ids, hyperparameter kinds), device, dtype, ndims) -> ProbeResult
+        self.probes: dict = {}  # (param ids, device, dtype, ndims) -> (hyperparameter kinds, ProbeResult)
+        self.warned_reprobing: set = set()  # group indices warned about (see _probe)
         self.last_fresh_grad: dict = {}  # group index -> weak reference, see _fresh_and_cheap
         self.state_index = StateIndex()  # optimizer.state read by position, for the plan checks
         self.warned_not_flat = False
@@ -303,7 +306,7 @@ class _Fusion:
         fused, pointers_checked, work = [], [], []
         for params in candidates:
             flat = span(params) if len(params) > 1 else None
-            found = self._probe(index, group, params, (param_ids, kinds)) if flat is not None else None
+            found = self._probe(index, group, params, param_ids, kinds) if flat is not None else None
             if found is None or found.reason is not None:
                 alone.extend(params)
                 continue
@@ -317,24 +320,50 @@ class _Fusion:
             pointers_checked, cheap,
         )
 
-    def _probe(self, index: int, group: dict, params: list, group_key: tuple) -> ProbeResult:
-        """The probe's result for a run of ``params``: run once per group (its parameters and
-        kinds of hyperparameters, ``group_key``), device, dtype and numbers of dimensions among
-        the members (an optimizer may treat matrices per tensor and vectors elementwise, and the
-        first run probed may hold only vectors); warns if fusion would change the result."""
-        key = (group_key, params[0].device, params[0].dtype, tuple(sorted({p.dim() for p in params})))
-        if key not in self.probes:
-            found = self.probes[key] = probe(self.optimizer, group, params)
-            warning = (index, params[0].dtype, found.reason)
-            if found.reason is not None and warning not in self.warned_unfused:
-                self.warned_unfused.add(warning)
-                warnings.warn(
-                    f"fuse_step: {type(self.optimizer).__name__} param group {index} ({params[0].dtype}) stays "
-                    f"unfused: {found.reason}. fuse_step steps it tensor by tensor, as step() does.",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
-        return self.probes[key]
+    def _probe(self, index: int, group: dict, params: list, param_ids: tuple, kinds: tuple) -> ProbeResult:
+        """The probe's result for a run of ``params``: run once per group (its parameters),
+        device, dtype and numbers of dimensions among the members (an optimizer may treat
+        matrices per tensor and vectors elementwise, and the first run probed may hold only
+        vectors), and again whenever the group's kinds of hyperparameters change (only the last
+        verdict is kept, so a value that changes every step costs a probe per step, never
+        memory); warns if fusion would change the result."""
+        key = (param_ids, params[0].device, params[0].dtype, tuple(sorted({p.dim() for p in params})))
+        known = self.probes.get(key)
+        if known is not None and known[0] == kinds:
+            return known[1]
+        if known is not None:
+            self._warn_reprobing(index, known[0], kinds)
+        found = probe(self.optimizer, group, params)
+        self.probes[key] = (kinds, found)
+        warning = (index, params[0].dtype, found.reason)
+        if found.reason is not None and warning not in self.warned_unfused:
+            self.warned_unfused.add(warning)
+            warnings.warn(
+                f"fuse_step: {type(self.optimizer).__name__} param group {index} ({params[0].dtype}) stays "
+                f"unfused: {found.reason}. fuse_step steps it tensor by tensor, as step() does.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        return found
+
+    def _warn_reprobing(self, index: int, old: tuple, new: tuple) -> None:
+        """Say once per group which hyperparameters (other than :data:`fusion_check.SCHEDULED`, whose
+        sign may change) made it probe again: a probe costs about as much as a few optimizer steps
+        on a few small tensors, which adds up if a value changes every step."""
+        before, after = dict(old), dict(new)
+        changed = sorted(k for k in before.keys() | after.keys()
+                         if before.get(k) != after.get(k) and k not in fusion_check.SCHEDULED)
+        if not changed or index in self.warned_reprobing:
+            return
+        self.warned_reprobing.add(index)
+        warnings.warn(
+            f"fuse_step: {type(self.optimizer).__name__} param group {index}: {changed} changed, so fuse_step "
+            "probes again whether fusion is exact (a value such as a clip threshold can switch per-tensor math "
+            "on). If these change every step, each fuse_step probes; only "
+            f"{', '.join(fusion_check.SCHEDULED)} may change freely. This warning is shown once per group.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     # ---- flat buffers ---------------------------------------------------------------------
 

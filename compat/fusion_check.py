@@ -19,8 +19,10 @@ The same two runs also tell how much per-tensor work the optimizer's step does, 
 whether fusion pays when gradients arrive fresh (:func:`probe`, ``work_per_param``).
 
 A verdict holds for the hyperparameters it was found with, up to what schedules change every
-step: :func:`hyperparameter_kinds` is what the caller keys it by (turning a per-parameter clip on,
-``max_grad_norm`` 0 -> 1, asks for a new probe; a new ``lr`` or ``betas`` does not).
+step: :func:`hyperparameter_kinds` is what the caller keys it by. Any change of a hyperparameter
+asks for a new probe (a clip threshold lowered from ``inf`` to ``0.1`` starts clipping), except
+for the values torch's schedulers move every step (``lr``, ``momentum``, ``betas``,
+``weight_decay``), for which only the sign counts (turning momentum or decay on asks again); see :data:`SCHEDULED`.
 """
 
 from __future__ import annotations
@@ -63,30 +65,45 @@ class ProbeResult(NamedTuple):
 
 
 NOT_HYPERPARAMETERS = ("params", "param_names")
+# What torch's lr schedulers change every step (LambdaLR ... OneCycleLR and CyclicLR with
+# cycle_momentum, which cycles ``momentum`` or ``betas``), the usual other names of the betas, and
+# weight decay, which schedules of other libraries move: for these only the sign is kept, so that a schedule does not ask for a probe on every step. Elementwise optimizers
+# use them elementwise; per-tensor math switched on by their size alone is not known to exist.
+SCHEDULED = ("lr", "momentum", "betas", "b1", "b2", "beta1", "beta2", "weight_decay")
 
 
 def hyperparameter_kinds(group: dict) -> tuple:
-    """A param group's hyperparameters as far as they can change what kind of math a step does:
-    numbers by their sign (a clip threshold or momentum of 0 usually switches a feature off; the
-    values a schedule moves every step, ``lr``, ``betas``, do not matter), tensors by dtype,
-    device and shape, booleans, ``None``, strings and other hashable values as they are, and
-    unhashable ones by their type.
+    """A param group's hyperparameters as far as a probe's verdict depends on them: every value
+    as it is (a per-tensor clip threshold moving from ``inf`` to ``0.1`` must be probed again),
+    except the :data:`SCHEDULED` numbers, kept by their sign, and tensors, kept by dtype, device
+    and shape (reading their values would synchronise an accelerator on every step); unhashable
+    values by their type.
 
-        >>> hyperparameter_kinds({"params": [], "lr": 1e-3, "max_grad_norm": 0.0, "amsgrad": False})
-        (('lr', (<class 'float'>, 1)), ('max_grad_norm', (<class 'float'>, 0)), ('amsgrad', False))
+        >>> hyperparameter_kinds({"params": [], "lr": 1e-3, "max_grad_norm": 0.5, "amsgrad": False})
+        (('lr', (<class 'float'>, 1)), ('max_grad_norm', 0.5), ('amsgrad', False))
     """
-    return tuple((key, _kind(value)) for key, value in group.items() if key not in NOT_HYPERPARAMETERS)
+    return tuple(
+        (key, _sign_kind(value) if key in SCHEDULED else _kind(value))
+        for key, value in group.items() if key not in NOT_HYPERPARAMETERS
+    )
+
+
+def _sign_kind(value):
+    """A scheduled value by its sign (each element of a tuple such as ``betas``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value), (value > 0) - (value < 0)
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(map(_sign_kind, value))
+    return _kind(value)
 
 
 def _kind(value):
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, float)):
-        return type(value), (value > 0) - (value < 0)
     if isinstance(value, torch.Tensor):
         return torch.Tensor, value.dtype, value.device, tuple(value.shape)
     if isinstance(value, (tuple, list)):
         return type(value), tuple(map(_kind, value))
+    if isinstance(value, float) and value != value:  # NaN != NaN: keep plans keyed by it stable
+        return float, "nan"
     try:
         hash(value)
     except TypeError:

@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 
 from functional_bagua import kernels
-from functional_bagua.base import GradientTransformation, chain
+from functional_bagua.base import GradientTransformation, chain, check_params
 from functional_bagua.fusion import tensor_shapes
-from functional_bagua.hyperparams import accepts_schedules
+from functional_bagua.hyperparams import accepts_schedules, hyperparams_are_checked
 from functional_bagua.transforms.adam import scale_by_adam, scale_by_adamax, scale_by_nadam, scale_by_radam
 from functional_bagua.transforms.asgd import scale_by_asgd
 from functional_bagua.transforms.belief import scale_by_belief
@@ -49,14 +49,26 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _known(*values) -> bool:
-    """All Python numbers: checkable now. A tensor (injected hyperparameter) or a schedule is
-    checked by inject_hyperparams on its initial value instead, never inside a traced step."""
+    """All Python numbers (fixed when the alias is built, as torch's fused kernels need them)."""
     return all(is_number(v) for v in values)
 
 
+def _number(value):
+    """The value to validate now: a Python number as it is, a one-element tensor's value (a
+    hyperparameter given as a tensor is checked as torch checks it), ``None`` for a schedule, and
+    for the tensors inject_hyperparams passes on every update (it checked their initial values
+    when it was built; reading them back would sync a GPU on every step)."""
+    if is_number(value):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not hyperparams_are_checked():
+        return value.item()
+    return None
+
+
 def _check(value, ok, message: str) -> None:
-    if _known(value):
-        _require(ok(value), message)
+    number = _number(value)
+    if number is not None:
+        _require(ok(number), message)
 
 
 def _check_lr(lr) -> None:
@@ -112,8 +124,8 @@ def sgd(
     _check_lr(lr)
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
-    if nesterov and _known(momentum, dampening):
-        _require(momentum > 0 and dampening == 0, "Nesterov momentum requires a momentum and zero dampening")
+    if nesterov and None not in (_number(momentum), _number(dampening)):
+        _require(_number(momentum) > 0 and _number(dampening) == 0, "Nesterov momentum requires a momentum and zero dampening")
     tx = chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),
@@ -297,8 +309,8 @@ def rprop(
     """Rprop, as ``torch.optim.Rprop``: ``p <- p - sign(g') * h_t`` with per-element step sizes
     ``h`` starting at ``lr`` (see :func:`~functional_bagua.scale_by_rprop`)."""
     _check_lr(lr)
-    if _known(*etas):
-        _require(0.0 < etas[0] < 1.0 < etas[1], f"Invalid eta values: {etas[0]}, {etas[1]}")
+    if None not in map(_number, etas):
+        _require(0.0 < _number(etas[0]) < 1.0 < _number(etas[1]), f"Invalid eta values: {etas[0]}, {etas[1]}")
     return chain(negate_if(maximize), scale_by_rprop(lr, etas, step_sizes), scale(-1.0))
 
 
@@ -386,6 +398,7 @@ def muon(
     )
 
     def init(params):
+        check_params(params, "muon")
         for key, shape in tensor_shapes(params):
             if len(shape) != 2:
                 raise ValueError(
@@ -445,8 +458,8 @@ def lars(
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
     _check_eps(eps)
-    if nesterov and _known(momentum):
-        _require(momentum > 0, "Nesterov momentum requires a momentum")
+    if nesterov and _number(momentum) is not None:
+        _require(_number(momentum) > 0, "Nesterov momentum requires a momentum")
     return chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import checks, tree
 
 Params = Any
 Updates = Any
@@ -67,6 +67,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise TypeError(f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation")
 
     def init(params):
+        check_params(params, "init")
         return tuple(t.init(params) for t in transforms)
 
     def update(updates, state, params=None):
@@ -84,17 +85,32 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+def check_params(params: Params, who: str) -> None:
+    """Raise naming the first leaf of ``params`` that is not a trainable tensor (a dense
+    floating-point or complex one; ``None`` leaves stand for no parameter)."""
+    leaves, spec = tree.flatten(params)
+    for i, p in enumerate(leaves):
+        if p is not None:
+            checks.check_param(p, lambda i=i: tree.leaf_names(spec)[i], who)
+
+
 def apply_updates(params: Params, updates: Updates) -> Params:
     """``params + updates`` leaf by leaf, pure; a ``None`` update leaves its parameter as it is.
 
     Each result keeps its parameter's dtype (a bf16 parameter stays bf16 whatever the update's
-    dtype; the sum is formed in the wider of the two and rounded once).
+    dtype; the sum is formed in the wider of the two and rounded once). An update must have its
+    parameter's shape and be dense and floating-point (:mod:`functional_bagua.checks`): a wrong one
+    raises a ValueError/TypeError naming the parameter, never broadcasts.
     """
     param_leaves, spec = tree.flatten(params)
     update_leaves = tree.leaves_matching(spec, updates, "updates", "params")
-    new_leaves = [
-        p if u is None else _add_keeping_dtype(p, u) for p, u in zip(param_leaves, update_leaves)
-    ]
+    new_leaves = []
+    for i, (p, u) in enumerate(zip(param_leaves, update_leaves)):
+        if u is None:
+            new_leaves.append(p)
+            continue
+        checks.check_update(u, p, lambda i=i: tree.leaf_names(spec)[i], "apply_updates")
+        new_leaves.append(_add_keeping_dtype(p, u))
     return spec.unflatten(new_leaves)
 
 

@@ -86,8 +86,8 @@ class FlatLayout:
         for name, leaf in zip(names, leaves):
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"FlatLayout: leaf {name!r} is {type(leaf).__name__}, not a tensor")
-            if leaf.is_sparse:
-                raise TypeError(f"FlatLayout: leaf {name!r} is sparse; flat buffers hold dense tensors")
+            if leaf.layout is not torch.strided:
+                raise TypeError(f"FlatLayout: leaf {name!r} is {leaf.layout}; flat buffers hold dense tensors")
         paths = optree.treespec_paths(spec)
         flat_dict = type(params) is dict and all(len(path) == 1 for path in paths)
         return cls(spec, names, [(tuple(p.shape), p.dtype, p.device) for p in leaves],
@@ -105,9 +105,23 @@ class FlatLayout:
         buffers, one ``torch.cat`` per group. Do it once; then keep working on the buffers."""
         leaves = tree.leaves_matching(self.spec, params, "tree", "the layout's params")
         members: dict[str, list] = {key: [] for key in self.groups}
-        for leaf, (key, _) in zip(leaves, self._slots):
+        for leaf, (key, i) in zip(leaves, self._slots):
+            self._check_leaf(leaf, key, i)
             members[key].append(leaf.reshape(-1))
         return {key: torch.cat(parts) if len(parts) > 1 else parts[0].clone() for key, parts in members.items()}
+
+    def _check_leaf(self, leaf, key: str, i: int) -> None:
+        """Raise unless ``leaf`` is a tensor of the shape, dtype and device its segment was made for
+        (a leaf of the same size but another shape would land in the wrong elements)."""
+        group, seg = self.groups[key], self.groups[key].segments[i]
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"FlatLayout.flatten: leaf {seg.name!r} is {type(leaf).__name__}, not a tensor")
+        if tuple(leaf.shape) != seg.shape or leaf.dtype != group.dtype or leaf.device != group.device:
+            raise ValueError(
+                f"FlatLayout.flatten: leaf {seg.name!r} is {tuple(leaf.shape)} {leaf.dtype} on {leaf.device}, the "
+                f"layout holds {seg.shape} {group.dtype} on {group.device} there; make a layout of this tree "
+                "with FlatLayout.of(tree)"
+            )
 
     def unflatten(self, buffers: dict) -> Any:
         """The tree of this layout whose leaves are views into ``buffers`` (no copy).
@@ -157,20 +171,23 @@ class FlatLayout:
 
 class FlatModule(NamedTuple):
     """A module whose trainable parameters and gradients live in flat buffers:
-    ``params[key]`` / ``grads[key]`` are the buffers the parameters' ``.data`` / ``.grad`` view."""
+    ``params[key]`` / ``grads[key]`` are the buffers the parameters' ``.data`` / ``.grad`` view.
+    ``hooks``: the gradient hooks that keep it so (see :func:`flatten_module`)."""
 
     layout: FlatLayout
     params: dict
     grads: dict
+    hooks: tuple = ()
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffers in place (``module.zero_grad()`` would drop the views)."""
+        """Zero the gradient buffers in place. ``module.zero_grad()`` works too: the next
+        ``backward()`` puts the gradients back into the buffers (:func:`flatten_module`)."""
         for g in self.grads.values():
             g.zero_()
 
     def check(self, module: torch.nn.Module) -> None:
-        """Raise if a parameter or gradient of ``module`` no longer views its flat buffer
-        (a replaced ``p.data``, or ``.grad`` set to ``None`` by ``zero_grad(set_to_none=True)``)."""
+        """Raise if a parameter or gradient of ``module`` does not view its flat buffer
+        (a replaced ``p.data``; ``.grad`` is ``None`` between ``zero_grad()`` and ``backward()``)."""
         named = dict(module.named_parameters())
         for key, group in self.layout.groups.items():
             for seg in group.segments:
@@ -182,24 +199,98 @@ class FlatModule(NamedTuple):
                             "(was .data replaced, or .grad set to None?); flatten the module again"
                         )
 
+    def remove_hooks(self) -> None:
+        """Remove the gradient hooks: gradients no longer return to the buffers by themselves."""
+        for handle in self.hooks:
+            handle.remove()
+
 
 def _views(t: torch.Tensor, buffer: torch.Tensor, seg: Segment) -> bool:
     return t.data_ptr() == buffer.data_ptr() + seg.offset * buffer.element_size() and t.shape == seg.shape
+
+
+class _GradientsHome:
+    """Keeps every ``.grad`` of a flattened module a view of its flat gradient buffer.
+
+    torch's ``zero_grad()`` (module or optimizer; ``set_to_none=True`` by default) drops the
+    views, and the next ``backward()`` writes fresh tensors. After a parameter's gradient is
+    accumulated, :meth:`after_accumulate` copies a fresh one into the parameter's view and
+    re-points ``.grad`` there; at the end of that backward pass, :meth:`after_backward` gives
+    every parameter that received no gradient a zeroed view (its old values would otherwise stay
+    in the buffer). A parameter that no longer views its flat buffer (``p.data`` replaced)
+    raises during ``backward()``: its values are not the buffer's any more."""
+
+    def __init__(self, named: dict, layout: FlatLayout, params: dict, grads: dict):
+        self.named, self.layout, self.params, self.grads = named, layout, params, grads
+        self.views = {}  # name -> (segment, group key, gradient view)
+        for key, group in layout.groups.items():
+            grad_views = torch.split(grads[key], [seg.numel for seg in group.segments])
+            for seg, view in zip(group.segments, grad_views):
+                self.views[seg.name] = (seg, key, view.view(seg.shape))
+        self.queued = False
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        return self.views[name][2]
+
+    @torch.no_grad()
+    def after_accumulate(self, name: str, p: torch.Tensor) -> None:
+        seg, key, view = self.views[name]
+        if not _views(p, self.params[key], seg):
+            raise RuntimeError(
+                f"flatten_module: the parameter {name!r} no longer views its flat buffer {key!r} (was p.data "
+                "replaced?), so the buffer does not hold its values; call flatten_module(model) again"
+            )
+        if p.grad is view:
+            return
+        view.copy_(p.grad)
+        p.grad = view
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        self.queued = False
+        for name, (_, _, view) in self.views.items():
+            p = self.named[name]
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
 
 
 def flatten_module(module: torch.nn.Module) -> FlatModule:
     """Move ``module``'s trainable parameters into flat buffers and give each a gradient that is
     a view of a flat gradient buffer. The ``Parameter`` objects keep their identity (and any
     optimizer or hook holding them keeps working); ``backward()`` accumulates into the existing
-    ``.grad`` views, so gradients land in the flat buffers with no copy. Zero them with
-    :meth:`FlatModule.zero_grad` (not ``module.zero_grad()``, which sets them to ``None``)."""
+    ``.grad`` views, so gradients land in the flat buffers with no copy.
+
+    The usual ``model.zero_grad()`` / ``optimizer.zero_grad()`` (which set ``.grad`` to ``None``)
+    keep working: a gradient hook copies the fresh gradients of the next ``backward()`` into the
+    buffer (one copy per parameter; :meth:`FlatModule.zero_grad`, which zeroes the buffers in
+    place, avoids it), and parameters without a gradient in that pass get zeros. A parameter
+    whose ``.data`` was replaced makes ``backward()`` raise.
+
+    Example::
+
+        flat = fb.flatten_module(model)
+        loss_fn(model(x), y).backward()
+        flat.grads["float32@cpu"]           # every gradient, in one buffer
+    """
     named = {name: p for name, p in module.named_parameters() if p.requires_grad}
     layout = FlatLayout.of({name: p.detach() for name, p in named.items()})
     params = layout.flatten({name: p.detach() for name, p in named.items()})
     grads = layout.zeros()
-    param_views, grad_views = layout.unflatten(params), layout.unflatten(grads)
+    param_views = layout.unflatten(params)
+    home = _GradientsHome(named, layout, params, grads)
     with torch.no_grad():
         for name, p in named.items():
             p.data = param_views[name]
-            p.grad = grad_views[name]
-    return FlatModule(layout, params, grads)
+            p.grad = home.grad_view(name)
+    hooks = tuple(
+        p.register_post_accumulate_grad_hook(lambda p, name=name: home.after_accumulate(name, p))
+        for name, p in named.items()
+    )
+    return FlatModule(layout, params, grads, hooks)

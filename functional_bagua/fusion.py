@@ -153,4 +153,9 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
 def _copy_into(old_tree, new_tree) -> None:
     for old, new in zip(tree.flatten(old_tree)[0], tree.flatten(new_tree)[0]):
         if isinstance(old, torch.Tensor) and new is not old:
-            old.copy_(new)
+            if old.dim() == 0:
+                # torch 2.13's compiled graphs drop in-place writes (copy_, mul_, ...) to 0-dim float64
+                # CPU inputs (a scheduled lr, NAdam's momentum product); an indexed store is kept.
+                old[()] = new
+            else:
+                old.copy_(new)

@@ -20,6 +20,7 @@ Which arguments become tensors: floats, tensors and schedules (callables), also 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from typing import Any, Callable, NamedTuple, Sequence
@@ -31,6 +32,18 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.schedules import step_count
 
 DTYPE = torch.float64
+
+# True while inject_hyperparams rebuilds its factory with the tensors it holds (see
+# hyperparams_are_checked). A context variable, not a module global: each thread and task has its own.
+_REBUILDING = contextvars.ContextVar("functional_bagua_rebuilding_with_checked_hyperparams", default=False)
+
+
+def hyperparams_are_checked() -> bool:
+    """Whether the tensor hyperparameters a factory receives now were validated already: inside
+    a traced step (where they cannot be read), and while :func:`inject_hyperparams` rebuilds its
+    factory on an update (it validated their initial values when it was built). Factories read
+    tensor hyperparameters only when this is False."""
+    return torch.compiler.is_compiling() or _REBUILDING.get()
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -103,15 +116,24 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
                     out[name] = now(given, held)
             return out
 
+        def rebuilt(hyperparams: dict) -> GradientTransformation:
+            if torch.compiler.is_compiling():
+                return factory(**static, **hyperparams)
+            token = _REBUILDING.set(True)
+            try:
+                return factory(**static, **hyperparams)
+            finally:
+                _REBUILDING.reset(token)
+
         def init(params):
             count = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
             hyperparams = tensors_at(count, {k: _value_at(v, 0) for k, v in dynamic.items()})
-            inner_state = factory(**static, **hyperparams).init(params)
+            inner_state = rebuilt(hyperparams).init(params)
             return InjectHyperparamsState(count, hyperparams, inner_state)
 
         def update(updates, state, params=None):
             hyperparams = tensors_at(state.count, state.hyperparams)
-            updates, inner_state = factory(**static, **hyperparams).update(updates, state.inner_state, params)
+            updates, inner_state = rebuilt(hyperparams).update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
         return GradientTransformation(init, update)

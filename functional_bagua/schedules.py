@@ -53,7 +53,8 @@ def constant(value: float) -> Schedule:
 
 
 def linear(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
-    """``f(t) = init + (end - init) * clip((t - begin) / steps, 0, 1)``."""
+    """``f(t) = init + (end - init) * clip((t - begin) / steps, 0, 1)``; ``init`` throughout when
+    ``steps <= 0`` (no transition), as optax and torch's LinearLR(total_iters=0) hold it."""
     return polynomial(init_value, end_value, 1.0, transition_steps, transition_begin)
 
 
@@ -63,8 +64,11 @@ def polynomial(
     """``f(t) = end + (init - end) * (1 - clip((t - begin) / steps, 0, 1)) ** power``.
 
     Matches ``torch.optim.lr_scheduler.PolynomialLR(total_iters=steps, power)`` with
-    ``end_value=0`` (and LinearLR for ``power=1``).
+    ``end_value=0`` (and LinearLR for ``power=1``). With ``steps <= 0`` there is no transition
+    and ``f(t) = init`` (optax's rule).
     """
+    if transition_steps <= 0:
+        return constant(init_value)
 
     def schedule(count):
         t = _step(count)
@@ -151,11 +155,19 @@ def warmup_cosine_decay(
     init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0, exponent: float = 1.0
 ) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine
-    decay to ``end_value`` at step ``decay_steps`` (counted from 0, warmup included)."""
+    decay to ``end_value`` at step ``decay_steps`` (counted from 0, warmup included), held after.
+    ``decay_steps`` must exceed ``warmup_steps`` (a ValueError otherwise, as in optax)."""
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_cosine_decay: warmup_steps must be >= 0, got {warmup_steps}")
+    if decay_steps <= warmup_steps:
+        raise ValueError(
+            f"warmup_cosine_decay: decay_steps ({decay_steps}) must be greater than warmup_steps ({warmup_steps}): "
+            "decay_steps counts from step 0 and includes the warmup"
+        )
     return join_schedules(
         [
             linear(init_value, peak_value, warmup_steps),
-            cosine_decay(peak_value, max(decay_steps - warmup_steps, 1), end_value / peak_value if peak_value else 0.0, exponent),
+            cosine_decay(peak_value, decay_steps - warmup_steps, end_value / peak_value if peak_value else 0.0, exponent),
         ],
         [warmup_steps],
     )
@@ -176,16 +188,33 @@ def one_cycle(
     ``peak / (div_factor * final_div_factor)`` at step ``T - 1`` (``T = transition_steps``);
     ``three_phase`` goes back to the initial value first. Each phase anneals as
     ``anneal(start, end, p) = end + (start - end) / 2 * (1 + cos(pi p))`` (or linearly).
+
+    After step ``T - 1`` the final value is held (optax's rule; torch's scheduler raises when
+    stepped past ``total_steps``, which a compiled step cannot do). A phase of zero steps
+    (``pct_start * T == 1``; with ``three_phase`` also ``3 * pct_start * T == T + 1``), where
+    torch divides by zero, raises a ValueError here.
     """
     if anneal_strategy not in ("cos", "linear"):
         raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")
+    if transition_steps <= 0:
+        raise ValueError(f"one_cycle: transition_steps must be positive, got {transition_steps}")
+    if not 0 <= pct_start <= 1:
+        raise ValueError(f"one_cycle: pct_start must be a float between 0 and 1, got {pct_start}")
     initial = peak_value / div_factor
     minimum = initial / final_div_factor
     up_end = float(pct_start * transition_steps) - 1
+    last = transition_steps - 1
     if three_phase:
-        phases = [(up_end, initial, peak_value), (2 * up_end, peak_value, initial), (transition_steps - 1, initial, minimum)]
+        phases = [(up_end, initial, peak_value), (2 * up_end, peak_value, initial), (last, initial, minimum)]
     else:
-        phases = [(up_end, initial, peak_value), (transition_steps - 1, peak_value, minimum)]
+        phases = [(up_end, initial, peak_value), (last, peak_value, minimum)]
+    for i, ((start, end), _, _) in enumerate(_with_starts(phases)):
+        if end == start:
+            raise ValueError(
+                f"one_cycle: phase {i} of the schedule is zero steps long (from step {start:g} to {end:g}) with "
+                f"pct_start={pct_start} and transition_steps={transition_steps}; change pct_start "
+                "(torch's OneCycleLR divides by zero here)"
+            )
 
     def anneal(start, end, pct):
         if anneal_strategy == "cos":
@@ -193,7 +222,7 @@ def one_cycle(
         return (end - start) * pct + start
 
     def schedule(count):
-        t = _step(count)
+        t = _step(count).clamp(max=last)
         value = None
         for (start, end), low, high in reversed(_with_starts(phases)):
             here = anneal(low, high, (t - start) / (end - start))

@@ -42,8 +42,15 @@ def zeros_unless(condition, updates: Any) -> Any:
 
 
 def device_of(tree: Any):
-    """The device of the first tensor leaf of ``tree`` (``None`` if it holds none)."""
-    return next((leaf.device for leaf in flatten(tree)[0] if leaf is not None), None)
+    """The device of the first leaf of ``tree`` that is not ``None`` (``None`` if there is none);
+    a TypeError naming the leaf if it is not a tensor."""
+    leaves, spec = flatten(tree)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+        if leaf is not None:
+            raise TypeError(f"leaf {leaf_names(spec)[i]!r} is a {type(leaf).__name__}, not a tensor")
+    return None
 
 
 def leaf_names(spec: optree.PyTreeSpec) -> list[str]:

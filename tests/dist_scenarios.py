@@ -167,3 +167,81 @@ def dead_rank(rank, world_size):
     if rank == world_size - 1:
         os._exit(0)  # dies without a word, after init
     return tx.update({"w": torch.ones(3, 4)}, state, params)
+
+
+# --- ranks that disagree: the same clear error on every rank, at init -------------------------------
+
+MISMATCHED_SETTINGS = {
+    "fp16_vs_bf16": (lambda: fbd.allreduce_gradients(compression="fp16"), lambda: fbd.allreduce_gradients(compression="bf16")),
+    "none_vs_fp16": (lambda: fbd.allreduce_gradients(), lambda: fbd.allreduce_gradients(compression="fp16")),
+    "none_vs_minmax": (lambda: fbd.allreduce_gradients(), lambda: fbd.allreduce_gradients(compression="minmax_uint8")),
+    "mean_vs_sum": (lambda: fbd.allreduce_gradients(), lambda: fbd.allreduce_gradients(average=False)),
+    "bucket_caps": (lambda: fbd.allreduce_gradients(25), lambda: fbd.allreduce_gradients(1)),
+    "shard_mean_vs_sum": (lambda: fbd.shard(fb.sgd(LR)), lambda: fbd.shard(fb.sgd(LR), average=False)),
+    "periods": (lambda: fbd.periodic_average(2), lambda: fbd.periodic_average(4)),
+    "warmups": (lambda: fbd.periodic_average(2), lambda: fbd.periodic_average(2, warmup_steps=3)),
+    "peer_modes": (lambda: fbd.decentralized("all"), lambda: fbd.decentralized("shift_one")),
+    "intervals": (lambda: fbd.decentralized("all", 1), lambda: fbd.decentralized("all", 2)),
+    "allreduce_vs_shard": (lambda: fbd.allreduce_gradients(), lambda: fbd.shard(fb.sgd(LR))),
+}
+
+
+def mismatched_settings(name):
+    def scenario(rank, world_size):
+        tx = MISMATCHED_SETTINGS[name][min(rank, 1)]()
+        tx.init({"w": torch.ones(3, 4), "b": torch.ones(4)})  # a mismatch must raise here, before any update
+        return "init passed"
+    return scenario
+
+
+for _name in MISMATCHED_SETTINGS:
+    globals()[f"mismatched_{_name}"] = mismatched_settings(_name)
+
+
+def seeded_per_rank(rank):
+    return fb.params_of(make_model("shapes", DTYPE, seed=rank))
+
+
+def different_values_allreduce(rank, world_size):
+    fbd.allreduce_gradients().init(seeded_per_rank(rank))
+
+
+def different_values_shard(rank, world_size):
+    fbd.shard(fb.adamw()).init(seeded_per_rank(rank))
+
+
+def different_values_broadcast_first(rank, world_size):
+    """broadcast_params gives every rank rank 0's values; then init passes."""
+    mine = seeded_per_rank(rank)
+    params = fbd.broadcast_params(mine)
+    fbd.allreduce_gradients().init(params)
+    return mine, params
+
+
+def shard_checkpoint_of_another_rank(rank, world_size):
+    """Each rank saves its shard state, then loads its own (fine) and the other rank's (refused)."""
+    tx = fbd.shard(TXS["adamw"]())
+    _, state = train(tx, local_batches(rank, world_size))
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, fb.state_dict(state))
+    params = fb.params_of(make_model("shapes", DTYPE))
+    own = fb.load_state_dict(tx.init(params), everyone[rank])
+    same = all(torch.equal(a, b) for a, b in zip(fb.state_dict(own).values(), fb.state_dict(state).values()))
+    try:
+        fb.load_state_dict(tx.init(params), everyone[(rank + 1) % world_size])
+    except ValueError as e:
+        return same, str(e)
+    return same, None
+
+
+def update_differs_from_init(rank, world_size):
+    """Both ranks init on the same parameters; rank 1 then updates with a gradient tree of another
+    shape. Rank 1 must raise before sending; rank 0, left waiting in the collective, fails once
+    rank 1 exits (as with any dead rank)."""
+    params = {"w": torch.zeros(3, 4), "b": torch.zeros(4)}
+    tx = fbd.allreduce_gradients()
+    state = tx.init(params)
+    grads = {"w": torch.ones(3, 4), "b": torch.ones(4)}
+    if rank == 1:
+        params, grads = {**params, "b": torch.zeros(5)}, {**grads, "b": torch.ones(5)}
+    return tx.update(grads, state, params)

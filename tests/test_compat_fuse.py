@@ -828,6 +828,102 @@ def test_a_hyperparameter_that_turns_per_tensor_math_on_asks_for_a_new_probe(mon
     assert len(probes) == 2 and len(caught) == 1
 
 
+def test_a_clip_threshold_lowered_from_inf_asks_for_a_new_probe():
+    """The verdict was kept per sign of each hyperparameter, so BertAdam's per-parameter clip
+    lowered from inf (never clips: elementwise, fused) to 0.1 (clips per tensor) stayed fused and
+    differed from step() by up to 1.7e-2 with no warning. Now any value other than a scheduled
+    lr/momentum/betas/weight_decay probes again."""
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = BertAdam([{"params": ref_groups[0]}], lr=1e-2, max_grad_norm=float("inf"))
+    opt = fuse_optimizer(BertAdam([{"params": groups[0]}], lr=1e-2, max_grad_norm=float("inf")))
+    fused = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for t in range(6):
+            for o in (ref_opt, opt):
+                o.param_groups[0]["max_grad_norm"] = 0.1 if t >= 3 else float("inf")
+            set_grads([ref_groups[0]], t)
+            set_grads([groups[0]], t)
+            before = opt._bagua_fused_count
+            ref_opt.step()
+            opt.fuse_step()
+            fused.append(opt._bagua_fused_count - before)
+            assert_same([ref_groups[0]], [groups[0]], ref_opt, opt)
+    assert fused == [1, 1, 1, 0, 0, 0]
+    messages = [str(w.message) for w in seen]
+    assert sum("stays unfused" in m for m in messages) == 1
+    assert sum("['max_grad_norm'] changed, so fuse_step probes again" in m for m in messages) == 1
+
+
+def test_a_value_that_changes_every_step_probes_each_time_and_warns_once(monkeypatch):
+    """A hyperparameter outside the scheduled names that changes every step costs a probe per
+    step (keeping only the last verdict), is said once, and the result stays plain step's."""
+    import functional_bagua.compat.fuse as fuse
+
+    probes = []
+    original = fuse.probe
+    monkeypatch.setattr(fuse, "probe", lambda *args: probes.append(1) or original(*args))
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = BertAdam([{"params": ref_groups[0]}], lr=1e-2, max_grad_norm=0.0)
+    opt = fuse_optimizer(BertAdam([{"params": groups[0]}], lr=1e-2, max_grad_norm=0.0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for t in range(5):
+            for o in (ref_opt, opt):
+                o.param_groups[0]["e"] = 1e-6 * (t + 1)
+            set_grads([ref_groups[0]], t)
+            set_grads([groups[0]], t)
+            ref_opt.step()
+            opt.fuse_step()
+            assert_same([ref_groups[0]], [groups[0]], ref_opt, opt)
+    assert len(probes) == 5 and len(opt._bagua_fusion.probes) == 1
+    assert sum("['e'] changed" in str(w.message) for w in seen) == 1
+
+
+def test_channels_last_parameters_keep_their_memory_format():
+    """do_flatten made every parameter a contiguous view of the flat buffer, so a channels_last
+    convolution kernel lost its memory format; such parameters are now stepped where they are."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
+        return model.to(memory_format=torch.channels_last)
+
+    reference, model = make(), make()
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opt = fuse_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    for _ in range(3):
+        for m, o, step in ((reference, ref_opt, ref_opt.step), (model, opt, opt.fuse_step)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            step()
+    for conv in (model[0], model[1]):
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+        assert opt.state[conv.weight]["exp_avg"].is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_sparse_csr_parameters_step_like_step():
+    """A CSR gradient passed the sparse check (``is_sparse`` is False for CSR) and fuse_step
+    failed inside; CSR tensors are now stepped as step() steps them."""
+    def run(fused):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 4, generator=gen).to_sparse_csr()) for _ in range(2)]
+        params += [torch.nn.Parameter(torch.randn(3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))]
+        opt = torch.optim.SGD(params, lr=0.1)
+        opt = fuse_optimizer(opt) if fused else opt
+        for t in range(3):
+            for p in params:
+                p.grad = torch.full((4, 4), t + 1.0).to_sparse_csr() if p.layout == torch.sparse_csr else torch.full(p.shape, t + 1.0)
+            (opt.fuse_step if fused else opt.step)()
+        return [p.detach().to_dense() for p in params]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Sparse CSR tensor support is in beta state"
+        assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
 @pytest.mark.parametrize("name", ["SGD momentum foreach", "SGD momentum for-loop", "Adagrad"])
 def test_gradients_with_a_dtype_of_their_own_are_never_rounded_into_the_flat_buffer(name):
     """torch 2.x lets a parameter keep gradients of another dtype (``p.grad_dtype``, e.g. float64

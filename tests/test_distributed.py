@@ -19,6 +19,9 @@ from dist_harness import PROCESS_GROUP_TIMEOUT_S, ScenarioError, run_ranks
 TWO_RANKS = [
     "allreduce_sgd", "allreduce_adamw", "shard_adamw", "shard_lamb_refused", "shard_clip_refused", "periodic_average",
     "compressed_fp16", "compressed_bf16", "compressed_minmax_uint8", "mismatched_shapes",
+    *[f"mismatched_{name}" for name in sc.MISMATCHED_SETTINGS],
+    "different_values_allreduce", "different_values_shard", "different_values_broadcast_first",
+    "shard_checkpoint_of_another_rank",
 ]
 FOUR_RANKS = ["allreduce_sgd", "decentralized_shift_one", "decentralized_all_every_2"]
 COMPILED = ["compiled_allreduce_adamw", "compiled_allreduce_minmax_uint8", "compiled_shard_adamw", "compiled_periodic_average", "compiled_shift_one"]
@@ -221,6 +224,62 @@ def test_parameters_that_differ_across_ranks_fail_at_init_on_every_rank(two):
         error = two[rank]["mismatched_shapes"]
         assert isinstance(error, ScenarioError) and error.type == "ValueError"
         assert "parameters differ across ranks: rank 0 has 'w' of shape (3, 4) float32, rank 1 has 'w' of shape (3, 5)" in error.message
+
+
+@pytest.mark.parametrize("name", list(sc.MISMATCHED_SETTINGS))
+def test_ranks_built_with_different_settings_fail_at_init_with_the_same_error(two, name):
+    """Each pair of settings, given to rank 0 and rank 1, used to give diverging gradients, abort a
+    rank inside gloo or hang until the process-group timeout; init now raises on both."""
+    errors = [two[rank][f"mismatched_{name}"] for rank in range(2)]
+    for error in errors:
+        assert isinstance(error, ScenarioError) and error.type == "ValueError", error
+        assert error.seconds < 5, error
+    assert errors[0].message == errors[1].message
+    if name == "allreduce_vs_shard":
+        assert "rank 0 runs allreduce_gradients, rank 1 runs shard" in errors[0].message
+    else:
+        assert "ranks were built with different settings" in errors[0].message, errors[0].message
+    if name == "fp16_vs_bf16":
+        assert "compression='fp16' on rank 0, 'bf16' on rank 1" in errors[0].message
+
+
+@pytest.mark.parametrize("transform", ["allreduce", "shard"])
+def test_replicas_with_different_values_fail_at_init_on_every_rank(two, transform):
+    errors = [two[rank][f"different_values_{transform}"] for rank in range(2)]
+    for error in errors:
+        assert isinstance(error, ScenarioError) and error.type == "ValueError", error
+        assert "parameter values differ across ranks: rank 1's 'conv.bias', 'conv.weight'" in error.message
+        assert "broadcast_params" in error.message
+    assert errors[0].message == errors[1].message
+
+
+def test_broadcast_params_gives_every_rank_rank_0s_values(two):
+    rank0_own, rank0_after = ok(two[0]["different_values_broadcast_first"])
+    rank1_own, rank1_after = ok(two[1]["different_values_broadcast_first"])
+    assert not torch.equal(rank0_own["fc.weight"], rank1_own["fc.weight"])  # seeded apart
+    for name in rank0_own:
+        assert torch.equal(rank0_after[name], rank0_own[name]) and torch.equal(rank1_after[name], rank0_own[name])
+
+
+def test_a_shard_checkpoint_loads_only_on_its_own_rank(two):
+    for rank in range(2):
+        own_restored, error = ok(two[rank]["shard_checkpoint_of_another_rank"])
+        assert own_restored
+        assert error is not None and "'rank' is" in error and "another rank's shard" in error, error
+
+
+def test_an_update_that_differs_from_init_raises_on_that_rank_before_sending():
+    """Rank 1 updates with a gradient of another shape than the parameters init checked: it
+    raises a ValueError before any collective (gloo aborted the process before); rank 0, waiting
+    in the collective, fails in bounded time once rank 1 is gone."""
+    results = run_ranks(2, ["update_differs_from_init"], timeout_s=PROCESS_GROUP_TIMEOUT_S + 60)
+    error = results[1]["update_differs_from_init"]
+    assert isinstance(error, ScenarioError) and error.type == "ValueError", error
+    assert "this rank's update holds 2 tensors [(5,) float32, (3, 4) float32]" in error.message, error.message
+    assert error.seconds < 5
+    waiting = results[0]["update_differs_from_init"]
+    assert isinstance(waiting, ScenarioError), f"rank 0 did not fail: {waiting}"
+    assert waiting.seconds <= PROCESS_GROUP_TIMEOUT_S + 10, waiting
 
 
 def test_a_dead_rank_makes_the_others_fail_in_bounded_time():

@@ -7,17 +7,21 @@
     tx = fb.chain(fb.sgd(0.1), fbd.periodic_average(period=4))             # local SGD
     tx = fb.chain(fb.sgd(0.1), fbd.decentralized("shift_one"))             # decentralized SGD
 
-Each transform checks at ``init`` that a process group exists and that all ranks hold the same
-parameters, and uses torch's functional collectives, so it runs eagerly and inside a compiled step.
+Each transform checks at ``init`` that a process group exists, that every rank built it with the
+same settings and holds the same parameters (and, for ``allreduce_gradients`` and ``shard``, the
+same values: ``broadcast_params`` gives every rank rank 0's), and checks at ``update`` that it sends
+what ``init`` checked; a mismatch is a ValueError, not a hang. The collectives are torch's
+functional ones, so each transform runs eagerly and inside a compiled step.
 """
 
 from functional_bagua.distributed.allreduce import allreduce_gradients
 from functional_bagua.distributed.averaging import AveragingState, decentralized, peer_of, periodic_average
 from functional_bagua.distributed.buckets import assign_buckets
 from functional_bagua.distributed.compression import COMPRESSIONS, dequantize, quantize
+from functional_bagua.distributed.process_group import broadcast_params
 from functional_bagua.distributed.sharding import ShardState, shard
 
 __all__ = [
     "allreduce_gradients", "shard", "ShardState", "periodic_average", "decentralized", "AveragingState",
-    "peer_of", "assign_buckets", "COMPRESSIONS", "quantize", "dequantize",
+    "peer_of", "assign_buckets", "COMPRESSIONS", "quantize", "dequantize", "broadcast_params",
 ]

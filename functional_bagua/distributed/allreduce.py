@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import checks, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.distributed import buckets as bucketing
 from functional_bagua.distributed import compression as codecs
-from functional_bagua.distributed.process_group import check_same_params, resolve
+from functional_bagua.distributed.process_group import Agreement, resolve
 
 NAME = "allreduce_gradients"
 
@@ -35,23 +35,28 @@ def allreduce_gradients(
 ) -> GradientTransformation:
     """Average (or sum) the gradients over the ranks of ``group`` (module docstring).
 
-    ``init`` checks that every rank holds the same parameters. A ``None`` gradient (a parameter
-    this rank did not use) is sent as zeros, as DDP does with unused parameters, so that every
-    rank sends the same buckets; ``update`` then needs ``params`` for its shape.
+    ``init`` checks that every rank built this transform with the same settings and holds the
+    same parameters, values included (replicas must start equal; see
+    :func:`~functional_bagua.distributed.broadcast_params`); ``update`` checks that it sends the
+    tensors ``init`` checked. A ``None`` gradient (a parameter this rank did not use) is sent as
+    zeros, as DDP does with unused parameters, so that every rank sends the same buckets;
+    ``update`` then needs ``params`` for its shape.
     """
     if bucket_cap_mb <= 0:
         raise ValueError(f"{NAME}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
     codecs.check_compression(compression)
     cap_bytes = int(bucket_cap_mb * bucketing.MIB)
+    agreement = Agreement(NAME, dict(bucket_cap_mb=bucket_cap_mb, average=average, compression=compression), same_values=True)
 
     def init(params):
-        check_same_params(params, resolve(group, NAME), NAME)
+        agreement.init(params, resolve(group, NAME))
         return EmptyState()
 
     def update(grads, state, params=None):
         g = resolve(group, NAME)
         leaves, spec = tree.flatten(grads)
-        leaves = _dense_leaves(leaves, spec, params)
+        leaves = _dense_leaves(leaves, spec, params, complex_ok=compression is None)
+        agreement.check(leaves)
         assignment = bucketing.assign_buckets(leaves, cap_bytes)
         flat = [bucketing.pack(leaves, bucket) for bucket in assignment]
         reduced = codecs.all_reduce(flat, g, average, compression)
@@ -64,19 +69,19 @@ def allreduce_gradients(
     return GradientTransformation(init, update)
 
 
-def _dense_leaves(leaves: list, spec, params) -> list:
-    """The gradient leaves with ``None`` replaced by zeros shaped like the parameter; a TypeError
-    naming the parameter for a sparse or non-floating gradient."""
-    names = tree.leaf_names(spec)
-    param_leaves = tree.leaves_matching(spec, params, "params", "grads") if params is not None else None
+def _dense_leaves(leaves: list, spec, params, complex_ok: bool) -> list:
+    """The gradient leaves with ``None`` replaced by zeros shaped like the parameter; an error
+    naming the parameter for a gradient that is sparse, not floating-point (nor complex, where
+    ``complex_ok``: the compressions cast to real dtypes) or not shaped like its parameter."""
+    param_leaves = tree.leaves_matching(spec, params, "params", "grads") if params is not None else [None] * len(leaves)
     dense = []
-    for i, g in enumerate(leaves):
+    for i, (g, p) in enumerate(zip(leaves, param_leaves)):
         if g is None:
-            if param_leaves is None or param_leaves[i] is None:
-                raise ValueError(f"{NAME}: gradient of {names[i]!r} is None; pass params so that it can be sent as zeros")
-            g = torch.zeros_like(param_leaves[i])
-        if not isinstance(g, torch.Tensor) or g.is_sparse or not g.is_floating_point():
-            what = "sparse" if isinstance(g, torch.Tensor) and g.is_sparse else getattr(g, "dtype", type(g).__name__)
-            raise TypeError(f"{NAME}: gradient of {names[i]!r} is {what}; need a dense floating-point tensor")
+            if p is None:
+                raise ValueError(
+                    f"{NAME}: gradient of {tree.leaf_names(spec)[i]!r} is None; pass params so that it can be sent as zeros"
+                )
+            g = torch.zeros_like(p)
+        checks.check_grad(g, p, lambda i=i: tree.leaf_names(spec)[i], NAME, complex_ok=complex_ok)
         dense.append(g)
     return dense

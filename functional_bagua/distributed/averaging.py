@@ -31,7 +31,7 @@ import torch.distributed._functional_collectives as funcol
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.distributed.process_group import Group, check_same_params, resolve
+from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.flat import FlatLayout
 from functional_bagua.transforms.leafwise import zero_count
 
@@ -59,7 +59,8 @@ def periodic_average(period: int, warmup_steps: int = 0, group=None) -> Gradient
     def average_locals(params, updates, local, g, count):
         return mean_over_ranks(local, g)
 
-    return _averaging("periodic_average", due, average_locals, group)
+    settings = dict(period=period, warmup_steps=warmup_steps)
+    return _averaging("periodic_average", settings, due, average_locals, group)
 
 
 def decentralized(peer_selection_mode: str = "all", communication_interval: int = 1, group=None) -> GradientTransformation:
@@ -83,18 +84,22 @@ def decentralized(peer_selection_mode: str = "all", communication_interval: int 
         if peer_selection_mode == "shift_one" and g.world_size % 2:
             raise ValueError(f"decentralized: peer_selection_mode='shift_one' needs an even world size, got {g.world_size}")
 
-    return _averaging("decentralized", due, average_then_add, group, check_world)
+    settings = dict(peer_selection_mode=peer_selection_mode, communication_interval=communication_interval)
+    return _averaging("decentralized", settings, due, average_then_add, group, check_world)
 
 
-def _averaging(name: str, due: Callable, average: Callable, group, check_world=None) -> GradientTransformation:
+def _averaging(name: str, settings: dict, due: Callable, average: Callable, group, check_world=None) -> GradientTransformation:
     """A transform that replaces ``local = p + u`` by ``average(p, u, local, group, count)`` (lists
-    over the parameters that have an update) on the steps where ``due(count)``."""
+    over the parameters that have an update) on the steps where ``due(count)``. ``init`` checks
+    that every rank built it with the same ``settings`` and holds parameters of the same names,
+    shapes and dtypes (their values may differ: averaging is what brings them together)."""
+    agreement = Agreement(name, settings)
 
     def init(params):
         g = resolve(group, name)
         if check_world is not None:
             check_world(g)
-        check_same_params(params, g, name)
+        agreement.init(params, g)
         return AveragingState(zero_count(params))
 
     def update(updates, state, params=None):
@@ -102,6 +107,7 @@ def _averaging(name: str, due: Callable, average: Callable, group, check_world=N
             raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
         g = resolve(group, name)
         update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
+        agreement.check(param_leaves)
         kept = [i for i, u in enumerate(update_leaves) if u is not None]
         params_kept, updates_kept = [param_leaves[i] for i in kept], [update_leaves[i] for i in kept]
         local = [p + u for p, u in zip(params_kept, updates_kept)]

@@ -21,21 +21,28 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed._functional_collectives as funcol
 
-from functional_bagua import fusion
+from functional_bagua import fusion, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed.compression import padded_chunks
-from functional_bagua.distributed.process_group import check_same_params, resolve
+from functional_bagua.distributed.process_group import Agreement, resolve
 from functional_bagua.flat import FlatLayout
 
 NAME = "shard"
 
 
 class ShardState(NamedTuple):
-    """``inner``: the inner transform's state over this rank's shards (``{key: shard}`` trees)."""
+    """``rank`` and ``world_size`` (0-dim int64): whose shard this is; ``inner``: the inner
+    transform's state over this rank's shards (``{key: shard}`` trees). A checkpoint of another
+    rank or world size does not load into it (``fb.load_state_dict`` compares the two fields)."""
 
+    rank: torch.Tensor
+    world_size: torch.Tensor
     inner: Any
+
+    MUST_MATCH_ON_LOAD = ("rank", "world_size")
 
 
 class _Shards:
@@ -57,16 +64,28 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"{NAME}: inner is {type(inner).__name__}, not a GradientTransformation")
 
-    def local_shards(layout, tree, g) -> dict:
-        return {key: padded_chunks(b, g.world_size)[g.rank] for key, b in layout.flatten(tree).items()}
+    agreement = Agreement(NAME, dict(average=average), same_values=True)
+
+    def local_shards(layout, values, g) -> dict:
+        return {key: padded_chunks(b, g.world_size)[g.rank] for key, b in layout.flatten(values).items()}
 
     def init(params):
         g = resolve(group, NAME)
-        check_same_params(params, g, NAME)
-        return ShardState(fusion.run_on_flat_buffers(_Shards(), inner.init, local_shards(FlatLayout.of(params), params, g)))
+        agreement.init(params, g)
+        shards = local_shards(FlatLayout.of(params), params, g)
+        device = tree.device_of(params)
+        return ShardState(
+            torch.tensor(g.rank, device=device), torch.tensor(g.world_size, device=device),
+            fusion.run_on_flat_buffers(_Shards(), inner.init, shards),
+        )
 
     def update(grads, state, params=None):
         g = resolve(group, NAME)
+        leaves, spec = tree.flatten(grads)
+        for i, leaf in enumerate(leaves):
+            if leaf is None:
+                raise ValueError(f"{NAME}: gradient of {tree.leaf_names(spec)[i]!r} is None; every rank must send every gradient")
+        agreement.check(leaves)
         layout = FlatLayout.of(grads)
         grad_shards = {}
         for key, buffer in layout.flatten(grads).items():
@@ -78,6 +97,6 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
             key: funcol.all_gather_single(u, 0, g.group)[: layout.groups[key].numel]
             for key, u in update_shards.items()
         }
-        return layout.unflatten(full), ShardState(inner_state)
+        return layout.unflatten(full), ShardState(state.rank, state.world_size, inner_state)
 
     return GradientTransformation(init, update)

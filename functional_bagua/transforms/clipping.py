@@ -12,31 +12,57 @@ import torch
 
 from functional_bagua import fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
+from functional_bagua.hyperparams import hyperparams_are_checked
 from functional_bagua.transforms.leafwise import stateless
 
 
 def clip(max_delta: float) -> GradientTransformation:
-    """``u = clamp(g, -max_delta, max_delta)``."""
+    """``u = clamp(g, -max_delta, max_delta)``; ``max_delta >= 0``."""
+    _check_threshold(max_delta, "clip", "max_delta")
     return stateless(lambda u, p: u.clamp(-max_delta, max_delta), name="clip")
 
 
 def global_norm(updates, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all leaves together (``None`` leaves left out), as clip_grad_norm_ computes it."""
+    """The norm of all leaves together (``None`` leaves left out; 0 when there are none), as
+    clip_grad_norm_ computes it: one norm per tensor, in its dtype, then the norm of those."""
     leaves = [u for u in tree.flatten(updates)[0] if u is not None]
+    if not leaves:
+        return torch.zeros(())
     norms = [torch.linalg.vector_norm(u, norm_type) for u in leaves]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTransformation:
-    """Scale all updates by ``min(1, max_norm / (global_norm + 1e-6))`` (module docstring)."""
+    """Scale all updates by ``min(1, max_norm / (global_norm + 1e-6))`` (module docstring).
+
+    The factor is applied as torch does, in each update's own precision with a single rounding
+    (a bfloat16 update is not multiplied by a factor rounded to bfloat16 first). With no update
+    at all (every gradient ``None``) nothing changes, as ``clip_grad_norm_`` returns 0.
+    """
+    _check_threshold(max_norm, "clip_by_global_norm", "max_norm")
 
     def init(params):
         return EmptyState()
 
     def update(updates, state, params=None):
         fusion.refuse_on_shards("clip_by_global_norm", "the norm of one shard is not the global norm")
+        if all(u is None for u in tree.flatten(updates)[0]):
+            return updates, state
         total = global_norm(updates, norm_type)
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        return tree.tree_map(lambda u: None if u is None else u * factor.to(u.dtype), updates), state
+        return tree.tree_map(lambda u: None if u is None else _scaled(u, factor), updates), state
 
     return GradientTransformation(init, update)
+
+
+def _scaled(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``u * factor`` in ``u``'s dtype: a 0-dim factor of a wider dtype does not promote ``u``, and
+    the product is rounded once (as ``torch._foreach_mul_`` in clip_grad_norm_ does)."""
+    return u * factor
+
+
+def _check_threshold(value, who: str, name: str) -> None:
+    """A clip threshold: a number (or 0-dim tensor) that is not NaN and not negative."""
+    number = float(value) if isinstance(value, torch.Tensor) and not hyperparams_are_checked() else value
+    if isinstance(number, (int, float)) and not number >= 0:
+        raise ValueError(f"{who}: {name} must be a number >= 0, got {value!r}")

@@ -10,7 +10,9 @@ Most optimizer math is written for one parameter tensor at a time::
 trees (``state.mu["layer.weight"]``, as in optax), a ``None`` gradient leaves its update ``None``
 and its state untouched (as torch.optim skips parameters whose ``.grad`` is ``None``), and bad
 input (a gradient tree that does not match the parameters, a wrong dtype or shape, a sparse
-gradient) raises a ValueError/TypeError naming the offending parameter.
+gradient) raises a ValueError/TypeError naming the offending parameter (:mod:`functional_bagua.checks`).
+Complex tensors are updated as torch.optim updates them, on their real views
+(``torch.view_as_real``); a rule declared ``per_tensor`` refuses them.
 
 Each update and state tensor keeps the dtype of its gradient and its initial state. Step counts
 are kept per tensor, as torch.optim keeps ``state["step"]`` per parameter, so a
@@ -23,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import fusion, tree
+from functional_bagua import checks, fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 
 COUNT_DTYPE = torch.int64
@@ -87,9 +89,13 @@ def leafwise(
     per buffer; an elementwise rule runs once on the whole buffer.
     """
     fields = state_type._fields
+    rule = update_leaf if per_tensor else _on_real_views(update_leaf)
 
     def init(params):
         leaves, spec = tree.flatten(params)
+        for i, p in enumerate(leaves):
+            if p is not None:
+                checks.check_param(p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
         keys = _segmented_keys(spec, per_tensor)
         per_leaf = [
             state_type(*([None] * len(fields))) if p is None
@@ -117,9 +123,9 @@ def leafwise(
                 updates.append(None)
                 new_state_leaves.append(s)
                 continue
-            _check_grad(g, p, lambda i=i: tree.leaf_names(spec)[i], name)
+            checks.check_grad(g, p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
             if keys is None:
-                u, new_s = update_leaf(g, s, p)
+                u, new_s = rule(g, s, p)
             else:
                 u, new_s = _update_segments(update_leaf, state_type, g, s, p, fusion.segments_of(keys[i]))
             updates.append(u.to(g.dtype))
@@ -150,6 +156,8 @@ def stateless(
     instead of a loop over the segments.
     """
 
+    rule = update_leaf if per_tensor else _stateless_on_real_views(update_leaf)
+
     def init(params):
         del params
         return EmptyState()
@@ -162,10 +170,13 @@ def stateless(
             param_leaves = [None] * len(update_leaves)
         else:
             update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
+        for i, (u, p) in enumerate(zip(update_leaves, param_leaves)):
+            if u is not None:
+                checks.check_grad(u, p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
         keys = _segmented_keys(spec, per_tensor)
         new = [
             None if u is None
-            else update_leaf(u, p).to(u.dtype) if keys is None
+            else rule(u, p).to(u.dtype) if keys is None
             else per_buffer(u, p, [seg.numel for seg in fusion.segments_of(keys[i])]).to(u.dtype) if per_buffer
             else _map_segments(update_leaf, u, p, fusion.segments_of(keys[i]))
             for i, (u, p) in enumerate(zip(update_leaves, param_leaves))
@@ -235,17 +246,35 @@ def _with_dtypes_of(new: NamedTuple, old: NamedTuple) -> NamedTuple:
     ))
 
 
-def _check_grad(g, p, key: Callable[[], str], name: str) -> None:
-    """Raise naming the parameter (``key()``, computed only on failure) if ``g`` is unusable."""
-    if not isinstance(g, torch.Tensor):
-        raise TypeError(f"{name}: gradient of {key()!r} is a {type(g).__name__}, not a tensor")
-    if g.is_sparse:
-        raise TypeError(f"{name}: gradient of {key()!r} is sparse; sparse gradients are not supported")
-    if p is None:
-        return
-    if g.shape != p.shape:
-        raise ValueError(
-            f"{name}: gradient of {key()!r} has shape {tuple(g.shape)}, parameter has {tuple(p.shape)}"
-        )
-    if g.dtype != p.dtype:
-        raise TypeError(f"{name}: gradient of {key()!r} is {g.dtype}, parameter is {p.dtype}")
+def _on_real_views(update_leaf: Callable) -> Callable:
+    """An elementwise rule applied to complex tensors as torch.optim does: on their real views
+    (``torch.view_as_real``: each complex number as a pair of reals, so a second moment is
+    ``re^2`` and ``im^2``, never the complex square ``g^2``); real tensors go through as they are."""
+
+    def rule(g, s, p):
+        if not g.is_complex():
+            return update_leaf(g, s, p)
+        u, new_s = update_leaf(_real_view(g), type(s)(*map(_real_view, s)), _real_view(p))
+        back = [torch.view_as_complex(n) if _is_complex(o) else n for n, o in zip(new_s, s)]
+        return torch.view_as_complex(u.to(g.real.dtype)), type(new_s)(*back)
+
+    return rule
+
+
+def _stateless_on_real_views(update_leaf: Callable) -> Callable:
+    """:func:`_on_real_views` for a stateless rule ``update_leaf(u, p) -> new_u``."""
+
+    def rule(u, p):
+        if not u.is_complex():
+            return update_leaf(u, p)
+        return torch.view_as_complex(update_leaf(_real_view(u), _real_view(p)).to(u.real.dtype))
+
+    return rule
+
+
+def _is_complex(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_complex()
+
+
+def _real_view(x):
+    return torch.view_as_real(x) if _is_complex(x) else x

@@ -35,7 +35,9 @@ def scale_by_rprop(
     step_min, step_max = step_sizes
 
     def init_leaf(p):
-        return ScaleByRpropState(torch.zeros_like(p), filled_like(p, learning_rate))
+        # a complex parameter steps its real and imaginary parts alike: both start at the lr (as torch)
+        initial = learning_rate * (1 + 1j) if p.is_complex() else learning_rate
+        return ScaleByRpropState(torch.zeros_like(p), filled_like(p, initial))
 
     def update_leaf(g, s, p):
         agreement = (g * s.prev).sign()

@@ -154,8 +154,13 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     """Run ``inner`` only on steps whose gradients are all finite (module docstring).
 
     Branch-free (``torch.where``), so it traces into one graph: on a skipped step the updates are
-    zeros and every state tensor keeps its old value, bit for bit.
+    zeros and every state tensor keeps its old value, bit for bit. ``max_consecutive_errors`` is
+    an int >= 0.
     """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"apply_if_finite: inner is {type(inner).__name__}, not a GradientTransformation")
+    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
+        raise ValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}")
 
     def init(params):
         finite = torch.ones((), dtype=torch.bool, device=tree.device_of(params))
