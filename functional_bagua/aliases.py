@@ -24,7 +24,7 @@ import torch
 from functional_bagua import kernels
 from functional_bagua.base import GradientTransformation, chain, check_params
 from functional_bagua.fusion import tensor_shapes
-from functional_bagua.hyperparams import accepts_schedules, hyperparams_are_checked
+from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.transforms.adam import scale_by_adam, scale_by_adamax, scale_by_nadam, scale_by_radam
 from functional_bagua.transforms.asgd import scale_by_asgd
 from functional_bagua.transforms.belief import scale_by_belief
@@ -53,20 +53,8 @@ def _known(*values) -> bool:
     return all(is_number(v) for v in values)
 
 
-def _number(value):
-    """The value to validate now: a Python number as it is, a one-element tensor's value (a
-    hyperparameter given as a tensor is checked as torch checks it), ``None`` for a schedule, and
-    for the tensors inject_hyperparams passes on every update (it checked their initial values
-    when it was built; reading them back would sync a GPU on every step)."""
-    if is_number(value):
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not hyperparams_are_checked():
-        return value.item()
-    return None
-
-
 def _check(value, ok, message: str) -> None:
-    number = _number(value)
+    number = checkable(value)
     if number is not None:
         _require(ok(number), message)
 
@@ -124,8 +112,8 @@ def sgd(
     _check_lr(lr)
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
-    if nesterov and None not in (_number(momentum), _number(dampening)):
-        _require(_number(momentum) > 0 and _number(dampening) == 0, "Nesterov momentum requires a momentum and zero dampening")
+    if nesterov and None not in (checkable(momentum), checkable(dampening)):
+        _require(checkable(momentum) > 0 and checkable(dampening) == 0, "Nesterov momentum requires a momentum and zero dampening")
     tx = chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),
@@ -309,8 +297,8 @@ def rprop(
     """Rprop, as ``torch.optim.Rprop``: ``p <- p - sign(g') * h_t`` with per-element step sizes
     ``h`` starting at ``lr`` (see :func:`~functional_bagua.scale_by_rprop`)."""
     _check_lr(lr)
-    if None not in map(_number, etas):
-        _require(0.0 < _number(etas[0]) < 1.0 < _number(etas[1]), f"Invalid eta values: {etas[0]}, {etas[1]}")
+    if None not in map(checkable, etas):
+        _require(0.0 < checkable(etas[0]) < 1.0 < checkable(etas[1]), f"Invalid eta values: {etas[0]}, {etas[1]}")
     return chain(negate_if(maximize), scale_by_rprop(lr, etas, step_sizes), scale(-1.0))
 
 
@@ -458,8 +446,8 @@ def lars(
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
     _check_eps(eps)
-    if nesterov and _number(momentum) is not None:
-        _require(_number(momentum) > 0, "Nesterov momentum requires a momentum")
+    if nesterov and checkable(momentum) is not None:
+        _require(checkable(momentum) > 0, "Nesterov momentum requires a momentum")
     return chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),

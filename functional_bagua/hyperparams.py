@@ -38,6 +38,18 @@ DTYPE = torch.float64
 _REBUILDING = contextvars.ContextVar("functional_bagua_rebuilding_with_checked_hyperparams", default=False)
 
 
+def checkable(value):
+    """The number to validate hyperparameter ``value`` against now: a Python number as it is, a
+    one-element tensor's value (a hyperparameter given as a tensor is checked as torch checks
+    it), and ``None`` for a schedule and for the tensors that were validated already
+    (:func:`hyperparams_are_checked`)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not hyperparams_are_checked():
+        return value.item()
+    return None
+
+
 def hyperparams_are_checked() -> bool:
     """Whether the tensor hyperparameters a factory receives now were validated already: inside
     a traced step (where they cannot be read), and while :func:`inject_hyperparams` rebuilds its

@@ -47,16 +47,22 @@ def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
     over the flat buffers) are overwritten; ``grads`` are read only."""
     keys = list(params)
     moments = state[spec.state_index]
-    p, g = [params[k] for k in keys], [grads[k] for k in keys]
+    p, g = [_real(params[k]) for k in keys], [_real(grads[k]) for k in keys]
     if spec.kind == "sgd":
         _sgd(spec.hyper, moments, keys, p, g)
         return
     for k in keys:
         moments.count[k].add_(1)
     steps = [moments.count[k].to(STEP_DTYPE) for k in keys]
-    max_nu = [moments.nu_max[k] for k in keys] if spec.hyper["amsgrad"] else []
+    max_nu = [_real(moments.nu_max[k]) for k in keys] if spec.hyper["amsgrad"] else []
     kernel = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
-    kernel(p, g, [moments.mu[k] for k in keys], [moments.nu[k] for k in keys], max_nu, steps, **spec.hyper)
+    kernel(p, g, [_real(moments.mu[k]) for k in keys], [_real(moments.nu[k]) for k in keys], max_nu, steps, **spec.hyper)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex buffer as its real view (each number as two reals), as torch.optim steps complex
+    parameters; the kernels are elementwise, so this is the complex update."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _sgd(hyper: dict, moments, keys: list, p: list, g: list) -> None:
@@ -64,6 +70,6 @@ def _sgd(hyper: dict, moments, keys: list, p: list, g: list) -> None:
         torch._fused_sgd_(p, g, [], is_first_step=False, **hyper)
         return
     is_first_step = bool(moments.count[keys[0]] == 0)
-    torch._fused_sgd_(p, g, [moments.trace[k] for k in keys], is_first_step=is_first_step, **hyper)
+    torch._fused_sgd_(p, g, [_real(moments.trace[k]) for k in keys], is_first_step=is_first_step, **hyper)
     for k in keys:
         moments.count[k].add_(1)

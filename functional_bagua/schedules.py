@@ -140,6 +140,8 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
         raise ValueError(
             f"join_schedules: {len(schedules)} schedules need {len(schedules) - 1} boundaries, got {len(boundaries)}"
         )
+    if any(later < earlier for earlier, later in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"join_schedules: boundaries must not decrease, got {list(boundaries)}")
 
     def schedule(count):
         t = _step(count)

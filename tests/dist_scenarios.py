@@ -245,3 +245,10 @@ def update_differs_from_init(rank, world_size):
     if rank == 1:
         params, grads = {**params, "b": torch.zeros(5)}, {**grads, "b": torch.ones(5)}
     return tx.update(grads, state, params)
+
+
+def averaging_wrong_update(rank, world_size):
+    """An update of another shape than its parameter reaches periodic_average directly."""
+    params = {"w": torch.zeros(3, 4)}
+    tx = fbd.periodic_average(1)
+    return tx.update({"w": torch.ones(4)}, tx.init(params), params)

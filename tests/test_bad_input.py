@@ -68,6 +68,15 @@ def test_without_params_integer_and_sparse_gradients_are_refused():
         tx.update({"w": torch.ones(4, 8).to_sparse()}, state)
 
 
+@pytest.mark.parametrize("with_params", [True, False])
+def test_gradient_accumulation_never_broadcasts_a_gradient(with_params):
+    """multi_steps summed a (8,) gradient into a (4, 8) accumulator, every row the same."""
+    params = {"w": torch.zeros(4, 8)}
+    tx = fb.multi_steps(fb.sgd(0.1), 2)
+    with pytest.raises(ValueError, match=r"multi_steps: gradient of 'w' has shape \(8,\), parameter has \(4, 8\)"):
+        tx.update({"w": torch.ones(8)}, tx.init(params), *([params] if with_params else []))
+
+
 def test_apply_updates_never_broadcasts_an_update():
     with pytest.raises(ValueError, match=r"update of 'b' has shape \(3, 4\), parameter has \(4,\)"):
         fb.apply_updates({"b": torch.zeros(4)}, {"b": torch.ones(3, 4)})
@@ -153,6 +162,32 @@ def test_complex_parameters_match_torch_optim(alias, torch_cls, kwargs, dtype):
     assert torch.equal(torch.view_as_real(params["w"]), real_params["w"])  # the same math, bit for bit
 
 
+@pytest.mark.parametrize("alias, torch_cls, kwargs", [
+    (fb.adamw, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+    (fb.sgd, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+], ids=["adamw", "sgd"])
+def test_fuse_inplace_steps_complex_buffers_with_torchs_kernel_on_their_real_views(alias, torch_cls, kwargs):
+    """torch's fused kernels refuse complex tensors: kernel="auto" failed inside them."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=gen, dtype=torch.complex64), "b": torch.randn(3, generator=gen, dtype=torch.complex64)}
+    references = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    optimizer = torch_cls(references.values(), **kwargs)
+    layout = fb.FlatLayout.of(params)
+    flat = layout.flatten(params)
+    tx = alias(**kwargs)
+    state = fb.fuse(tx, layout).init(flat)
+    step_ = fb.fuse_inplace(tx, layout)  # "auto": torch's kernel
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+        for k, p in references.items():
+            p.grad = grads[k].clone()
+        optimizer.step()
+        step_(layout.flatten(grads), state, flat)
+    result = layout.unflatten(flat)
+    for k, p in references.items():
+        torch.testing.assert_close(result[k], p.detach(), **COMPLEX_TOL[torch.complex64])
+
+
 @pytest.mark.parametrize("make", [fb.adafactor, fb.lamb, fb.lars, fb.muon], ids=lambda m: m.__name__)
 def test_per_tensor_rules_refuse_complex_parameters(make):
     params = {"w": torch.ones(3, 3, dtype=torch.complex64)}
@@ -172,6 +207,8 @@ BAD_HYPERPARAMETERS = [
     (lambda: fb.clip_by_global_norm(float("nan")), "clip_by_global_norm: max_norm must be a number >= 0"),
     (lambda: fb.clip_by_global_norm(torch.tensor(-1.0)), "clip_by_global_norm: max_norm must be a number >= 0"),
     (lambda: fb.apply_if_finite(fb.sgd(), -1), "max_consecutive_errors must be an int >= 0"),
+    (lambda: fb.lookahead(fb.sgd(), alpha=torch.tensor(2.0)), "Invalid alpha"),
+    (lambda: fb.ema(torch.tensor(1.5)), "Invalid decay value"),
 ]
 
 
@@ -264,6 +301,12 @@ def test_linear_and_polynomial_without_a_transition_hold_the_initial_value():
     """optax holds init_value when transition_steps <= 0; these jumped to end_value after step 0."""
     for schedule in (S.linear(1.0, 0.0, 0), S.polynomial(1.0, 0.0, 2.0, 0), S.linear(1.0, 0.0, -3)):
         assert [schedule(t).item() for t in range(4)] == [1.0] * 4
+
+
+def test_join_schedules_refuses_boundaries_out_of_order():
+    """Out of order, a later schedule silently took over from an earlier boundary."""
+    with pytest.raises(ValueError, match=r"boundaries must not decrease, got \[10, 5\]"):
+        S.join_schedules([S.constant(1.0), S.constant(2.0), S.constant(3.0)], [10, 5])
 
 
 def test_warmup_cosine_decay_needs_decay_steps_beyond_the_warmup():

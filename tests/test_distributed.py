@@ -21,7 +21,7 @@ TWO_RANKS = [
     "compressed_fp16", "compressed_bf16", "compressed_minmax_uint8", "mismatched_shapes",
     *[f"mismatched_{name}" for name in sc.MISMATCHED_SETTINGS],
     "different_values_allreduce", "different_values_shard", "different_values_broadcast_first",
-    "shard_checkpoint_of_another_rank",
+    "shard_checkpoint_of_another_rank", "averaging_wrong_update",
 ]
 FOUR_RANKS = ["allreduce_sgd", "decentralized_shift_one", "decentralized_all_every_2"]
 COMPILED = ["compiled_allreduce_adamw", "compiled_allreduce_minmax_uint8", "compiled_shard_adamw", "compiled_periodic_average", "compiled_shift_one"]
@@ -266,6 +266,13 @@ def test_a_shard_checkpoint_loads_only_on_its_own_rank(two):
         own_restored, error = ok(two[rank]["shard_checkpoint_of_another_rank"])
         assert own_restored
         assert error is not None and "'rank' is" in error and "another rank's shard" in error, error
+
+
+def test_averaging_never_broadcasts_an_update(two):
+    for rank in range(2):
+        error = two[rank]["averaging_wrong_update"]
+        assert isinstance(error, ScenarioError) and error.type == "ValueError", error
+        assert "periodic_average: update of 'w' has shape (4,), parameter has (3, 4)" in error.message
 
 
 def test_an_update_that_differs_from_init_raises_on_that_rank_before_sending():

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from functional_bagua import tree
+from functional_bagua import checks, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.flat import FlatLayout
@@ -109,6 +109,8 @@ def _averaging(name: str, settings: dict, due: Callable, average: Callable, grou
         update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
         agreement.check(param_leaves)
         kept = [i for i, u in enumerate(update_leaves) if u is not None]
+        for i in kept:
+            checks.check_update(update_leaves[i], param_leaves[i], lambda i=i: tree.leaf_names(spec)[i], name)
         params_kept, updates_kept = [param_leaves[i] for i in kept], [update_leaves[i] for i in kept]
         local = [p + u for p, u in zip(params_kept, updates_kept)]
         is_due = due(state.count)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import checks, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.transforms.leafwise import zero_count
 
@@ -72,6 +72,7 @@ def multi_steps(
     def update(grads, state, params=None):
         acc_leaves, spec = tree.flatten(state.acc_grads)
         grad_leaves = tree.leaves_matching(spec, grads, "grads", "the params the state was made for")
+        _check_grads(grad_leaves, acc_leaves, params, spec)
         acc = spec.unflatten([a if g is None else a + g.to(a.dtype) for a, g in zip(acc_leaves, grad_leaves)])
         mini_step = state.mini_step + 1
         if torch.compiler.is_compiling():
@@ -100,6 +101,19 @@ def multi_steps(
         )
 
     return GradientTransformation(init, update)
+
+
+def _check_grads(grad_leaves: list, acc_leaves: list, params, spec) -> None:
+    """Each gradient fits its parameter (or, without ``params``, the accumulator's shape): the sum
+    would broadcast a gradient of another shape."""
+    param_leaves = [None] * len(grad_leaves) if params is None else tree.leaves_matching(spec, params, "params", "grads")
+    for i, (g, a, p) in enumerate(zip(grad_leaves, acc_leaves, param_leaves)):
+        if g is None:
+            continue
+        name = lambda i=i: tree.leaf_names(spec)[i]  # noqa: E731
+        checks.check_grad(g, p, name, "multi_steps")
+        if a is not None and g.shape != a.shape:
+            raise ValueError(f"multi_steps: gradient of {name()!r} has shape {tuple(g.shape)}, parameter has {tuple(a.shape)}")
 
 
 def _dtype_of(*candidates) -> torch.dtype:

@@ -21,8 +21,8 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, apply_updates
-from functional_bagua.hyperparams import accepts_schedules
-from functional_bagua.transforms.leafwise import is_number, lerp, zero_count
+from functional_bagua.hyperparams import accepts_schedules, checkable
+from functional_bagua.transforms.leafwise import lerp, zero_count
 
 
 class EmaParamsState(NamedTuple):
@@ -42,7 +42,7 @@ def ema(decay: float = 0.999) -> GradientTransformation:
         ...
         eval_params = state[-1].ema
     """
-    if is_number(decay) and not 0.0 <= decay <= 1.0:
+    if checkable(decay) is not None and not 0.0 <= checkable(decay) <= 1.0:
         raise ValueError(f"Invalid decay value {decay} provided. Please provide a value in [0,1] range.")
 
     def init(params):

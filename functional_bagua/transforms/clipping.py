@@ -12,7 +12,7 @@ import torch
 
 from functional_bagua import fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
-from functional_bagua.hyperparams import hyperparams_are_checked
+from functional_bagua.hyperparams import checkable
 from functional_bagua.transforms.leafwise import stateless
 
 
@@ -63,6 +63,6 @@ def _scaled(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 def _check_threshold(value, who: str, name: str) -> None:
     """A clip threshold: a number (or 0-dim tensor) that is not NaN and not negative."""
-    number = float(value) if isinstance(value, torch.Tensor) and not hyperparams_are_checked() else value
-    if isinstance(number, (int, float)) and not number >= 0:
+    number = checkable(value)
+    if number is not None and not number >= 0:
         raise ValueError(f"{who}: {name} must be a number >= 0, got {value!r}")

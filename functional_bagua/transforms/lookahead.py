@@ -19,8 +19,8 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, apply_updates
-from functional_bagua.hyperparams import accepts_schedules
-from functional_bagua.transforms.leafwise import is_number, lerp, zero_count
+from functional_bagua.hyperparams import accepts_schedules, checkable
+from functional_bagua.transforms.leafwise import lerp, zero_count
 
 
 class LookaheadState(NamedTuple):
@@ -45,7 +45,7 @@ def lookahead(inner: GradientTransformation, sync_period: int = 5, alpha: float 
         raise TypeError(f"lookahead: inner is {type(inner).__name__}, not a GradientTransformation")
     if isinstance(sync_period, bool) or not isinstance(sync_period, int) or sync_period < 1:
         raise ValueError(f"Invalid sync_period: {sync_period!r} (an int >= 1)")
-    if is_number(alpha) and not 0.0 <= alpha <= 1.0:
+    if checkable(alpha) is not None and not 0.0 <= checkable(alpha) <= 1.0:
         raise ValueError(f"Invalid alpha: {alpha} (in [0, 1])")
 
     def init(params):
