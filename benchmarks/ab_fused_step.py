@@ -1,7 +1,7 @@
 """A/B of ``fuse_step`` between another checkout's ``compat/`` and this tree's, balanced for order.
 
-    git worktree add /tmp/old <commit>
-    python benchmarks/ab_fused_step.py --other /tmp/old/compat
+    git worktree add ../old <commit>
+    python benchmarks/ab_fused_step.py --other ../old/compat
     python benchmarks/ab_fused_step.py --other compat              # identical code: the noise floor
 
 Each row builds a plain optimizer (``step``) and two fused copies, A (the other checkout) and B

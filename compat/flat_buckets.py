@@ -27,7 +27,7 @@ def trainable_by_kind(params) -> list:
     parameter is stepped on its own, so a flat copy of it would only cost memory)."""
     kinds: dict = defaultdict(list)
     for p in params:
-        if p.requires_grad and p.dim() > 0 and p.numel() > 0 and p.layout is torch.strided and p.is_contiguous() and fusable_on_its_device(p):
+        if p.requires_grad and p.dim() > 0 and p.numel() > 0 and p.layout == torch.strided and p.is_contiguous() and fusable_on_its_device(p):
             kinds[(p.device, p.dtype)].append(p)
     return [ps for ps in kinds.values() if len(ps) > 1]
 
@@ -83,7 +83,7 @@ class FlatBucket:
         for i, p in enumerate(self.params):
             start, end = self.offsets[i], self.offsets[i] + p.numel()
             g = p.grad
-            if g is not None and g.layout is torch.strided and g.shape == p.shape and g.dtype == p.dtype:
+            if g is not None and g.layout == torch.strided and g.shape == p.shape and g.dtype == p.dtype:
                 view = self.grads_slice(start, end).view(p.shape)
                 view.copy_(g)
                 p.grad = view

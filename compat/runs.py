@@ -84,7 +84,7 @@ def signature(p: torch.Tensor, state: Optional[dict]):
     g = p.grad
     if state is not None and type(state) is not dict:
         return None
-    if g is None or g.layout is not torch.strided or g.shape != p.shape or g.dtype != p.dtype:  # a grad_dtype of its own
+    if g is None or g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype:  # a grad_dtype of its own
         return None
     if p.dim() == 0 or p.is_complex() or not p.is_contiguous():
         return None

@@ -104,13 +104,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     """
     param_leaves, spec = tree.flatten(params)
     update_leaves = tree.leaves_matching(spec, updates, "updates", "params")
-    new_leaves = []
-    for i, (p, u) in enumerate(zip(param_leaves, update_leaves)):
-        if u is None:
-            new_leaves.append(p)
-            continue
-        checks.check_update(u, p, lambda i=i: tree.leaf_names(spec)[i], "apply_updates")
-        new_leaves.append(_add_keeping_dtype(p, u))
+    checks.check_updates(update_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], "apply_updates")
+    new_leaves = [p if u is None else _add_keeping_dtype(p, u) for p, u in zip(param_leaves, update_leaves)]
     return spec.unflatten(new_leaves)
 
 

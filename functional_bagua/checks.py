@@ -17,6 +17,7 @@ checks its input before any math that could broadcast it.
 
 from __future__ import annotations
 
+from itertools import compress
 from typing import Callable, Optional
 
 import torch
@@ -37,8 +38,8 @@ def check_param(p, name: Callable[[], str], who: str, *, complex_ok: bool = True
             f"{who}: parameter {name()!r} is a {type(p).__name__}, not a tensor; a params tree holds tensors "
             "only (fb.params_of(model) gives the trainable ones)"
         )
-    if p.layout is not STRIDED:
-        raise TypeError(f"{who}: parameter {name()!r} is {_layout(p)}; optimizers update dense tensors only")
+    if p.layout != STRIDED:
+        raise TypeError(f"{who}: parameter {name()!r} is {_layout_name(p)}; optimizers update dense tensors only")
     if not trainable_dtype(p.dtype):
         raise TypeError(
             f"{who}: parameter {name()!r} is {p.dtype}; only floating-point and complex parameters can be "
@@ -59,9 +60,9 @@ def check_grad(g, p: Optional[torch.Tensor], name: Callable[[], str], who: str, 
     ``p`` is ``None``)."""
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"{who}: gradient of {name()!r} is a {type(g).__name__}, not a tensor")
-    if g.layout is not STRIDED:
+    if g.layout != STRIDED:
         raise TypeError(
-            f"{who}: gradient of {name()!r} is {_layout(g)}; sparse gradients are not supported "
+            f"{who}: gradient of {name()!r} is {_layout_name(g)}; sparse gradients are not supported "
             "(convert it with .to_dense(), or use a dense embedding)"
         )
     if p is not None:
@@ -88,8 +89,8 @@ def check_update(u, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
     if not isinstance(u, torch.Tensor):
         raise TypeError(f"{who}: update of {name()!r} is a {type(u).__name__}, not a tensor")
     check_param(p, name, who)
-    if u.layout is not STRIDED:
-        raise TypeError(f"{who}: update of {name()!r} is {_layout(u)}; updates are dense tensors")
+    if u.layout != STRIDED:
+        raise TypeError(f"{who}: update of {name()!r} is {_layout_name(u)}; updates are dense tensors")
     if u.shape != p.shape:
         raise ValueError(
             f"{who}: update of {name()!r} has shape {tuple(u.shape)}, parameter has {tuple(p.shape)}; "
@@ -102,5 +103,50 @@ def check_update(u, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
         )
 
 
-def _layout(t: torch.Tensor) -> str:
+def _layout_name(t: torch.Tensor) -> str:
     return str(t.layout).removeprefix("torch.").replace("_", " ")
+
+
+def check_grads(grads: list, params: list, name: Callable[[int], str], who: str, *, complex_ok: bool = True) -> None:
+    """:func:`check_grad` for lists of leaves (``None`` gradients skipped; ``params`` may hold
+    ``None`` where there is no reference); ``name(i)`` names leaf ``i``. Equal shapes, dtypes and
+    dense trainable layouts are confirmed with a few C-level passes; only a failure, or a leaf
+    without a parameter, is looked at leaf by leaf."""
+    present = [g is not None for g in grads]
+    if _all_fit(list(compress(grads, present)), list(compress(params, present)), complex_ok):
+        return
+    for i, (g, p) in enumerate(zip(grads, params)):
+        if g is not None:
+            check_grad(g, p, lambda i=i: name(i), who, complex_ok=complex_ok)
+
+
+def check_updates(updates: list, params: list, name: Callable[[int], str], who: str) -> None:
+    """:func:`check_update` for lists of leaves (``None`` updates skipped), with the same fast path
+    as :func:`check_grads` for updates of their parameter's dtype."""
+    present = [u is not None for u in updates]
+    if _all_fit(list(compress(updates, present)), list(compress(params, present)), complex_ok=True):
+        return
+    for i, (u, p) in enumerate(zip(updates, params)):
+        if u is not None:
+            check_update(u, p, lambda i=i: name(i), who)
+
+
+def _all_fit(gs: list, ps: list, complex_ok: bool) -> bool:
+    """All tensors, dense, of a trainable dtype, and of their parameter's shape and dtype (any
+    shape when no parameters were given at all)."""
+    if not all(isinstance(g, torch.Tensor) for g in gs):
+        return False
+    dtypes = [g.dtype for g in gs]
+    if any(p is not None for p in ps) and not _same_shapes_and_dtypes(gs, dtypes, ps):
+        return False
+    return all(g.layout == STRIDED for g in gs) and all(
+        trainable_dtype(d) and (complex_ok or not d.is_complex) for d in set(dtypes)
+    )
+
+
+def _same_shapes_and_dtypes(gs: list, dtypes: list, ps: list) -> bool:
+    return (
+        all(isinstance(p, torch.Tensor) for p in ps)
+        and [g.shape for g in gs] == [p.shape for p in ps]
+        and dtypes == [p.dtype for p in ps]
+    )

@@ -86,7 +86,7 @@ class FlatLayout:
         for name, leaf in zip(names, leaves):
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"FlatLayout: leaf {name!r} is {type(leaf).__name__}, not a tensor")
-            if leaf.layout is not torch.strided:
+            if leaf.layout != torch.strided:
                 raise TypeError(f"FlatLayout: leaf {name!r} is {leaf.layout}; flat buffers hold dense tensors")
         paths = optree.treespec_paths(spec)
         flat_dict = type(params) is dict and all(len(path) == 1 for path in paths)

@@ -113,6 +113,7 @@ def leafwise(
             param_leaves = [None] * len(grad_leaves)
         else:
             grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
+        checks.check_grads(grad_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
         keys = _segmented_keys(spec, per_tensor)
         state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
 
@@ -123,7 +124,6 @@ def leafwise(
                 updates.append(None)
                 new_state_leaves.append(s)
                 continue
-            checks.check_grad(g, p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
             if keys is None:
                 u, new_s = rule(g, s, p)
             else:
@@ -170,9 +170,7 @@ def stateless(
             param_leaves = [None] * len(update_leaves)
         else:
             update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
-        for i, (u, p) in enumerate(zip(update_leaves, param_leaves)):
-            if u is not None:
-                checks.check_grad(u, p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
+        checks.check_grads(update_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
         keys = _segmented_keys(spec, per_tensor)
         new = [
             None if u is None
