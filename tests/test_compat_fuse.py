@@ -792,19 +792,30 @@ def test_probe_counts_the_per_tensor_work_of_a_step(make, work):
     assert found.reason is None and found.work_per_param == work
 
 
+def count_probes(monkeypatch) -> list:
+    """A list that gets one entry per probe fuse_step runs."""
+    import functional_bagua.compat.fuse as fuse
+
+    probes, original = [], fuse.probe
+    monkeypatch.setattr(fuse, "probe", lambda *args: probes.append(1) or original(*args))
+    return probes
+
+
+def bert_adam_pair(**kwargs) -> tuple:
+    """``(ref_groups, groups, ref_opt, opt)``: BertAdam on group 0 of two identical parameter
+    sets, the second passed through fuse_optimizer."""
+    ref_groups, groups = make_params(), make_params()
+    ref_opt = BertAdam([{"params": ref_groups[0]}], lr=1e-2, **kwargs)
+    return ref_groups, groups, ref_opt, fuse_optimizer(BertAdam([{"params": groups[0]}], lr=1e-2, **kwargs))
+
+
 def test_a_hyperparameter_that_turns_per_tensor_math_on_asks_for_a_new_probe(monkeypatch):
     """BertAdam without its clip (max_grad_norm=0) is elementwise and fused; set max_grad_norm=1
     mid-training and its clip is per parameter: fuse_step probes again, warns, steps the group
     unfused, and matches plain step bit for bit. A learning rate and a beta that change every
     step (as with a scheduler) probe nothing new."""
-    import functional_bagua.compat.fuse as fuse
-
-    probes = []
-    original = fuse.probe
-    monkeypatch.setattr(fuse, "probe", lambda *args: probes.append(1) or original(*args))
-    ref_groups, groups = make_params(), make_params()
-    ref_opt = BertAdam([{"params": ref_groups[0]}], lr=1e-2, max_grad_norm=0.0)
-    opt = fuse_optimizer(BertAdam([{"params": groups[0]}], lr=1e-2, max_grad_norm=0.0))
+    probes = count_probes(monkeypatch)
+    ref_groups, groups, ref_opt, opt = bert_adam_pair(max_grad_norm=0.0)
     fused, caught = [], []
     for t in range(8):
         for o in (ref_opt, opt):
@@ -833,9 +844,7 @@ def test_a_clip_threshold_lowered_from_inf_asks_for_a_new_probe():
     lowered from inf (never clips: elementwise, fused) to 0.1 (clips per tensor) stayed fused and
     differed from step() by up to 1.7e-2 with no warning. Now any value other than a scheduled
     lr/momentum/betas/weight_decay probes again."""
-    ref_groups, groups = make_params(), make_params()
-    ref_opt = BertAdam([{"params": ref_groups[0]}], lr=1e-2, max_grad_norm=float("inf"))
-    opt = fuse_optimizer(BertAdam([{"params": groups[0]}], lr=1e-2, max_grad_norm=float("inf")))
+    ref_groups, groups, ref_opt, opt = bert_adam_pair(max_grad_norm=float("inf"))
     fused = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -858,14 +867,8 @@ def test_a_clip_threshold_lowered_from_inf_asks_for_a_new_probe():
 def test_a_value_that_changes_every_step_probes_each_time_and_warns_once(monkeypatch):
     """A hyperparameter outside the scheduled names that changes every step costs a probe per
     step (keeping only the last verdict), is said once, and the result stays plain step's."""
-    import functional_bagua.compat.fuse as fuse
-
-    probes = []
-    original = fuse.probe
-    monkeypatch.setattr(fuse, "probe", lambda *args: probes.append(1) or original(*args))
-    ref_groups, groups = make_params(), make_params()
-    ref_opt = BertAdam([{"params": ref_groups[0]}], lr=1e-2, max_grad_norm=0.0)
-    opt = fuse_optimizer(BertAdam([{"params": groups[0]}], lr=1e-2, max_grad_norm=0.0))
+    probes = count_probes(monkeypatch)
+    ref_groups, groups, ref_opt, opt = bert_adam_pair(max_grad_norm=0.0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for t in range(5):
