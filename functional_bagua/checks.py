@@ -76,11 +76,11 @@ def check_grad(g, p: Optional[torch.Tensor], name: Callable[[], str], who: str, 
                 f"{who}: gradient of {name()!r} is {g.dtype}, parameter is {p.dtype}; cast the gradient "
                 f"(g.to({p.dtype})) or keep the parameter in the gradient's dtype"
             )
-    if not trainable_dtype(g.dtype) or (g.is_complex() and not complex_ok):
+    if not trainable_dtype(g.dtype):
         if p is not None:
-            check_param(p, name, who, complex_ok=complex_ok)
-        if not trainable_dtype(g.dtype):
-            raise TypeError(f"{who}: gradient of {name()!r} is {g.dtype}; gradients are floating-point or complex")
+            check_param(p, name, who)  # the parameter is of g's dtype: say that it cannot be trained
+        raise TypeError(f"{who}: gradient of {name()!r} is {g.dtype}; gradients are floating-point or complex")
+    if g.is_complex() and not complex_ok:
         check_param(g, name, who, complex_ok=False)
 
 
@@ -103,15 +103,11 @@ def check_update(u, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
         )
 
 
-def _layout_name(t: torch.Tensor) -> str:
-    return str(t.layout).removeprefix("torch.").replace("_", " ")
-
-
 def check_grads(grads: list, params: list, name: Callable[[int], str], who: str, *, complex_ok: bool = True) -> None:
     """:func:`check_grad` for lists of leaves (``None`` gradients skipped; ``params`` may hold
-    ``None`` where there is no reference); ``name(i)`` names leaf ``i``. Equal shapes, dtypes and
-    dense trainable layouts are confirmed with a few C-level passes; only a failure, or a leaf
-    without a parameter, is looked at leaf by leaf."""
+    ``None`` where there is no reference); ``name(i)`` names leaf ``i``. A few passes over all
+    leaves confirm equal shapes and dtypes, dense layouts and trainable dtypes; only when one
+    fails are the leaves looked at one by one, to name the first wrong one."""
     present = [g is not None for g in grads]
     if _all_fit(list(compress(grads, present)), list(compress(params, present)), complex_ok):
         return
@@ -150,3 +146,7 @@ def _same_shapes_and_dtypes(gs: list, dtypes: list, ps: list) -> bool:
         and [g.shape for g in gs] == [p.shape for p in ps]
         and dtypes == [p.dtype for p in ps]
     )
+
+
+def _layout_name(t: torch.Tensor) -> str:
+    return str(t.layout).removeprefix("torch.").replace("_", " ")
