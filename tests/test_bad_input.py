@@ -393,6 +393,22 @@ def test_checkpoint_keys_that_would_coincide_are_refused():
         fb.state_dict(state)
 
 
+def test_a_shard_state_refuses_a_checkpoint_of_another_world_size():
+    """The rank and world size a shard state records must match on load (another rank's file is
+    tested on two ranks in test_distributed.py)."""
+    import functional_bagua.distributed as fbd
+
+    def shard_state(rank, world_size):
+        return fbd.ShardState(torch.tensor(rank), torch.tensor(world_size), (fb.EmptyState(), {"m": torch.zeros(3)}))
+
+    saved = fb.state_dict(shard_state(0, 4))
+    assert set(saved) == {"rank", "world_size", "inner/1/m"}
+    with pytest.raises(ValueError, match=r"'world_size' is 4 in the checkpoint, 2 in this state"):
+        fb.load_state_dict(shard_state(0, 2), saved)
+    restored = fb.load_state_dict(shard_state(0, 4), dict(saved, **{"inner/1/m": torch.ones(3)}))
+    assert torch.equal(restored.inner[1]["m"], torch.ones(3))
+
+
 def test_a_loaded_state_does_not_share_storage_with_the_checkpoint():
     """An in-place step on a loaded state rewrote the checkpoint dict; loading it again resumed at
     the wrong count."""
