@@ -47,6 +47,18 @@ from functional_bagua.transforms import __all__ as _transforms_all
 
 __version__ = "0.1.0"
 
+_SUBPACKAGES = ("distributed", "compat")
+
+
+def __getattr__(name: str):
+    """``fb.distributed`` and ``fb.compat``, imported when first used (``functional_bagua.distributed``
+    sets up torch.distributed's functional collectives, which a single-process user never needs)."""
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "GradientTransformation", "EmptyState", "identity", "chain", "apply_updates",
     "params_of", "buffers_of", "load_params",

@@ -25,6 +25,7 @@ the template's, and a checkpoint whose values differ is refused.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import optree
@@ -75,27 +76,44 @@ def state_dict(state: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_state_dict(template: Any, flat: dict[str, torch.Tensor]) -> Any:
+def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool = True) -> Any:
     """``template`` (e.g. ``tx.init(params)``) with its tensors replaced by copies of those of ``flat``.
 
-    Raises a ValueError naming the first key that is missing, unexpected, or of another shape or
-    dtype, or a ``MUST_MATCH_ON_LOAD`` field whose value differs from the template's (module
-    docstring). Tensors are copied to the template's devices.
+    Args:
+        template: a state of the optimizer to load into, as its ``init`` makes it.
+        flat: a dict made by :func:`state_dict` (from ``torch.load``).
+        strict: with ``True`` every key must be in both; a key missing from ``flat``, or one that
+            ``template`` lacks, raises a ValueError naming it and, where the checkpoint is the state
+            of a part of this optimizer (or the other way round; e.g. saved with a constant ``lr``
+            and loaded after switching ``lr`` to a schedule, which adds ``inject_hyperparams``' count
+            and hyperparameters around the same state), says so. With ``False`` the tensors found
+            are loaded (through that part, where one matches), the others keep the template's
+            values, and a warning lists both kinds of keys.
+
+    Also raises a ValueError for a tensor of another shape or dtype, and for a
+    ``MUST_MATCH_ON_LOAD`` field whose value differs from the template's (module docstring).
+    Tensors are copied to the template's devices.
+
+    Example::
+
+        state = fb.load_state_dict(tx.init(params), torch.load("opt.pt"))
     """
     keys, accessors, leaves, spec = _keyed_leaves(template)
     expected = [k for k, leaf in zip(keys, leaves) if leaf is not None]
-    missing = [k for k in expected if k not in flat]
-    if missing:
-        raise ValueError(f"load_state_dict: key {missing[0]!r} is missing from the checkpoint ({len(missing)} missing)")
-    unexpected = sorted(set(flat) - set(expected))
-    if unexpected:
-        raise ValueError(f"load_state_dict: checkpoint key {unexpected[0]!r} is not in this optimizer's state")
+    source = _source_keys(expected, flat)  # template key -> checkpoint key
+    missing = [k for k in expected if k not in source]
+    unexpected = sorted(set(flat) - set(source.values()))
+    if missing or unexpected:
+        problem = _mismatch(missing, unexpected, _nesting(expected, flat))
+        if strict:
+            raise ValueError(f"load_state_dict: {problem}; pass strict=False to load the tensors found and keep the rest")
+        warnings.warn(f"load_state_dict: {problem}; loaded the rest", UserWarning, stacklevel=2)
     new_leaves = []
     for key, accessor, leaf in zip(keys, accessors, leaves):
-        if leaf is None:
-            new_leaves.append(None)
+        if leaf is None or key not in source:
+            new_leaves.append(leaf)
             continue
-        value = flat[key]
+        value = flat[source[key]]
         if not isinstance(value, torch.Tensor) or value.shape != leaf.shape or value.dtype != leaf.dtype:
             got = f"{type(value).__name__}" if not isinstance(value, torch.Tensor) else f"{value.dtype} {tuple(value.shape)}"
             raise ValueError(f"load_state_dict: {key!r} is {got} in the checkpoint, the state expects {leaf.dtype} {tuple(leaf.shape)}")
@@ -106,3 +124,51 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor]) -> Any:
             )
         new_leaves.append(value.detach().to(leaf.device, copy=True))
     return spec.unflatten(new_leaves)
+
+
+def _nesting(expected: list, flat: dict):
+    """``(prefix, side)`` when one state is a part of the other: every checkpoint key is a template
+    key under ``prefix`` (``side = "template"``: the template holds the checkpoint's state inside
+    it), or every template key is a checkpoint key under ``prefix`` (``side = "checkpoint"``);
+    else ``None``."""
+    for outer, inner, side in ((expected, list(flat), "template"), (list(flat), expected, "checkpoint")):
+        outer_keys = set(outer)
+        for prefix in sorted({k[: k.index("/") + 1] for k in outer if "/" in k}):
+            if inner and all(prefix + k in outer_keys for k in inner):
+                return prefix, side
+    return None
+
+
+def _source_keys(expected: list, flat: dict) -> dict:
+    """Which checkpoint key each template key loads from: the same key, or the same key through a
+    :func:`_nesting` prefix."""
+    nesting = _nesting(expected, flat) if not set(expected) <= set(flat) else None
+    if nesting is None:
+        return {k: k for k in expected if k in flat}
+    prefix, side = nesting
+    if side == "template":
+        return {k: k[len(prefix):] for k in expected if k.startswith(prefix) and k[len(prefix):] in flat}
+    return {k: prefix + k for k in expected if prefix + k in flat}
+
+
+def _mismatch(missing: list, unexpected: list, nesting) -> str:
+    parts = []
+    if nesting is not None:
+        prefix, side = nesting
+        if side == "template":
+            parts.append(
+                f"the checkpoint is the state of this optimizer's {prefix!r} part (saved without what surrounds it "
+                "here, e.g. with a constant lr where this optimizer has a schedule, which adds inject_hyperparams' "
+                "count and hyperparameters); loading puts its tensors there, and the count starts at 0 (set "
+                "state.count to resume a schedule)"
+            )
+        else:
+            parts.append(
+                f"this optimizer's state is the checkpoint's {prefix!r} part (the checkpoint was saved with more "
+                "around it, e.g. with a schedule where this optimizer has a constant lr)"
+            )
+    if missing:
+        parts.append(f"key {missing[0]!r} is missing from the checkpoint ({len(missing)} missing)")
+    if unexpected:
+        parts.append(f"checkpoint key {unexpected[0]!r} is not in this optimizer's state ({len(unexpected)} not in it)")
+    return "; ".join(parts)

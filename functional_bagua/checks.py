@@ -17,12 +17,22 @@ checks its input before any math that could broadcast it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import compress
 from typing import Callable, Optional
 
 import torch
 
 STRIDED = torch.strided
+
+
+def params_instead(x) -> str:
+    """What to pass instead of ``x`` where a params tree belongs."""
+    if isinstance(x, torch.nn.Module):
+        return "pass fb.params_of(model), the dict of the module's trainable parameters by name"
+    if isinstance(x, Iterator):
+        return "pass fb.params_of(model), a dict by name, not model.parameters() (an iterator, used up once read)"
+    return "a params tree holds tensors only (fb.params_of(model) gives a module's trainable ones)"
 
 
 def trainable_dtype(dtype: torch.dtype) -> bool:
@@ -34,10 +44,7 @@ def check_param(p, name: Callable[[], str], who: str, *, complex_ok: bool = True
     """Raise naming the parameter (``name()``, computed only on failure) unless ``p`` is a dense
     floating-point (or, with ``complex_ok``, complex) tensor."""
     if not isinstance(p, torch.Tensor):
-        raise TypeError(
-            f"{who}: parameter {name()!r} is a {type(p).__name__}, not a tensor; a params tree holds tensors "
-            "only (fb.params_of(model) gives the trainable ones)"
-        )
+        raise TypeError(f"{who}: parameter {name()!r} is a {type(p).__name__}, not a tensor; {params_instead(p)}")
     if p.layout != STRIDED:
         raise TypeError(f"{who}: parameter {name()!r} is {_layout_name(p)}; optimizers update dense tensors only")
     if not trainable_dtype(p.dtype):

@@ -13,6 +13,13 @@ Because the values are tensors, a compiled step neither bakes them in nor recomp
 change. A schedule is evaluated from the wrapper's count (the number of updates done: 0, 1, ...,
 the step of torch's LR schedulers), and its value is written into ``state.hyperparams``.
 
+Change a value in place, ``state.hyperparams["lr"].fill_(1e-4)``. Assigning a Python number
+(``state.hyperparams["lr"] = 1e-4``, the optax habit) works eagerly; under torch.compile it
+raises a TypeError, since every new number would compile the step again. A schedule receives the
+count as a 0-dim float64 tensor: one that uses it as a Python number (``if t < 3``,
+``math.cos(t)``, as written for torch's ``LambdaLR``) works eagerly and raises a TypeError naming
+it under torch.compile (write it with ``torch.where``, ``torch.cos``, ...).
+
 Which arguments become tensors: floats, tensors and schedules (callables), also inside tuples
 (``betas=(0.9, 0.999)``). Ints, bools, strings and ``None`` stay static (``ns_steps``,
 ``amsgrad``...), as does every name in ``static_args``.
@@ -29,7 +36,7 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.schedules import step_count
+from functional_bagua.schedules import describe, reads_count_as_number, refuse_untraceable, step_count
 
 DTYPE = torch.float64
 
@@ -77,6 +84,11 @@ def _is_dynamic(value) -> bool:
     return _is_dynamic_leaf(value)
 
 
+def _leaves(value) -> tuple:
+    """A hyperparameter's values: itself, or the elements of a tuple (``betas``)."""
+    return value if isinstance(value, tuple) else (value,)
+
+
 def _map_dynamic(fn: Callable, value):
     """Apply ``fn`` to the dynamic leaves of a hyperparameter (itself, or each tuple element)."""
     if isinstance(value, tuple):
@@ -111,21 +123,34 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
         dynamic = {k: v for k, v in arguments.items() if k not in static_args and _is_dynamic(v)}
         static = {k: v for k, v in arguments.items() if k not in dynamic}
         factory(**static, **{k: _map_dynamic(_as_number, _value_at(v, 0)) for k, v in dynamic.items()})
+        eager_only = {  # id -> name of each schedule that torch.compile cannot trace
+            id(v): describe(v) for value in dynamic.values() for v in _leaves(value) if callable(v) and reads_count_as_number(v)
+        }
 
         def tensors_at(count, current: dict) -> dict:
             """Each dynamic hyperparameter as a tensor: a schedule's value at ``count``, else the
             value held in ``current`` (which the user may have overwritten)."""
 
-            def now(given, held):
-                return _as_tensor(given(step_count(count)) if callable(given) else held, count.device)
+            def now(name, given, held):
+                if callable(given):
+                    if id(given) in eager_only and torch.compiler.is_compiling():
+                        refuse_untraceable(eager_only[id(given)], f"the hyperparameter {name!r}")
+                    return _as_tensor(given(step_count(count)), count.device)
+                if torch.compiler.is_compiling() and not isinstance(held, torch.Tensor):
+                    raise TypeError(
+                        f"state.hyperparams[{name!r}] holds a {type(held).__name__}: under torch.compile every new "
+                        "value would compile the step again. Change it in place, "
+                        f"state.hyperparams[{name!r}].fill_(value), as optimizer steps compiled once expect"
+                    )
+                return _as_tensor(held, count.device)
 
             out = {}
             for name, given in dynamic.items():
                 held = current[name]
                 if isinstance(given, tuple):
-                    out[name] = tuple(now(g, h) if _is_dynamic_leaf(g) else g for g, h in zip(given, held))
+                    out[name] = tuple(now(name, g, h) if _is_dynamic_leaf(g) else g for g, h in zip(given, held))
                 else:
-                    out[name] = now(given, held)
+                    out[name] = now(name, given, held)
             return out
 
         def rebuilt(hyperparams: dict) -> GradientTransformation:

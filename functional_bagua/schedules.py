@@ -37,6 +37,52 @@ def step_count(count: torch.Tensor) -> torch.Tensor:
     return count.to(DTYPE)
 
 
+class _NumberRead(Exception):
+    """Raised by :class:`_CountProbe` when a schedule reads the count as a Python number."""
+
+
+class _CountProbe(torch.Tensor):
+    """A step count that refuses to become a Python number (``bool``, ``float``, ``int``,
+    ``.item()``), and so do the tensors computed from it."""
+
+    def _refuse(self, *args, **kwargs):
+        raise _NumberRead()
+
+    __bool__ = __float__ = __int__ = __index__ = item = tolist = _refuse
+
+
+def reads_count_as_number(schedule: Callable) -> bool:
+    """Whether ``schedule`` uses the step count as a Python number (``if t < 3``, ``float(t)``,
+    ``math.cos(t)``, ``t.item()``), as a function written for torch's ``LambdaLR`` does. That
+    works eagerly, but torch.compile cannot trace it: the count arrives as a 0-dim tensor, and
+    a traceable schedule computes with tensor ops (``torch.where``, ``torch.cos``). Found by
+    calling ``schedule`` once on a count that refuses to become a number."""
+    count = torch.zeros((), dtype=DTYPE).as_subclass(_CountProbe)
+    try:
+        schedule(count)
+    except _NumberRead:
+        return True
+    except Exception:  # anything else it cannot do with a tensor count fails the same way compiled
+        return True
+    return False
+
+
+def describe(schedule: Callable) -> str:
+    """A schedule's name for messages (computed eagerly: a traced step cannot read it)."""
+    return getattr(schedule, "__qualname__", None) or repr(schedule)
+
+
+def refuse_untraceable(name: str, where: str) -> None:
+    """Raise a TypeError naming the schedule ``name`` (used for ``where``): called while
+    torch.compile traces a step, for a schedule that :func:`reads_count_as_number`."""
+    raise TypeError(
+        f"the schedule {name!r} for {where} uses the step count as a Python "
+        "number (if/float()/math.*/item()), which torch.compile cannot trace: the count arrives as a 0-dim "
+        "float64 tensor. Write it with tensor ops (torch.where(t < 3, a, b), torch.cos(t), ...), or run the "
+        "step eagerly"
+    )
+
+
 def _step(count) -> torch.Tensor:
     """The step count as a float64 tensor."""
     return torch.as_tensor(count).to(DTYPE)

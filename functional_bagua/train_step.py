@@ -9,7 +9,10 @@
     params = apply_updates(params, updates)
 
 with ``loss_of(params) = loss_fn(functional_call(model, (params, buffers), inputs), targets)``
-for ``batch = (inputs, targets)``. Compiled (``compile=True``, the default) the step is one
+for ``batch = (inputs, targets)``: ``loss_fn(outputs, targets)`` gets the model's output and the
+batch's targets, as ``torch.nn.functional.cross_entropy`` takes them. ``inputs`` is one tensor
+(``model(inputs)``), a tuple of positional arguments (``model(*inputs)``) or a dict of keyword
+arguments (``model(**inputs)``). Compiled (``compile=True``, the default) the step is one
 ``torch.compile(fullgraph=True)`` graph: forward, backward and update fused together;
 hyperparameters and schedules are tensors in ``state``, so changing them never recompiles.
 
@@ -56,8 +59,8 @@ def make_train_step(
 
     def loss_of(params, buffers, inputs, targets):
         buffers = {k: b.clone() for k, b in buffers.items()}  # the forward may update them in place
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        out = torch.func.functional_call(model, (to_tree(params), buffers), args)
+        args, kwargs = model_arguments(inputs)
+        out = torch.func.functional_call(model, (to_tree(params), buffers), args, kwargs)
         return loss_fn(out, targets), buffers
 
     value_and_grad = torch.func.grad_and_value(loss_of, has_aux=True)
@@ -72,6 +75,7 @@ def make_train_step(
         pure_step = torch.compile(pure_step, fullgraph=True, **(compile if isinstance(compile, dict) else {}))
 
     def step(params, state, batch):
+        check_batch(batch)
         buffers = dict(model.named_buffers())
         params, state, loss, new_buffers = pure_step(params, state, batch, buffers)
         with torch.no_grad():
@@ -80,3 +84,25 @@ def make_train_step(
         return params, state, loss
 
     return step
+
+
+def model_arguments(inputs) -> tuple:
+    """``(args, kwargs)`` for the model: a tuple is positional arguments, a dict keyword arguments,
+    anything else the single argument."""
+    if isinstance(inputs, dict):
+        return (), inputs
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
+
+
+def check_batch(batch) -> None:
+    """Raise naming the fix unless ``batch`` is a pair ``(inputs, targets)``."""
+    if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        got = f"a dict with keys {sorted(batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
+        if isinstance(batch, (tuple, list)):
+            got += f" of {len(batch)} items"
+        raise TypeError(
+            f"make_train_step: batch is {got}; pass (inputs, targets), where inputs is a tensor, a tuple of the "
+            "model's positional arguments or a dict of its keyword arguments, and loss_fn(outputs, targets) "
+            "computes the loss"
+        )
+

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import optree
 import torch
 
+from functional_bagua import checks
+
 NONE_IS_LEAF = True
 
 
@@ -49,7 +51,9 @@ def device_of(tree: Any):
         if isinstance(leaf, torch.Tensor):
             return leaf.device
         if leaf is not None:
-            raise TypeError(f"leaf {leaf_names(spec)[i]!r} is a {type(leaf).__name__}, not a tensor")
+            raise TypeError(
+                f"leaf {leaf_names(spec)[i]!r} is a {type(leaf).__name__}, not a tensor; {checks.params_instead(leaf)}"
+            )
     return None
 
 

@@ -114,6 +114,11 @@ def leafwise(
         else:
             grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
         checks.check_grads(grad_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
+        if not isinstance(state, state_type):
+            raise ValueError(
+                f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the "
+                f"state this transform's init made (not another transform's, nor the whole chain's)"
+            )
         keys = _segmented_keys(spec, per_tensor)
         state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
 

@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Union
 
 import torch
 
 from functional_bagua.base import EmptyState, GradientTransformation, identity
-from functional_bagua.schedules import step_count
+from functional_bagua.schedules import describe, reads_count_as_number, refuse_untraceable, step_count
 from functional_bagua.transforms.leafwise import stateless, zero_count
 
 Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
@@ -45,13 +46,18 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
 
     ``t`` is a 0-dim float64 tensor (:func:`~functional_bagua.schedules.step_count`), so a
     schedule written with tensor ops is traced by torch.compile once and never recompiles as
-    ``t`` grows.
+    ``t`` grows. One that uses ``t`` as a Python number (``if t < 3``, ``math.cos(t)``) works
+    eagerly; under torch.compile it raises a TypeError naming it.
     """
+
+    eager_only = describe(schedule) if reads_count_as_number(schedule) else None
 
     def init(params):
         return ScaleByScheduleState(count=zero_count(params))
 
     def update(updates, state, params=None):
+        if eager_only is not None and torch.compiler.is_compiling():
+            refuse_untraceable(eager_only, "scale_by_schedule")
         updates, _ = scale(schedule(step_count(state.count))).update(updates, EmptyState(), params)
         return updates, ScaleByScheduleState(count=state.count + 1)
 
@@ -67,5 +73,10 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     """
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: sign * learning_rate(count))
+
+        @functools.wraps(learning_rate)  # keeps the schedule's name for messages
+        def signed(count):
+            return sign * learning_rate(count)
+
+        return scale_by_schedule(signed)
     return scale(sign * learning_rate)
