@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -34,19 +35,55 @@ def test_quickstart_runs_as_a_script():
 
 
 @pytest.mark.parametrize("optimizer,amp", [("adadelta", False), ("adamw", True)])
-def test_fused_optimizer_example_learns(optimizer, amp):
+def test_fused_optimizer_example_learns_and_equals_step(optimizer, amp, capsys):
     losses = load_example("fused_optimizer").main(optimizer, steps=60, amp=amp)
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
+    assert "equal those after step(), bit for bit: True" in capsys.readouterr().out
+
+
+def test_fused_optimizer_example_amp_runs_under_autocast():
+    """--amp used to change nothing: the losses were identical with and without it."""
+    example = load_example("fused_optimizer")
+    assert example.main("adamw", steps=3, amp=True) != example.main("adamw", steps=3, amp=False)
+
+
+def run_distributed_example(*flags: str) -> subprocess.CompletedProcess:
+    from dist_harness import free_port
+
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(ROOT / "examples" / "distributed_train.py"), *flags],
+        capture_output=True, text=True, timeout=180,
+    )
 
 
 def test_distributed_example_runs_under_torchrun_on_two_ranks():
-    from dist_harness import free_port
-
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(ROOT / "examples" / "distributed_train.py"),
-         "--steps", "30", "--compression", "bf16"],
-        capture_output=True, text=True, timeout=180,
-    )
+    result = run_distributed_example("--steps", "30", "--compression", "bf16")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     assert "parameters agree across ranks" in result.stdout
+
+
+def test_distributed_example_with_periodic_averaging_says_what_it_checked():
+    """It printed "parameters agree across ranks" without checking; the ranks differ between averages."""
+    result = run_distributed_example("--steps", "10", "--periodic-average", "4")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "right after each of the 3 averages the ranks agreed to within" in result.stdout
+    assert "parameters agree across ranks" not in result.stdout
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--shard", "--compression", "minmax_uint8"], "--shard reduce-scatters the gradients itself"),
+    (["--periodic-average", "4", "--shard"], "--periodic-average sends no gradients"),
+])
+def test_distributed_example_refuses_flags_it_cannot_combine(flags, says):
+    """--shard --compression minmax_uint8 --periodic-average 4 silently ran only one of them."""
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "distributed_train.py"), *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and says in result.stderr
+
+
+def test_distributed_example_without_torchrun_says_how_to_launch_it():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "distributed_train.py")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1 and "torchrun --standalone --nproc-per-node 2" in result.stderr
