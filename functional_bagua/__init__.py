@@ -40,6 +40,7 @@ from functional_bagua.flat import FlatLayout, FlatModule, flatten_module
 from functional_bagua.fusion import fuse, fuse_inplace
 from functional_bagua.train_step import make_train_step
 from functional_bagua.checkpoint import load_state_dict, state_dict
+from functional_bagua.lbfgs import LbfgsState, lbfgs
 from functional_bagua.hyperparams import InjectHyperparamsState, accepts_schedules, inject_hyperparams
 from functional_bagua.modules import buffers_of, load_params, params_of
 from functional_bagua.transforms import *  # noqa: F401,F403  (the building blocks)
@@ -65,6 +66,6 @@ __all__ = [
     "FlatLayout", "FlatModule", "flatten_module", "fuse", "fuse_inplace", "make_train_step",
     "state_dict", "load_state_dict", "schedules", "inject_hyperparams", "accepts_schedules", "InjectHyperparamsState",
     "sgd", "adam", "adamw", "adamax", "nadam", "radam", "adagrad", "adadelta", "rmsprop",
-    "rprop", "asgd", "adafactor", "muon", "lamb", "lars", "lion", "adabelief",
+    "rprop", "asgd", "adafactor", "muon", "lbfgs", "LbfgsState", "lamb", "lars", "lion", "adabelief",
     *_transforms_all,
 ]
