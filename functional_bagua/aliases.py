@@ -108,6 +108,26 @@ def sgd(
         g <- -g (maximize);   g <- g + weight_decay * p
         b_1 = g;   b_t = momentum * b_{t-1} + (1 - dampening) * g;   d = g + momentum * b (nesterov) or b
         p <- p - lr * d
+
+    Every float hyperparameter may also be a schedule, a function of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        momentum: momentum factor; 0 (the default) keeps no momentum buffer.
+        dampening: dampening for momentum: the gradient enters the buffer scaled by ``1 - dampening``
+            (except on the first step, where the buffer is the gradient itself).
+        weight_decay: L2 penalty: ``weight_decay * p`` is added to the gradient.
+        nesterov: use Nesterov momentum (``d = g + momentum * b``); needs ``momentum > 0`` and ``dampening == 0``.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.sgd(lr=0.1, momentum=0.9, nesterov=True)
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
     """
     _check_lr(lr)
     _check_nonnegative(momentum, "momentum")
@@ -141,7 +161,30 @@ def adam(
 ) -> GradientTransformation:
     """Adam, as ``torch.optim.Adam``: ``p <- p - lr * m_hat / (sqrt(v_hat) + eps)`` (see
     :func:`~functional_bagua.scale_by_adam`), with L2 weight decay added to the gradient, or
-    decoupled (``p <- p - lr * weight_decay * p``) when ``decoupled_weight_decay``."""
+    decoupled (``p <- p - lr * weight_decay * p``) when ``decoupled_weight_decay``.
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: coefficients of the running averages of the gradient and of its square ``(b1, b2)``.
+        eps: term added to the denominator ``sqrt(v_hat)`` for numerical stability.
+        weight_decay: weight decay: an L2 penalty ``weight_decay * p`` added to the gradient, or decoupled
+            weight decay when ``decoupled_weight_decay``.
+        amsgrad: use the AMSGrad variant: the running maximum of the second moment in place of ``v``.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+        decoupled_weight_decay: apply ``weight_decay`` as decoupled weight decay (``p <- p - lr * weight_decay * p``,
+            as :func:`adamw`) instead of adding it to the gradient.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adam(lr=1e-3, betas=(0.9, 0.99), amsgrad=True)
+        state = tx.init(params)
+    """
     _check_adam_like(lr, betas, eps, weight_decay)
     tx = _decayed(scale_by_adam(*betas, eps, amsgrad), weight_decay, decoupled_weight_decay, lr, maximize)
     if not _known(lr, *betas, eps, weight_decay):
@@ -165,6 +208,27 @@ def adamw(
     """AdamW (Loshchilov & Hutter), as ``torch.optim.AdamW``: Adam with decoupled weight decay::
 
         p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: coefficients of the running averages of the gradient and of its square ``(b1, b2)``.
+        eps: term added to the denominator ``sqrt(v_hat)`` for numerical stability.
+        weight_decay: decoupled weight decay coefficient: ``p <- p - lr * weight_decay * p``, not added to the
+            gradient (default 1e-2, as torch.optim.AdamW).
+        amsgrad: use the AMSGrad variant: the running maximum of the second moment in place of ``v``.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adamw(lr=fb.schedules.warmup_cosine_decay(0.0, 1e-3, 100, 1000), weight_decay=0.01)
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
     """
     return adam(lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True)
 
@@ -179,7 +243,27 @@ def adamax(
     maximize: bool = False,
 ) -> GradientTransformation:
     """Adamax, as ``torch.optim.Adamax``: ``p <- p - lr * m / (1 - b1^t) / n`` with the infinity
-    norm ``n_t = max(b2 n_{t-1}, |g| + eps)``."""
+    norm ``n_t = max(b2 n_{t-1}, |g| + eps)``.
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: coefficients ``(b1, b2)`` of the running average of the gradient and of the decay of the
+            infinity norm ``n``.
+        eps: term added to ``|g|`` in the infinity norm, for numerical stability.
+        weight_decay: L2 penalty: ``weight_decay * p`` is added to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adamax(lr=2e-3)
+        state = tx.init(params)
+    """
     _check_adam_like(lr, betas, eps, weight_decay)
     return _decayed(scale_by_adamax(*betas, eps), weight_decay, False, lr, maximize)
 
@@ -195,7 +279,30 @@ def nadam(
     *,
     maximize: bool = False,
 ) -> GradientTransformation:
-    """NAdam, as ``torch.optim.NAdam`` (see :func:`~functional_bagua.scale_by_nadam`)."""
+    """NAdam, as ``torch.optim.NAdam`` (see :func:`~functional_bagua.scale_by_nadam`).
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: coefficients of the running averages of the gradient and of its square ``(b1, b2)``.
+        eps: term added to the denominator ``sqrt(v_hat)`` for numerical stability.
+        weight_decay: weight decay: an L2 penalty ``weight_decay * p`` added to the gradient, or decoupled
+            weight decay when ``decoupled_weight_decay``.
+        momentum_decay: momentum decay ``psi`` of the momentum schedule ``mu_t = b1 (1 - 0.5 * 0.96^(t psi))``.
+        decoupled_weight_decay: apply ``weight_decay`` as decoupled weight decay (``p <- p - lr * weight_decay * p``,
+            as in AdamW; torch's NAdamW) instead of adding it to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.nadam(lr=2e-3, momentum_decay=4e-3)
+        state = tx.init(params)
+    """
     _check_adam_like(lr, betas, eps, weight_decay)
     _check_nonnegative(momentum_decay, "momentum_decay")
     return _decayed(scale_by_nadam(*betas, eps, momentum_decay), weight_decay, decoupled_weight_decay, lr, maximize)
@@ -211,7 +318,29 @@ def radam(
     *,
     maximize: bool = False,
 ) -> GradientTransformation:
-    """RAdam, as ``torch.optim.RAdam`` (see :func:`~functional_bagua.scale_by_radam`)."""
+    """RAdam, as ``torch.optim.RAdam`` (see :func:`~functional_bagua.scale_by_radam`).
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: coefficients of the running averages of the gradient and of its square ``(b1, b2)``.
+        eps: term added to the denominator ``sqrt(v)`` of the adaptive step for numerical stability.
+        weight_decay: weight decay: an L2 penalty ``weight_decay * p`` added to the gradient, or decoupled
+            weight decay when ``decoupled_weight_decay``.
+        decoupled_weight_decay: apply ``weight_decay`` as decoupled weight decay (``p <- p - lr * weight_decay * p``,
+            as in AdamW) instead of adding it to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.radam(lr=1e-3, weight_decay=1e-4, decoupled_weight_decay=True)
+        state = tx.init(params)
+    """
     _check_adam_like(lr, betas, eps, weight_decay)
     return _decayed(scale_by_radam(*betas, eps), weight_decay, decoupled_weight_decay, lr, maximize)
 
@@ -229,6 +358,24 @@ def adagrad(
     """Adagrad, as ``torch.optim.Adagrad``::
 
         S_t = S_{t-1} + g^2;   p <- p - lr / (1 + (t - 1) lr_decay) * g / (sqrt(S_t) + eps)
+
+    Every float hyperparameter may also be a schedule, a function of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        lr_decay: learning rate decay: step ``t`` (counted per tensor from 1) is divided by ``1 + (t - 1) lr_decay``.
+        weight_decay: L2 penalty: ``weight_decay * p`` is added to the gradient.
+        initial_accumulator_value: starting value ``S_0`` of the sum of squared gradients.
+        eps: term added to the denominator ``sqrt(S_t)`` for numerical stability.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adagrad(lr=1e-2, initial_accumulator_value=0.1)
+        state = tx.init(params)
     """
     _check_lr(lr)
     _check_nonnegative(lr_decay, "lr_decay")
@@ -248,7 +395,26 @@ def adadelta(
     maximize: bool = False,
 ) -> GradientTransformation:
     """Adadelta, as ``torch.optim.Adadelta``: ``p <- p - lr * d_t`` (see
-    :func:`~functional_bagua.scale_by_adadelta`)."""
+    :func:`~functional_bagua.scale_by_adadelta`).
+
+    Every float hyperparameter may also be a schedule, a function of the step count, like ``lr``.
+
+    Args:
+        lr: coefficient that scales the step ``d_t`` (a number, a 0-dim tensor, or a schedule: a function of the
+            step count).
+        rho: coefficient of the running averages of the squared gradient and of the squared step.
+        eps: term added inside both square roots of ``d_t`` for numerical stability.
+        weight_decay: L2 penalty: ``weight_decay * p`` is added to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adadelta(lr=1.0, rho=0.9)
+        state = tx.init(params)
+    """
     _check_lr(lr)
     _check(rho, lambda v: 0.0 <= v <= 1.0, f"Invalid rho value: {rho}")
     _check_eps(eps)
@@ -271,6 +437,26 @@ def rmsprop(
 
         s_t = alpha s + (1 - alpha) g^2;   d = g / (sqrt(s_t [- c_t^2 if centered]) + eps)
         b_t = momentum b_{t-1} + d (if momentum > 0, else b_t = d);   p <- p - lr * b_t
+
+    Every float hyperparameter may also be a schedule, a function of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        alpha: smoothing constant of the running average ``s`` of the squared gradient.
+        eps: term added to the denominator for numerical stability.
+        weight_decay: L2 penalty: ``weight_decay * p`` is added to the gradient.
+        momentum: momentum factor applied to the normalized gradient ``d``; 0 (the default) keeps no buffer.
+        centered: centered RMSprop: subtract the square of the running average ``c`` of the gradient from
+            ``s``, normalizing by an estimate of the gradient's variance.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.rmsprop(lr=1e-2, alpha=0.99, momentum=0.9, centered=True)
+        state = tx.init(params)
     """
     _check_lr(lr)
     _check_eps(eps)
@@ -295,7 +481,27 @@ def rprop(
     maximize: bool = False,
 ) -> GradientTransformation:
     """Rprop, as ``torch.optim.Rprop``: ``p <- p - sign(g') * h_t`` with per-element step sizes
-    ``h`` starting at ``lr`` (see :func:`~functional_bagua.scale_by_rprop`)."""
+    ``h`` starting at ``lr`` (see :func:`~functional_bagua.scale_by_rprop`).
+
+    Every float hyperparameter (each element of ``etas`` and ``step_sizes`` included) may also be a
+    schedule, a function of the step count.
+
+    Args:
+        lr: initial per-element step size ``h_0`` (a number, a 0-dim tensor, or a schedule: a function of the
+            step count); the step sizes then adapt on their own, so only its value when the state is built counts.
+        etas: ``(eta_minus, eta_plus)``: the factors that shrink the step size where the gradient's sign flips
+            and grow it where it stays; ``0 < eta_minus < 1 < eta_plus``.
+        step_sizes: ``(step_min, step_max)``: the bounds of the per-element step size.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.rprop(lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50))
+        state = tx.init(params)
+    """
     _check_lr(lr)
     if None not in map(checkable, etas):
         _require(0.0 < checkable(etas[0]) < 1.0 < checkable(etas[1]), f"Invalid eta values: {etas[0]}, {etas[1]}")
@@ -313,7 +519,28 @@ def asgd(
     maximize: bool = False,
 ) -> GradientTransformation:
     """Averaged SGD, as ``torch.optim.ASGD`` (see :func:`~functional_bagua.scale_by_asgd`); the
-    averaged parameters are in the state's ``ax`` field."""
+    averaged parameters are in the state's ``ax`` field.
+
+    Every float hyperparameter may also be a schedule, a function of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count): the step
+            size ``eta`` starts at ``lr`` and decays as ``lr / (1 + lambd * lr * t)^alpha``.
+        lambd: decay term: it sets the decay of ``eta`` and adds ``lambd * p`` to the gradient.
+        alpha: power of the decay of ``eta``.
+        t0: step at which averaging starts: the averaging weight is ``1 / max(1, t - t0)``.
+        weight_decay: L2 penalty: ``weight_decay * p`` is added to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.asgd(lr=1e-2, t0=100.0)
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)   # averaged parameters: state[-1].ax
+    """
     _check_lr(lr)
     _check_nonnegative(weight_decay, "weight_decay")
     return chain(negate_if(maximize), add_decayed_weights(weight_decay), scale_by_asgd(lr, lambd, alpha, t0))
@@ -334,6 +561,28 @@ def adafactor(
         p <- p - max(eps2, RMS(p)) * min(lr, 1/sqrt(t)) * u_t - lr * weight_decay * p
 
     with ``u_t`` the factored, clipped direction of :func:`~functional_bagua.scale_by_factored_rms`.
+
+    Every float hyperparameter (``eps2`` included) may also be a schedule, a function of the step count.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count): the upper
+            bound of the relative step size ``min(lr, 1/sqrt(t))``; it also scales the weight decay.
+        beta2_decay: exponent (at most 0) of the step: ``t^beta2_decay`` is the weight of the new squared
+            gradient in the running averages of the second moment.
+        eps: ``(eps1, eps2)``: ``eps1`` bounds the square root of the second-moment estimate from below
+            (``None``: the machine epsilon of the parameter's dtype); ``eps2`` bounds from below the RMS of the
+            parameter that scales the step.
+        d: clipping threshold (at least 1): the direction is divided by ``max(1, RMS(u) / d)``.
+        weight_decay: decoupled weight decay: ``p <- p - lr * weight_decay * p``, not added to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adafactor(lr=1e-2, weight_decay=0.01)
+        state = tx.init(params)
     """
     eps1, eps2 = eps
     _check_lr(lr)
@@ -369,6 +618,29 @@ def muon(
 
     Give the other parameters (biases, norms, embeddings) to another optimizer with
     :func:`functional_bagua.partition` or a second transform.
+
+    Every float hyperparameter (each element of ``ns_coefficients`` included) may also be a schedule,
+    a function of the step count. There is no ``maximize``, as in torch.optim.Muon.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        weight_decay: decoupled weight decay: ``p <- p - lr * weight_decay * p``, not added to the gradient.
+        momentum: decay of the momentum buffer ``b_t = lerp(b_{t-1}, g, 1 - momentum)`` (from ``b_0 = 0``).
+        nesterov: use Nesterov momentum: orthogonalize ``lerp(g, b_t, momentum)`` instead of ``b_t``.
+        ns_coefficients: the coefficients ``(a, b, c)`` of the quintic Newton-Schulz iteration
+            ``X <- a X + (b A + c A A) X`` with ``A = X X^T``.
+        eps: lower bound of the Frobenius norm by which the update is divided before the iterations.
+        ns_steps: number of Newton-Schulz iterations (less than 100).
+        adjust_lr_fn: the shape factor for an ``A x B`` parameter: ``None`` or ``"original"``:
+            ``sqrt(max(1, A / B))``; ``"match_rms_adamw"``: ``0.2 * sqrt(max(A, B))``.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.muon(lr=0.02, weight_decay=0.1)
+        state = tx.init(matrices)   # 2-D parameters only: init raises a ValueError otherwise
     """
     _check_lr(lr)
     _check(momentum, lambda v: 0.0 <= v, f"momentum should be >= 0 but is: {momentum}")
@@ -414,6 +686,25 @@ def lamb(
 
         r = m_hat / (sqrt(v_hat) + eps) + weight_decay * p
         p <- p - lr * (||p|| / ||r||) * r          (ratio 1 if either norm is 0)
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: coefficients of the running averages of the gradient and of its square ``(b1, b2)``.
+        eps: term added to the denominator ``sqrt(v_hat)`` for numerical stability.
+        weight_decay: decoupled weight decay: ``weight_decay * p`` is added to the Adam direction (not to the
+            gradient), before the trust ratio.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.lamb(lr=1e-3, weight_decay=0.01)
+        state = tx.init(params)
     """
     _check_adam_like(lr, betas, eps, weight_decay)
     return chain(
@@ -441,6 +732,25 @@ def lars(
         r = g + weight_decay * p
         d = lr * trust_coefficient * ||p|| / (||r|| + eps) * r        (ratio 1 if a norm is 0)
         b_t = momentum * b_{t-1} + d   (b_1 = d);   p <- p - (d + momentum * b_t if nesterov else b_t)
+
+    Every float hyperparameter may also be a schedule, a function of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        momentum: momentum factor, applied after the learning rate; 0 keeps no buffer.
+        weight_decay: L2 penalty: ``weight_decay * p`` is added to the gradient, before the trust ratio.
+        trust_coefficient: factor of the trust ratio ``||p|| / (||r|| + eps)``.
+        eps: term added to ``||r||`` in the trust ratio's denominator.
+        nesterov: use Nesterov momentum (``d + momentum * b_t``); needs ``momentum > 0``.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.lars(lr=0.1, momentum=0.9, weight_decay=1e-4)
+        state = tx.init(params)
     """
     _check_lr(lr)
     _check_nonnegative(momentum, "momentum")
@@ -468,6 +778,24 @@ def lion(
     """Lion (Chen et al., 2023)::
 
         p <- p - lr * (sign(lerp(m, g, 1 - b1)) + weight_decay * p);   m <- lerp(m, g, 1 - b2)
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: ``(b1, b2)``: ``b1`` interpolates the momentum and the gradient for the sign of the update;
+            ``b2`` is the decay of the momentum ``m``.
+        weight_decay: decoupled weight decay: ``p <- p - lr * weight_decay * p``, not added to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.lion(lr=1e-4, weight_decay=0.1)
+        state = tx.init(params)
     """
     _check_lr(lr)
     _check_betas(betas)
@@ -486,6 +814,28 @@ def adabelief(
     maximize: bool = False,
 ) -> GradientTransformation:
     """AdaBelief (Zhuang et al., 2020): ``p <- p - lr * m_hat / (sqrt(s_hat) + eps)`` with the
-    belief ``s`` of :func:`~functional_bagua.scale_by_belief`; weight decay as in :func:`adam`."""
+    belief ``s`` of :func:`~functional_bagua.scale_by_belief`; weight decay as in :func:`adam`.
+
+    Every float hyperparameter (each element of ``betas`` included) may also be a schedule, a function
+    of the step count, like ``lr``.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: coefficients of the running averages of the gradient and of the belief ``(g - m)^2``.
+        eps: term added to the belief ``s`` at each step and to the denominator ``sqrt(s_hat)``.
+        weight_decay: weight decay: an L2 penalty ``weight_decay * p`` added to the gradient, or decoupled
+            weight decay when ``decoupled_weight_decay``.
+        decoupled_weight_decay: apply ``weight_decay`` as decoupled weight decay (``p <- p - lr * weight_decay * p``)
+            instead of adding it to the gradient.
+        maximize: maximize the objective instead of minimizing it (ascend the gradient).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adabelief(lr=1e-3, weight_decay=1e-4, decoupled_weight_decay=True)
+        state = tx.init(params)
+    """
     _check_adam_like(lr, betas, eps, weight_decay)
     return _decayed(scale_by_belief(*betas, eps), weight_decay, decoupled_weight_decay, lr, maximize)
