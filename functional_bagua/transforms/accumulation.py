@@ -56,6 +56,19 @@ def multi_steps(
     Example (an effective batch of 4 micro-batches)::
 
         tx = fb.multi_steps(fb.adamw(1e-3), every_k_schedule=4)
+
+    Args:
+        inner: the transform run once per window, on the window's accumulated gradients.
+        every_k_schedule: ``k``, the number of updates (micro-batches) per window, an int >= 1
+            (a ValueError otherwise).
+        use_grad_mean: with ``True``, ``inner`` sees the mean ``a_k / k`` of the window's
+            gradients; with ``False``, their sum ``a_k``.
+        accumulator_dtype: the floating point dtype of the running sums (a TypeError for another
+            dtype); ``None`` keeps each parameter's dtype.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`MultiStepsState`; its updates are zeros
+        except on the last update of each window, where they are ``inner``'s.
     """
     k = every_k_schedule
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -126,7 +139,22 @@ def _zeros_like_grad(g):
 
 class MultiSteps:
     """optax-style class around :func:`multi_steps`: ``MultiSteps(inner, k).init/.update``,
-    ``.gradient_transformation()`` for use in ``chain``, and ``has_updated(state)``."""
+    ``.gradient_transformation()`` for use in ``chain``, and ``has_updated(state)``.
+
+    Args:
+        opt: the transform run once per window (``inner`` of :func:`multi_steps`).
+        every_k_schedule: the number of updates (micro-batches) per window, an int >= 1.
+        use_grad_mean: with ``True``, ``opt`` sees the mean of the window's gradients; with
+            ``False``, their sum.
+        accumulator_dtype: the floating point dtype of the running sums; ``None`` keeps each
+            parameter's dtype.
+
+    Example::
+
+        ms = fb.MultiSteps(fb.adamw(1e-3), every_k_schedule=4)
+        updates, state = ms.update(grads, state, params)
+        if ms.has_updated(state): ...          # True after every 4th update
+    """
 
     def __init__(
         self,
@@ -140,9 +168,21 @@ class MultiSteps:
         self.update = self._tx.update
 
     def gradient_transformation(self) -> GradientTransformation:
+        """The wrapped transform, for use in ``chain``.
+
+        Returns:
+            The GradientTransformation made by :func:`multi_steps` (the same ``init`` and ``update``).
+        """
         return self._tx
 
     @staticmethod
     def has_updated(state: MultiStepsState) -> torch.Tensor:
-        """Whether the last update ran the inner optimizer (the window just closed)."""
+        """Whether the last update ran the inner optimizer (the window just closed).
+
+        Args:
+            state: the :class:`MultiStepsState` returned by the last ``update``.
+
+        Returns:
+            A 0-dim bool tensor: ``True`` when ``mini_step`` is back at 0 after at least one inner step.
+        """
         return (state.mini_step == 0) & (state.gradient_step > 0)

@@ -39,12 +39,29 @@ from functional_bagua.transforms.leafwise import as_scalar, is_number, leafwise,
 
 
 def bias_correction(beta, t: torch.Tensor) -> torch.Tensor:
-    """``1 - beta^t`` as a float64 scalar tensor (``t`` a float64 step count)."""
+    """``1 - beta^t`` as a float64 scalar tensor (``t`` a float64 step count).
+
+    Args:
+        beta: the decay rate of a moment (``b1`` or ``b2``), a number or a 0-dim tensor.
+        t: the step count ``t = 1, 2, ...`` as a 0-dim float64 tensor (see :func:`as_scalar`).
+
+    Returns:
+        The 0-dim tensor ``1 - beta**t``, the divisor that removes the bias of a moment started at zero.
+    """
     return 1 - beta**t
 
 
 def second_moment(v: torch.Tensor, g: torch.Tensor, b2) -> torch.Tensor:
-    """``b2 v + (1 - b2) g^2`` (``b2`` a number or a 0-dim tensor)."""
+    """``b2 v + (1 - b2) g^2`` (``b2`` a number or a 0-dim tensor).
+
+    Args:
+        v: the previous second-moment estimate (left unmodified).
+        g: the gradient, of ``v``'s shape, whose square is averaged in.
+        b2: the decay rate, the weight of ``v``; a number uses one fused ``addcmul``.
+
+    Returns:
+        The new second-moment estimate, a new tensor.
+    """
     if is_number(b2):
         return v.mul(b2).addcmul(g, g, value=1 - b2)
     return v * b2 + (1 - b2) * g * g
@@ -71,6 +88,19 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad
     """Adam's preconditioned direction (module docstring). Example::
 
         adam = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
+
+    Args:
+        b1: the decay rate of the first moment ``m`` (the new gradient has weight ``1 - b1``);
+            ``m`` is bias-corrected by ``1 - b1^t``.
+        b2: the decay rate of the second moment ``v`` (the new squared gradient has weight
+            ``1 - b2``); ``sqrt(v)`` is bias-corrected by ``sqrt(1 - b2^t)``.
+        eps: added to the bias-corrected ``sqrt(v_t)`` in the denominator (outside the square root).
+        amsgrad: with ``True``, the denominator uses ``v^max_t``, the running maximum of ``v``, kept
+            in the state's ``nu_max`` field.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByAdamState`
+        (a :class:`ScaleByAmsgradState` with ``amsgrad``).
     """
     state_type = ScaleByAmsgradState if amsgrad else ScaleByAdamState
 
@@ -103,7 +133,20 @@ class ScaleByAdamaxState(NamedTuple):
 
 
 def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
-    """Adamax's direction (module docstring)."""
+    """Adamax's direction (module docstring).
+
+    Args:
+        b1: the decay rate of the first moment ``m``; the direction is divided by ``1 - b1^t``.
+        b2: the decay rate of the infinity norm: ``n_t = max(b2 n_{t-1}, |g_t| + eps)``.
+        eps: added to ``|g_t|`` inside the maximum, which keeps ``n_t`` positive.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByAdamaxState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_adamax(), fb.scale_by_learning_rate(2e-3))
+    """
 
     def init_leaf(p):
         return ScaleByAdamaxState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
@@ -128,7 +171,23 @@ class ScaleByNadamState(NamedTuple):
 
 
 def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum_decay: float = 4e-3) -> GradientTransformation:
-    """NAdam's direction with torch.optim.NAdam's momentum schedule (module docstring)."""
+    """NAdam's direction with torch.optim.NAdam's momentum schedule (module docstring).
+
+    Args:
+        b1: the decay rate of the first moment ``m``, and the base of the momentum schedule
+            ``mu_t = b1 (1 - 0.5 * 0.96^(t psi))``.
+        b2: the decay rate of the second moment ``v``.
+        eps: added to ``sqrt(v_t / (1 - b2^t))`` in the denominator ``d_t``.
+        momentum_decay: ``psi`` in the momentum schedule: larger values bring ``mu_t`` to ``b1``
+            in fewer steps.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByNadamState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_nadam(), fb.scale_by_learning_rate(2e-3))
+    """
 
     def momentum_at(t):
         return b1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
@@ -162,7 +221,22 @@ class ScaleByRadamState(NamedTuple):
 
 
 def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, threshold: float = 5.0) -> GradientTransformation:
-    """RAdam's rectified direction (module docstring); ``threshold`` is torch's 5 on ``rho_t``."""
+    """RAdam's rectified direction (module docstring); ``threshold`` is torch's 5 on ``rho_t``.
+
+    Args:
+        b1: the decay rate of the first moment ``m``; ``m_hat_t = m_t / (1 - b1^t)``.
+        b2: the decay rate of the second moment ``v``; it also sets ``rho_inf = 2 / (1 - b2) - 1``.
+        eps: added to ``sqrt(v_t)`` in the adaptive (rectified) step.
+        threshold: the rectified adaptive step is taken where ``rho_t > threshold``; at or below
+            it the direction is the plain ``m_hat_t``.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByRadamState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_radam(), fb.scale_by_learning_rate(1e-3))
+    """
     rho_inf = 2 / (1 - b2) - 1
 
     def init_leaf(p):

@@ -31,7 +31,27 @@ class ScaleByAsgdState(NamedTuple):
 
 
 def scale_by_asgd(lr: float = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6) -> GradientTransformation:
-    """ASGD's descent step and iterate averaging (module docstring)."""
+    """ASGD's descent step and iterate averaging (module docstring).
+
+    Args:
+        lr: the initial step size ``eta_0``, and the ``lr`` of the decay ``eta_t = lr / (1 + lambd
+            lr t)^alpha``.
+        lambd: the decay term: the step includes ``lambd * p_{t-1}`` (weight decay), and it sets
+            how fast ``eta_t`` decays.
+        alpha: the power of the step-size decay ``eta_t``.
+        t0: how many steps pass before averaging starts: ``mu_t = 1 / max(1, t - t0)``, and while
+            ``mu_{t-1} = 1`` the average is just the latest iterate.
+
+    Returns:
+        A GradientTransformation giving the full descent step (sign included), whose state is a
+        :class:`ScaleByAsgdState`; its ``update`` needs the parameters.
+
+    Example::
+
+        tx = fb.scale_by_asgd(lr=1e-2)
+        updates, state = tx.update(grads, state, params)
+        eval_params = state.ax
+    """
 
     def init_leaf(p):
         def scalar(x):

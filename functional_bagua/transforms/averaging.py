@@ -41,6 +41,15 @@ def ema(decay: float = 0.999) -> GradientTransformation:
         tx = fb.chain(fb.adamw(1e-3), fb.ema(0.999))
         ...
         eval_params = state[-1].ema
+
+    Args:
+        decay: the weight of the old average, in [0, 1] (a ValueError otherwise): ``ema_t =
+            decay * ema_{t-1} + (1 - decay) * p_t``; a schedule of the step count builds the
+            transform through ``inject_hyperparams``.
+
+    Returns:
+        A GradientTransformation that passes the updates through unchanged and keeps the average
+        in an :class:`EmaParamsState`; its ``update`` needs the parameters.
     """
     if checkable(decay) is not None and not 0.0 <= checkable(decay) <= 1.0:
         raise ValueError(f"Invalid decay value {decay} provided. Please provide a value in [0,1] range.")

@@ -25,7 +25,22 @@ class ScaleByBeliefState(NamedTuple):
 
 
 def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16) -> GradientTransformation:
-    """AdaBelief's direction (module docstring)."""
+    """AdaBelief's direction (module docstring).
+
+    Args:
+        b1: the decay rate of the first moment ``m``; ``m`` is bias-corrected by ``1 - b1^t``.
+        b2: the decay rate of the belief ``s``, the average of ``(g_t - m_t)^2``; ``sqrt(s)`` is
+            bias-corrected by ``sqrt(1 - b2^t)``.
+        eps: added twice: to ``s_t`` at every step (inside the square root), and to the
+            bias-corrected ``sqrt(s_t)`` in the denominator.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByBeliefState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_belief(), fb.scale_by_learning_rate(1e-3))
+    """
 
     def init_leaf(p):
         return ScaleByBeliefState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))

@@ -17,14 +17,35 @@ from functional_bagua.transforms.leafwise import stateless
 
 
 def clip(max_delta: float) -> GradientTransformation:
-    """``u = clamp(g, -max_delta, max_delta)``; ``max_delta >= 0``."""
+    """``u = clamp(g, -max_delta, max_delta)``; ``max_delta >= 0``.
+
+    Args:
+        max_delta: the largest magnitude an update element may have; a number (or 0-dim tensor)
+            >= 0, else a ValueError.
+
+    Returns:
+        A stateless GradientTransformation.
+
+    Example::
+
+        tx = fb.chain(fb.clip(1.0), fb.adam(1e-3))
+    """
     _check_threshold(max_delta, "clip", "max_delta")
     return stateless(lambda u, p: u.clamp(-max_delta, max_delta), name="clip")
 
 
 def global_norm(updates, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all leaves together (``None`` leaves left out; 0 when there are none), as
-    clip_grad_norm_ computes it: one norm per tensor, in its dtype, then the norm of those."""
+    clip_grad_norm_ computes it: one norm per tensor, in its dtype, then the norm of those.
+
+    Args:
+        updates: a tree of tensors (gradients or updates); ``None`` leaves are skipped.
+        norm_type: the order of the vector norms (``2.0`` Euclidean, ``float("inf")`` the largest
+            magnitude), used for both the per-tensor norms and their norm.
+
+    Returns:
+        A 0-dim tensor.
+    """
     leaves = [u for u in tree.flatten(updates)[0] if u is not None]
     if not leaves:
         return torch.zeros(())
@@ -38,6 +59,18 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
     The factor is applied as torch does, in each update's own precision with a single rounding
     (a bfloat16 update is not multiplied by a factor rounded to bfloat16 first). With no update
     at all (every gradient ``None``) nothing changes, as ``clip_grad_norm_`` returns 0.
+
+    Args:
+        max_norm: the largest global norm the updates may have; a number (or 0-dim tensor) >= 0,
+            else a ValueError.
+        norm_type: the order of the norm, as in :func:`global_norm`.
+
+    Returns:
+        A stateless GradientTransformation (it refuses to run on the shards of a distributed update).
+
+    Example::
+
+        tx = fb.chain(fb.clip_by_global_norm(1.0), fb.adamw(1e-3))
     """
     _check_threshold(max_norm, "clip_by_global_norm", "max_norm")
 

@@ -45,7 +45,23 @@ def _mean_square(g: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def scale_by_factored_rms(beta2_decay: float = -0.8, eps1: Optional[float] = None, d: float = 1.0) -> GradientTransformation:
-    """Adafactor's factored second-moment direction with update clipping (module docstring)."""
+    """Adafactor's factored second-moment direction with update clipping (module docstring).
+
+    Args:
+        beta2_decay: the exponent of ``b_t = t^beta2_decay``, the weight of the new squared
+            gradient in ``R``, ``C`` and ``V`` (negative: the average lengthens with ``t``).
+        eps1: the floor of ``mean(R_t)`` and of ``sqrt(V_t)``; ``None`` means the machine epsilon
+            of the gradient's dtype.
+        d: the clipping threshold: the update is scaled down to an RMS of at most ``d``.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByFactoredRmsState`; tensors of
+        2 or more dims are factored over their last two dims.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_factored_rms(), fb.scale_by_relative_step_size(1e-2), fb.scale(-1.0))
+    """
 
     def init_leaf(p):
         if p.dim() > 1:
@@ -80,7 +96,20 @@ class ScaleByRelativeStepSizeState(NamedTuple):
 
 
 def scale_by_relative_step_size(lr: float = 1e-2, eps2: float = 1e-3) -> GradientTransformation:
-    """``u = max(eps2, RMS(p)) * min(lr, 1/sqrt(t)) * g`` (module docstring)."""
+    """``u = max(eps2, RMS(p)) * min(lr, 1/sqrt(t)) * g`` (module docstring).
+
+    Args:
+        lr: the cap of the relative step size ``min(lr, 1 / sqrt(t))``.
+        eps2: the floor of the parameter's RMS, so that parameters at (or near) zero still move.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByRelativeStepSizeState`; its
+        ``update`` needs the parameters.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_factored_rms(), fb.scale_by_relative_step_size(1e-2), fb.scale(-1.0))
+    """
 
     def init_leaf(p):
         return ScaleByRelativeStepSizeState(zero_count(p))

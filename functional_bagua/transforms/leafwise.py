@@ -33,7 +33,14 @@ SCALAR_DTYPE = torch.float64
 
 
 def zero_count(like) -> torch.Tensor:
-    """A 0-dim integer step counter on the device of ``like`` (a tensor, or a tree of them)."""
+    """A 0-dim integer step counter on the device of ``like`` (a tensor, or a tree of them).
+
+    Args:
+        like: a tensor, or a tree of tensors (its first tensor leaf gives the device).
+
+    Returns:
+        A 0-dim int64 tensor holding 0.
+    """
     device = like.device if isinstance(like, torch.Tensor) else tree.device_of(like)
     return torch.zeros((), dtype=COUNT_DTYPE, device=device)
 
@@ -44,27 +51,66 @@ def as_scalar(count: torch.Tensor) -> torch.Tensor:
     Scalar math (bias corrections, step sizes) runs in float64 like torch.optim's Python floats;
     a 0-dim tensor does not promote the tensors it multiplies, so a float32 parameter's update
     stays float32.
+
+    Args:
+        count: an integer step count tensor (as :func:`zero_count` makes).
+
+    Returns:
+        ``count`` converted to float64.
     """
     return count.to(SCALAR_DTYPE)
 
 
 def is_number(x) -> bool:
-    """A Python number (a hyperparameter fixed at build time), as opposed to a tensor."""
+    """A Python number (a hyperparameter fixed at build time), as opposed to a tensor.
+
+    Args:
+        x: any value, typically a hyperparameter.
+
+    Returns:
+        ``True`` for an ``int`` or ``float`` that is not a ``bool``, else ``False``.
+    """
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
-    """``start + weight * (end - start)``; ``weight`` a number or a 0-dim tensor (any dtype)."""
+    """``start + weight * (end - start)``; ``weight`` a number or a 0-dim tensor (any dtype).
+
+    Args:
+        start: the value at ``weight = 0`` (left unmodified).
+        end: the value at ``weight = 1``, of ``start``'s shape.
+        weight: the interpolation weight; a tensor is first cast to ``start``'s dtype.
+
+    Returns:
+        A new tensor.
+    """
     return start.lerp(end, weight if is_number(weight) else weight.to(start.dtype))
 
 
 def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
-    """``x + alpha * y``; ``alpha`` a number (one fused kernel) or a 0-dim tensor."""
+    """``x + alpha * y``; ``alpha`` a number (one fused kernel) or a 0-dim tensor.
+
+    Args:
+        x: the tensor added to (left unmodified).
+        y: the tensor scaled and added.
+        alpha: the scale of ``y``.
+
+    Returns:
+        A new tensor.
+    """
     return x.add(y, alpha=alpha) if is_number(alpha) else x + alpha * y
 
 
 def filled_like(p: torch.Tensor, value) -> torch.Tensor:
-    """A tensor like ``p`` filled with ``value`` (a number or a 0-dim tensor), in ``p``'s dtype."""
+    """A tensor like ``p`` filled with ``value`` (a number or a 0-dim tensor), in ``p``'s dtype.
+
+    Args:
+        p: the tensor whose shape, dtype and device the result takes.
+        value: the fill value.
+
+    Returns:
+        A new tensor.
+    """
     return torch.full_like(p, value) if is_number(value) else torch.zeros_like(p).add_(value)
 
 
@@ -87,6 +133,28 @@ def leafwise(
     shapes of the whole tensor). Inside :func:`~functional_bagua.fuse` such a rule runs on each
     parameter's segment of the flat buffer, and its state holds a tuple of per-segment states
     per buffer; an elementwise rule runs once on the whole buffer.
+
+    Args:
+        state_type: the NamedTuple class of one tensor's state.
+        init_leaf: ``init_leaf(p) -> state_leaf``, called on each parameter that is not ``None``.
+        update_leaf: ``update_leaf(g, state_leaf, p) -> (u, new_state_leaf)``, called on each
+            gradient that is not ``None`` (``p`` is ``None`` when ``update`` gets no ``params``).
+            ``u`` is cast to ``g``'s dtype and each new state tensor to its old one's.
+        name: the transform's name, used in error messages.
+        needs_params: with ``True``, ``update`` without ``params`` raises a ValueError.
+        per_tensor: ``True`` for a rule that is not elementwise: it gets whole tensors (one
+            segment at a time inside a fused update) and refuses complex tensors; an elementwise
+            rule gets complex tensors as their real views.
+
+    Returns:
+        A GradientTransformation whose state is a ``state_type`` with one tree per field.
+
+    Example::
+
+        class TotalState(NamedTuple):
+            total: torch.Tensor
+        running_sum = fb.leafwise(TotalState, lambda p: TotalState(torch.zeros_like(p)),
+                                  lambda g, s, p: (s.total + g, TotalState(s.total + g)), name="running_sum")
     """
     fields = state_type._fields
     rule = update_leaf if per_tensor else _on_real_views(update_leaf)
@@ -159,6 +227,22 @@ def stateless(
     ``per_tensor``, is the same rule written for a whole flat buffer whose segments have
     ``lengths`` elements (with :mod:`functional_bagua.segments`); inside a fused update it runs
     instead of a loop over the segments.
+
+    Args:
+        update_leaf: ``update_leaf(u, p) -> new_u``, called on each update that is not ``None``
+            (``p`` is ``None`` when ``update`` gets no ``params``).
+        name: the transform's name, used in error messages.
+        needs_params: with ``True``, ``update`` without ``params`` raises a ValueError.
+        per_tensor: ``True`` for a rule that is not elementwise (as in :func:`leafwise`).
+        per_buffer: ``per_buffer(u, p, lengths) -> new_u``, the rule for a whole flat buffer, used
+            inside a fused update (only with ``per_tensor``); ``None`` loops over the segments.
+
+    Returns:
+        A GradientTransformation whose state is an ``EmptyState``.
+
+    Example::
+
+        double = fb.stateless(lambda u, p: 2 * u, name="double")
     """
 
     rule = update_leaf if per_tensor else _stateless_on_real_views(update_leaf)

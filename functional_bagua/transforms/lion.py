@@ -22,7 +22,19 @@ class ScaleByLionState(NamedTuple):
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
-    """Lion's sign direction (module docstring)."""
+    """Lion's sign direction (module docstring).
+
+    Args:
+        b1: the weight of the momentum in the direction: ``u_t = sign(b1 m_{t-1} + (1 - b1) g_t)``.
+        b2: the decay rate of the momentum: ``m_t = b2 m_{t-1} + (1 - b2) g_t``.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByLionState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_lion(), fb.scale_by_learning_rate(1e-4))
+    """
 
     def init_leaf(p):
         return ScaleByLionState(torch.zeros_like(p))

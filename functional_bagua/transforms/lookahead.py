@@ -40,6 +40,17 @@ def lookahead(inner: GradientTransformation, sync_period: int = 5, alpha: float 
     Example (the paper's setting)::
 
         tx = fb.lookahead(fb.adam(1e-3), sync_period=5, alpha=0.5)
+
+    Args:
+        inner: the transform that moves the fast weights (a TypeError if it is not a
+            GradientTransformation).
+        sync_period: the number of fast steps between syncs, an int >= 1 (a ValueError otherwise).
+        alpha: the slow weights' step towards the fast ones on a sync, in [0, 1]
+            (``phi <- phi + alpha * (theta - phi)``); may be a schedule of the step count.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`LookaheadState`; its ``update`` needs
+        the parameters.
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"lookahead: inner is {type(inner).__name__}, not a GradientTransformation")

@@ -33,6 +33,16 @@ def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False)
     Example::
 
         sgd_nesterov = chain(trace(0.9, nesterov=True), scale_by_learning_rate(0.1))
+
+    Args:
+        momentum: the weight of the previous buffer ``b_{t-1}``; the number 0 gives the identity.
+        dampening: the new gradient enters the buffer with weight ``1 - dampening`` (except on
+            the first step, where ``b_1 = g_1``).
+        nesterov: with ``True``, the update is ``g_t + momentum * b_t``; else it is ``b_t``.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`TraceState` (the identity when
+        ``momentum`` is the number 0).
     """
     if is_number(momentum) and momentum == 0:
         return identity()
@@ -60,7 +70,19 @@ class EmaMomentumState(NamedTuple):
 
 def ema_momentum(decay: float, nesterov: bool = False) -> GradientTransformation:
     """``b_t = lerp(b_{t-1}, g_t, 1 - decay)`` from ``b_0 = 0``; ``u_t = b_t``, or
-    ``lerp(g_t, b_t, decay)`` with ``nesterov`` (torch.optim.Muon's momentum). No bias correction."""
+    ``lerp(g_t, b_t, decay)`` with ``nesterov`` (torch.optim.Muon's momentum). No bias correction.
+
+    Args:
+        decay: the weight of the previous average ``b_{t-1}`` (the new gradient has weight ``1 - decay``).
+        nesterov: with ``True``, the update is ``lerp(g_t, b_t, decay)``; else it is ``b_t``.
+
+    Returns:
+        A GradientTransformation whose state is an :class:`EmaMomentumState`.
+
+    Example::
+
+        tx = fb.chain(fb.ema_momentum(0.95, nesterov=True), fb.orthogonalize(), fb.scale_by_learning_rate(0.02))
+    """
 
     def init_leaf(p):
         return EmaMomentumState(ema=torch.zeros_like(p))

@@ -29,7 +29,17 @@ NS_EPS = 1e-7
 
 
 def newton_schulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS) -> torch.Tensor:
-    """The quintic Newton-Schulz orthogonalisation of a matrix, in bfloat16 (module docstring)."""
+    """The quintic Newton-Schulz orthogonalisation of a matrix, in bfloat16 (module docstring).
+
+    Args:
+        g: the 2-D matrix to orthogonalise (a ValueError for another number of dims).
+        coefficients: ``(a, b, c)``, the coefficients of the iteration ``X <- a X + (b A + c A A) X``.
+        steps: the number of iterations ``k``.
+        eps: the floor of ``||G||_F`` in the normalisation ``X_0 = G / max(||G||_F, eps)``.
+
+    Returns:
+        A bfloat16 tensor of ``g``'s shape.
+    """
     if g.dim() != 2:
         raise ValueError(f"Newton-Schulz orthogonalisation needs a 2-D matrix, got shape {tuple(g.shape)}")
     a, b, c = coefficients
@@ -46,7 +56,21 @@ def newton_schulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS
 
 
 def orthogonalize(ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS) -> GradientTransformation:
-    """``u = NewtonSchulz(g)`` per 2-D tensor, cast back to the gradient's dtype."""
+    """``u = NewtonSchulz(g)`` per 2-D tensor, cast back to the gradient's dtype.
+
+    Args:
+        ns_coefficients: ``(a, b, c)`` of :func:`newton_schulz`, exactly 3 values (a ValueError
+            otherwise).
+        ns_steps: the number of Newton-Schulz iterations, less than 100 (a ValueError otherwise).
+        eps: the floor of the Frobenius norm when the update is normalised.
+
+    Returns:
+        A stateless GradientTransformation; an update that is not 2-D raises a ValueError.
+
+    Example::
+
+        tx = fb.chain(fb.ema_momentum(0.95, nesterov=True), fb.orthogonalize(), fb.scale_by_learning_rate(0.02))
+    """
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if len(ns_coefficients) != 3:
@@ -55,7 +79,16 @@ def orthogonalize(ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps
 
 
 def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:
-    """Muon's learning-rate factor for an ``A x B`` matrix (module docstring)."""
+    """Muon's learning-rate factor for an ``A x B`` matrix (module docstring).
+
+    Args:
+        shape: the matrix's shape; its first two entries are ``A`` and ``B``.
+        adjust_lr_fn: ``None`` or ``"original"`` for ``sqrt(max(1, A / B))``, ``"match_rms_adamw"``
+            for ``0.2 * sqrt(max(A, B))``; another name raises a ValueError.
+
+    Returns:
+        The factor, a Python float.
+    """
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return math.sqrt(max(1, rows / cols))
@@ -65,6 +98,18 @@ def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:
 
 
 def scale_by_shape(adjust_lr_fn: Optional[str] = None) -> GradientTransformation:
-    """``u = shape_factor(shape(g)) * g`` per tensor (module docstring)."""
+    """``u = shape_factor(shape(g)) * g`` per tensor (module docstring).
+
+    Args:
+        adjust_lr_fn: the name of the factor, as in :func:`shape_factor` (checked when the
+            transform is built).
+
+    Returns:
+        A stateless GradientTransformation.
+
+    Example::
+
+        tx = fb.chain(fb.orthogonalize(), fb.scale_by_shape("match_rms_adamw"), fb.scale_by_learning_rate(0.02))
+    """
     shape_factor((1, 1), adjust_lr_fn)  # validates the name
     return stateless(lambda u, p: u * shape_factor(u.shape, adjust_lr_fn), name="scale_by_shape", per_tensor=True)

@@ -49,6 +49,17 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False)
     """RMSprop's direction (module docstring). Momentum composes after it::
 
         rmsprop_momentum = chain(scale_by_rms(), trace(0.9), scale_by_learning_rate(1e-2))
+
+    Args:
+        alpha: the decay rate of the average of squares ``s`` (and, when centered, of the
+            gradient average ``c``).
+        eps: added to the square root in the denominator (outside it).
+        centered: with ``True``, the denominator uses the variance estimate ``s_t - c_t^2`` and the
+            state keeps ``grad_avg``.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByRmsState`
+        (a :class:`ScaleByCenteredRmsState` when centered).
     """
     state_type = ScaleByCenteredRmsState if centered else ScaleByRmsState
 
@@ -75,7 +86,20 @@ class ScaleByAdagradState(NamedTuple):
 
 
 def scale_by_adagrad(lr_decay: float = 0.0, initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> GradientTransformation:
-    """Adagrad's direction with torch's per-tensor learning-rate decay (module docstring)."""
+    """Adagrad's direction with torch's per-tensor learning-rate decay (module docstring).
+
+    Args:
+        lr_decay: the step decay: the direction is divided by ``1 + (t - 1) lr_decay``.
+        initial_accumulator_value: ``S_0``, the value the sum of squares starts from.
+        eps: added to ``sqrt(S_t)`` in the denominator.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByAdagradState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_adagrad(), fb.scale_by_learning_rate(1e-2))
+    """
 
     def init_leaf(p):
         return ScaleByAdagradState(zero_count(p), filled_like(p, initial_accumulator_value))
@@ -99,7 +123,19 @@ class ScaleByAdadeltaState(NamedTuple):
 
 
 def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransformation:
-    """Adadelta's step (module docstring); torch.optim.Adadelta multiplies it by ``lr`` (1.0)."""
+    """Adadelta's step (module docstring); torch.optim.Adadelta multiplies it by ``lr`` (1.0).
+
+    Args:
+        rho: the decay rate of both averages, of squared gradients ``s`` and of squared steps ``D``.
+        eps: added inside both square roots, ``sqrt(D_{t-1} + eps)`` and ``sqrt(s_t + eps)``.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByAdadeltaState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_adadelta(), fb.scale_by_learning_rate(1.0))
+    """
 
     def init_leaf(p):
         return ScaleByAdadeltaState(torch.zeros_like(p), torch.zeros_like(p))

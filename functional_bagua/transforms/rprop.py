@@ -30,7 +30,23 @@ def scale_by_rprop(
     etas: tuple[float, float] = (0.5, 1.2),
     step_sizes: tuple[float, float] = (1e-6, 50),
 ) -> GradientTransformation:
-    """Rprop's step (module docstring); the initial step size is ``learning_rate``."""
+    """Rprop's step (module docstring); the initial step size is ``learning_rate``.
+
+    Args:
+        learning_rate: ``h_0``, every element's initial step size (for a complex tensor, of its
+            real and imaginary parts alike).
+        etas: ``(eta_minus, eta_plus)``, the factors of the step size where the gradient's sign
+            flipped and where it stayed the same.
+        step_sizes: ``(step_min, step_max)``, the bounds of the step size ``h_t``.
+
+    Returns:
+        A GradientTransformation giving the ascent direction ``sign(g'_t) * h_t``, whose state is a
+        :class:`ScaleByRpropState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_rprop(1e-2), fb.scale(-1.0))
+    """
     eta_minus, eta_plus = etas
     step_min, step_max = step_sizes
 

@@ -26,12 +26,29 @@ def scale(step_size: Union[float, torch.Tensor]) -> GradientTransformation:
     Example::
 
         tx = fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))
+
+    Args:
+        step_size: the factor every update is multiplied by, a number or a tensor.
+
+    Returns:
+        A stateless GradientTransformation.
     """
     return stateless(lambda u, p: u * step_size, name="scale")
 
 
 def negate_if(flag: bool) -> GradientTransformation:
-    """``u = -g`` when ``flag`` (torch.optim's ``maximize=True``), else the identity."""
+    """``u = -g`` when ``flag`` (torch.optim's ``maximize=True``), else the identity.
+
+    Args:
+        flag: whether to negate the updates (to maximise the objective).
+
+    Returns:
+        ``scale(-1.0)`` when ``flag``, else ``identity()``.
+
+    Example::
+
+        tx = fb.chain(fb.negate_if(True), fb.scale_by_adam(), fb.scale_by_learning_rate(1e-3))
+    """
     return scale(-1.0) if flag else identity()
 
 
@@ -48,6 +65,17 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     schedule written with tensor ops is traced by torch.compile once and never recompiles as
     ``t`` grows. One that uses ``t`` as a Python number (``if t < 3``, ``math.cos(t)``) works
     eagerly; under torch.compile it raises a TypeError naming it.
+
+    Args:
+        schedule: a function of the step count ``t`` returning the factor, a number or a 0-dim
+            tensor.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByScheduleState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_adam(), fb.scale_by_schedule(lambda t: -1e-3 * 0.99**t))
     """
 
     eager_only = describe(schedule) if reads_count_as_number(schedule) else None
@@ -70,6 +98,16 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     Example::
 
         tx = fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(1e-3))
+
+    Args:
+        learning_rate: the step size, a number, a tensor, or a schedule (a function of the step
+            count, as in :func:`scale_by_schedule`).
+        flip_sign: with ``True`` (default) the update is ``-lr * g``, a descent step; with ``False``
+            it is ``+lr * g``.
+
+    Returns:
+        A GradientTransformation: a stateless one for a fixed ``learning_rate``, a
+        :func:`scale_by_schedule` one for a schedule.
     """
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):

@@ -17,13 +17,33 @@ from functional_bagua.transforms.leafwise import stateless
 
 
 def ratio_of_norms(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_coefficient: float = 1.0, eps: float = 0.0) -> torch.Tensor:
-    """The trust ratio from the norms (elementwise: one ratio per pair of norms)."""
+    """The trust ratio from the norms (elementwise: one ratio per pair of norms).
+
+    Args:
+        p_norm: the norms of the parameters.
+        u_norm: the norms of the updates, of ``p_norm``'s shape.
+        trust_coefficient: the factor of the ratio ``trust_coefficient * p_norm / (u_norm + eps)``.
+        eps: added to ``u_norm`` in the denominator.
+
+    Returns:
+        A tensor of ratios, 1 where either norm is 0.
+    """
     ratio = trust_coefficient * p_norm / (u_norm + eps)
     return torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
 
 
 def trust_ratio(p: torch.Tensor, u: torch.Tensor, trust_coefficient: float = 1.0, eps: float = 0.0) -> torch.Tensor:
-    """The 0-dim trust ratio of one tensor (module docstring)."""
+    """The 0-dim trust ratio of one tensor (module docstring).
+
+    Args:
+        p: the parameter tensor.
+        u: its update.
+        trust_coefficient: the factor of the ratio, as in :func:`ratio_of_norms`.
+        eps: added to ``||u||`` in the denominator.
+
+    Returns:
+        A 0-dim tensor: ``trust_coefficient * ||p|| / (||u|| + eps)``, or 1 if either norm is 0.
+    """
     return ratio_of_norms(p.norm(), u.norm(), trust_coefficient, eps)
 
 
@@ -32,6 +52,13 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
 
         lamb = chain(scale_by_adam(eps=1e-6), add_decayed_weights(0.01),
                      scale_by_trust_ratio(), scale_by_learning_rate(1e-3))
+
+    Args:
+        trust_coefficient: the factor of the ratio ``trust_coefficient * ||p|| / (||u|| + eps)``.
+        eps: added to ``||u||`` in the denominator.
+
+    Returns:
+        A stateless GradientTransformation; its ``update`` needs the parameters.
     """
 
     def per_tensor(u, p):

@@ -21,7 +21,19 @@ from functional_bagua.transforms.leafwise import stateless
 
 
 def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> GradientTransformation:
-    """``u = g + weight_decay * p``; the identity when ``weight_decay`` is the number 0."""
+    """``u = g + weight_decay * p``; the identity when ``weight_decay`` is the number 0.
+
+    Args:
+        weight_decay: the factor of the parameters added to the updates, a number or a tensor.
+
+    Returns:
+        A stateless GradientTransformation whose ``update`` needs the parameters (the identity for
+        the number 0).
+
+    Example (decoupled, as AdamW)::
+
+        tx = fb.chain(fb.scale_by_adam(), fb.add_decayed_weights(0.01), fb.scale_by_learning_rate(1e-3))
+    """
     if isinstance(weight_decay, (int, float)):
         if weight_decay == 0:
             return identity()

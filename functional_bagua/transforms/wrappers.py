@@ -52,6 +52,16 @@ def masked(inner: GradientTransformation, mask: Union[Any, Callable[[Any], Any]]
         tx = fb.chain(fb.scale_by_adam(),
                       fb.masked(fb.add_decayed_weights(0.01), lambda p: {k: v.dim() > 1 for k, v in p.items()}),
                       fb.scale_by_learning_rate(1e-3))
+
+    Args:
+        inner: the transform for the leaves where ``mask`` is True; it sees the other leaves as
+            ``None`` (no gradient, no state).
+        mask: a tree of bools with the structure of the params, or a function of the params that
+            returns one (then ``update`` needs the parameters).
+
+    Returns:
+        A GradientTransformation whose state is a :class:`MaskedState`; it cannot run inside a
+        fused update.
     """
 
     def init(params):
@@ -85,6 +95,16 @@ def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[An
         tx = fb.partition({"decay": fb.adamw(1e-3, weight_decay=0.01),
                            "no_decay": fb.adamw(1e-3, weight_decay=0.0),
                            "head": fb.adamw(1e-2, weight_decay=0.01)}, labels)
+
+    Args:
+        transforms: label -> the transform for the leaves with that label; each transform sees
+            the other leaves as ``None`` and keeps no state for them.
+        labels: a tree of labels with the structure of the params, or a function of the params
+            that returns one; a label with no entry in ``transforms`` raises a ValueError.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`PartitionState`; its ``update`` needs
+        the parameters, and it cannot run inside a fused update.
     """
 
     def label_leaves(params):
@@ -122,7 +142,15 @@ def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[An
 
 
 def set_to_zero() -> GradientTransformation:
-    """A zero update for every leaf, as ``None`` (module docstring): no work, no memory."""
+    """A zero update for every leaf, as ``None`` (module docstring): no work, no memory.
+
+    Returns:
+        A stateless GradientTransformation whose updates are all ``None``.
+
+    Example::
+
+        tx = fb.partition({"train": fb.adamw(1e-3), "frozen": fb.set_to_zero()}, labels)
+    """
 
     def init(params):
         return EmptyState()
@@ -136,7 +164,19 @@ def set_to_zero() -> GradientTransformation:
 def freeze(mask: Union[Any, Callable[[Any], Any]]) -> GradientTransformation:
     """Freeze the leaves where ``mask`` is True: their updates are ``None``, so the transforms
     chained after this one skip them (no work; their state stays as initialised). To allocate no
-    optimizer state at all for frozen leaves, use ``partition({..., "frozen": set_to_zero()}, labels)``."""
+    optimizer state at all for frozen leaves, use ``partition({..., "frozen": set_to_zero()}, labels)``.
+
+    Args:
+        mask: the leaves to freeze: a tree of bools with the structure of the params, or a
+            function of the params that returns one (as in :func:`masked`).
+
+    Returns:
+        A GradientTransformation whose state is a :class:`MaskedState`.
+
+    Example::
+
+        tx = fb.chain(fb.freeze(lambda p: {k: k.startswith("encoder.") for k in p}), fb.adamw(1e-3))
+    """
     return masked(set_to_zero(), mask)
 
 
@@ -156,6 +196,20 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     Branch-free (``torch.where``), so it traces into one graph: on a skipped step the updates are
     zeros and every state tensor keeps its old value, bit for bit. ``max_consecutive_errors`` is
     an int >= 0.
+
+    Args:
+        inner: the transform to guard (a TypeError if it is not a GradientTransformation); it
+            runs on every step, and its new state is kept only on the steps that are applied.
+        max_consecutive_errors: how many non-finite steps in a row are skipped; the next one is
+            applied anyway (and the count starts again). ``0`` applies every step.
+
+    Returns:
+        A GradientTransformation whose state is an :class:`ApplyIfFiniteState`; it refuses to run
+        on the shards of a distributed update.
+
+    Example::
+
+        tx = fb.apply_if_finite(fb.adam(1e-3), max_consecutive_errors=5)
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"apply_if_finite: inner is {type(inner).__name__}, not a GradientTransformation")
