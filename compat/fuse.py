@@ -112,7 +112,11 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, ch
 
 
 def is_fused_optimizer(optimizer) -> bool:
-    """Whether ``fuse_optimizer`` was applied to ``optimizer``."""
+    """Whether ``fuse_optimizer`` was applied to ``optimizer``.
+
+    Args:
+        optimizer: any object; ``False`` for anything but an optimizer :func:`fuse_optimizer` returned.
+    """
     return isinstance(getattr(optimizer, "_bagua_fusion", None), _Fusion)
 
 
@@ -122,6 +126,11 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = No
 
     With a closure, the closure is evaluated once before the step (its gradients are what gets
     fused); an optimizer that calls the closure again (e.g. LBFGS) re-evaluates it from then on.
+
+    Args:
+        optimizer: an optimizer returned by :func:`fuse_optimizer` (a RuntimeError otherwise).
+        closure: as for ``optimizer.step``: a function that recomputes the gradients and returns the
+            loss, or ``None``; without one, this returns what the optimizer's own ``step()`` returns.
     """
     if not is_fused_optimizer(optimizer):
         raise RuntimeError(
@@ -139,6 +148,13 @@ def fused_steps(optimizer: torch.optim.Optimizer):
         with fused_steps(optimizer):
             scaler.step(optimizer)       # unscale, skip on inf/NaN, else a fused step
         scaler.update()
+
+    Args:
+        optimizer: an optimizer returned by :func:`fuse_optimizer` (a RuntimeError otherwise); its
+            own ``step`` attribute is restored when the block exits.
+
+    Yields:
+        ``optimizer``.
     """
     if not is_fused_optimizer(optimizer):
         raise RuntimeError(f"fused_steps needs an optimizer passed through fuse_optimizer; got {type(optimizer).__name__}")

@@ -61,6 +61,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     Example::
 
         tx = chain(add_decayed_weights(1e-4), trace(momentum=0.9), scale_by_learning_rate(0.1))
+
+    Args:
+        *transforms: the transforms to compose, in the order they apply; each must be a
+            :class:`GradientTransformation` (a TypeError names the first that is not).
+
+    Returns:
+        A :class:`GradientTransformation` whose ``init`` checks ``params`` (:func:`check_params`) and
+        whose ``update`` passes ``params`` on to every inner ``update``.
     """
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
@@ -87,7 +95,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 def check_params(params: Params, who: str) -> None:
     """Raise naming the first leaf of ``params`` that is not a trainable tensor (a dense
-    floating-point or complex one; ``None`` leaves stand for no parameter)."""
+    floating-point or complex one; ``None`` leaves stand for no parameter).
+
+    Args:
+        params: a pytree of parameters; its ``None`` leaves are skipped.
+        who: the caller's name (e.g. ``"init"``), which starts the error message.
+
+    Raises:
+        TypeError: for a leaf that is not a tensor, not dense, or neither floating-point nor complex.
+    """
     leaves, spec = tree.flatten(params)
     for i, p in enumerate(leaves):
         if p is not None:
@@ -101,6 +117,14 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     dtype; the sum is formed in the wider of the two and rounded once). An update must have its
     parameter's shape and be dense and floating-point (:mod:`functional_bagua.checks`): a wrong one
     raises a ValueError/TypeError naming the parameter, never broadcasts.
+
+    Args:
+        params: a pytree of parameter tensors (not changed).
+        updates: a pytree of the structure of ``params`` (a ValueError names the keys that differ),
+            e.g. the first result of ``tx.update``; a ``None`` leaf leaves its parameter as it is.
+
+    Returns:
+        A new tree of the structure of ``params`` holding the updated parameters.
     """
     param_leaves, spec = tree.flatten(params)
     update_leaves = tree.leaves_matching(spec, updates, "updates", "params")

@@ -64,7 +64,18 @@ def _must_match(accessor) -> bool:
 
 
 def state_dict(state: Any) -> dict[str, torch.Tensor]:
-    """The tensors of ``state`` by key (``None`` leaves are left out)."""
+    """The tensors of ``state`` by key (``None`` leaves are left out).
+
+    Args:
+        state: an optimizer state, as ``tx.init`` or ``tx.update`` returns it; every leaf must be a
+            tensor or ``None`` (a TypeError names another).
+
+    Returns:
+        A new dict whose values are the state's tensors themselves (not copies).
+
+    Raises:
+        ValueError: when two tensors of the state would get the same key (module docstring).
+    """
     keys, _, leaves, _ = _keyed_leaves(state)
     out = {}
     for key, leaf in zip(keys, leaves):

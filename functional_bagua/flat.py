@@ -35,7 +35,12 @@ class Segment(NamedTuple):
         return math.prod(self.shape)
 
     def of(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This tensor's view into ``buffer`` (the group's flat buffer, or one like it)."""
+        """This tensor's view into ``buffer`` (the group's flat buffer, or one like it).
+
+        Args:
+            buffer: a 1-D tensor laid out as this segment's group (e.g. a flat parameter, gradient
+                or state buffer).
+        """
         return buffer[self.offset : self.offset + self.numel].view(self.shape)
 
 
@@ -50,6 +55,12 @@ class FlatGroup(NamedTuple):
 
 
 def group_key(dtype: torch.dtype, device: torch.device) -> str:
+    """The key of the flat buffer that holds the tensors of ``dtype`` on ``device``, e.g. ``"float32@cpu"``.
+
+    Args:
+        dtype: the tensors' dtype (written without its ``torch.`` prefix).
+        device: the tensors' device (written as ``str(device)``, e.g. ``cpu`` or ``cuda:0``).
+    """
     return f"{str(dtype).removeprefix('torch.')}@{device}"
 
 
@@ -59,6 +70,13 @@ class FlatLayout:
     ``groups`` maps each key to its :class:`FlatGroup`; within a group the segments follow the
     tree's leaf order, back to back. The layout depends only on names, shapes, dtypes and devices,
     so the same model always gets the same layout (checkpoints do not depend on accidents).
+
+    Args:
+        spec: the tree structure (an ``optree`` treespec) of the parameter tree.
+        names: a readable name per leaf, in leaf order (the segments' names).
+        metas: ``(shape, dtype, device)`` per leaf, in leaf order.
+        dict_keys: the tree's keys in leaf order when the tree is a flat dict (then :meth:`unflatten`
+            builds the dict directly), else ``None``. :meth:`of` computes all four from a tree.
     """
 
     def __init__(self, spec: optree.PyTreeSpec, names: list, metas: list, dict_keys: Optional[list] = None):
@@ -80,7 +98,15 @@ class FlatLayout:
 
     @classmethod
     def of(cls, params: Any) -> "FlatLayout":
-        """The layout of a tree of tensors (no ``None`` leaves)."""
+        """The layout of a tree of tensors (no ``None`` leaves).
+
+        Args:
+            params: a pytree of dense tensors, such as :func:`~functional_bagua.params_of` gives; a
+                leaf that is not a tensor or not dense raises a TypeError naming it.
+
+        Returns:
+            A :class:`FlatLayout` with one group per (dtype, device), in the tree's leaf order.
+        """
         leaves, spec = tree.flatten(params)
         names = tree.leaf_names(spec)
         for name, leaf in zip(names, leaves):
@@ -98,11 +124,23 @@ class FlatLayout:
         return list(self.groups)
 
     def segments(self, key: str) -> tuple:
+        """The :class:`Segment` of each tensor in the buffer ``key``, in leaf order.
+
+        Args:
+            key: a group key of this layout (one of :attr:`keys`, e.g. ``"float32@cpu"``); any other
+                raises a KeyError.
+        """
         return self.groups[key].segments
 
     def flatten(self, params: Any) -> dict:
         """``{key: buffer}``: the leaves of ``params`` (a tree of this layout) copied into new flat
-        buffers, one ``torch.cat`` per group. Do it once; then keep working on the buffers."""
+        buffers, one ``torch.cat`` per group. Do it once; then keep working on the buffers.
+
+        Args:
+            params: a tree of the layout's structure whose leaves are tensors of the shapes, dtypes
+                and devices the layout was made for (otherwise a ValueError or TypeError names the
+                leaf); it is not changed.
+        """
         leaves = tree.leaves_matching(self.spec, params, "tree", "the layout's params")
         members: dict[str, list] = {key: [] for key in self.groups}
         for leaf, (key, i) in zip(leaves, self._slots):
@@ -127,7 +165,12 @@ class FlatLayout:
         """The tree of this layout whose leaves are views into ``buffers`` (no copy).
 
         The views come from one ``torch.split`` per group, which autograd differentiates with a
-        single concatenation (per-slice views would each cost a full-size zero buffer)."""
+        single concatenation (per-slice views would each cost a full-size zero buffer).
+
+        Args:
+            buffers: flat buffers of this layout, ``{key: 1-D tensor}`` (checked with :meth:`check`),
+                e.g. from :meth:`flatten` or a fused update.
+        """
         self.check(buffers)
         pieces = {
             key: torch.split(buffers[key], [s.numel for s in group.segments])
@@ -145,7 +188,15 @@ class FlatLayout:
         return {key: torch.zeros(g.numel, dtype=g.dtype, device=g.device) for key, g in self.groups.items()}
 
     def check(self, buffers: Any) -> None:
-        """Raise naming what is wrong if ``buffers`` are not flat buffers of this layout."""
+        """Raise naming what is wrong if ``buffers`` are not flat buffers of this layout.
+
+        Args:
+            buffers: what should be a dict with exactly the layout's keys, each value a 1-D tensor
+                of its group's number of elements and dtype (the device is not checked).
+
+        Raises:
+            ValueError: for other keys, a value that is not a tensor, or a wrong shape or dtype.
+        """
         if not isinstance(buffers, dict) or set(buffers) != set(self.groups):
             got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
             raise ValueError(
@@ -187,7 +238,14 @@ class FlatModule(NamedTuple):
 
     def check(self, module: torch.nn.Module) -> None:
         """Raise if a parameter or gradient of ``module`` does not view its flat buffer
-        (a replaced ``p.data``; ``.grad`` is ``None`` between ``zero_grad()`` and ``backward()``)."""
+        (a replaced ``p.data``; ``.grad`` is ``None`` between ``zero_grad()`` and ``backward()``).
+
+        Args:
+            module: the module this :class:`FlatModule` was made from by :func:`flatten_module`.
+
+        Raises:
+            RuntimeError: naming the first parameter or gradient that is not a view of its buffer.
+        """
         named = dict(module.named_parameters())
         for key, group in self.layout.groups.items():
             for seg in group.segments:
@@ -278,6 +336,14 @@ def flatten_module(module: torch.nn.Module) -> FlatModule:
         flat = fb.flatten_module(model)
         loss_fn(model(x), y).backward()
         flat.grads["float32@cpu"]           # every gradient, in one buffer
+
+    Args:
+        module: the module to flatten in place; its trainable parameters (``requires_grad=True``)
+            move into the buffers, frozen ones stay as they are.
+
+    Returns:
+        A :class:`FlatModule` holding the layout, the parameter and gradient buffers, and the
+        gradient hooks (:meth:`FlatModule.remove_hooks` removes them).
     """
     named = {name: p for name, p in module.named_parameters() if p.requires_grad}
     layout = FlatLayout.of({name: p.detach() for name, p in named.items()})

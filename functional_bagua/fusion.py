@@ -40,14 +40,23 @@ def active_layout() -> Optional[FlatLayout]:
 
 
 def segments_of(key: str) -> Optional[tuple]:
-    """The segments of the flat buffer ``key`` in the fused update running now (else ``None``)."""
+    """The segments of the flat buffer ``key`` in the fused update running now (else ``None``).
+
+    Args:
+        key: the group key of a flat buffer (``"float32@cpu"``).
+    """
     layout = active_layout()
     return None if layout is None else layout.segments(key)
 
 
 def tensor_shapes(params) -> list:
     """``(name, shape)`` of each parameter tensor of ``params``, also when ``params`` are the flat
-    buffers of the fused update running now (then the names and shapes are the layout's)."""
+    buffers of the fused update running now (then the names and shapes are the layout's).
+
+    Args:
+        params: a pytree of parameter tensors (``None`` leaves are left out) or, inside a fused
+            update, its flat buffers ``{key: 1-D tensor}``.
+    """
     leaves, spec = tree.flatten(params)
     names = tree.leaf_names(spec)
     if active_layout() is None:
@@ -56,7 +65,15 @@ def tensor_shapes(params) -> list:
 
 
 def refuse_inside_fuse(name: str, why: str) -> None:
-    """Raise if called while a fused update runs: for transforms that cannot be fused faithfully."""
+    """Raise if called while a fused update runs: for transforms that cannot be fused faithfully.
+
+    Args:
+        name: the transform's name, which starts the message.
+        why: why it cannot run on flat buffers, put in the message.
+
+    Raises:
+        NotImplementedError: inside :func:`fuse` or ``distributed.shard``.
+    """
     if active_layout() is not None:
         raise NotImplementedError(
             f"{name} cannot run inside fuse() or shard(): {why}. Fuse the transforms of each group "
@@ -66,7 +83,15 @@ def refuse_inside_fuse(name: str, why: str) -> None:
 
 def refuse_on_shards(name: str, why: str) -> None:
     """Raise if called on one rank's shard of the flat buffers (inside ``distributed.shard``): for
-    transforms that reduce across all tensors, which a shard holds only a part of."""
+    transforms that reduce across all tensors, which a shard holds only a part of.
+
+    Args:
+        name: the transform's name, which starts the message.
+        why: why it cannot run on a shard, put in the message.
+
+    Raises:
+        NotImplementedError: inside ``distributed.shard`` (the active layout has ``is_shard``).
+    """
     if getattr(active_layout(), "is_shard", False):
         raise NotImplementedError(
             f"{name} cannot run inside shard(): {why}. Put it before shard() (on the whole gradients) "
@@ -76,7 +101,17 @@ def refuse_on_shards(name: str, why: str) -> None:
 
 def run_on_flat_buffers(layout, fn, *args):
     """``fn(*args)`` with ``layout`` as the active layout: per-tensor rules inside ``fn`` ask it for
-    the segments of each buffer (``layout.segments(key)``)."""
+    the segments of each buffer (``layout.segments(key)``).
+
+    Args:
+        layout: the layout made active while ``fn`` runs: a :class:`~functional_bagua.FlatLayout`, or
+            any object with a ``segments(key)`` method (``distributed.shard`` passes one that raises).
+        fn: the function to call, e.g. a transform's ``init`` or ``update``.
+        *args: the arguments passed to ``fn``.
+
+    Returns:
+        What ``fn`` returns; ``layout`` stops being active even if ``fn`` raises.
+    """
     _ACTIVE.append(layout)
     try:
         return fn(*args)
@@ -86,7 +121,23 @@ def run_on_flat_buffers(layout, fn, *args):
 
 def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformation:
     """``tx`` over the flat buffers of ``layout`` (module docstring). ``init`` and ``update`` take
-    flat buffers (``{key: 1-D tensor}``) and check them against the layout."""
+    flat buffers (``{key: 1-D tensor}``) and check them against the layout.
+
+    Args:
+        tx: the transform to run over the flat buffers (a TypeError if not a ``GradientTransformation``).
+        layout: the :class:`~functional_bagua.FlatLayout` of the parameter tree, from
+            ``FlatLayout.of(params)`` (a TypeError for anything else).
+
+    Returns:
+        A :class:`~functional_bagua.GradientTransformation` whose state is ``tx``'s state over the flat
+        buffers; its ``update`` takes ``params`` as flat buffers too, or ``None``.
+
+    Example::
+
+        layout = fb.FlatLayout.of(params)
+        fused = fb.fuse(fb.adamw(1e-3), layout)
+        state = fused.init(layout.flatten(params))
+    """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fuse: tx is {type(tx).__name__}, not a GradientTransformation")
     if not isinstance(layout, FlatLayout):
@@ -121,6 +172,18 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
       ``adam`` and ``adamw`` built with number hyperparameters: the numbers of
       ``torch.optim.*(fused=True)``. The fastest on CPU (benchmarks/RESULTS.md).
     - ``"auto"``: ``"torch"`` where it exists, else ``"compiled"``.
+
+    Args:
+        tx: the transform to step, as for :func:`fuse`.
+        layout: the :class:`~functional_bagua.FlatLayout` of the parameter tree, as for :func:`fuse`.
+        kernel: one of ``"auto"``, ``"torch"``, ``"compiled"``, ``"eager"`` (above); any other raises a
+            ValueError, and so does ``"torch"`` for a ``tx`` that torch has no fused kernel for.
+
+    Example::
+
+        step_ = fb.fuse_inplace(tx, layout)
+        state = fb.fuse(tx, layout).init(flat_params)
+        step_(flat_grads, state, flat_params)       # flat_params and state now hold the new values
     """
     if kernel not in KERNELS:
         raise ValueError(f"fuse_inplace: kernel must be one of {KERNELS}, got {kernel!r}")

@@ -49,7 +49,12 @@ def checkable(value):
     """The number to validate hyperparameter ``value`` against now: a Python number as it is, a
     one-element tensor's value (a hyperparameter given as a tensor is checked as torch checks
     it), and ``None`` for a schedule and for the tensors that were validated already
-    (:func:`hyperparams_are_checked`)."""
+    (:func:`hyperparams_are_checked`).
+
+    Args:
+        value: a hyperparameter as a factory receives it: a number, a tensor or a schedule. A bool,
+            a tensor of more than one element and any other value also give ``None``.
+    """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not hyperparams_are_checked():
@@ -114,6 +119,22 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
 
     The values are validated once, when the wrapper is called, by building ``factory`` with them
     as Python numbers (schedules at step 0): invalid ones raise the factory's ValueError then.
+
+    Args:
+        factory: a function that builds a :class:`~functional_bagua.GradientTransformation` from
+            hyperparameters, such as :func:`~functional_bagua.adamw`.
+        static_args: names of arguments passed to ``factory`` as they are given, never held as
+            tensors nor called as schedules (say, an inner transform).
+
+    Returns:
+        A function with ``factory``'s signature that builds the wrapped transform, whose state is an
+        :class:`InjectHyperparamsState`.
+
+    Example::
+
+        tx = fb.inject_hyperparams(fb.sgd)(lr=0.1, momentum=0.9)
+        state = tx.init(params)
+        state.hyperparams["lr"].fill_(0.01)           # the next update uses lr=0.01
     """
     signature = inspect.signature(factory)
 
@@ -192,6 +213,16 @@ def accepts_schedules(alias: Callable[..., GradientTransformation] = None, *, st
 
         @accepts_schedules(static_args=("inner",))
         def lookahead(inner, sync_period=5, alpha=0.5): ...
+
+    Args:
+        alias: the factory to wrap; ``None`` when used as ``@accepts_schedules(static_args=...)``,
+            which returns the decorator.
+        static_args: names of arguments never taken for schedules, nor made tensors by
+            :func:`inject_hyperparams`.
+
+    Returns:
+        The wrapped factory (with ``alias``'s name and docstring), or, without ``alias``, a decorator
+        that makes one.
     """
     if alias is None:
         return functools.partial(accepts_schedules, static_args=static_args)

@@ -22,6 +22,14 @@ def params_of(module: torch.nn.Module, *, detach: bool = True) -> dict[str, torc
     Frozen parameters (``requires_grad=False``) are left out; they stay inside the module and
     ``torch.func.functional_call`` takes them from there. With ``detach=True`` (default) the
     tensors are detached aliases of the parameters (no copy), ready for ``torch.func``.
+
+    Args:
+        module: the module whose parameters to take (with the names ``named_parameters`` gives).
+        detach: with ``True`` each value is ``p.detach()``; with ``False`` it is the
+            ``Parameter`` object itself.
+
+    Returns:
+        A new dict; changing a tensor in place changes the module's parameter (they share storage).
     """
     return {
         name: (p.detach() if detach else p)
@@ -31,7 +39,11 @@ def params_of(module: torch.nn.Module, *, detach: bool = True) -> dict[str, torc
 
 
 def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers of ``module`` (e.g. BatchNorm running statistics) as ``{name: tensor}``."""
+    """The buffers of ``module`` (e.g. BatchNorm running statistics) as ``{name: tensor}``.
+
+    Args:
+        module: the module whose buffers to take (the buffer tensors themselves, not copies).
+    """
     return dict(module.named_buffers())
 
 
@@ -40,6 +52,16 @@ def load_params(module: torch.nn.Module, params: dict[str, torch.Tensor]) -> Non
 
     Every key must name a parameter of the module, with the same shape; a mismatch raises a
     ValueError naming it. Parameters of the module that ``params`` leaves out are not touched.
+
+    Args:
+        module: the module whose parameters are overwritten (under ``torch.no_grad``, so the
+            ``Parameter`` objects keep their identity).
+        params: ``{qualified_name: tensor}``, e.g. the result of ``apply_updates`` on
+            :func:`params_of`; a value that is the parameter itself is not copied.
+
+    Raises:
+        ValueError: for a key that names no parameter of ``module``, or a shape that differs;
+            nothing is copied then.
     """
     own = dict(module.named_parameters())
     unknown = [k for k in params if k not in own]

@@ -33,7 +33,11 @@ DTYPE = torch.float64
 
 
 def step_count(count: torch.Tensor) -> torch.Tensor:
-    """An optimizer's integer step counter as the float64 tensor its schedules receive."""
+    """An optimizer's integer step counter as the float64 tensor its schedules receive.
+
+    Args:
+        count: the step counter, an integer tensor (0-dim in the optimizers' states).
+    """
     return count.to(DTYPE)
 
 
@@ -56,7 +60,14 @@ def reads_count_as_number(schedule: Callable) -> bool:
     ``math.cos(t)``, ``t.item()``), as a function written for torch's ``LambdaLR`` does. That
     works eagerly, but torch.compile cannot trace it: the count arrives as a 0-dim tensor, and
     a traceable schedule computes with tensor ops (``torch.where``, ``torch.cos``). Found by
-    calling ``schedule`` once on a count that refuses to become a number."""
+    calling ``schedule`` once on a count that refuses to become a number.
+
+    Args:
+        schedule: a function of the step count, called once with a 0-dim float64 tensor holding 0.
+
+    Returns:
+        ``True`` also when that call raises any other exception (it would fail compiled as well).
+    """
     count = torch.zeros((), dtype=DTYPE).as_subclass(_CountProbe)
     try:
         schedule(count)
@@ -68,13 +79,25 @@ def reads_count_as_number(schedule: Callable) -> bool:
 
 
 def describe(schedule: Callable) -> str:
-    """A schedule's name for messages (computed eagerly: a traced step cannot read it)."""
+    """A schedule's name for messages (computed eagerly: a traced step cannot read it).
+
+    Args:
+        schedule: any callable; its ``__qualname__`` is the name, else its ``repr``.
+    """
     return getattr(schedule, "__qualname__", None) or repr(schedule)
 
 
 def refuse_untraceable(name: str, where: str) -> None:
     """Raise a TypeError naming the schedule ``name`` (used for ``where``): called while
-    torch.compile traces a step, for a schedule that :func:`reads_count_as_number`."""
+    torch.compile traces a step, for a schedule that :func:`reads_count_as_number`.
+
+    Args:
+        name: the schedule's name, as :func:`describe` gives it.
+        where: what the schedule is used for, e.g. ``"the hyperparameter 'lr'"``.
+
+    Raises:
+        TypeError: always, saying how to write the schedule with tensor ops.
+    """
     raise TypeError(
         f"the schedule {name!r} for {where} uses the step count as a Python "
         "number (if/float()/math.*/item()), which torch.compile cannot trace: the count arrives as a 0-dim "
@@ -94,13 +117,40 @@ def _fraction(t: torch.Tensor, begin: float, steps: float) -> torch.Tensor:
 
 
 def constant(value: float) -> Schedule:
-    """``f(t) = value``."""
+    """``f(t) = value``.
+
+    Args:
+        value: the value at every step.
+
+    Returns:
+        The schedule ``f``.
+
+    Example::
+
+        f = fb.schedules.constant(0.1)
+        f(0), f(1000)                       # tensor(0.1000, dtype=torch.float64) both times
+    """
     return lambda count: torch.full_like(_step(count), value)
 
 
 def linear(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
     """``f(t) = init + (end - init) * clip((t - begin) / steps, 0, 1)``; ``init`` throughout when
-    ``steps <= 0`` (no transition), as optax and torch's LinearLR(total_iters=0) hold it."""
+    ``steps <= 0`` (no transition), as optax and torch's LinearLR(total_iters=0) hold it.
+
+    Args:
+        init_value: ``init``, the value up to step ``transition_begin``.
+        end_value: ``end``, the value from step ``transition_begin + transition_steps`` on.
+        transition_steps: ``steps``, the number of steps the transition takes.
+        transition_begin: ``begin``, the step at which the transition starts.
+
+    Returns:
+        The schedule ``f``.
+
+    Example::
+
+        f = fb.schedules.linear(1.0, 0.1, transition_steps=10)
+        f(0), f(5), f(20)                   # 1.0, 0.55, 0.1 (0-dim float64 tensors)
+    """
     return polynomial(init_value, end_value, 1.0, transition_steps, transition_begin)
 
 
@@ -112,6 +162,21 @@ def polynomial(
     Matches ``torch.optim.lr_scheduler.PolynomialLR(total_iters=steps, power)`` with
     ``end_value=0`` (and LinearLR for ``power=1``). With ``steps <= 0`` there is no transition
     and ``f(t) = init`` (optax's rule).
+
+    Args:
+        init_value: ``init``, the value up to step ``transition_begin``.
+        end_value: ``end``, the value from step ``transition_begin + transition_steps`` on.
+        power: the exponent of the decay (1 is :func:`linear`).
+        transition_steps: ``steps``, the number of steps the transition takes.
+        transition_begin: ``begin``, the step at which the transition starts.
+
+    Returns:
+        The schedule ``f``.
+
+    Example::
+
+        f = fb.schedules.polynomial(1.0, 0.0, power=2.0, transition_steps=10)
+        f(0), f(5), f(20)                   # 1.0, 0.25, 0.0
     """
     if transition_steps <= 0:
         return constant(init_value)
@@ -127,7 +192,23 @@ def polynomial(
 
 def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0) -> Schedule:
     """``f(t) = init * ((1 - alpha) * c(t) ** exponent + alpha)`` with
-    ``c(t) = (1 + cos(pi * min(t, decay_steps) / decay_steps)) / 2``."""
+    ``c(t) = (1 + cos(pi * min(t, decay_steps) / decay_steps)) / 2``.
+
+    Args:
+        init_value: ``init``, the value at step 0.
+        decay_steps: the step at which the decay ends (the value is held after); must be positive
+            (a ValueError otherwise).
+        alpha: the final value as a fraction of ``init_value`` (``eta_min / lr`` in torch's terms).
+        exponent: the power the cosine factor ``c(t)`` is raised to.
+
+    Returns:
+        The schedule ``f``.
+
+    Example::
+
+        f = fb.schedules.cosine_decay(0.1, decay_steps=100)
+        f(0), f(50), f(100)                 # 0.1, 0.05, 0.0
+    """
     if decay_steps <= 0:
         raise ValueError(f"cosine_decay: decay_steps must be positive, got {decay_steps}")
 
@@ -148,7 +229,25 @@ def exponential_decay(
     end_value: Optional[float] = None,
 ) -> Schedule:
     """``f(t) = init * decay_rate ** (max(t - begin, 0) / transition_steps)`` (the exponent floored
-    with ``staircase``), bounded by ``end_value`` when given."""
+    with ``staircase``), bounded by ``end_value`` when given.
+
+    Args:
+        init_value: ``init``, the value up to step ``transition_begin``.
+        transition_steps: the number of steps over which the value is multiplied by ``decay_rate``
+            once; must be positive (a ValueError otherwise).
+        decay_rate: the factor per ``transition_steps`` steps.
+        transition_begin: ``begin``, the step at which the decay starts.
+        staircase: floor the exponent, so that the value changes every ``transition_steps`` steps.
+        end_value: a lower bound when ``decay_rate < 1``, else an upper bound; ``None`` for none.
+
+    Returns:
+        The schedule ``f``.
+
+    Example::
+
+        f = fb.schedules.exponential_decay(0.1, 30, 0.1, staircase=True)   # StepLR(step_size=30, gamma=0.1)
+        f(29), f(30), f(60)                 # 0.1, 0.01, 0.001
+    """
     if transition_steps <= 0:
         raise ValueError(f"exponential_decay: transition_steps must be positive, got {transition_steps}")
 
@@ -166,7 +265,21 @@ def exponential_decay(
 
 def piecewise_constant(init_value: float, boundaries_and_scales: Mapping[int, float]) -> Schedule:
     """``f(t) = init * prod(scale_b for each boundary b <= t)``: the value is multiplied by
-    ``scale_b`` from step ``b`` on."""
+    ``scale_b`` from step ``b`` on.
+
+    Args:
+        init_value: ``init``, the value before the first boundary.
+        boundaries_and_scales: ``{b: scale_b}``, each step ``b`` from which the value is multiplied
+            by ``scale_b``.
+
+    Returns:
+        The schedule ``f``.
+
+    Example::
+
+        f = fb.schedules.piecewise_constant(0.1, {30: 0.1, 80: 0.1})    # MultiStepLR([30, 80], 0.1)
+        f(29), f(30), f(80)                 # 0.1, 0.01, 0.001
+    """
     items = sorted(boundaries_and_scales.items())
 
     def schedule(count):
@@ -181,7 +294,21 @@ def piecewise_constant(init_value: float, boundaries_and_scales: Mapping[int, fl
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     """Schedule ``i`` runs from ``boundaries[i-1]`` on, with its own count restarted at zero:
-    ``f(t) = schedules[i](t - boundaries[i-1])``."""
+    ``f(t) = schedules[i](t - boundaries[i-1])``.
+
+    Args:
+        schedules: the schedules in the order they run; one more than ``boundaries`` (a ValueError
+            otherwise).
+        boundaries: the steps at which the next schedule takes over; they must not decrease.
+
+    Returns:
+        The schedule ``f``.
+
+    Example::
+
+        f = fb.schedules.join_schedules([fb.schedules.constant(0.1), fb.schedules.linear(0.1, 0.0, 100)], [10])
+        f(9), f(10), f(60), f(110)          # 0.1, 0.1, 0.05, 0.0
+    """
     if len(schedules) != len(boundaries) + 1:
         raise ValueError(
             f"join_schedules: {len(schedules)} schedules need {len(schedules) - 1} boundaries, got {len(boundaries)}"
@@ -204,7 +331,24 @@ def warmup_cosine_decay(
 ) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine
     decay to ``end_value`` at step ``decay_steps`` (counted from 0, warmup included), held after.
-    ``decay_steps`` must exceed ``warmup_steps`` (a ValueError otherwise, as in optax)."""
+    ``decay_steps`` must exceed ``warmup_steps`` (a ValueError otherwise, as in optax).
+
+    Args:
+        init_value: the value at step 0.
+        peak_value: the value at the end of the warmup.
+        warmup_steps: the number of warmup steps (``>= 0``; 0 starts at ``peak_value``).
+        decay_steps: the step at which the decay ends, counted from step 0.
+        end_value: the value from step ``decay_steps`` on.
+        exponent: the power of the cosine factor, as in :func:`cosine_decay`.
+
+    Returns:
+        The schedule.
+
+    Example::
+
+        f = fb.schedules.warmup_cosine_decay(0.0, 1e-3, warmup_steps=100, decay_steps=1000)
+        f(0), f(100), f(1000)               # 0.0, 0.001, 0.0
+    """
     if warmup_steps < 0:
         raise ValueError(f"warmup_cosine_decay: warmup_steps must be >= 0, got {warmup_steps}")
     if decay_steps <= warmup_steps:
@@ -241,6 +385,23 @@ def one_cycle(
     stepped past ``total_steps``, which a compiled step cannot do). A phase of zero steps
     (``pct_start * T == 1``; with ``three_phase`` also ``3 * pct_start * T == T + 1``), where
     torch divides by zero, raises a ValueError here.
+
+    Args:
+        transition_steps: ``T``, the number of steps of the cycle (``total_steps``); must be positive.
+        peak_value: the highest value (``max_lr``).
+        pct_start: the fraction of ``T`` spent going up, between 0 and 1.
+        div_factor: the initial value is ``peak_value / div_factor``.
+        final_div_factor: the final value is the initial one divided by ``final_div_factor``.
+        anneal_strategy: ``"cos"`` or ``"linear"`` (a ValueError for anything else).
+        three_phase: go back down to the initial value before annealing to the final one.
+
+    Returns:
+        The schedule.
+
+    Example::
+
+        f = fb.schedules.one_cycle(1000, 0.1)     # OneCycleLR(max_lr=0.1, total_steps=1000)
+        f(0), f(299), f(999)                # 0.004, 0.1, 4e-07
     """
     if anneal_strategy not in ("cos", "linear"):
         raise ValueError(f"anneal_strategy must be one of 'cos' or 'linear', instead got {anneal_strategy}")

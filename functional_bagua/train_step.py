@@ -53,6 +53,16 @@ def make_train_step(
         state = fb.adamw(1e-3).init(params)
         for batch in loader:
             params, state, loss = step(params, state, batch)
+
+    Args:
+        model: the module whose forward the step runs (``torch.func.functional_call`` with ``params``
+            and its buffers); its buffers are read before each step and written back after it.
+        loss_fn: ``loss_fn(outputs, targets)``, the loss as a 0-dim tensor; it gets the model's
+            output and the batch's targets.
+        tx: the optimizer whose ``update`` the step applies (fused over ``layout`` when one is given).
+        compile: ``True``, ``False`` or a dict of ``torch.compile`` keyword arguments (above).
+        layout: a :class:`~functional_bagua.FlatLayout`: ``params`` are then its flat buffers and ``tx``
+            runs as ``fuse(tx, layout)``; ``None`` (default) for a parameter tree.
     """
     update = (fuse(tx, layout) if layout is not None else tx).update
     to_tree = layout.unflatten if layout is not None else (lambda params: params)
@@ -88,14 +98,25 @@ def make_train_step(
 
 def model_arguments(inputs) -> tuple:
     """``(args, kwargs)`` for the model: a tuple is positional arguments, a dict keyword arguments,
-    anything else the single argument."""
+    anything else the single argument.
+
+    Args:
+        inputs: the first item of a batch: a tuple, a dict, or a single value (e.g. a tensor).
+    """
     if isinstance(inputs, dict):
         return (), inputs
     return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
 
 
 def check_batch(batch) -> None:
-    """Raise naming the fix unless ``batch`` is a pair ``(inputs, targets)``."""
+    """Raise naming the fix unless ``batch`` is a pair ``(inputs, targets)``.
+
+    Args:
+        batch: what the step was given as its batch: a tuple or list of two items passes.
+
+    Raises:
+        TypeError: for a dict, for anything that is not a tuple or list, or for one of another length.
+    """
     if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or len(batch) != 2:
         got = f"a dict with keys {sorted(batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
         if isinstance(batch, (tuple, list)):

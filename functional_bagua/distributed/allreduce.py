@@ -41,6 +41,24 @@ def allreduce_gradients(
     tensors ``init`` checked. A ``None`` gradient (a parameter this rank did not use) is sent as
     zeros, as DDP does with unused parameters, so that every rank sends the same buckets;
     ``update`` then needs ``params`` for its shape.
+
+    Args:
+        bucket_cap_mb: the bucket size in MiB (a bucket closes once it reaches it, as in DDP); must
+            be positive.
+        average: ``True`` for the mean over the ranks, ``False`` for the sum.
+        compression: one of :data:`~functional_bagua.distributed.COMPRESSIONS`: ``None``, ``"fp16"``,
+            ``"bf16"`` or ``"minmax_uint8"``; with one, complex gradients are refused.
+        group: the process group; ``None`` for the default group (looked up at each ``init`` and
+            ``update``).
+
+    Returns:
+        A :class:`~functional_bagua.GradientTransformation` whose state is an ``EmptyState``.
+
+    Example::
+
+        tx = fb.chain(fbd.allreduce_gradients(compression="bf16"), fb.adamw(1e-3))
+        params = fbd.broadcast_params(fb.params_of(model))
+        state = tx.init(params)
     """
     if bucket_cap_mb <= 0:
         raise ValueError(f"{NAME}: bucket_cap_mb must be positive, got {bucket_cap_mb}")

@@ -47,7 +47,22 @@ class AveragingState(NamedTuple):
 def periodic_average(period: int, warmup_steps: int = 0, group=None) -> GradientTransformation:
     """Average the parameters over the ranks on the steps PeriodicModelAverager averages (module
     docstring). Needs ``params``; parameters whose update is ``None`` are not averaged (torch
-    leaves out parameters without ``.grad``)."""
+    leaves out parameters without ``.grad``).
+
+    Args:
+        period: an int ``>= 1``: average on every ``period``-th step once the warmup is over.
+        warmup_steps: an int ``>= 0``: the steps before the first average, which is on step
+            ``warmup_steps`` (steps count from 0).
+        group: the process group; ``None`` for the default group.
+
+    Returns:
+        A :class:`~functional_bagua.GradientTransformation` whose state is an :class:`AveragingState`.
+
+    Example::
+
+        tx = fb.chain(fb.sgd(0.1), fbd.periodic_average(period=4))
+        state = tx.init(params)
+    """
     if not isinstance(period, int) or period < 1:
         raise ValueError(f"periodic_average: period must be an int >= 1, got {period!r}")
     if not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -64,7 +79,23 @@ def periodic_average(period: int, warmup_steps: int = 0, group=None) -> Gradient
 
 
 def decentralized(peer_selection_mode: str = "all", communication_interval: int = 1, group=None) -> GradientTransformation:
-    """Average the weights with peers before adding the local update (module docstring); needs ``params``."""
+    """Average the weights with peers before adding the local update (module docstring); needs ``params``.
+
+    Args:
+        peer_selection_mode: ``"all"`` (the mean over all ranks) or ``"shift_one"`` (the mean with one
+            peer per round, which needs an even world size: ``init`` raises a ValueError otherwise).
+        communication_interval: an int ``>= 1``: average on every ``communication_interval``-th step,
+            starting with step 0.
+        group: the process group; ``None`` for the default group.
+
+    Returns:
+        A :class:`~functional_bagua.GradientTransformation` whose state is an :class:`AveragingState`.
+
+    Example::
+
+        tx = fb.chain(fb.sgd(0.1), fbd.decentralized("shift_one", communication_interval=2))
+        state = tx.init(params)
+    """
     if peer_selection_mode not in PEER_SELECTION_MODES:
         raise ValueError(f"decentralized: peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {peer_selection_mode!r}")
     if not isinstance(communication_interval, int) or communication_interval < 1:
@@ -128,14 +159,25 @@ def _averaging(name: str, settings: dict, due: Callable, average: Callable, grou
 
 def mean_over_ranks(tensors: list, g: Group) -> list:
     """``mean_r tensors[r]``, computed as torch's model averaging does: one flat buffer per dtype,
-    divided by the world size, then all-reduced (sum)."""
+    divided by the world size, then all-reduced (sum).
+
+    Args:
+        tensors: this rank's tensors (a list).
+        g: the resolved process group (:func:`~functional_bagua.distributed.process_group.resolve`).
+    """
     layout = FlatLayout.of(tensors)
     sums = {key: funcol.all_reduce(b / g.world_size, "sum", g.group) for key, b in layout.flatten(tensors).items()}
     return layout.unflatten(sums)
 
 
 def peer_of(rank, world_size: int, s):
-    """Bagua's shift_one peer of ``rank`` at communication round ``s`` (an int or a tensor)."""
+    """Bagua's shift_one peer of ``rank`` at communication round ``s`` (an int or a tensor).
+
+    Args:
+        rank: a rank within the group (an int).
+        world_size: the number of ranks in the group, even.
+        s: the communication round.
+    """
     h = world_size // 2
     return h + (s + rank) % h if rank < h else (rank - h - s) % h
 
@@ -143,7 +185,13 @@ def peer_of(rank, world_size: int, s):
 def mean_with_peer(tensors: list, g: Group, s) -> list:
     """``(x[rank] + x[peer]) / 2`` for each tensor, the peer chosen by :func:`peer_of`. Eagerly one
     all-to-all that sends the buffers to the peer only; under torch.compile (where the peer is a
-    tensor) an all-gather from which the peer's buffers are taken."""
+    tensor) an all-gather from which the peer's buffers are taken.
+
+    Args:
+        tensors: this rank's tensors (a list).
+        g: the resolved process group, of an even world size.
+        s: the communication round: an int eagerly, a tensor under torch.compile.
+    """
     layout = FlatLayout.of(tensors)
     mine = layout.flatten(tensors)
     theirs = {}

@@ -18,7 +18,12 @@ MIB = 2**20
 
 
 def assign_buckets(leaves: list, cap_bytes: int) -> list[list[int]]:
-    """The indices of ``leaves`` (tensors) in each bucket, in DDP's order (module docstring)."""
+    """The indices of ``leaves`` (tensors) in each bucket, in DDP's order (module docstring).
+
+    Args:
+        leaves: the tensors, in parameter order.
+        cap_bytes: the bucket size in bytes; must be positive (a ValueError otherwise).
+    """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
     closed, open_buckets = [], {}  # open: (dtype, device) -> [indices, bytes]
@@ -34,11 +39,25 @@ def assign_buckets(leaves: list, cap_bytes: int) -> list[list[int]]:
 
 
 def pack(leaves: list, bucket: list[int]) -> torch.Tensor:
-    """The leaves of ``bucket`` copied into one flat buffer."""
+    """The leaves of ``bucket`` copied into one flat buffer.
+
+    Args:
+        leaves: the tensors, in parameter order.
+        bucket: the indices into ``leaves`` of the bucket's tensors, in the order they are packed.
+    """
     return torch.cat([leaves[i].reshape(-1) for i in bucket])
 
 
 def unpack(flat: torch.Tensor, leaves: list, bucket: list[int]) -> list:
-    """``flat`` cut back into tensors shaped like the leaves of ``bucket`` (views, no copy)."""
+    """``flat`` cut back into tensors shaped like the leaves of ``bucket`` (views, no copy).
+
+    Args:
+        flat: a 1-D buffer laid out as :func:`pack` makes it for ``bucket``.
+        leaves: the tensors whose shapes to give the pieces.
+        bucket: the indices into ``leaves``, in the order :func:`pack` used.
+
+    Returns:
+        A list with one view per index of ``bucket``, in that order.
+    """
     pieces = torch.split(flat, [leaves[i].numel() for i in bucket])
     return [piece.view(leaves[i].shape) for piece, i in zip(pieces, bucket)]

@@ -31,12 +31,28 @@ MINMAX_BYTES = 8  # min and max as float32, sent with each chunk's codes
 
 
 def check_compression(compression) -> None:
+    """Raise a ValueError unless ``compression`` is one of :data:`COMPRESSIONS`.
+
+    Args:
+        compression: the compression a transform was given.
+    """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
 
 
 def all_reduce(buffers: list, group: Group, average: bool = True, compression=None) -> list:
-    """``buffers`` reduced over the ranks of ``group`` (mean or sum), each in its own dtype."""
+    """``buffers`` reduced over the ranks of ``group`` (mean or sum), each in its own dtype.
+
+    Args:
+        buffers: 1-D tensors (one flat buffer per bucket), not changed.
+        group: the resolved process group (:func:`~functional_bagua.distributed.process_group.resolve`).
+        average: ``True`` for the mean over the ranks, ``False`` for the sum.
+        compression: ``None``, ``"fp16"``, ``"bf16"`` or ``"minmax_uint8"`` (module docstring); any
+            other raises a ValueError.
+
+    Returns:
+        A list of new tensors, one per buffer, in the same order.
+    """
     check_compression(compression)
     if compression is None:
         sums = [funcol.all_reduce(b, "sum", group.group) for b in buffers]
@@ -51,7 +67,14 @@ def all_reduce(buffers: list, group: Group, average: bool = True, compression=No
 
 def quantize(chunks: torch.Tensor) -> torch.Tensor:
     """Rows of ``chunks`` (float) as rows of uint8 codes followed by the row's min and max
-    (float32, as 8 bytes): ``[rows, columns + 8]``."""
+    (float32, as 8 bytes): ``[rows, columns + 8]``.
+
+    Args:
+        chunks: a 2-D floating-point tensor; each row is quantized with its own minimum and maximum.
+
+    Returns:
+        A uint8 tensor of shape ``[rows, columns + 8]``.
+    """
     lo = chunks.amin(dim=1, keepdim=True).float()
     hi = chunks.amax(dim=1, keepdim=True).float()
     step = (hi - lo) / LEVELS
@@ -60,14 +83,24 @@ def quantize(chunks: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rows that :func:`quantize` packed, in ``dtype``."""
+    """The rows that :func:`quantize` packed, in ``dtype``.
+
+    Args:
+        packed: a uint8 tensor of shape ``[rows, columns + 8]``, as :func:`quantize` returns it.
+        dtype: the dtype of the result.
+    """
     codes, minmax = packed[:, :-MINMAX_BYTES], packed[:, -MINMAX_BYTES:].contiguous().view(torch.float32)
     lo, hi = minmax[:, :1], minmax[:, 1:]
     return (lo + codes.float() * ((hi - lo) / LEVELS)).to(dtype)
 
 
 def padded_chunks(buffer: torch.Tensor, n: int) -> torch.Tensor:
-    """``buffer`` zero-padded to a multiple of ``n`` elements, as ``n`` rows."""
+    """``buffer`` zero-padded to a multiple of ``n`` elements, as ``n`` rows.
+
+    Args:
+        buffer: a 1-D tensor.
+        n: the number of rows (the world size).
+    """
     padding = -buffer.numel() % n
     return torch.nn.functional.pad(buffer, (0, padding)).view(n, -1)
 

@@ -39,7 +39,12 @@ class Group(NamedTuple):
 
 def resolve(group, who: str) -> Group:
     """``group`` (or the default group) with its size and rank; a RuntimeError naming ``who`` if
-    torch.distributed has no process group yet."""
+    torch.distributed has no process group yet.
+
+    Args:
+        group: a ``torch.distributed`` process group, or ``None`` for the default group.
+        who: the caller's name, which starts the error message.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"{who}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
@@ -50,7 +55,12 @@ def resolve(group, who: str) -> Group:
 
 
 def describe_leaves(params) -> list:
-    """``(name, shape, dtype)`` of each leaf (``None`` leaves as ``(name, None, None)``)."""
+    """``(name, shape, dtype)`` of each leaf (``None`` leaves as ``(name, None, None)``).
+
+    Args:
+        params: a pytree of tensors; names are the leaves' paths and dtypes are strings such as
+            ``"float32"``.
+    """
     leaves, spec = tree.flatten(params)
     return [
         (name, None, None) if p is None else (name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
@@ -60,7 +70,14 @@ def describe_leaves(params) -> list:
 
 def shapes_of(leaves: list) -> tuple:
     """``(shape, dtype)`` of each tensor leaf (``None`` for a ``None`` leaf): what decides the sizes of
-    the messages a collective sends."""
+    the messages a collective sends.
+
+    Args:
+        leaves: a list of tensors or ``None``.
+
+    Returns:
+        A tuple, hashable and comparable with ``==``.
+    """
     return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in leaves)
 
 
@@ -78,6 +95,12 @@ class Agreement:
     ``update`` then calls :meth:`check` on the tensors it is about to send: if their shapes
     and dtypes are not those of a parameter tree checked at ``init``, this rank raises before
     sending anything (the other ranks then fail as soon as it exits, as with any dead rank).
+
+    Args:
+        who: the transform's name, compared across ranks and used in the messages.
+        settings: the transform's settings, ``{name: value}``, compared across ranks (the values must
+            be picklable and comparable with ``==``).
+        same_values: also check at ``init`` that every rank's parameter values equal rank 0's.
     """
 
     def __init__(self, who: str, settings: dict, same_values: bool = False):
@@ -85,6 +108,16 @@ class Agreement:
         self._checked: list = []  # shapes_of the parameter trees init checked
 
     def init(self, params, group: Group) -> None:
+        """Check across the ranks of ``group`` (class docstring) and remember the shapes and dtypes
+        of ``params`` for :meth:`check`. Every rank must call it at the same point.
+
+        Args:
+            params: this rank's parameter tree.
+            group: the resolved process group (:func:`resolve`).
+
+        Raises:
+            ValueError: the same on every rank, when the ranks differ.
+        """
         check_same_everywhere(params, group, self.who, self.settings)
         if self.same_values:
             check_same_values(params, group, self.who)
@@ -94,7 +127,15 @@ class Agreement:
 
     def check(self, leaves: list) -> None:
         """Raise unless ``leaves`` (the tensors about to be sent, one per parameter, in order) have
-        the shapes and dtypes of a parameter tree ``init`` checked across ranks."""
+        the shapes and dtypes of a parameter tree ``init`` checked across ranks.
+
+        Args:
+            leaves: a list of the tensors about to be sent (or ``None``), in parameter order.
+
+        Raises:
+            RuntimeError: when ``init`` was never called.
+            ValueError: when the shapes or dtypes are not those of a tree ``init`` checked.
+        """
         shapes = shapes_of(leaves)
         if shapes in self._checked:
             return
@@ -114,7 +155,14 @@ def _describe_shapes(shapes: tuple) -> str:
 
 def check_same_everywhere(params, group: Group, who: str, settings: dict) -> None:
     """Raise the same ValueError on every rank unless all ranks of ``group`` run ``who`` with the
-    same ``settings`` on parameters of the same names, shapes and dtypes (one ``all_gather_object``)."""
+    same ``settings`` on parameters of the same names, shapes and dtypes (one ``all_gather_object``).
+
+    Args:
+        params: this rank's parameter tree.
+        group: the resolved process group.
+        who: the transform's name, compared across ranks and used in the messages.
+        settings: the transform's settings, ``{name: value}``, compared across ranks.
+    """
     everyone = [None] * group.world_size
     mine = (who, sorted(settings.items(), key=lambda kv: kv[0]), describe_leaves(params))
     dist.all_gather_object(everyone, mine, group=group.group)
@@ -142,7 +190,13 @@ def check_same_values(params, group: Group, who: str) -> None:
     """Raise the same ValueError on every rank unless every rank's parameter values equal rank
     0's, bit for bit: rank 0's values are broadcast once per (dtype, device) buffer, each rank
     compares, and the names of the differing parameters are gathered (DDP broadcasts rank 0's
-    values at construction instead; a pure ``init`` cannot change the caller's parameters)."""
+    values at construction instead; a pure ``init`` cannot change the caller's parameters).
+
+    Args:
+        params: this rank's parameter tree (``None`` leaves are skipped); not changed.
+        group: the resolved process group.
+        who: the transform's name, which starts the message.
+    """
     leaves, spec = tree.flatten(params)
     present = {name: p for name, p in zip(tree.leaf_names(spec), leaves) if p is not None}
     differ = []
@@ -173,6 +227,11 @@ def broadcast_params(params, group=None):
 
         params = fbd.broadcast_params(fb.params_of(model))
         state = tx.init(params)
+
+    Args:
+        params: this rank's parameter tree (``None`` leaves stay ``None``); every rank must call
+            this with a tree of the same structure, shapes and dtypes.
+        group: the process group; ``None`` for the default group. Rank 0 of this group sends.
     """
     g = resolve(group, "broadcast_params")
     leaves, spec = tree.flatten(params)
@@ -190,7 +249,12 @@ def broadcast_params(params, group=None):
 
 
 def group_src(group: Group, rank_in_group: int) -> int:
-    """The global rank of ``rank_in_group`` (``dist.broadcast``'s ``src`` is a global rank)."""
+    """The global rank of ``rank_in_group`` (``dist.broadcast``'s ``src`` is a global rank).
+
+    Args:
+        group: the resolved process group.
+        rank_in_group: a rank within ``group``.
+    """
     if group.group is None or group.group is dist.group.WORLD:
         return rank_in_group
     return dist.get_global_rank(group.group, rank_in_group)

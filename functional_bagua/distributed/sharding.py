@@ -60,7 +60,22 @@ class _Shards:
 
 def shard(inner: GradientTransformation, average: bool = True, group=None) -> GradientTransformation:
     """``inner`` on this rank's shard of the flat buffers (module docstring). ``update`` takes the
-    gradient tree without ``None`` leaves (every rank must send every gradient)."""
+    gradient tree without ``None`` leaves (every rank must send every gradient).
+
+    Args:
+        inner: an elementwise transform (a TypeError if not a ``GradientTransformation``); a
+            per-tensor rule inside it raises a NotImplementedError.
+        average: ``True`` for the mean of the gradients over the ranks, ``False`` for the sum.
+        group: the process group; ``None`` for the default group.
+
+    Returns:
+        A :class:`~functional_bagua.GradientTransformation` whose state is a :class:`ShardState`.
+
+    Example::
+
+        tx = fbd.shard(fb.adamw(1e-3))
+        state = tx.init(fbd.broadcast_params(fb.params_of(model)))   # state.inner: this rank's shard
+    """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"{NAME}: inner is {type(inner).__name__}, not a GradientTransformation")
 
