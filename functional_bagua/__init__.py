@@ -17,6 +17,7 @@ from functional_bagua.aliases import (
     adam,
     adamax,
     adamw,
+    sparse_adam,
     asgd,
     lamb,
     lars,
@@ -65,7 +66,7 @@ __all__ = [
     "params_of", "buffers_of", "load_params",
     "FlatLayout", "FlatModule", "flatten_module", "fuse", "fuse_inplace", "make_train_step",
     "state_dict", "load_state_dict", "schedules", "inject_hyperparams", "accepts_schedules", "InjectHyperparamsState",
-    "sgd", "adam", "adamw", "adamax", "nadam", "radam", "adagrad", "adadelta", "rmsprop",
+    "sgd", "adam", "adamw", "sparse_adam", "adamax", "nadam", "radam", "adagrad", "adadelta", "rmsprop",
     "rprop", "asgd", "adafactor", "muon", "lbfgs", "LbfgsState", "lamb", "lars", "lion", "adabelief",
     *_transforms_all,
 ]

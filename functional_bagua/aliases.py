@@ -36,6 +36,7 @@ from functional_bagua.transforms.orthogonalize import NS_COEFFICIENTS, NS_EPS, N
 from functional_bagua.transforms.rms import scale_by_adadelta, scale_by_adagrad, scale_by_rms
 from functional_bagua.transforms.rprop import scale_by_rprop
 from functional_bagua.transforms.scaling import ScalarOrSchedule, negate_if, scale, scale_by_learning_rate
+from functional_bagua.transforms.sparse_adam import scale_by_sparse_adam
 from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio
 from functional_bagua.transforms.weight_decay import add_decayed_weights
 
@@ -231,6 +232,46 @@ def adamw(
         updates, state = tx.update(grads, state, params)
     """
     return adam(lr, betas, eps, weight_decay, amsgrad, maximize=maximize, decoupled_weight_decay=True)
+
+
+@accepts_schedules
+def sparse_adam(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """SparseAdam, as ``torch.optim.SparseAdam``: Adam on the elements a sparse COO gradient holds
+    (``nn.Embedding(sparse=True)``), the other elements and their moments untouched (see
+    :func:`~functional_bagua.scale_by_sparse_adam`)::
+
+        m_I <- m_I + (1 - b1)(g_I - m_I);   v_I <- v_I + (1 - b2)(g_I^2 - v_I)
+        p_I <- p_I - lr sqrt(1 - b2^t) / (1 - b1^t) * m_I / (sqrt(v_I) + eps)
+
+    Dense gradients raise a TypeError (use :func:`adam`); the updates are sparse COO tensors,
+    which ``apply_updates`` adds to the dense parameters. Every float hyperparameter may also be a
+    schedule.
+
+    Args:
+        lr: learning rate.
+        betas: decays of the first and second moments.
+        eps: added to ``sqrt(v)`` in the denominator.
+        maximize: ascend the gradient instead.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        embedding = torch.nn.Embedding(1000, 16, sparse=True)
+        tx = fb.sparse_adam(lr=1e-3)
+        state = tx.init(fb.params_of(embedding))
+    """
+    _check_lr(lr)
+    _check_eps(eps)
+    _check_betas(betas)
+    return scale_by_sparse_adam(lr, *betas, eps, maximize=maximize)
 
 
 @accepts_schedules

@@ -5,10 +5,12 @@ never broadcast, truncated or dropped:
 
 - a parameter is a dense (strided) tensor of a floating-point or complex dtype. Integer
   parameters cannot move (torch refuses ``requires_grad`` on them); leave them out of the tree.
-- a gradient has its parameter's shape and dtype and is dense.
+- a gradient has its parameter's shape and dtype and is dense (sparse COO for the transforms made
+  for sparse gradients).
 - an update (what :func:`~functional_bagua.apply_updates` adds) has its parameter's shape and is
-  dense and floating-point (complex for a complex parameter); its float dtype may differ, since
-  the sum is rounded to the parameter's dtype once (mixed precision).
+  floating-point (complex for a complex parameter), dense or sparse COO (the update of
+  :func:`~functional_bagua.sparse_adam`); its float dtype may differ, since the sum is rounded to
+  the parameter's dtype once (mixed precision).
 
 Every building block runs these checks (:func:`~functional_bagua.leafwise`,
 :func:`~functional_bagua.stateless`, ``apply_updates``), so a chain of them, and every optimizer,
@@ -61,16 +63,23 @@ def check_param(p, name: Callable[[], str], who: str, *, complex_ok: bool = True
         )
 
 
-def check_grad(g, p: Optional[torch.Tensor], name: Callable[[], str], who: str, *, complex_ok: bool = True) -> None:
-    """Raise naming the parameter unless ``g`` can be its gradient: a dense tensor of the shape
-    and dtype of ``p``, which is a trainable parameter (a gradient of a trainable dtype when
-    ``p`` is ``None``)."""
+def check_grad(
+    g, p: Optional[torch.Tensor], name: Callable[[], str], who: str, *, complex_ok: bool = True, layout=STRIDED
+) -> None:
+    """Raise naming the parameter unless ``g`` can be its gradient: a tensor of ``layout`` (dense,
+    or ``torch.sparse_coo`` for transforms made for sparse gradients) of the shape and dtype of
+    ``p``, which is a trainable parameter (a gradient of a trainable dtype when ``p`` is ``None``)."""
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"{who}: gradient of {name()!r} is a {type(g).__name__}, not a tensor")
-    if g.layout != STRIDED:
+    if g.layout != layout and layout == STRIDED:
         raise TypeError(
             f"{who}: gradient of {name()!r} is {_layout_name(g)}; sparse gradients are not supported "
-            "(convert it with .to_dense(), or use a dense embedding)"
+            "(convert it with .to_dense(), or use a dense embedding; fb.sparse_adam takes sparse COO gradients)"
+        )
+    if g.layout != layout:
+        raise TypeError(
+            f"{who}: gradient of {name()!r} is {_layout_name(g)}; {who} takes sparse COO gradients only (such as "
+            "nn.Embedding(sparse=True) makes); use adam for dense ones"
         )
     if p is not None:
         if g.shape != p.shape:
@@ -96,8 +105,8 @@ def check_update(u, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
     if not isinstance(u, torch.Tensor):
         raise TypeError(f"{who}: update of {name()!r} is a {type(u).__name__}, not a tensor")
     check_param(p, name, who)
-    if u.layout != STRIDED:
-        raise TypeError(f"{who}: update of {name()!r} is {_layout_name(u)}; updates are dense tensors")
+    if u.layout not in (STRIDED, torch.sparse_coo):
+        raise TypeError(f"{who}: update of {name()!r} is {_layout_name(u)}; updates are dense or sparse COO tensors")
     if u.shape != p.shape:
         raise ValueError(
             f"{who}: update of {name()!r} has shape {tuple(u.shape)}, parameter has {tuple(p.shape)}; "
@@ -110,39 +119,41 @@ def check_update(u, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
         )
 
 
-def check_grads(grads: list, params: list, name: Callable[[int], str], who: str, *, complex_ok: bool = True) -> None:
+def check_grads(
+    grads: list, params: list, name: Callable[[int], str], who: str, *, complex_ok: bool = True, layout=STRIDED
+) -> None:
     """:func:`check_grad` for lists of leaves (``None`` gradients skipped; ``params`` may hold
     ``None`` where there is no reference); ``name(i)`` names leaf ``i``. A few passes over all
     leaves confirm equal shapes and dtypes, dense layouts and trainable dtypes; only when one
     fails are the leaves looked at one by one, to name the first wrong one."""
     present = [g is not None for g in grads]
-    if _all_fit(list(compress(grads, present)), list(compress(params, present)), complex_ok):
+    if _all_fit(list(compress(grads, present)), list(compress(params, present)), complex_ok, layout):
         return
     for i, (g, p) in enumerate(zip(grads, params)):
         if g is not None:
-            check_grad(g, p, lambda i=i: name(i), who, complex_ok=complex_ok)
+            check_grad(g, p, lambda i=i: name(i), who, complex_ok=complex_ok, layout=layout)
 
 
 def check_updates(updates: list, params: list, name: Callable[[int], str], who: str) -> None:
     """:func:`check_update` for lists of leaves (``None`` updates skipped), with the same fast path
     as :func:`check_grads` for updates of their parameter's dtype."""
     present = [u is not None for u in updates]
-    if _all_fit(list(compress(updates, present)), list(compress(params, present)), complex_ok=True):
+    if _all_fit(list(compress(updates, present)), list(compress(params, present)), True, STRIDED):
         return
     for i, (u, p) in enumerate(zip(updates, params)):
         if u is not None:
             check_update(u, p, lambda i=i: name(i), who)
 
 
-def _all_fit(gs: list, ps: list, complex_ok: bool) -> bool:
-    """All tensors, dense, of a trainable dtype, and of their parameter's shape and dtype (any
-    shape when no parameters were given at all)."""
+def _all_fit(gs: list, ps: list, complex_ok: bool, layout) -> bool:
+    """All tensors of ``layout``, of a trainable dtype, and of their parameter's shape and dtype
+    (any shape when no parameters were given at all)."""
     if not all(isinstance(g, torch.Tensor) for g in gs):
         return False
     dtypes = [g.dtype for g in gs]
     if any(p is not None for p in ps) and not _same_shapes_and_dtypes(gs, dtypes, ps):
         return False
-    return all(g.layout == STRIDED for g in gs) and all(
+    return all(g.layout == layout for g in gs) and all(
         trainable_dtype(d) and (complex_ok or not d.is_complex) for d in set(dtypes)
     )
 
@@ -156,4 +167,4 @@ def _same_shapes_and_dtypes(gs: list, dtypes: list, ps: list) -> bool:
 
 
 def _layout_name(t: torch.Tensor) -> str:
-    return str(t.layout).removeprefix("torch.").replace("_", " ")
+    return "dense" if t.layout == STRIDED else str(t.layout).removeprefix("torch.").replace("_", " ")

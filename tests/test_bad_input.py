@@ -84,8 +84,13 @@ def test_apply_updates_never_broadcasts_an_update():
         fb.apply_updates({"b": torch.zeros(4)}, {"b": torch.ones(4, dtype=torch.complex64)})
     with pytest.raises(TypeError, match=r"update of 'b' is torch.int64 for a torch.float32 parameter"):
         fb.apply_updates({"b": torch.zeros(4)}, {"b": torch.ones(4, dtype=torch.int64)})
-    with pytest.raises(TypeError, match=r"update of 'b' is sparse coo"):
-        fb.apply_updates({"b": torch.zeros(4)}, {"b": torch.ones(4).to_sparse()})
+    with pytest.raises(TypeError, match=r"update of 'b' is sparse csr"):
+        fb.apply_updates({"b": torch.zeros(2, 2)}, {"b": torch.ones(2, 2).to_sparse_csr()})
+    with pytest.raises(ValueError, match=r"update of 'b' has shape \(3, 4\), parameter has \(4,\)"):
+        fb.apply_updates({"b": torch.zeros(4)}, {"b": torch.ones(3, 4).to_sparse()})
+    # a sparse COO update of the parameter's shape (fb.sparse_adam's) is added to the dense parameter
+    out = fb.apply_updates({"b": torch.zeros(4)}, {"b": torch.tensor([0.0, 2.0, 0.0, 1.0]).to_sparse()})
+    assert out["b"].layout == torch.strided and out["b"].tolist() == [0.0, 2.0, 0.0, 1.0]
     # a float update of another precision is rounded into the parameter's dtype once (mixed precision)
     out = fb.apply_updates({"b": torch.zeros(4, dtype=torch.bfloat16)}, {"b": torch.full((4,), 1 / 3)})
     assert out["b"].dtype == torch.bfloat16 and torch.equal(out["b"], torch.full((4,), 1 / 3).bfloat16())

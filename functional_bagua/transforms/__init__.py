@@ -47,6 +47,7 @@ from functional_bagua.transforms.rms import (
     scale_by_rms,
 )
 from functional_bagua.transforms.rprop import ScaleByRpropState, scale_by_rprop
+from functional_bagua.transforms.sparse_adam import ScaleBySparseAdamState, scale_by_sparse_adam
 from functional_bagua.transforms.scaling import (
     ScaleByScheduleState,
     negate_if,

@@ -122,6 +122,7 @@ def leafwise(
     name: str,
     needs_params: bool = False,
     per_tensor: bool = False,
+    sparse_gradients: bool = False,
 ) -> GradientTransformation:
     """A transform applying ``update_leaf(g, state_leaf, p) -> (u, new_state_leaf)`` per tensor.
 
@@ -145,6 +146,8 @@ def leafwise(
         per_tensor: ``True`` for a rule that is not elementwise: it gets whole tensors (one
             segment at a time inside a fused update) and refuses complex tensors; an elementwise
             rule gets complex tensors as their real views.
+        sparse_gradients: ``True`` for a rule made for sparse COO gradients (and only those, as
+            ``torch.optim.SparseAdam``); it refuses dense and complex ones and cannot run fused.
 
     Returns:
         A GradientTransformation whose state is a ``state_type`` with one tree per field.
@@ -158,12 +161,16 @@ def leafwise(
     """
     fields = state_type._fields
     rule = update_leaf if per_tensor else _on_real_views(update_leaf)
+    complex_ok = not (per_tensor or sparse_gradients)
+    layout = torch.sparse_coo if sparse_gradients else torch.strided
 
     def init(params):
+        if sparse_gradients:
+            fusion.refuse_inside_fuse(name, "its sparse gradients have no flat buffer")
         leaves, spec = tree.flatten(params)
         for i, p in enumerate(leaves):
             if p is not None:
-                checks.check_param(p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
+                checks.check_param(p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=complex_ok)
         keys = _segmented_keys(spec, per_tensor)
         per_leaf = [
             state_type(*([None] * len(fields))) if p is None
@@ -181,7 +188,8 @@ def leafwise(
             param_leaves = [None] * len(grad_leaves)
         else:
             grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
-        checks.check_grads(grad_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
+        checks.check_grads(grad_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name,
+                           complex_ok=complex_ok, layout=layout)
         if not isinstance(state, state_type):
             raise ValueError(
                 f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the "
