@@ -5,6 +5,11 @@ functional core. Installed from the repository's ``compat/`` folder as ``functio
   Bagua's fused optimizer for any ``torch.optim.Optimizer`` (:mod:`functional_bagua.compat.fuse`).
 """
 
-from functional_bagua.compat.fuse import fuse_optimizer, fuse_step, fused_steps, is_fused_optimizer
+from functional_bagua.compat.fuse import (
+    fuse_optimizer,
+    fuse_step,
+    fused_steps,
+    is_fused_optimizer,
+)
 
 __all__ = ["fuse_optimizer", "fuse_step", "fused_steps", "is_fused_optimizer"]

@@ -14,7 +14,6 @@ from collections import defaultdict
 from typing import Optional
 
 import torch
-
 from functional_bagua.compat.runs import fusable_on_its_device
 from functional_bagua.compat.spans import gather
 

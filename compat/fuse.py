@@ -56,10 +56,12 @@ from operator import attrgetter, is_, is_not
 from typing import Callable, NamedTuple, Optional
 
 import torch
-
-from functional_bagua.compat import flat_buckets
-from functional_bagua.compat import fusion_check
-from functional_bagua.compat.fusion_check import ProbeResult, hyperparameter_kinds, probe
+from functional_bagua.compat import flat_buckets, fusion_check
+from functional_bagua.compat.fusion_check import (
+    ProbeResult,
+    hyperparameter_kinds,
+    probe,
+)
 from functional_bagua.compat.runs import Run, StateIndex, candidate_runs
 from functional_bagua.compat.spans import span
 

@@ -22,9 +22,7 @@ from operator import attrgetter, eq, is_, is_not, itemgetter, ne, not_
 from typing import Callable, NamedTuple, Optional
 
 import torch
-
 from functional_bagua.compat.spans import gather, span, split_like
-
 
 CPU_CHUNK_BYTES = 4 << 20
 CPU_FUSE_MAX_NUMEL = 1 << 15

@@ -9,6 +9,7 @@
     params = fb.apply_updates(params, updates)
 """
 
+from functional_bagua import schedules
 from functional_bagua.aliases import (
     adabelief,
     adadelta,
@@ -17,7 +18,6 @@ from functional_bagua.aliases import (
     adam,
     adamax,
     adamw,
-    sparse_adam,
     asgd,
     lamb,
     lars,
@@ -28,6 +28,7 @@ from functional_bagua.aliases import (
     rmsprop,
     rprop,
     sgd,
+    sparse_adam,
 )
 from functional_bagua.base import (
     EmptyState,
@@ -36,14 +37,17 @@ from functional_bagua.base import (
     chain,
     identity,
 )
-from functional_bagua import schedules
+from functional_bagua.checkpoint import load_state_dict, state_dict
 from functional_bagua.flat import FlatLayout, FlatModule, flatten_module
 from functional_bagua.fusion import fuse, fuse_inplace
-from functional_bagua.train_step import make_train_step
-from functional_bagua.checkpoint import load_state_dict, state_dict
+from functional_bagua.hyperparams import (
+    InjectHyperparamsState,
+    accepts_schedules,
+    inject_hyperparams,
+)
 from functional_bagua.lbfgs import LbfgsState, lbfgs
-from functional_bagua.hyperparams import InjectHyperparamsState, accepts_schedules, inject_hyperparams
 from functional_bagua.modules import buffers_of, load_params, params_of
+from functional_bagua.train_step import make_train_step
 from functional_bagua.transforms import *  # noqa: F401,F403  (the building blocks)
 from functional_bagua.transforms import __all__ as _transforms_all
 

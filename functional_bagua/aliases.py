@@ -25,21 +25,43 @@ from functional_bagua import kernels
 from functional_bagua.base import GradientTransformation, chain, check_params
 from functional_bagua.fusion import tensor_shapes
 from functional_bagua.hyperparams import accepts_schedules, checkable
-from functional_bagua.transforms.adam import scale_by_adam, scale_by_adamax, scale_by_nadam, scale_by_radam
+from functional_bagua.numerics import is_number
+from functional_bagua.transforms.adam import (
+    scale_by_adam,
+    scale_by_adamax,
+    scale_by_nadam,
+    scale_by_radam,
+)
 from functional_bagua.transforms.asgd import scale_by_asgd
 from functional_bagua.transforms.belief import scale_by_belief
-from functional_bagua.transforms.factored import scale_by_factored_rms, scale_by_relative_step_size
-from functional_bagua.transforms.leafwise import is_number
+from functional_bagua.transforms.factored import (
+    scale_by_factored_rms,
+    scale_by_relative_step_size,
+)
 from functional_bagua.transforms.lion import scale_by_lion
 from functional_bagua.transforms.momentum import ema_momentum, trace
-from functional_bagua.transforms.orthogonalize import NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize, scale_by_shape
-from functional_bagua.transforms.rms import scale_by_adadelta, scale_by_adagrad, scale_by_rms
+from functional_bagua.transforms.orthogonalize import (
+    NS_COEFFICIENTS,
+    NS_EPS,
+    NS_STEPS,
+    orthogonalize,
+    scale_by_shape,
+)
+from functional_bagua.transforms.rms import (
+    scale_by_adadelta,
+    scale_by_adagrad,
+    scale_by_rms,
+)
 from functional_bagua.transforms.rprop import scale_by_rprop
-from functional_bagua.transforms.scaling import ScalarOrSchedule, negate_if, scale, scale_by_learning_rate
+from functional_bagua.transforms.scaling import (
+    ScalarOrSchedule,
+    negate_if,
+    scale,
+    scale_by_learning_rate,
+)
 from functional_bagua.transforms.sparse_adam import scale_by_sparse_adam
 from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio
 from functional_bagua.transforms.weight_decay import add_decayed_weights
-
 
 # --- validation, with torch.optim's messages -------------------------------------------------
 

@@ -36,9 +36,15 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.schedules import describe, reads_count_as_number, refuse_untraceable, step_count
+from functional_bagua.numerics import SCALAR_DTYPE
+from functional_bagua.schedules import (
+    describe,
+    reads_count_as_number,
+    refuse_untraceable,
+    step_count,
+)
 
-DTYPE = torch.float64
+DTYPE = SCALAR_DTYPE  # schedules and injected hyperparameters compute in float64
 
 # True while inject_hyperparams rebuilds its factory with the tensors it holds (see
 # hyperparams_are_checked). A context variable, not a module global: each thread and task has its own.

@@ -28,8 +28,10 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from functional_bagua.numerics import SCALAR_DTYPE
+
 Schedule = Callable[[Union[int, torch.Tensor]], torch.Tensor]
-DTYPE = torch.float64
+DTYPE = SCALAR_DTYPE  # schedules and injected hyperparameters compute in float64
 
 
 def step_count(count: torch.Tensor) -> torch.Tensor:

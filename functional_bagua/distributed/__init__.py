@@ -15,7 +15,12 @@ functional ones, so each transform runs eagerly and inside a compiled step.
 """
 
 from functional_bagua.distributed.allreduce import allreduce_gradients
-from functional_bagua.distributed.averaging import AveragingState, decentralized, peer_of, periodic_average
+from functional_bagua.distributed.averaging import (
+    AveragingState,
+    decentralized,
+    peer_of,
+    periodic_average,
+)
 from functional_bagua.distributed.buckets import assign_buckets
 from functional_bagua.distributed.compression import COMPRESSIONS, dequantize, quantize
 from functional_bagua.distributed.process_group import broadcast_params

@@ -33,7 +33,7 @@ from functional_bagua import checks, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.flat import FlatLayout
-from functional_bagua.transforms.leafwise import zero_count
+from functional_bagua.numerics import zero_count
 
 PEER_SELECTION_MODES = ("all", "shift_one")
 

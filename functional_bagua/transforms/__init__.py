@@ -1,5 +1,12 @@
 """Gradient transformations: one concept per module, each reading like its update rule."""
 
+import types as _types
+
+from functional_bagua.transforms.accumulation import (
+    MultiSteps,
+    MultiStepsState,
+    multi_steps,
+)
 from functional_bagua.transforms.adam import (
     ScaleByAdamaxState,
     ScaleByAdamState,
@@ -11,32 +18,30 @@ from functional_bagua.transforms.adam import (
     scale_by_nadam,
     scale_by_radam,
 )
-from functional_bagua.transforms.accumulation import MultiSteps, MultiStepsState, multi_steps
-from functional_bagua.transforms.averaging import EmaParamsState, ema
 from functional_bagua.transforms.asgd import ScaleByAsgdState, scale_by_asgd
+from functional_bagua.transforms.averaging import EmaParamsState, ema
 from functional_bagua.transforms.belief import ScaleByBeliefState, scale_by_belief
+from functional_bagua.transforms.clipping import clip, clip_by_global_norm, global_norm
 from functional_bagua.transforms.factored import (
     ScaleByFactoredRmsState,
     ScaleByRelativeStepSizeState,
     scale_by_factored_rms,
     scale_by_relative_step_size,
 )
-from functional_bagua.transforms.clipping import clip, clip_by_global_norm, global_norm
-from functional_bagua.transforms.wrappers import (
-    ApplyIfFiniteState,
-    MaskedState,
-    PartitionState,
-    apply_if_finite,
-    freeze,
-    masked,
-    partition,
-    set_to_zero,
-)
 from functional_bagua.transforms.leafwise import leafwise, stateless
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_bagua.transforms.lookahead import LookaheadState, lookahead
-from functional_bagua.transforms.momentum import EmaMomentumState, TraceState, ema_momentum, trace
-from functional_bagua.transforms.orthogonalize import newton_schulz, orthogonalize, scale_by_shape
+from functional_bagua.transforms.momentum import (
+    EmaMomentumState,
+    TraceState,
+    ema_momentum,
+    trace,
+)
+from functional_bagua.transforms.orthogonalize import (
+    newton_schulz,
+    orthogonalize,
+    scale_by_shape,
+)
 from functional_bagua.transforms.rms import (
     ScaleByAdadeltaState,
     ScaleByAdagradState,
@@ -47,7 +52,6 @@ from functional_bagua.transforms.rms import (
     scale_by_rms,
 )
 from functional_bagua.transforms.rprop import ScaleByRpropState, scale_by_rprop
-from functional_bagua.transforms.sparse_adam import ScaleBySparseAdamState, scale_by_sparse_adam
 from functional_bagua.transforms.scaling import (
     ScaleByScheduleState,
     negate_if,
@@ -55,10 +59,22 @@ from functional_bagua.transforms.scaling import (
     scale_by_learning_rate,
     scale_by_schedule,
 )
+from functional_bagua.transforms.sparse_adam import (
+    ScaleBySparseAdamState,
+    scale_by_sparse_adam,
+)
 from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio, trust_ratio
 from functional_bagua.transforms.weight_decay import add_decayed_weights
-
-import types as _types
+from functional_bagua.transforms.wrappers import (
+    ApplyIfFiniteState,
+    MaskedState,
+    PartitionState,
+    apply_if_finite,
+    freeze,
+    masked,
+    partition,
+    set_to_zero,
+)
 
 __all__ = [
     name for name, value in dict(globals()).items()

@@ -19,7 +19,7 @@ import torch
 
 from functional_bagua import checks, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import zero_count
+from functional_bagua.numerics import zero_count
 
 
 class MultiStepsState(NamedTuple):

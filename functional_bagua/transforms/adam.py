@@ -35,7 +35,8 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import as_scalar, is_number, leafwise, lerp, zero_count
+from functional_bagua.numerics import as_scalar, is_number, lerp, zero_count
+from functional_bagua.transforms.leafwise import leafwise
 
 
 def bias_correction(beta, t: torch.Tensor) -> torch.Tensor:

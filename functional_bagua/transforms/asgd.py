@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import SCALAR_DTYPE, as_scalar, leafwise, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, zero_count
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class ScaleByAsgdState(NamedTuple):

@@ -12,8 +12,9 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
+from functional_bagua.numerics import as_scalar, lerp, zero_count
 from functional_bagua.transforms.adam import bias_correction, second_moment
-from functional_bagua.transforms.leafwise import as_scalar, leafwise, lerp, zero_count
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class ScaleByBeliefState(NamedTuple):

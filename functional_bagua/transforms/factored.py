@@ -25,7 +25,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import SCALAR_DTYPE, as_scalar, leafwise, lerp, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, lerp, zero_count
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class ScaleByFactoredRmsState(NamedTuple):

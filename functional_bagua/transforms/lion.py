@@ -12,7 +12,8 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import leafwise, lerp
+from functional_bagua.numerics import lerp
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class ScaleByLionState(NamedTuple):

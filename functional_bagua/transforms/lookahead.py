@@ -20,7 +20,7 @@ import torch
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, apply_updates
 from functional_bagua.hyperparams import accepts_schedules, checkable
-from functional_bagua.transforms.leafwise import lerp, zero_count
+from functional_bagua.numerics import lerp, zero_count
 
 
 class LookaheadState(NamedTuple):

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation, identity
-from functional_bagua.transforms.leafwise import add_scaled, is_number, leafwise, lerp, zero_count
+from functional_bagua.numerics import add_scaled, is_number, lerp, zero_count
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class TraceState(NamedTuple):

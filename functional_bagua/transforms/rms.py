@@ -28,8 +28,15 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
+from functional_bagua.numerics import (
+    as_scalar,
+    filled_like,
+    is_number,
+    lerp,
+    zero_count,
+)
 from functional_bagua.transforms.adam import second_moment
-from functional_bagua.transforms.leafwise import as_scalar, filled_like, is_number, leafwise, lerp, zero_count
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class ScaleByRmsState(NamedTuple):

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.transforms.leafwise import filled_like, leafwise
+from functional_bagua.numerics import filled_like
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class ScaleByRpropState(NamedTuple):

@@ -13,8 +13,14 @@ from typing import Callable, NamedTuple, Union
 import torch
 
 from functional_bagua.base import EmptyState, GradientTransformation, identity
-from functional_bagua.schedules import describe, reads_count_as_number, refuse_untraceable, step_count
-from functional_bagua.transforms.leafwise import stateless, zero_count
+from functional_bagua.numerics import zero_count
+from functional_bagua.schedules import (
+    describe,
+    reads_count_as_number,
+    refuse_untraceable,
+    step_count,
+)
+from functional_bagua.transforms.leafwise import stateless
 
 Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
 ScalarOrSchedule = Union[float, torch.Tensor, Schedule]

@@ -20,8 +20,9 @@ from typing import NamedTuple
 import torch
 
 from functional_bagua.base import GradientTransformation
+from functional_bagua.numerics import as_scalar, zero_count
 from functional_bagua.transforms.adam import bias_correction
-from functional_bagua.transforms.leafwise import as_scalar, leafwise, zero_count
+from functional_bagua.transforms.leafwise import leafwise
 
 
 class ScaleBySparseAdamState(NamedTuple):

@@ -21,7 +21,7 @@ import torch
 
 from functional_bagua import fusion, tree
 from functional_bagua.base import EmptyState, GradientTransformation
-from functional_bagua.transforms.leafwise import zero_count
+from functional_bagua.numerics import zero_count
 
 
 def _resolve(tree_or_fn, params):

@@ -1,0 +1,98 @@
+"""The small numeric helpers every transform uses: step counts, float64 scalars, and updates
+written so that a hyperparameter may be a Python number or a 0-dim tensor.
+
+Scalar math (bias corrections, step sizes) runs in float64, like torch.optim's Python floats:
+:data:`SCALAR_DTYPE` is the one place that says so. A 0-dim tensor does not promote the tensors
+it multiplies, so a float32 parameter's update stays float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from functional_bagua import tree
+
+COUNT_DTYPE = torch.int64
+SCALAR_DTYPE = torch.float64
+
+
+def zero_count(like) -> torch.Tensor:
+    """A 0-dim integer step counter on the device of ``like`` (a tensor, or a tree of them).
+
+    Args:
+        like: a tensor, or a tree of tensors (its first tensor leaf gives the device).
+
+    Returns:
+        A 0-dim int64 tensor holding 0.
+    """
+    device = like.device if isinstance(like, torch.Tensor) else tree.device_of(like)
+    return torch.zeros((), dtype=COUNT_DTYPE, device=device)
+
+
+def as_scalar(count: torch.Tensor) -> torch.Tensor:
+    """A count as a 0-dim float64 tensor, for scalar hyperparameter math.
+
+    Scalar math (bias corrections, step sizes) runs in float64 like torch.optim's Python floats;
+    a 0-dim tensor does not promote the tensors it multiplies, so a float32 parameter's update
+    stays float32.
+
+    Args:
+        count: an integer step count tensor (as :func:`zero_count` makes).
+
+    Returns:
+        ``count`` converted to float64.
+    """
+    return count.to(SCALAR_DTYPE)
+
+
+def is_number(x) -> bool:
+    """A Python number (a hyperparameter fixed at build time), as opposed to a tensor.
+
+    Args:
+        x: any value, typically a hyperparameter.
+
+    Returns:
+        ``True`` for an ``int`` or ``float`` that is not a ``bool``, else ``False``.
+    """
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
+    """``start + weight * (end - start)``; ``weight`` a number or a 0-dim tensor (any dtype).
+
+    Args:
+        start: the value at ``weight = 0`` (left unmodified).
+        end: the value at ``weight = 1``, of ``start``'s shape.
+        weight: the interpolation weight; a tensor is first cast to ``start``'s dtype.
+
+    Returns:
+        A new tensor.
+    """
+    return start.lerp(end, weight if is_number(weight) else weight.to(start.dtype))
+
+
+def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
+    """``x + alpha * y``; ``alpha`` a number (one fused kernel) or a 0-dim tensor.
+
+    Args:
+        x: the tensor added to (left unmodified).
+        y: the tensor scaled and added.
+        alpha: the scale of ``y``.
+
+    Returns:
+        A new tensor.
+    """
+    return x.add(y, alpha=alpha) if is_number(alpha) else x + alpha * y
+
+
+def filled_like(p: torch.Tensor, value) -> torch.Tensor:
+    """A tensor like ``p`` filled with ``value`` (a number or a 0-dim tensor), in ``p``'s dtype.
+
+    Args:
+        p: the tensor whose shape, dtype and device the result takes.
+        value: the fill value.
+
+    Returns:
+        A new tensor.
+    """
+    return torch.full_like(p, value) if is_number(value) else torch.zeros_like(p).add_(value)
