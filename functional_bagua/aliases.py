@@ -23,8 +23,8 @@ import torch
 
 from functional_bagua import kernels
 from functional_bagua.base import GradientTransformation, chain, check_params
-from functional_bagua.fusion import tensor_shapes
 from functional_bagua.hyperparams import accepts_schedules, checkable
+from functional_bagua.layout_context import tensor_shapes
 from functional_bagua.numerics import is_number
 from functional_bagua.transforms.adam import (
     scale_by_adam,

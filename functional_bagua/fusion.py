@@ -23,100 +23,14 @@ get a gradient at every step (flat gradients always do).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, apply_updates
 from functional_bagua.flat import FlatLayout
-
-_ACTIVE: list = []  # the layouts of the fused updates running now (innermost last)
-
-
-def active_layout() -> Optional[FlatLayout]:
-    """The layout of the fused update running now, or ``None`` outside of one."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-def segments_of(key: str) -> Optional[tuple]:
-    """The segments of the flat buffer ``key`` in the fused update running now (else ``None``).
-
-    Args:
-        key: the group key of a flat buffer (``"float32@cpu"``).
-    """
-    layout = active_layout()
-    return None if layout is None else layout.segments(key)
-
-
-def tensor_shapes(params) -> list:
-    """``(name, shape)`` of each parameter tensor of ``params``, also when ``params`` are the flat
-    buffers of the fused update running now (then the names and shapes are the layout's).
-
-    Args:
-        params: a pytree of parameter tensors (``None`` leaves are left out) or, inside a fused
-            update, its flat buffers ``{key: 1-D tensor}``.
-    """
-    leaves, spec = tree.flatten(params)
-    names = tree.leaf_names(spec)
-    if active_layout() is None:
-        return [(name, tuple(p.shape)) for name, p in zip(names, leaves) if p is not None]
-    return [(seg.name, seg.shape) for key in names for seg in segments_of(key)]
-
-
-def refuse_inside_fuse(name: str, why: str) -> None:
-    """Raise if called while a fused update runs: for transforms that cannot be fused faithfully.
-
-    Args:
-        name: the transform's name, which starts the message.
-        why: why it cannot run on flat buffers, put in the message.
-
-    Raises:
-        NotImplementedError: inside :func:`fuse` or ``distributed.shard``.
-    """
-    if active_layout() is not None:
-        raise NotImplementedError(
-            f"{name} cannot run inside fuse() or shard(): {why}. Fuse the transforms of each group "
-            "separately, or run it unfused."
-        )
-
-
-def refuse_on_shards(name: str, why: str) -> None:
-    """Raise if called on one rank's shard of the flat buffers (inside ``distributed.shard``): for
-    transforms that reduce across all tensors, which a shard holds only a part of.
-
-    Args:
-        name: the transform's name, which starts the message.
-        why: why it cannot run on a shard, put in the message.
-
-    Raises:
-        NotImplementedError: inside ``distributed.shard`` (the active layout has ``is_shard``).
-    """
-    if getattr(active_layout(), "is_shard", False):
-        raise NotImplementedError(
-            f"{name} cannot run inside shard(): {why}. Put it before shard() (on the whole gradients) "
-            "or use an unsharded chain."
-        )
-
-
-def run_on_flat_buffers(layout, fn, *args):
-    """``fn(*args)`` with ``layout`` as the active layout: per-tensor rules inside ``fn`` ask it for
-    the segments of each buffer (``layout.segments(key)``).
-
-    Args:
-        layout: the layout made active while ``fn`` runs: a :class:`~functional_bagua.FlatLayout`, or
-            any object with a ``segments(key)`` method (``distributed.shard`` passes one that raises).
-        fn: the function to call, e.g. a transform's ``init`` or ``update``.
-        *args: the arguments passed to ``fn``.
-
-    Returns:
-        What ``fn`` returns; ``layout`` stops being active even if ``fn`` raises.
-    """
-    _ACTIVE.append(layout)
-    try:
-        return fn(*args)
-    finally:
-        _ACTIVE.pop()
+from functional_bagua.layout_context import run_on_flat_buffers
 
 
 def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformation:

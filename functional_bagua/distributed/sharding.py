@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from functional_bagua import fusion, tree
+from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed.compression import padded_chunks
 from functional_bagua.distributed.process_group import Agreement, resolve
@@ -49,7 +49,7 @@ class _Shards:
     """Stands in for a layout while ``inner`` runs on shards: per-tensor rules ask it for the
     segments of a buffer, and there are none to give."""
 
-    is_shard = True  # transforms that reduce across tensors refuse (fusion.refuse_on_shards)
+    is_shard = True  # transforms that reduce across tensors refuse (layout_context.refuse_on_shards)
 
     def segments(self, key: str):
         raise NotImplementedError(
@@ -91,7 +91,7 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
         device = tree.device_of(params)
         return ShardState(
             torch.tensor(g.rank, device=device), torch.tensor(g.world_size, device=device),
-            fusion.run_on_flat_buffers(_Shards(), inner.init, shards),
+            layout_context.run_on_flat_buffers(_Shards(), inner.init, shards),
         )
 
     def update(grads, state, params=None):
@@ -107,7 +107,7 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
             summed = funcol.reduce_scatter_single(padded_chunks(buffer, g.world_size).reshape(-1), "sum", 0, g.group)
             grad_shards[key] = summed / g.world_size if average else summed
         param_shards = None if params is None else local_shards(layout, params, g)
-        update_shards, inner_state = fusion.run_on_flat_buffers(_Shards(), inner.update, grad_shards, state.inner, param_shards)
+        update_shards, inner_state = layout_context.run_on_flat_buffers(_Shards(), inner.update, grad_shards, state.inner, param_shards)
         full = {
             key: funcol.all_gather_single(u, 0, g.group)[: layout.groups[key].numel]
             for key, u in update_shards.items()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from functional_bagua import fusion, tree
+from functional_bagua import layout_context, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.hyperparams import checkable
 from functional_bagua.transforms.leafwise import stateless
@@ -78,7 +78,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         return EmptyState()
 
     def update(updates, state, params=None):
-        fusion.refuse_on_shards("clip_by_global_norm", "the norm of one shard is not the global norm")
+        layout_context.refuse_on_shards("clip_by_global_norm", "the norm of one shard is not the global norm")
         if all(u is None for u in tree.flatten(updates)[0]):
             return updates, state
         total = global_norm(updates, norm_type)

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import checks, fusion, tree
+from functional_bagua import checks, layout_context, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 
 
@@ -81,7 +81,7 @@ def leafwise(
 
     def init(params):
         if sparse_gradients:
-            fusion.refuse_inside_fuse(name, "its sparse gradients have no flat buffer")
+            layout_context.refuse_inside_fuse(name, "its sparse gradients have no flat buffer")
         leaves, spec = tree.flatten(params)
         for i, p in enumerate(leaves):
             if p is not None:
@@ -90,7 +90,7 @@ def leafwise(
         per_leaf = [
             state_type(*([None] * len(fields))) if p is None
             else init_leaf(p) if keys is None
-            else _per_segment_states(state_type, [init_leaf(seg.of(p)) for seg in fusion.segments_of(keys[i])])
+            else _per_segment_states(state_type, [init_leaf(seg.of(p)) for seg in layout_context.segments_of(keys[i])])
             for i, p in enumerate(leaves)
         ]
         return state_type(*(spec.unflatten([s[i] for s in per_leaf]) for i in range(len(fields))))
@@ -123,7 +123,7 @@ def leafwise(
             if keys is None:
                 u, new_s = rule(g, s, p)
             else:
-                u, new_s = _update_segments(update_leaf, state_type, g, s, p, fusion.segments_of(keys[i]))
+                u, new_s = _update_segments(update_leaf, state_type, g, s, p, layout_context.segments_of(keys[i]))
             updates.append(u.to(g.dtype))
             new_state_leaves.append(_with_dtypes_of(new_s, s))
         new_state = state_type(
@@ -187,8 +187,8 @@ def stateless(
         new = [
             None if u is None
             else rule(u, p).to(u.dtype) if keys is None
-            else per_buffer(u, p, [seg.numel for seg in fusion.segments_of(keys[i])]).to(u.dtype) if per_buffer
-            else _map_segments(update_leaf, u, p, fusion.segments_of(keys[i]))
+            else per_buffer(u, p, [seg.numel for seg in layout_context.segments_of(keys[i])]).to(u.dtype) if per_buffer
+            else _map_segments(update_leaf, u, p, layout_context.segments_of(keys[i]))
             for i, (u, p) in enumerate(zip(update_leaves, param_leaves))
         ]
         return spec.unflatten(new), state
@@ -198,7 +198,7 @@ def stateless(
 
 def _segmented_keys(spec, per_tensor: bool) -> Optional[list]:
     """The flat-buffer key of each leaf when a per-tensor rule runs inside a fused update, else ``None``."""
-    return tree.leaf_names(spec) if per_tensor and fusion.active_layout() is not None else None
+    return tree.leaf_names(spec) if per_tensor and layout_context.active_layout() is not None else None
 
 
 def _per_segment_states(state_type: type, states: list) -> NamedTuple:

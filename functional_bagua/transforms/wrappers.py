@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import torch
 
-from functional_bagua import fusion, tree
+from functional_bagua import layout_context, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.numerics import zero_count
 
@@ -34,7 +34,7 @@ def _keep_where(updates, keep_leaves):
 
 
 def _mask_leaves(mask, params) -> list:
-    fusion.refuse_inside_fuse("masked", "a flat buffer has no parameter names to mask")
+    layout_context.refuse_inside_fuse("masked", "a flat buffer has no parameter names to mask")
     _, spec = tree.flatten(params)
     return [bool(m) for m in tree.leaves_up_to(spec, _resolve(mask, params), "mask", "params")]
 
@@ -108,7 +108,7 @@ def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[An
     """
 
     def label_leaves(params):
-        fusion.refuse_inside_fuse("partition", "a flat buffer has no parameter names to label")
+        layout_context.refuse_inside_fuse("partition", "a flat buffer has no parameter names to label")
         _, spec = tree.flatten(params)
         found = tree.leaves_up_to(spec, _resolve(labels, params), "labels", "params")
         unknown = sorted({str(l) for l in found if l not in transforms})
@@ -221,7 +221,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         return ApplyIfFiniteState(zero_count(params), finite, zero_count(params), inner.init(params))
 
     def update(updates, state, params=None):
-        fusion.refuse_on_shards("apply_if_finite", "each rank would see only its shard, and ranks could disagree on skipping")
+        layout_context.refuse_on_shards("apply_if_finite", "each rank would see only its shard, and ranks could disagree on skipping")
         leaves = [u for u in tree.flatten(updates)[0] if u is not None]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else torch.tensor(True)
         new_updates, new_inner = inner.update(updates, state.inner_state, params)

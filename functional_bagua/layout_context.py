@@ -1,0 +1,118 @@
+"""Which flat layout the update running now works on, for the rules that need to know.
+
+Inside :func:`~functional_bagua.fuse` (and ``distributed.shard``) a transform sees flat buffers,
+``{"float32@cpu": 1-D tensor}``, instead of the parameter tree. Elementwise rules do not care; a
+per-tensor rule (a trust ratio, a factored moment) asks :func:`segments_of` where each parameter
+lies in a buffer, and rules that cannot run on flat buffers ask :func:`refuse_inside_fuse`.
+
+The layout travels with the thread that runs the fused update (:func:`run_on_flat_buffers` sets
+it for the duration of one ``init`` or ``update``), never between threads: an unfused update in
+another thread sees none. It is a ``threading.local``, not a ``contextvars.ContextVar``, because
+fused updates run inside compiled steps and torch.compile cannot trace ``ContextVar.set``; an
+attribute of a thread-local object it traces.
+
+This module sits below the transforms and :mod:`functional_bagua.fusion`, which both import it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from functional_bagua import tree
+
+
+class _Running(threading.local):
+    """This thread's stack of the layouts of the fused updates running now (innermost last)."""
+
+    def __init__(self):
+        self.layouts: list = []
+
+
+_RUNNING = _Running()
+
+
+def active_layout():
+    """The layout of the fused update running now in this thread, or ``None`` outside of one."""
+    layouts = _RUNNING.layouts
+    return layouts[-1] if layouts else None
+
+
+def segments_of(key: str) -> Optional[tuple]:
+    """The segments of the flat buffer ``key`` in the fused update running now (else ``None``).
+
+    Args:
+        key: the group key of a flat buffer (``"float32@cpu"``).
+    """
+    layout = active_layout()
+    return None if layout is None else layout.segments(key)
+
+
+def tensor_shapes(params) -> list:
+    """``(name, shape)`` of each parameter tensor of ``params``, also when ``params`` are the flat
+    buffers of the fused update running now (then the names and shapes are the layout's).
+
+    Args:
+        params: a pytree of parameter tensors (``None`` leaves are left out) or, inside a fused
+            update, its flat buffers ``{key: 1-D tensor}``.
+    """
+    leaves, spec = tree.flatten(params)
+    names = tree.leaf_names(spec)
+    if active_layout() is None:
+        return [(name, tuple(p.shape)) for name, p in zip(names, leaves) if p is not None]
+    return [(seg.name, seg.shape) for key in names for seg in segments_of(key)]
+
+
+def refuse_inside_fuse(name: str, why: str) -> None:
+    """Raise if called while a fused update runs: for transforms that cannot be fused faithfully.
+
+    Args:
+        name: the transform's name, which starts the message.
+        why: why it cannot run on flat buffers, put in the message.
+
+    Raises:
+        NotImplementedError: inside :func:`fuse` or ``distributed.shard``.
+    """
+    if active_layout() is not None:
+        raise NotImplementedError(
+            f"{name} cannot run inside fuse() or shard(): {why}. Fuse the transforms of each group "
+            "separately, or run it unfused."
+        )
+
+
+def refuse_on_shards(name: str, why: str) -> None:
+    """Raise if called on one rank's shard of the flat buffers (inside ``distributed.shard``): for
+    transforms that reduce across all tensors, which a shard holds only a part of.
+
+    Args:
+        name: the transform's name, which starts the message.
+        why: why it cannot run on a shard, put in the message.
+
+    Raises:
+        NotImplementedError: inside ``distributed.shard`` (the active layout has ``is_shard``).
+    """
+    if getattr(active_layout(), "is_shard", False):
+        raise NotImplementedError(
+            f"{name} cannot run inside shard(): {why}. Put it before shard() (on the whole gradients) "
+            "or use an unsharded chain."
+        )
+
+
+def run_on_flat_buffers(layout, fn, *args):
+    """``fn(*args)`` with ``layout`` as the active layout: per-tensor rules inside ``fn`` ask it for
+    the segments of each buffer (``layout.segments(key)``).
+
+    Args:
+        layout: the layout made active while ``fn`` runs: a :class:`~functional_bagua.FlatLayout`, or
+            any object with a ``segments(key)`` method (``distributed.shard`` passes one that raises).
+        fn: the function to call, e.g. a transform's ``init`` or ``update``.
+        *args: the arguments passed to ``fn``.
+
+    Returns:
+        What ``fn`` returns; ``layout`` stops being active even if ``fn`` raises.
+    """
+    _RUNNING.layouts.append(layout)
+    try:
+        return fn(*args)
+    finally:
+        _RUNNING.layouts.pop()
