@@ -77,26 +77,29 @@ def _known(*values) -> bool:
 
 
 def _check(value, ok, message: str) -> None:
+    """Raise ``message.format(value)`` unless ``ok(value)``, for a value that can be checked now
+    (:func:`~functional_bagua.hyperparams.checkable`). The message is formatted only on failure:
+    inside a traced step a value may be symbolic, and formatting it would break the trace."""
     number = checkable(value)
-    if number is not None:
-        _require(ok(number), message)
+    if number is not None and not ok(number):
+        raise ValueError(message.format(value))
 
 
 def _check_lr(lr) -> None:
-    _check(lr, lambda v: 0.0 <= v, f"Invalid learning rate: {lr}")
+    _check(lr, lambda v: 0.0 <= v, "Invalid learning rate: {}")
 
 
 def _check_nonnegative(value, name: str) -> None:
-    _check(value, lambda v: 0.0 <= v, f"Invalid {name} value: {value}")
+    _check(value, lambda v: 0.0 <= v, f"Invalid {name} value: " + "{}")
 
 
 def _check_eps(eps) -> None:
-    _check(eps, lambda v: 0.0 <= v, f"Invalid epsilon value: {eps}")
+    _check(eps, lambda v: 0.0 <= v, "Invalid epsilon value: {}")
 
 
 def _check_betas(betas) -> None:
     for i, beta in enumerate(betas):
-        _check(beta, lambda v: 0.0 <= v < 1.0, f"Invalid beta parameter at index {i}: {beta}")
+        _check(beta, lambda v: 0.0 <= v < 1.0, f"Invalid beta parameter at index {i}: " + "{}")
 
 
 def _check_adam_like(lr, betas, eps, weight_decay) -> None:
@@ -166,7 +169,7 @@ def sgd(
     if not _known(lr, momentum, dampening, weight_decay):
         return tx
     return kernels.tag(
-        tx, "sgd", state_index=2,
+        tx, "sgd",
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
     )
 
@@ -213,7 +216,7 @@ def adam(
     if not _known(lr, *betas, eps, weight_decay):
         return tx
     return kernels.tag(
-        tx, "adamw" if decoupled_weight_decay else "adam", state_index=1 if decoupled_weight_decay else 2,
+        tx, "adamw" if decoupled_weight_decay else "adam",
         lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
     )
 
@@ -479,7 +482,7 @@ def adadelta(
         state = tx.init(params)
     """
     _check_lr(lr)
-    _check(rho, lambda v: 0.0 <= v <= 1.0, f"Invalid rho value: {rho}")
+    _check(rho, lambda v: 0.0 <= v <= 1.0, "Invalid rho value: {}")
     _check_eps(eps)
     _check_nonnegative(weight_decay, "weight_decay")
     return _decayed(scale_by_adadelta(rho, eps), weight_decay, False, lr, maximize)
@@ -649,11 +652,11 @@ def adafactor(
     """
     eps1, eps2 = eps
     _check_lr(lr)
-    _check(beta2_decay, lambda v: v <= 0.0, f"beta2_decay should be <= 0 but is: {beta2_decay}")
-    _check(eps1, lambda v: 0.0 <= v, f"epsilon1 should be >= 0 but is: {eps1}")
-    _check(eps2, lambda v: 0.0 <= v, f"epsilon2 should be >= 0 but is: {eps2}")
-    _check(d, lambda v: 1.0 <= v, f"Clipping threshold d should be >= 1 but is: {d}")
-    _check(weight_decay, lambda v: 0.0 <= v, f"weight_decay should be >= 0 but is: {weight_decay}")
+    _check(beta2_decay, lambda v: v <= 0.0, "beta2_decay should be <= 0 but is: {}")
+    _check(eps1, lambda v: 0.0 <= v, "epsilon1 should be >= 0 but is: {}")
+    _check(eps2, lambda v: 0.0 <= v, "epsilon2 should be >= 0 but is: {}")
+    _check(d, lambda v: 1.0 <= v, "Clipping threshold d should be >= 1 but is: {}")
+    _check(weight_decay, lambda v: 0.0 <= v, "weight_decay should be >= 0 but is: {}")
     return chain(
         negate_if(maximize),
         scale_by_factored_rms(beta2_decay, eps1, d),
@@ -706,8 +709,8 @@ def muon(
         state = tx.init(matrices)   # 2-D parameters only: init raises a ValueError otherwise
     """
     _check_lr(lr)
-    _check(momentum, lambda v: 0.0 <= v, f"momentum should be >= 0 but is: {momentum}")
-    _check(weight_decay, lambda v: 0.0 <= v, f"weight decay should be >= 0 but is: {weight_decay}")
+    _check(momentum, lambda v: 0.0 <= v, "momentum should be >= 0 but is: {}")
+    _check(weight_decay, lambda v: 0.0 <= v, "weight decay should be >= 0 but is: {}")
     _require(
         adjust_lr_fn in (None, "original", "match_rms_adamw"),
         f"Adjust learning rate function {adjust_lr_fn} is not supported",

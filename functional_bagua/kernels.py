@@ -5,35 +5,51 @@
 kernel per list of tensors. On a flat buffer the list has one tensor per group, so the whole
 optimizer step is one kernel: the fastest update these machines have (benchmarks/RESULTS.md).
 
-An alias built with plain-number hyperparameters records which kernel computes it
-(:func:`tag`); :func:`functional_bagua.fuse_inplace` uses the kernel when asked. The kernel's
-numbers are those of ``torch.optim``'s fused optimizers (bitwise, elementwise on the flat buffer)
-and within float rounding of the pure update.
+An alias built with plain-number hyperparameters records which kernel computes it, with the
+kernel's arguments, in one place (:func:`tag`); :func:`functional_bagua.fuse_inplace` uses the
+kernel when asked. The kernel finds the moments it updates in the alias's state by their type
+(:class:`~functional_bagua.ScaleByAdamState`, :class:`~functional_bagua.TraceState`), wherever the
+chain puts them. The kernel's numbers are those of ``torch.optim``'s fused optimizers (bitwise,
+elementwise on the flat buffer) and within float rounding of the pure update.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import optree
 import torch
 
 from functional_bagua.base import GradientTransformation
+from functional_bagua.transforms.adam import ScaleByAdamState, ScaleByAmsgradState
+from functional_bagua.transforms.momentum import TraceState
 
 STEP_DTYPE = torch.float32  # torch's fused kernels read the step count as a float tensor
 
 
 class KernelSpec(NamedTuple):
-    """``kind``: "adam", "adamw" or "sgd"; ``hyper``: the kernel's keyword arguments;
-    ``state_index``: position of the moments' state in the alias's chain state."""
+    """``kind``: "adam", "adamw" or "sgd"; ``hyper``: the kernel's keyword arguments."""
 
     kind: str
     hyper: dict
-    state_index: int
 
 
-def tag(tx: GradientTransformation, kind: str, state_index: int, **hyper) -> GradientTransformation:
-    """Record on ``tx`` that torch's ``kind`` kernel computes it with ``hyper``."""
-    tx.update.fused_kernel = KernelSpec(kind, hyper, state_index)
+MOMENTS = {"adam": (ScaleByAdamState, ScaleByAmsgradState), "adamw": (ScaleByAdamState, ScaleByAmsgradState), "sgd": (TraceState,)}
+
+
+def tag(tx: GradientTransformation, kind: str, **hyper) -> GradientTransformation:
+    """Record on ``tx`` that torch's ``kind`` kernel computes it with ``hyper`` (the kernel's
+    keyword arguments: the one place the kernel reads them from).
+
+    Args:
+        tx: the alias's transform.
+        kind: ``"adam"``, ``"adamw"`` or ``"sgd"``.
+        **hyper: the kernel's keyword arguments (``lr``, ``beta1``, ..., ``maximize``).
+
+    Returns:
+        ``tx``.
+    """
+    tx.update.fused_kernel = KernelSpec(kind, hyper)
     return tx
 
 
@@ -46,7 +62,7 @@ def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
     """One optimizer step in place: ``params`` and ``state`` (the alias's own, from its ``init``
     over the flat buffers) are overwritten; ``grads`` are read only."""
     keys = list(params)
-    moments = state[spec.state_index]
+    moments = moments_of(spec.kind, state)
     p, g = [_real(params[k]) for k in keys], [_real(grads[k]) for k in keys]
     if spec.kind == "sgd":
         _sgd(spec.hyper, moments, keys, p, g)
@@ -59,6 +75,23 @@ def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
     kernel(p, g, [_real(moments.mu[k]) for k in keys], [_real(moments.nu[k]) for k in keys], max_nu, steps, **spec.hyper)
 
 
+def moments_of(kind: str, state):
+    """The one state of ``kind``'s moment type in ``state`` (a sgd without momentum has none:
+    ``None``); a ValueError if there are several, or none where the kernel needs them.
+
+    Args:
+        kind: the kernel's kind.
+        state: the alias's state, any tree of states.
+    """
+    types = MOMENTS[kind]
+    found = [s for s in optree.tree_leaves(state, is_leaf=lambda s: isinstance(s, types), none_is_leaf=True) if isinstance(s, types)]
+    if len(found) > 1:
+        raise ValueError(f"torch's {kind} kernel: the state holds {len(found)} {types[0].__name__}s; it updates one")
+    if not found and kind != "sgd":
+        raise ValueError(f"torch's {kind} kernel: the state holds no {types[0].__name__} to update")
+    return found[0] if found else None
+
+
 def _real(t: torch.Tensor) -> torch.Tensor:
     """A complex buffer as its real view (each number as two reals), as torch.optim steps complex
     parameters; the kernels are elementwise, so this is the complex update."""
@@ -66,7 +99,7 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sgd(hyper: dict, moments, keys: list, p: list, g: list) -> None:
-    if hyper["momentum"] == 0:
+    if hyper["momentum"] == 0 or moments is None:
         torch._fused_sgd_(p, g, [], is_first_step=False, **hyper)
         return
     is_first_step = bool(moments.count[keys[0]] == 0)

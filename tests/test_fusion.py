@@ -261,6 +261,31 @@ def test_compiled_in_place_equals_the_pure_fused_update():
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
+def test_torch_kernel_finds_the_moments_wherever_the_chain_keeps_them():
+    """The kernel read the moments at a position fixed when the alias was written; a chain that
+    keeps them elsewhere (here wrapped in one more chain, behind a stateful transform) is stepped
+    the same, and a tagged chain with no moments, or two, says so."""
+    from functional_bagua import kernels
+
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+
+    def reordered():
+        inner = fb.chain(fb.scale_by_adam(), fb.add_decayed_weights(0.1), fb.scale_by_learning_rate(1e-2))
+        return kernels.tag(fb.chain(fb.scale_by_schedule(fb.schedules.constant(1.0)), inner), "adamw", **hyper)
+
+    expected, _ = _inplace_run(lambda: fb.adamw(lr=1e-2, weight_decay=0.1), "torch", dtype=torch.float64)
+    actual, state = _inplace_run(reordered, "torch", dtype=torch.float64)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **EXACT)
+    assert int(state[1][0].count["float64@cpu"]) == 5  # the moments it found, and stepped
+    layout = fb.FlatLayout.of({"w": torch.zeros(3)})
+    flat = layout.flatten({"w": torch.zeros(3)})
+    for tx, says in ((kernels.tag(fb.chain(fb.scale(1.0)), "adam", **hyper), "holds no ScaleByAdamState"),
+                     (kernels.tag(fb.chain(fb.scale_by_adam(), fb.scale_by_adam()), "adam", **hyper), "holds 2 ScaleByAdamStates")):
+        with pytest.raises(ValueError, match=says):
+            fb.fuse_inplace(tx, layout, kernel="torch")(flat, fb.fuse(tx, layout).init(flat), flat)
+
+
 def test_fuse_inplace_rejects_unknown_kernels():
     layout = fb.FlatLayout.of({"w": torch.zeros(3)})
     with pytest.raises(ValueError, match="torch has a fused kernel only for sgd, adam and adamw"):
