@@ -107,9 +107,8 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, ch
     if is_fused_optimizer(optimizer):
         raise RuntimeError(f"this {type(optimizer).__name__} is already fused; fuse_optimizer was called twice on it")
     fusion = _Fusion(optimizer, do_flatten=do_flatten, check_flatten=check_flatten)
-    optimizer._bagua_fusion = fusion
-    optimizer._bagua_fused_count = 0
-    optimizer.fuse_step = fusion.step
+    # Bagua's API: the fused step and its counter live on the optimizer object itself
+    vars(optimizer).update(_bagua_fusion=fusion, _bagua_fused_count=0, fuse_step=fusion.step)
     return optimizer
 
 
@@ -138,7 +137,7 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = No
         raise RuntimeError(
             f"fuse_step needs an optimizer passed through fuse_optimizer first; got a plain {type(optimizer).__name__}"
         )
-    return optimizer._bagua_fusion.step(closure)
+    return vars(optimizer)["_bagua_fusion"].step(closure)
 
 
 @contextlib.contextmanager
@@ -160,16 +159,17 @@ def fused_steps(optimizer: torch.optim.Optimizer):
     """
     if not is_fused_optimizer(optimizer):
         raise RuntimeError(f"fused_steps needs an optimizer passed through fuse_optimizer; got {type(optimizer).__name__}")
-    had_own_step = "step" in vars(optimizer)
-    original = vars(optimizer).get("step")
-    optimizer.step = _FusedAlias(optimizer._bagua_fusion, original)
+    own = vars(optimizer)  # an instance attribute "step" shadows the class's (as lr schedulers' wrappers do)
+    had_own_step = "step" in own
+    original = own.get("step")
+    own["step"] = _FusedAlias(own["_bagua_fusion"], original)
     try:
         yield optimizer
     finally:
         if had_own_step:
-            optimizer.step = original
+            own["step"] = original
         else:
-            del optimizer.step
+            del own["step"]
 
 
 class _FusedAlias:
@@ -257,7 +257,7 @@ class _Fusion:
                     runs.append(run)
                 swapped.append((group, group["params"]))
                 group["params"] = [chunk for run in plan.runs for chunk in run.chunks] + plan.alone
-                optimizer._bagua_fused_count += 1
+                vars(optimizer)["_bagua_fused_count"] += 1
             plain_step = _plain_step(optimizer)
             result = plain_step(closure) if closure is not None else plain_step()
         finally:
@@ -325,7 +325,7 @@ class _Fusion:
         for params in candidates:
             flat = span(params) if len(params) > 1 else None
             found = self._probe(index, group, params, param_ids, kinds) if flat is not None else None
-            if found is None or found.reason is not None:
+            if flat is None or found is None or found.reason is not None:
                 alone.extend(params)
                 continue
             bucket, slot = self._slot(params, flat.numel())

@@ -195,9 +195,11 @@ class Run:
         self.bounds = chunk_bounds(flat)
         self.chunks = [torch.nn.Parameter(flat[a:b], requires_grad=False) for a, b in self.bounds]
         self._pointers = list(map(_data_ptr, params))
-        self._states_of, self._states_generation = None, -1  # see StateIndex
+        self._states_of: Optional[Callable] = None  # see StateIndex
+        self._states_generation = -1
         self._moved_grads: Optional[list] = None  # the members' .grad as still_valid saw them, if not all views
-        self.flat_grad: Optional[torch.Tensor] = None
+        self.flat_grad: torch.Tensor = torch.empty(0)  # set by _adopt_grads below
+        self._grad_ids: list = []
         self.grad_views: list = []
         self.state_views: dict = {}  # key -> members' views of self.flat_state[key]
         self.flat_state: dict = {}  # key -> flat tensor (parameter-shaped keys)
@@ -234,9 +236,11 @@ class Run:
         ):
             return False  # a gradient is missing, or has another dtype (p.grad_dtype was changed)
         self._moved_grads = None if in_place else grads  # for _refresh_grads, in this step
-        if self._states_generation != index.generation:
-            self._states_of, self._states_generation = index.getter(params), index.generation
-        states = self._states_of(index.values)
+        states_of = self._states_of
+        if states_of is None or self._states_generation != index.generation:
+            states_of = self._states_of = index.getter(params)
+            self._states_generation = index.generation
+        states = states_of(index.values)
         if any(map(is_not, map(type, states), repeat(dict))):
             return False
         if any(map(ne, map(len, states), repeat(len(self.state_views) + len(self.scalars) + len(self.values)))):
@@ -389,7 +393,8 @@ class Run:
         views = split_like(out, tensors)
         moved = [(v, t.detach()) for v, t in zip(views, tensors) if v.data_ptr() != t.data_ptr()]
         if moved:
-            torch._foreach_copy_(*map(list, zip(*moved)))
+            targets, sources = (list(side) for side in zip(*moved))
+            torch._foreach_copy_(targets, sources)
         return out, views
 
 

@@ -13,6 +13,7 @@ checkpointed, moved and traced. ``update`` never mutates its arguments.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -107,7 +108,7 @@ def check_params(params: Params, who: str) -> None:
     leaves, spec = tree.flatten(params)
     for i, p in enumerate(leaves):
         if p is not None:
-            checks.check_param(p, lambda i=i: tree.leaf_names(spec)[i], who)
+            checks.check_param(p, functools.partial(_leaf_name, spec, i), who)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:
@@ -135,3 +136,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
 def _add_keeping_dtype(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.add(p, u).to(p.dtype)
+
+
+def _leaf_name(spec, i: int) -> str:
+    return tree.leaf_names(spec)[i]
+

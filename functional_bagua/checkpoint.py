@@ -19,7 +19,7 @@ copies, so stepping in place never writes into the checkpoint dict::
     state = fb.load_state_dict(tx.init(params), torch.load("opt.pt"))
 
 A state type may name fields that say where the state belongs rather than what it learned, in a
-class attribute ``MUST_MATCH_ON_LOAD`` (a shard's rank and world size): those are compared with
+static method ``must_match_on_load()`` (a shard's rank and world size): those are compared with
 the template's, and a checkpoint whose values differ is refused.
 """
 
@@ -57,10 +57,13 @@ def _keyed_leaves(state: Any):
 
 
 def _must_match(accessor) -> bool:
-    """Whether the leaf at ``accessor`` is a field its state type lists in ``MUST_MATCH_ON_LOAD``."""
-    last = accessor[-1] if len(accessor) else None
+    """Whether the leaf at ``accessor`` is a field its state type lists in ``must_match_on_load()``."""
+    if not len(accessor):
+        return False
+    last = accessor[-1]
     field = getattr(last, "field", None)
-    return field is not None and field in getattr(last.type, "MUST_MATCH_ON_LOAD", ())
+    must_match = getattr(last.type, "must_match_on_load", None)
+    return field is not None and must_match is not None and field in must_match()
 
 
 def state_dict(state: Any) -> dict[str, torch.Tensor]:
@@ -102,7 +105,7 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
             values, and a warning lists both kinds of keys.
 
     Also raises a ValueError for a tensor of another shape or dtype, and for a
-    ``MUST_MATCH_ON_LOAD`` field whose value differs from the template's (module docstring).
+    ``must_match_on_load()`` field whose value differs from the template's (module docstring).
     Tensors are copied to the template's devices.
 
     Example::

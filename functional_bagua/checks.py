@@ -19,6 +19,7 @@ checks its input before any math that could broadcast it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from itertools import compress
 from typing import Callable, Optional
@@ -131,7 +132,7 @@ def check_grads(
         return
     for i, (g, p) in enumerate(zip(grads, params)):
         if g is not None:
-            check_grad(g, p, lambda i=i: name(i), who, complex_ok=complex_ok, layout=layout)
+            check_grad(g, p, functools.partial(name, i), who, complex_ok=complex_ok, layout=layout)
 
 
 def check_updates(updates: list, params: list, name: Callable[[int], str], who: str) -> None:
@@ -142,7 +143,7 @@ def check_updates(updates: list, params: list, name: Callable[[int], str], who: 
         return
     for i, (u, p) in enumerate(zip(updates, params)):
         if u is not None:
-            check_update(u, p, lambda i=i: name(i), who)
+            check_update(u, p, functools.partial(name, i), who)
 
 
 def _all_fit(gs: list, ps: list, complex_ok: bool, layout) -> bool:

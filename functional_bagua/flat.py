@@ -93,7 +93,8 @@ class FlatLayout:
             members.append(Segment(name, offset, tuple(shape)))
             self._slots.append((key, len(members) - 1))
         self.groups = {
-            key: FlatGroup(key, *kinds[key], tuple(segs), sum(s.numel for s in segs)) for key, segs in segments.items()
+            key: FlatGroup(key, kinds[key][0], kinds[key][1], tuple(segs), sum(s.numel for s in segs))
+            for key, segs in segments.items()
         }
 
     @classmethod
@@ -298,9 +299,10 @@ class _GradientsHome:
                 f"flatten_module: the parameter {name!r} no longer views its flat buffer {key!r} (was p.data "
                 "replaced?), so the buffer does not hold its values; call flatten_module(model) again"
             )
-        if p.grad is view:
+        grad = p.grad
+        if grad is view or grad is None:
             return
-        view.copy_(p.grad)
+        view.copy_(grad)
         p.grad = view
         if not self.queued:
             self.queued = True

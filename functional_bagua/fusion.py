@@ -115,7 +115,8 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
         updates, new_state = fused.update(grads, state, params)
         _copy_into((params, state), (apply_updates(params, updates), new_state))
 
-    if kernel == "torch":
+    if kernel == "torch" and spec is not None:  # spec exists: checked above
+
         def torch_kernel_step(grads, state, params) -> None:
             layout.check(grads)
             layout.check(params)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -80,7 +80,7 @@ class InjectHyperparamsState(NamedTuple):
     """``count``: updates done; ``hyperparams``: name -> 0-dim tensor (or tuple of them);
     ``inner_state``: the state of the transform the factory builds."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     hyperparams: dict
     inner_state: Any
 
@@ -211,7 +211,7 @@ def _holds_schedule(value) -> bool:
     return callable(value)
 
 
-def accepts_schedules(alias: Callable[..., GradientTransformation] = None, *, static_args: Sequence[str] = ()):
+def accepts_schedules(alias: Optional[Callable[..., GradientTransformation]] = None, *, static_args: Sequence[str] = ()):
     """Let every float hyperparameter of ``alias`` be a schedule: when any argument is callable,
     the alias is built through :func:`inject_hyperparams` (its state is then an
     :class:`InjectHyperparamsState`); otherwise it is built directly. Arguments named in

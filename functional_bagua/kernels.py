@@ -49,7 +49,7 @@ def tag(tx: GradientTransformation, kind: str, **hyper) -> GradientTransformatio
     Returns:
         ``tx``.
     """
-    tx.update.fused_kernel = KernelSpec(kind, hyper)
+    tx.update.fused_kernel = KernelSpec(kind, hyper)  # type: ignore[attr-defined]
     return tx
 
 

@@ -60,7 +60,8 @@ def tensor_shapes(params) -> list:
     names = tree.leaf_names(spec)
     if active_layout() is None:
         return [(name, tuple(p.shape)) for name, p in zip(names, leaves) if p is not None]
-    return [(seg.name, seg.shape) for key in names for seg in segments_of(key)]
+    layout = active_layout()
+    return [(seg.name, seg.shape) for key in names for seg in layout.segments(key)]
 
 
 def refuse_inside_fuse(name: str, why: str) -> None:

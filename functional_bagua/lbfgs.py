@@ -171,7 +171,7 @@ def _iterations(evaluate, x, loss, grad, s: LbfgsState, lr, max_iter, max_eval, 
     for iteration in range(1, max_iter + 1):
         n_iter += 1
         if n_iter == 1:
-            d, kept, h_diag = grad.neg(), 0, 1
+            d, kept, h_diag = grad.neg(), 0, torch.ones_like(s.h_diag)
         else:
             y, step = grad.sub(prev_grad), d.mul(t)
             ys = y.dot(step)
@@ -232,7 +232,7 @@ def _remember(dirs, steps, rho, kept, y, step, new_rho, history_size):
 def _two_loop(grad, dirs, steps, rho, h_diag) -> torch.Tensor:
     """``-H grad`` by the two-loop recursion over the kept pairs (module docstring)."""
     q = grad.neg()
-    alphas = [None] * len(dirs)
+    alphas: list = [None] * len(dirs)
     for i in reversed(range(len(dirs))):
         alphas[i] = steps[i].dot(q) * rho[i]
         q = q.add(dirs[i], alpha=-alphas[i])

@@ -18,18 +18,21 @@ gradient (a flat tensor) at ``x + t d``.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+
+
+Scalar = Any  # a Python float or a 0-dim tensor: torch.optim.LBFGS mixes both, and so must we to match it
 
 
 class Point(NamedTuple):
     """A trial step ``t`` with the loss there, its gradient and the directional derivative ``g.d``."""
 
-    t: object
+    t: Scalar
     f: float
     g: torch.Tensor
-    gtd: object
+    gtd: Scalar
 
 
 def cubic_minimizer(a: Point, b: Point, bounds: Optional[tuple] = None):

@@ -16,6 +16,7 @@ Example (under ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
+import functools
 import torch
 
 from functional_bagua import checks, tree
@@ -100,6 +101,10 @@ def _dense_leaves(leaves: list, spec, params, complex_ok: bool) -> list:
                     f"{NAME}: gradient of {tree.leaf_names(spec)[i]!r} is None; pass params so that it can be sent as zeros"
                 )
             g = torch.zeros_like(p)
-        checks.check_grad(g, p, lambda i=i: tree.leaf_names(spec)[i], NAME, complex_ok=complex_ok)
+        checks.check_grad(g, p, functools.partial(_leaf_name, spec, i), NAME, complex_ok=complex_ok)
         dense.append(g)
     return dense
+
+
+def _leaf_name(spec, i: int) -> str:
+    return tree.leaf_names(spec)[i]

@@ -41,7 +41,7 @@ PEER_SELECTION_MODES = ("all", "shift_one")
 class AveragingState(NamedTuple):
     """``count``: the number of updates so far (int64, 0-dim)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
 
 
 def periodic_average(period: int, warmup_steps: int = 0, group=None) -> GradientTransformation:

@@ -26,7 +26,8 @@ def assign_buckets(leaves: list, cap_bytes: int) -> list[list[int]]:
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
-    closed, open_buckets = [], {}  # open: (dtype, device) -> [indices, bytes]
+    closed: list = []
+    open_buckets: dict = {}  # (dtype, device) -> [indices, bytes]
     for i in reversed(range(len(leaves))):
         leaf = leaves[i]
         indices_and_size = open_buckets.setdefault((leaf.dtype, leaf.device), [[], 0])

@@ -163,7 +163,7 @@ def check_same_everywhere(params, group: Group, who: str, settings: dict) -> Non
         who: the transform's name, compared across ranks and used in the messages.
         settings: the transform's settings, ``{name: value}``, compared across ranks.
     """
-    everyone = [None] * group.world_size
+    everyone: list = [None] * group.world_size
     mine = (who, sorted(settings.items(), key=lambda kv: kv[0]), describe_leaves(params))
     dist.all_gather_object(everyone, mine, group=group.group)
     reference_who, reference_settings, reference = everyone[0]

@@ -42,7 +42,10 @@ class ShardState(NamedTuple):
     world_size: torch.Tensor
     inner: Any
 
-    MUST_MATCH_ON_LOAD = ("rank", "world_size")
+    @staticmethod
+    def must_match_on_load() -> tuple:
+        """The fields a checkpoint must agree with, not overwrite (``fb.load_state_dict``)."""
+        return ("rank", "world_size")
 
 
 class _Shards:

@@ -71,7 +71,7 @@ def second_moment(v: torch.Tensor, g: torch.Tensor, b2) -> torch.Tensor:
 class ScaleByAdamState(NamedTuple):
     """Per tensor: ``count`` (steps taken), ``mu`` and ``nu`` (first and second moments)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     mu: torch.Tensor
     nu: torch.Tensor
 
@@ -79,7 +79,7 @@ class ScaleByAdamState(NamedTuple):
 class ScaleByAmsgradState(NamedTuple):
     """:class:`ScaleByAdamState` plus ``nu_max``, the running maximum of ``nu``."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     mu: torch.Tensor
     nu: torch.Tensor
     nu_max: torch.Tensor
@@ -128,7 +128,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad
 class ScaleByAdamaxState(NamedTuple):
     """Per tensor: ``count``, ``mu`` (first moment), ``nu`` (exponentially weighted infinity norm)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     mu: torch.Tensor
     nu: torch.Tensor
 
@@ -165,7 +165,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
 class ScaleByNadamState(NamedTuple):
     """Per tensor: ``count``, ``mu_product`` (``P_t``, float64), ``mu``, ``nu`` (moments)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     mu_product: torch.Tensor
     mu: torch.Tensor
     nu: torch.Tensor
@@ -216,7 +216,7 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, moment
 class ScaleByRadamState(NamedTuple):
     """Per tensor: ``count``, ``mu``, ``nu`` (moments)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     mu: torch.Tensor
     nu: torch.Tensor
 

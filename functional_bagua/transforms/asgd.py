@@ -25,7 +25,7 @@ from functional_bagua.transforms.leafwise import leafwise
 class ScaleByAsgdState(NamedTuple):
     """Per tensor: ``count``, ``eta`` (step size), ``mu`` (averaging weight), ``ax`` (average)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     eta: torch.Tensor
     mu: torch.Tensor
     ax: torch.Tensor

@@ -28,7 +28,7 @@ from functional_bagua.numerics import lerp, zero_count
 class EmaParamsState(NamedTuple):
     """``count``: parameter versions averaged so far; ``ema``: the averaged parameters."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     ema: Any
 
 

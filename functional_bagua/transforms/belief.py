@@ -20,7 +20,7 @@ from functional_bagua.transforms.leafwise import leafwise
 class ScaleByBeliefState(NamedTuple):
     """Per tensor: ``count``, ``mu`` (first moment), ``nu`` (belief ``s``)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     mu: torch.Tensor
     nu: torch.Tensor
 

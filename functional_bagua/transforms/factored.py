@@ -34,7 +34,7 @@ class ScaleByFactoredRmsState(NamedTuple):
     dims, else ``variance`` (``V``). The unused fields hold empty tensors (not ``None``: a state
     field must hold at least one tensor for torch.compile to trace it)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     row_var: torch.Tensor
     col_var: torch.Tensor
     variance: torch.Tensor
@@ -93,7 +93,7 @@ def scale_by_factored_rms(beta2_decay: float = -0.8, eps1: Optional[float] = Non
 class ScaleByRelativeStepSizeState(NamedTuple):
     """Per tensor: ``count``."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
 
 
 def scale_by_relative_step_size(lr: float = 1e-2, eps2: float = 1e-3) -> GradientTransformation:

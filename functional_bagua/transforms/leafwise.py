@@ -21,7 +21,7 @@ parameter that skipped steps bias-corrects with its own count.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -30,7 +30,7 @@ from functional_bagua.base import EmptyState, GradientTransformation
 
 
 def leafwise(
-    state_type: type,
+    state_type: Any,
     init_leaf: Callable[[torch.Tensor], NamedTuple],
     update_leaf: Callable[[torch.Tensor, NamedTuple, Optional[torch.Tensor]], tuple],
     *,
@@ -201,7 +201,7 @@ def _segmented_keys(spec, per_tensor: bool) -> Optional[list]:
     return tree.leaf_names(spec) if per_tensor and layout_context.active_layout() is not None else None
 
 
-def _per_segment_states(state_type: type, states: list) -> NamedTuple:
+def _per_segment_states(state_type: Any, states: list) -> Any:
     """Per-segment states of one buffer, as one state whose fields are tuples over the segments."""
     return state_type(*(tuple(s[k] for s in states) for k in range(len(state_type._fields))))
 
@@ -243,7 +243,7 @@ def _field_leaves(spec, state, field: str, name: str, segmented: bool = False) -
     return leaves
 
 
-def _with_dtypes_of(new: NamedTuple, old: NamedTuple) -> NamedTuple:
+def _with_dtypes_of(new: Any, old: Any) -> Any:
     """``new`` with each tensor cast to the dtype of its counterpart in ``old``.
 
     Scalar factors are float64 0-dim tensors, and 0-dim by 0-dim arithmetic promotes, so a 0-dim

@@ -26,7 +26,7 @@ from functional_bagua.numerics import lerp, zero_count
 class LookaheadState(NamedTuple):
     """``count``: fast steps done; ``slow``: the slow weights; ``inner_state``."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     slow: Any
     inner_state: Any
 

@@ -24,7 +24,7 @@ from functional_bagua.transforms.leafwise import leafwise
 class TraceState(NamedTuple):
     """``count``: steps taken per tensor; ``trace``: the momentum buffer ``b``."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     trace: torch.Tensor
 
 

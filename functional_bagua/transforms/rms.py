@@ -88,7 +88,7 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False)
 class ScaleByAdagradState(NamedTuple):
     """Per tensor: ``count`` and ``sum_of_squares`` (``S``)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     sum_of_squares: torch.Tensor
 
 

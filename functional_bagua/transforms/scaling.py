@@ -61,7 +61,7 @@ def negate_if(flag: bool) -> GradientTransformation:
 class ScaleByScheduleState(NamedTuple):
     """``count``: number of updates done so far (0-dim int64 tensor)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
 
 
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:

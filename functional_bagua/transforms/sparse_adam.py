@@ -28,7 +28,7 @@ from functional_bagua.transforms.leafwise import leafwise
 class ScaleBySparseAdamState(NamedTuple):
     """Per tensor: ``count`` (steps taken), ``mu`` and ``nu`` (first and second moments, dense)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     mu: torch.Tensor
     nu: torch.Tensor
 
