@@ -48,9 +48,17 @@ def run(checkout: str) -> dict:
     """The timings of ``checkout``'s functional_bagua (``python -c`` puts the working directory
     first on ``sys.path``, so the process runs in the checkout)."""
     checkout = os.path.abspath(checkout)
-    code = TIMING.replace("import functional_bagua as fb", f"import functional_bagua as fb\nassert fb.__file__.startswith({checkout!r})")
-    result = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=dict(os.environ, PYTHONPATH=checkout),
-                            capture_output=True, text=True, check=True)
+    code = TIMING.replace(
+        "import functional_bagua as fb", f"import functional_bagua as fb\nassert fb.__file__.startswith({checkout!r})"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=checkout,
+        env=dict(os.environ, PYTHONPATH=checkout),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -67,8 +75,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for name in a_runs[0]:
         a, b = [r[name] for r in a_runs], [r[name] for r in b_runs]
-        print(f"| {name} | {statistics.median(a):.2f} ({min(a):.2f}-{max(a):.2f}) | "
-              f"{statistics.median(b):.2f} ({min(b):.2f}-{max(b):.2f}) | {statistics.median(b) / statistics.median(a):.3f} |")
+        print(
+            f"| {name} | {statistics.median(a):.2f} ({min(a):.2f}-{max(a):.2f}) | "
+            f"{statistics.median(b):.2f} ({min(b):.2f}-{max(b):.2f}) | {statistics.median(b) / statistics.median(a):.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ def load_compat(path: str):
     for name in ours:
         del sys.modules[name]
     try:
-        spec = importlib.util.spec_from_file_location(PACKAGE, os.path.join(path, "__init__.py"),
-                                                      submodule_search_locations=[path])
+        spec = importlib.util.spec_from_file_location(
+            PACKAGE, os.path.join(path, "__init__.py"), submodule_search_locations=[path]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[PACKAGE] = module
         spec.loader.exec_module(module)
@@ -64,7 +65,7 @@ def trial(name, kwargs, params, grads, fresh, order, steps) -> dict:
     labels = list(variants)
     times = {label: [] for label in labels}
     for i in range(steps + 3):
-        for label in labels[i % 3:] + labels[:i % 3]:
+        for label in labels[i % 3 :] + labels[: i % 3]:
             ps, step = variants[label]
             if fresh:
                 for p, g in zip(ps, grads):
@@ -96,11 +97,17 @@ def main(argv=None):
                     a_first = trial(name, kwargs, params, grads, fresh, (("A", other), ("B", this_compat)), args.steps)
                     b_first = trial(name, kwargs, params, grads, fresh, (("B", this_compat), ("A", other)), args.steps)
                     ratio = math.sqrt(a_first["B"] / a_first["A"] * b_first["B"] / b_first["A"])
-                    rows.append(dict(optimizer=name, impl=impl, grads="fresh" if fresh else "in place",
-                                     step_ms=statistics.mean([a_first["step"], b_first["step"]]),
-                                     A_ms=statistics.mean([a_first["A"], b_first["A"]]),
-                                     B_ms=statistics.mean([a_first["B"], b_first["B"]]),
-                                     B_over_A=f"{ratio:.3f}"))
+                    rows.append(
+                        dict(
+                            optimizer=name,
+                            impl=impl,
+                            grads="fresh" if fresh else "in place",
+                            step_ms=statistics.mean([a_first["step"], b_first["step"]]),
+                            A_ms=statistics.mean([a_first["A"], b_first["A"]]),
+                            B_ms=statistics.mean([a_first["B"], b_first["B"]]),
+                            B_over_A=f"{ratio:.3f}",
+                        )
+                    )
                     print(rows[-1], flush=True)
     print("\n" + table(rows, ["optimizer", "impl", "grads", "step_ms", "A_ms", "B_ms", "B_over_A"]))
 

@@ -111,6 +111,7 @@ def copy_bandwidth_gbs(device: str, mib: int = 256) -> float:
 
 def table(rows: list[dict], columns: list[str]) -> str:
     """A Markdown table of ``rows`` (dicts) with the given columns."""
+
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 

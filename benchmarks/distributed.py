@@ -28,9 +28,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from common import machine, table  # noqa: E402
+
 import functional_bagua as fb  # noqa: E402
 import functional_bagua.distributed as fbd  # noqa: E402
-from common import machine, table  # noqa: E402
 
 COUNTED = ("all_reduce", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
 LR = 1e-3
@@ -103,6 +104,7 @@ def fb_chain(tx_of):
             holder["params"] = fb.apply_updates(holder["params"], updates)
 
         return step, lambda: state_bytes(holder["state"])
+
     return build
 
 
@@ -126,9 +128,15 @@ VARIANTS = {
     "torch DDP + AdamW(fused)": torch_ddp,
     "fb adamw, no communication (reference)": fb_chain(lambda a: fb.adamw(LR)),
     "fb allreduce + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb), fb.adamw(LR))),
-    "fb allreduce fp16 + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="fp16"), fb.adamw(LR))),
-    "fb allreduce bf16 + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="bf16"), fb.adamw(LR))),
-    "fb allreduce minmax_uint8 + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="minmax_uint8"), fb.adamw(LR))),
+    "fb allreduce fp16 + adamw": fb_chain(
+        lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="fp16"), fb.adamw(LR))
+    ),
+    "fb allreduce bf16 + adamw": fb_chain(
+        lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="bf16"), fb.adamw(LR))
+    ),
+    "fb allreduce minmax_uint8 + adamw": fb_chain(
+        lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb, compression="minmax_uint8"), fb.adamw(LR))
+    ),
     "fb shard(adamw)": fb_chain(lambda a: fbd.shard(fb.adamw(LR))),
     "fb adamw + periodic_average(4)": fb_chain(lambda a: fb.chain(fb.adamw(LR), fbd.periodic_average(4))),
     "fb compiled flat step (allreduce + adamw)": fb_compiled_flat,
@@ -153,10 +161,15 @@ def worker(rank, world, port, args, out_path):
             start = time.perf_counter()
             step(batch)
             times.append(time.perf_counter() - start)
-        timed = times[args.warmup:]
-        rows.append(dict(variant=name, ms=statistics.median(timed) * 1e3,
-                         collective_mib_per_step=counter[0] / len(timed) / 2**20 if counter[0] else None,
-                         state_mib=measure_state() / 2**20))
+        timed = times[args.warmup :]
+        rows.append(
+            dict(
+                variant=name,
+                ms=statistics.median(timed) * 1e3,
+                collective_mib_per_step=counter[0] / len(timed) / 2**20 if counter[0] else None,
+                state_mib=measure_state() / 2**20,
+            )
+        )
     if rank == 0:
         torch.save(rows, out_path)
     dist.destroy_process_group()
@@ -178,7 +191,9 @@ def main(argv=None):
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.start_processes(worker, args=(args.ranks, port, args, out), nprocs=args.ranks, join=True, start_method="spawn")
+        mp.start_processes(
+            worker, args=(args.ranks, port, args, out), nprocs=args.ranks, join=True, start_method="spawn"
+        )
         rows = torch.load(out)
     n_params = sum(p.numel() for p in make_model(args.hidden, args.layers).parameters())
     base = rows[0]["ms"]
@@ -186,8 +201,10 @@ def main(argv=None):
         r["vs_ddp"] = f"{r['ms'] / base:.2f}x"
         if r["collective_mib_per_step"] is None:
             r["collective_mib_per_step"] = "n/a"
-    print(f"# {args.ranks} gloo ranks ({args.threads} torch thread each), {machine()}; MLP {n_params / 1e6:.2f}M params "
-          f"({n_params * 4 / 2**20:.1f} MiB float32), global batch {args.global_batch}\n")
+    print(
+        f"# {args.ranks} gloo ranks ({args.threads} torch thread each), {machine()}; MLP {n_params / 1e6:.2f}M params "
+        f"({n_params * 4 / 2**20:.1f} MiB float32), global batch {args.global_batch}\n"
+    )
     print(table(rows, ["variant", "ms", "vs_ddp", "collective_mib_per_step", "state_mib"]))
 
 

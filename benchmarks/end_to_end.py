@@ -18,9 +18,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import functional_bagua as fb  # noqa: E402
 from common import first_call_s, machine, median_ms, table  # noqa: E402
 from optimizer_step import disable_compile_caches  # noqa: E402
+
+import functional_bagua as fb  # noqa: E402
 
 VOCAB, SEQ, BATCH, D_MODEL = 1000, 32, 16, 128
 
@@ -29,7 +30,9 @@ class TinyLM(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, D_MODEL)
-        layer = torch.nn.TransformerEncoderLayer(D_MODEL, nhead=4, dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True)
+        layer = torch.nn.TransformerEncoderLayer(
+            D_MODEL, nhead=4, dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True
+        )
         self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.head = torch.nn.Linear(D_MODEL, VOCAB)
 
@@ -102,9 +105,11 @@ def main(argv=None):
         torch._dynamo.reset()
         step = make()
         it = iter(batches)
-        compile_s = first_call_s(lambda: step(next(it)), args.device)
-        losses = []
-        ms = median_ms(lambda: losses.append(step(next(it))), args.device, args.steps, warmup=2)
+        compile_s = first_call_s(lambda step=step, it=it: step(next(it)), args.device)
+        losses: list = []
+        ms = median_ms(
+            lambda step=step, it=it, losses=losses: losses.append(step(next(it))), args.device, args.steps, warmup=2
+        )
         rows.append(dict(variant=name, ms=ms, first_step_s=compile_s, final_loss=float(losses[-1])))
     base = rows[0]["ms"]
     for r in rows:

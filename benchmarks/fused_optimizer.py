@@ -118,6 +118,7 @@ def time_steps(variants: dict, grads, fresh: bool, steps: int) -> dict:
     """``variants``: label -> (parameters, step function). With ``fresh``, each step is given
     new gradient tensors just before it (its own only: refreshing every variant's would evict
     the caches of the one about to run, as no backward pass does)."""
+
     def new_grads(label):
         if fresh:
             for p, g in zip(variants[label][0], grads):
@@ -140,13 +141,21 @@ def bench_steps(key, names, steps, with_compile):
             for impl, kwargs in impls.items():
                 plain_params, plain = optimizer_on_copies(name, kwargs, params, grads)
                 fused_params, fused = optimizer_on_copies(name, kwargs, params, grads)
-                variants = {"step": (plain_params, plain.step),
-                            "fuse_step": (fused_params, fuse_optimizer(fused).fuse_step)}
+                variants = {
+                    "step": (plain_params, plain.step),
+                    "fuse_step": (fused_params, fuse_optimizer(fused).fuse_step),
+                }
                 if with_floor and name != "BertAdam (per-tensor clip)":  # fusing it would change the math
                     variants["floor"] = floor_on_copies(name, kwargs, params, grads, fresh)
                 ms = time_steps(variants, grads, fresh, steps)
-                row = dict(optimizer=name, grads=regime, impl=impl, step_ms=ms["step"],
-                           fuse_step_ms=ms["fuse_step"], speedup=f"{ms['step'] / ms['fuse_step']:.2f}x")
+                row = dict(
+                    optimizer=name,
+                    grads=regime,
+                    impl=impl,
+                    step_ms=ms["step"],
+                    fuse_step_ms=ms["fuse_step"],
+                    speedup=f"{ms['step'] / ms['fuse_step']:.2f}x",
+                )
                 if "floor" in ms:
                     row.update(floor_ms=ms["floor"], ceiling=f"{ms['step'] / ms['floor']:.2f}x")
                 rows.append(row)
@@ -183,7 +192,10 @@ def encoder():
 
 TRAIN_MODELS = {
     "100-layer MLP (200 tensors), batch 32": (DeepMLP, lambda gen: torch.randn(32, 64, generator=gen)),
-    "transformer encoder, 6 x d256 (74 tensors), batch 4 x 32 tokens": (encoder, lambda gen: torch.randn(4, 32, 256, generator=gen)),
+    "transformer encoder, 6 x d256 (74 tensors), batch 4 x 32 tokens": (
+        encoder,
+        lambda gen: torch.randn(4, 32, 256, generator=gen),
+    ),
 }
 
 
@@ -202,7 +214,7 @@ def bench_training(steps):
                 opt = OPTIMIZERS[name](list(model.parameters()), **IMPLEMENTATIONS.get(impl, dict(fused=True)))
                 step = fuse_optimizer(opt).fuse_step if how == "fuse_step" else opt.step
 
-                def train_step(model=model, opt=opt, step=step):
+                def train_step(model=model, opt=opt, step=step, x=x):
                     opt.zero_grad()
                     model(x).square().mean().backward()
                     step()
@@ -226,8 +238,11 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(step) (about a minute)")
     parser.add_argument("--train-steps", type=int, default=40, help="timed training steps (forward/backward are noisy)")
     parser.add_argument("--no-train", action="store_true", help="skip the training loops")
-    parser.add_argument("--default-malloc", action="store_true",
-                        help="leave glibc's malloc as it is (BERT-size for-loop steps then vary up to 2x)")
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc as it is (BERT-size for-loop steps then vary up to 2x)",
+    )
     args = parser.parse_args(argv)
     torch._inductor.config.fx_graph_cache = False
     allocator = steady_malloc() if not args.default_malloc else "default allocator"
@@ -237,7 +252,11 @@ def main(argv=None):
         steps = args.bert_steps if key == "bert" else args.steps
         label, rows = bench_steps(key, names, steps, with_compile=key == "mlp" and not args.no_compile)
         print(f"## optimizer step, {label} (median of {steps})\n")
-        print(table(rows, ["optimizer", "grads", "impl", "step_ms", "fuse_step_ms", "speedup", "floor_ms", "ceiling"]) + "\n", flush=True)
+        print(
+            table(rows, ["optimizer", "grads", "impl", "step_ms", "fuse_step_ms", "speedup", "floor_ms", "ceiling"])
+            + "\n",
+            flush=True,
+        )
     if not args.no_train:
         print(f"## training step: zero_grad(), forward, backward, step (median of {args.train_steps})\n")
         print(table(bench_training(args.train_steps), ["model", "optimizer", "impl", "call", "ms", "speedup"]))

@@ -20,8 +20,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 from common import machine, steady_malloc, table  # noqa: E402
@@ -30,9 +28,17 @@ from fused_optimizer import CONFIGS, IMPLEMENTATIONS, OPTIMIZERS, make_tensors, 
 import functional_bagua.compat.fuse as fuse  # noqa: E402
 from functional_bagua.compat.runs import Run, StateIndex  # noqa: E402
 
-PARTS = [(fuse._Fusion, "_fresh_and_cheap"), (StateIndex, "read"), (fuse._Fusion, "_plan"),
-         (fuse._Fusion, "_keep_flat"), (fuse._Fusion, "_still_valid"), (Run, "still_valid"),
-         (Run, "fused_states"), (Run, "_refresh_grads"), (Run, "scatter")]
+PARTS = [
+    (fuse._Fusion, "_fresh_and_cheap"),
+    (StateIndex, "read"),
+    (fuse._Fusion, "_plan"),
+    (fuse._Fusion, "_keep_flat"),
+    (fuse._Fusion, "_still_valid"),
+    (Run, "still_valid"),
+    (Run, "fused_states"),
+    (Run, "_refresh_grads"),
+    (Run, "scatter"),
+]
 
 
 def timing(times: dict, label: str, fn):
@@ -80,6 +86,7 @@ def main(argv=None):
 
     fuse._plain_step = marked_step
     phases = {"before": [], "optimizer step": [], "after": [], "fuse_step": []}
+
     def renew_grads(ps):
         if args.fresh:
             for p, g in zip(ps, grads):
@@ -92,8 +99,12 @@ def main(argv=None):
         start = time.perf_counter_ns()
         fuse_step()
         end = time.perf_counter_ns()
-        for key, value in (("before", marks["in"] - start), ("optimizer step", marks["out"] - marks["in"]),
-                           ("after", end - marks["out"]), ("fuse_step", end - start)):
+        for key, value in (
+            ("before", marks["in"] - start),
+            ("optimizer step", marks["out"] - marks["in"]),
+            ("after", end - marks["out"]),
+            ("fuse_step", end - start),
+        ):
             phases[key].append(value)
     rows = [dict(part=k, us=statistics.median(v) / 1e3) for k, v in {**phases, **times}.items()]
     regime = "fresh gradients" if args.fresh else "gradients in place"

@@ -14,14 +14,16 @@ time of the fused update for 20, 200 and 2000 tensors.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import functional_bagua as fb  # noqa: E402
 from common import PeakMemory, bar_chart, copy_bandwidth_gbs, first_call_s, machine, median_ms, table  # noqa: E402
+
+import functional_bagua as fb  # noqa: E402
 
 # bytes read + written per element and step, in units of the element size (p, g, moments)
 TRAFFIC = {"adamw": 7, "adam": 7, "sgd": 5, "lamb": 9}
@@ -65,7 +67,11 @@ def make_params(shapes, device):
 def torch_variants(name, params, grads, device, with_compile):
     """(variant, step function, compile seconds or None) for torch.optim."""
     out = []
-    kinds = [("torch for-loop", dict(foreach=False)), ("torch foreach", dict(foreach=True)), ("torch fused", dict(fused=True))]
+    kinds = [
+        ("torch for-loop", dict(foreach=False)),
+        ("torch foreach", dict(foreach=True)),
+        ("torch fused", dict(fused=True)),
+    ]
     if with_compile:
         kinds.append(("torch compiled", dict(foreach=True)))
     for variant, kw in kinds:
@@ -130,10 +136,27 @@ def bench_config(key, names, device, steps, copy_gbs, torch_compile_for):
             with PeakMemory(device) as mem:
                 ms = median_ms(step, device, steps)
             gbs = TRAFFIC[name] * numel * 4 / (ms * 1e-3) / 1e9
-            rows.append(dict(config=label, optimizer=name, variant=variant, ms=ms, compile_s=compile_s or "",
-                             peak_mib=mem.mib, gbs=gbs, bw_share=f"{100 * gbs / copy_gbs:.0f}%"))
+            rows.append(
+                dict(
+                    config=label,
+                    optimizer=name,
+                    variant=variant,
+                    ms=ms,
+                    compile_s=compile_s or "",
+                    peak_mib=mem.mib,
+                    gbs=gbs,
+                    bw_share=f"{100 * gbs / copy_gbs:.0f}%",
+                )
+            )
             torch._dynamo.reset()
-        fused_ref = next((r["ms"] for r in rows if r["optimizer"] == name and r["variant"] == "torch fused" and r["config"] == label), None)
+        fused_ref = next(
+            (
+                r["ms"]
+                for r in rows
+                if r["optimizer"] == name and r["variant"] == "torch fused" and r["config"] == label
+            ),
+            None,
+        )
         for r in rows:
             if r["optimizer"] == name and r["config"] == label:
                 r["vs_torch_fused"] = f"{r['ms'] / fused_ref:.2f}x" if fused_ref else "n/a"
@@ -158,8 +181,8 @@ def compile_scaling(device, counts=(20, 200, 2000), total=1_000_000):
         flat, flat_grads = layout.flatten(params), layout.flatten(grads)
         state = fb.fuse(FB["adamw"](), layout).init(flat)
         step_ = fb.fuse_inplace(FB["adamw"](), layout, kernel="compiled")
-        rows.append(dict(tensors=n, compile_s=first_call_s(lambda: step_(flat_grads, state, flat), device),
-                         step_ms=median_ms(lambda: step_(flat_grads, state, flat), device, 10)))
+        run = functools.partial(step_, flat_grads, state, flat)
+        rows.append(dict(tensors=n, compile_s=first_call_s(run, device), step_ms=median_ms(run, device, 10)))
     return rows
 
 
@@ -169,8 +192,11 @@ def main(argv=None):
     parser.add_argument("--configs", default="a,b,c")
     parser.add_argument("--optimizers", default="adamw,adam,sgd,lamb")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--torch-compile", default="adamw:a",
-                        help="optimizer:config pairs for which to time torch.compile(opt.step) (slow to compile on CPU)")
+    parser.add_argument(
+        "--torch-compile",
+        default="adamw:a",
+        help="optimizer:config pairs for which to time torch.compile(opt.step) (slow to compile on CPU)",
+    )
     parser.add_argument("--chart", default=os.path.join(os.path.dirname(__file__), "optimizer_step.png"))
     parser.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling run")
     args = parser.parse_args(argv)

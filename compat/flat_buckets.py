@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Optional
 
 import torch
+
 from functional_bagua.compat.runs import fusable_on_its_device
 from functional_bagua.compat.spans import gather
 
@@ -26,7 +27,14 @@ def trainable_by_kind(params) -> list:
     parameter is stepped on its own, so a flat copy of it would only cost memory)."""
     kinds: dict = defaultdict(list)
     for p in params:
-        if p.requires_grad and p.dim() > 0 and p.numel() > 0 and p.layout == torch.strided and p.is_contiguous() and fusable_on_its_device(p):
+        if (
+            p.requires_grad
+            and p.dim() > 0
+            and p.numel() > 0
+            and p.layout == torch.strided
+            and p.is_contiguous()
+            and fusable_on_its_device(p)
+        ):
             kinds[(p.device, p.dtype)].append(p)
     return [ps for ps in kinds.values() if len(ps) > 1]
 

@@ -56,6 +56,7 @@ from operator import attrgetter, is_, is_not
 from typing import Callable, NamedTuple, Optional
 
 import torch
+
 from functional_bagua.compat import flat_buckets, fusion_check
 from functional_bagua.compat.fusion_check import (
     ProbeResult,
@@ -74,6 +75,7 @@ _grad_of = attrgetter("grad")
 # (1 slot) 0.74-0.79x; for-loop SGD (2) 0.91-1.34x over nine runs, so it is stepped unfused too;
 # foreach SGD with momentum (3) 1.6-2.0x.
 FRESH_GRADS_MIN_WORK = 3
+
 
 def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, check_flatten: bool = True):
     """Give ``optimizer`` a fused step, ``optimizer.fuse_step(closure=None)``, and return it.
@@ -158,7 +160,9 @@ def fused_steps(optimizer: torch.optim.Optimizer):
         ``optimizer``.
     """
     if not is_fused_optimizer(optimizer):
-        raise RuntimeError(f"fused_steps needs an optimizer passed through fuse_optimizer; got {type(optimizer).__name__}")
+        raise RuntimeError(
+            f"fused_steps needs an optimizer passed through fuse_optimizer; got {type(optimizer).__name__}"
+        )
     own = vars(optimizer)  # an instance attribute "step" shadows the class's (as lr schedulers' wrappers do)
     had_own_step = "step" in own
     original = own.get("step")
@@ -314,8 +318,10 @@ class _Fusion:
             plan.param_ids == param_ids
             and plan.hyperparameters == kinds
             and list(map(is_not, map(_grad_of, plan.alone), repeat(None))) == plan.alone_has_grad
-            and all(run.still_valid(self.state_index, check_pointers=not checked)
-                    for run, checked in zip(plan.runs, plan.pointers_checked))
+            and all(
+                run.still_valid(self.state_index, check_pointers=not checked)
+                for run, checked in zip(plan.runs, plan.pointers_checked)
+            )
         )
 
     def _new_plan(self, index: int, group: dict, param_ids: tuple, kinds: tuple) -> _GroupPlan:
@@ -334,8 +340,14 @@ class _Fusion:
             work.append(found.work_per_param)
         cheap = bool(work) and max(work) < FRESH_GRADS_MIN_WORK
         return _GroupPlan(
-            param_ids, kinds, tuple(group.values()), fused, alone, [p.grad is not None for p in alone],
-            pointers_checked, cheap,
+            param_ids,
+            kinds,
+            tuple(group.values()),
+            fused,
+            alone,
+            [p.grad is not None for p in alone],
+            pointers_checked,
+            cheap,
         )
 
     def _probe(self, index: int, group: dict, params: list, param_ids: tuple, kinds: tuple) -> ProbeResult:
@@ -369,8 +381,9 @@ class _Fusion:
         sign may change) made it probe again: a probe costs about as much as a few optimizer steps
         on a few small tensors, which adds up if a value changes every step."""
         before, after = dict(old), dict(new)
-        changed = sorted(k for k in before.keys() | after.keys()
-                         if before.get(k) != after.get(k) and k not in fusion_check.SCHEDULED)
+        changed = sorted(
+            k for k in before.keys() | after.keys() if before.get(k) != after.get(k) and k not in fusion_check.SCHEDULED
+        )
         if not changed or index in self.warned_reprobing:
             return
         self.warned_reprobing.add(index)

@@ -84,7 +84,8 @@ def hyperparameter_kinds(group: dict) -> tuple:
     """
     return tuple(
         (key, _sign_kind(value) if key in SCHEDULED else _kind(value))
-        for key, value in group.items() if key not in NOT_HYPERPARAMETERS
+        for key, value in group.items()
+        if key not in NOT_HYPERPARAMETERS
     )
 
 
@@ -124,8 +125,11 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, run: list) -> ProbeResu
     the number of tensors (``step`` counters of foreach code, profiler records) cancel out of
     ``(unfused - fused) / (k - 1)``."""
     if group.get("fused"):
-        return ProbeResult("torch's fused=True kernel already steps all tensors in one launch, and its vectorized "
-                           "code rounds differently depending on where an element sits, so a flat tensor changes bits", 0.0)
+        return ProbeResult(
+            "torch's fused=True kernel already steps all tensors in one launch, and its vectorized "
+            "code rounds differently depending on where an element sits, so a flat tensor changes bits",
+            0.0,
+        )
     if group.get("differentiable"):
         return ProbeResult("differentiable=True builds an autograd graph through each parameter's update", 0.0)
     members = probe_members(run)
@@ -148,14 +152,24 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, run: list) -> ProbeResu
     except Exception as e:  # the optimizer cannot step copies: do not fuse what we cannot check
         return ProbeResult(f"it failed on a probe step ({type(e).__name__}: {e})", 0.0)
     try:
-        _run(optimizer, group, [fused], fused_state, [[torch.cat([g.reshape(-1) for g in gs])] for gs in grads], fused_work)
+        _run(
+            optimizer,
+            group,
+            [fused],
+            fused_state,
+            [[torch.cat([g.reshape(-1) for g in gs])] for gs in grads],
+            fused_work,
+        )
     except Exception as e:
         return ProbeResult(f"its step fails on a fused tensor ({type(e).__name__}: {e})", 0.0)
 
     work = (separate_work.total - fused_work.total) / ((len(members) - 1) * (PROBE_STEPS - 1))
     if not _same_bits(fused.detach(), torch.cat([p.detach().reshape(-1) for p in separate])):
-        return ProbeResult("fused and unfused probe steps give different parameters (per-tensor math, or kernels "
-                           "whose rounding depends on an element's position, as CPU half-precision ones can)", work)
+        return ProbeResult(
+            "fused and unfused probe steps give different parameters (per-tensor math, or kernels "
+            "whose rounding depends on an element's position, as CPU half-precision ones can)",
+            work,
+        )
     return ProbeResult(_state_difference(fused, fused_state[fused], [separate_state[p] for p in separate]), work)
 
 

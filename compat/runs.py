@@ -22,6 +22,7 @@ from operator import attrgetter, eq, is_, is_not, itemgetter, ne, not_
 from typing import Callable, NamedTuple, Optional
 
 import torch
+
 from functional_bagua.compat.spans import gather, span, split_like
 
 CPU_CHUNK_BYTES = 4 << 20
@@ -211,7 +212,9 @@ class Run:
         first = state.get(params[0]) or {}
         for key, value in first.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                self._adopt_state(state, key, *self._flat_of([state[p][key] for p in params], self.place("state", key, value)))
+                self._adopt_state(
+                    state, key, *self._flat_of([state[p][key] for p in params], self.place("state", key, value))
+                )
             elif isinstance(value, torch.Tensor):
                 self._adopt_scalar(state, key, value)
                 self.chunk_scalars[key] = [value.clone() for _ in self.chunks]
@@ -315,7 +318,14 @@ class Run:
         for key in [k for k in (*self.state_views, *self.scalars, *self.values) if k not in chunk_states[0]]:
             for p in self.params:
                 state[p].pop(key, None)
-            for record in (self.state_views, self.flat_state, self.chunk_state, self.scalars, self.chunk_scalars, self.values):
+            for record in (
+                self.state_views,
+                self.flat_state,
+                self.chunk_state,
+                self.scalars,
+                self.chunk_scalars,
+                self.values,
+            ):
                 record.pop(key, None)
 
     def _joined(self, key, pieces: list, optimizer_name: str) -> torch.Tensor:

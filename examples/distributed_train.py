@@ -86,9 +86,11 @@ def main(args) -> float:
         # right after an average each rank holds p + (mean - p), which rounds differently per rank
         if max(after_averages) > AVERAGE_ROUNDING:
             raise RuntimeError(f"ranks differ by {max(after_averages):.3g} right after an average")
-        agreement = (f"right after each of the {len(after_averages)} averages the ranks agreed to within "
-                     f"{max(after_averages):.2g} (rounding); at the end they differ by up to "
-                     f"{_largest_difference(params, world):.3g}")
+        agreement = (
+            f"right after each of the {len(after_averages)} averages the ranks agreed to within "
+            f"{max(after_averages):.2g} (rounding); at the end they differ by up to "
+            f"{_largest_difference(params, world):.3g}"
+        )
     else:
         _check_same_params(params, world, "at the end")
         agreement = "parameters agree across ranks"
@@ -118,7 +120,9 @@ def _check_same_params(params, world: int, when: str) -> None:
 
 def _largest_difference(params, world: int) -> float:
     """The largest difference between any rank's parameters and rank 0's."""
-    return max((c - copies[0]).abs().max().item() for p in params.values() for copies in [_gathered(p, world)] for c in copies)
+    return max(
+        (c - copies[0]).abs().max().item() for p in params.values() for copies in [_gathered(p, world)] for c in copies
+    )
 
 
 if __name__ == "__main__":
@@ -129,12 +133,19 @@ if __name__ == "__main__":
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--compression", choices=["fp16", "bf16", "minmax_uint8"], default=None)
     parser.add_argument("--shard", action="store_true", help="ZeRO: shard the AdamW state across ranks")
-    parser.add_argument("--periodic-average", type=int, default=0, metavar="PERIOD",
-                        help="local SGD: no gradient all-reduce, average the parameters every PERIOD steps")
+    parser.add_argument(
+        "--periodic-average",
+        type=int,
+        default=0,
+        metavar="PERIOD",
+        help="local SGD: no gradient all-reduce, average the parameters every PERIOD steps",
+    )
     args = parser.parse_args()
     if args.shard and args.compression:
         parser.error("--shard reduce-scatters the gradients itself and has no compression; drop --compression")
     if args.periodic_average and (args.shard or args.compression):
-        parser.error("--periodic-average sends no gradients (it averages the parameters every PERIOD steps); "
-                     "it combines with neither --shard nor --compression")
+        parser.error(
+            "--periodic-average sends no gradients (it averages the parameters every PERIOD steps); "
+            "it combines with neither --shard nor --compression"
+        )
     main(args)

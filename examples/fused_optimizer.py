@@ -64,14 +64,14 @@ def main(optimizer="adadelta", steps=60, amp=False, seed=0):
         with torch.no_grad():
             y = target(x)
         for kind, net, opt in runs:
-            opt.zero_grad()                          # set_to_none=True, torch's default: fine
+            opt.zero_grad()  # set_to_none=True, torch's default: fine
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 loss = torch.nn.functional.mse_loss(net(x), y)
             scaler = scalers[kind]
-            scaler.scale(loss).backward()            # without --amp the scaler passes everything through
+            scaler.scale(loss).backward()  # without --amp the scaler passes everything through
             start = time.perf_counter()
             if kind == "fuse_step":
-                with fused_steps(opt):               # scaler.step calls optimizer.step: make it fuse_step
+                with fused_steps(opt):  # scaler.step calls optimizer.step: make it fuse_step
                     scaler.step(opt)
             else:
                 scaler.step(opt)
@@ -80,8 +80,10 @@ def main(optimizer="adadelta", steps=60, amp=False, seed=0):
         losses.append(loss.item())
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     step_ms, fused_ms = (1e3 * statistics.median(times[kind]) for kind in ("step", "fuse_step"))
-    print(f"{steps} steps of {optimizer}{' under bf16 autocast with a GradScaler' if amp else ''}: "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(
+        f"{steps} steps of {optimizer}{' under bf16 autocast with a GradScaler' if amp else ''}: "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    )
     print(f"optimizer step, median: step() {step_ms:.2f} ms, fuse_step() {fused_ms:.2f} ms ({step_ms / fused_ms:.1f}x)")
     print(f"parameters after fuse_step() equal those after step(), bit for bit: {same}")
     return losses

@@ -30,7 +30,7 @@ def main(steps: int = 300, batch_size: int = 64, lr: float = 1e-2) -> list[float
     x, y = make_data(2048, gen)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 
-    params = fb.params_of(model)                      # {"0.weight": ..., "0.bias": ..., ...}
+    params = fb.params_of(model)  # {"0.weight": ..., "0.bias": ..., ...}
     tx = fb.adamw(lr=lr, weight_decay=1e-4)
     state = tx.init(params)
 
@@ -51,7 +51,7 @@ def main(steps: int = 300, batch_size: int = 64, lr: float = 1e-2) -> list[float
             print(f"step {step:4d}  loss {loss.item():.4f}")
     full_loss = loss_of(params, x, y).item()
     print(f"full-data loss {full_loss:.4f} after {steps} steps in {time.perf_counter() - start:.1f}s")
-    fb.load_params(model, params)                     # write the trained values back
+    fb.load_params(model, params)  # write the trained values back
     return losses
 
 

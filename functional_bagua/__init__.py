@@ -1,12 +1,12 @@
 """functional_bagua: composable, pure optimizers for PyTorch, optax-style, with torch.optim parity.
 
-    import functional_bagua as fb
+import functional_bagua as fb
 
-    params = fb.params_of(model)
-    tx = fb.adamw(lr=1e-3, weight_decay=0.01)
-    state = tx.init(params)
-    updates, state = tx.update(grads, state, params)
-    params = fb.apply_updates(params, updates)
+params = fb.params_of(model)
+tx = fb.adamw(lr=1e-3, weight_decay=0.01)
+state = tx.init(params)
+updates, state = tx.update(grads, state, params)
+params = fb.apply_updates(params, updates)
 """
 
 from functional_bagua import schedules
@@ -65,12 +65,47 @@ def __getattr__(name: str):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
-    "GradientTransformation", "EmptyState", "identity", "chain", "apply_updates",
-    "params_of", "buffers_of", "load_params",
-    "FlatLayout", "FlatModule", "flatten_module", "fuse", "fuse_inplace", "make_train_step",
-    "state_dict", "load_state_dict", "schedules", "inject_hyperparams", "accepts_schedules", "InjectHyperparamsState",
-    "sgd", "adam", "adamw", "sparse_adam", "adamax", "nadam", "radam", "adagrad", "adadelta", "rmsprop",
-    "rprop", "asgd", "adafactor", "muon", "lbfgs", "LbfgsState", "lamb", "lars", "lion", "adabelief",
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "chain",
+    "apply_updates",
+    "params_of",
+    "buffers_of",
+    "load_params",
+    "FlatLayout",
+    "FlatModule",
+    "flatten_module",
+    "fuse",
+    "fuse_inplace",
+    "make_train_step",
+    "state_dict",
+    "load_state_dict",
+    "schedules",
+    "inject_hyperparams",
+    "accepts_schedules",
+    "InjectHyperparamsState",
+    "sgd",
+    "adam",
+    "adamw",
+    "sparse_adam",
+    "adamax",
+    "nadam",
+    "radam",
+    "adagrad",
+    "adadelta",
+    "rmsprop",
+    "rprop",
+    "asgd",
+    "adafactor",
+    "muon",
+    "lbfgs",
+    "LbfgsState",
+    "lamb",
+    "lars",
+    "lion",
+    "adabelief",
     *_transforms_all,
 ]

@@ -159,7 +159,10 @@ def sgd(
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
     if nesterov and None not in (checkable(momentum), checkable(dampening)):
-        _require(checkable(momentum) > 0 and checkable(dampening) == 0, "Nesterov momentum requires a momentum and zero dampening")
+        _require(
+            checkable(momentum) > 0 and checkable(dampening) == 0,
+            "Nesterov momentum requires a momentum and zero dampening",
+        )
     tx = chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),
@@ -169,8 +172,14 @@ def sgd(
     if not _known(lr, momentum, dampening, weight_decay):
         return tx
     return kernels.tag(
-        tx, "sgd",
-        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+        tx,
+        "sgd",
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
     )
 
 
@@ -216,8 +225,15 @@ def adam(
     if not _known(lr, *betas, eps, weight_decay):
         return tx
     return kernels.tag(
-        tx, "adamw" if decoupled_weight_decay else "adam",
-        lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
+        tx,
+        "adamw" if decoupled_weight_decay else "adam",
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=amsgrad,
+        maximize=maximize,
     )
 
 

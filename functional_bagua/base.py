@@ -140,4 +140,3 @@ def _add_keeping_dtype(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _leaf_name(spec, i: int) -> str:
     return tree.leaf_names(spec)[i]
-

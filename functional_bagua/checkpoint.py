@@ -3,9 +3,11 @@
 A key names the tensor's place in the state: the position of the transform in its chain, the
 state field, and the parameter name, joined by ``/``::
 
-    >>> tx = fb.adamw(); state = tx.init({"fc.weight": w, "fc.bias": b})
-    >>> sorted(fb.state_dict(state))
-    ['1/count/fc.bias', '1/count/fc.weight', '1/mu/fc.bias', ..., '1/nu/fc.weight']
+    >>> import torch, functional_bagua as fb
+    >>> state = fb.adamw().init({"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)})
+    >>> sorted(fb.state_dict(state))  # doctest: +NORMALIZE_WHITESPACE
+    ['1/count/fc.bias', '1/count/fc.weight', '1/mu/fc.bias', '1/mu/fc.weight',
+     '1/nu/fc.bias', '1/nu/fc.weight']
 
 Keys are unambiguous: a ``/`` or ``%`` inside a name is escaped (``%2F``, ``%25``), so
 ``{"a/b": x}`` and ``{"a": {"b": y}}`` get different keys; names that still coincide (the int
@@ -120,7 +122,9 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
     if missing or unexpected:
         problem = _mismatch(missing, unexpected, _nesting(expected, flat))
         if strict:
-            raise ValueError(f"load_state_dict: {problem}; pass strict=False to load the tensors found and keep the rest")
+            raise ValueError(
+                f"load_state_dict: {problem}; pass strict=False to load the tensors found and keep the rest"
+            )
         warnings.warn(f"load_state_dict: {problem}; loaded the rest", UserWarning, stacklevel=2)
     new_leaves = []
     for key, accessor, leaf in zip(keys, accessors, leaves):
@@ -129,8 +133,14 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
             continue
         value = flat[source[key]]
         if not isinstance(value, torch.Tensor) or value.shape != leaf.shape or value.dtype != leaf.dtype:
-            got = f"{type(value).__name__}" if not isinstance(value, torch.Tensor) else f"{value.dtype} {tuple(value.shape)}"
-            raise ValueError(f"load_state_dict: {key!r} is {got} in the checkpoint, the state expects {leaf.dtype} {tuple(leaf.shape)}")
+            got = (
+                f"{type(value).__name__}"
+                if not isinstance(value, torch.Tensor)
+                else f"{value.dtype} {tuple(value.shape)}"
+            )
+            raise ValueError(
+                f"load_state_dict: {key!r} is {got} in the checkpoint, the state expects {leaf.dtype} {tuple(leaf.shape)}"
+            )
         if _must_match(accessor) and not torch.equal(value.to(leaf.device), leaf):
             raise ValueError(
                 f"load_state_dict: {key!r} is {value.tolist()} in the checkpoint, {leaf.tolist()} in this state: the "
@@ -161,7 +171,7 @@ def _source_keys(expected: list, flat: dict) -> dict:
         return {k: k for k in expected if k in flat}
     prefix, side = nesting
     if side == "template":
-        return {k: k[len(prefix):] for k in expected if k.startswith(prefix) and k[len(prefix):] in flat}
+        return {k: k[len(prefix) :] for k in expected if k.startswith(prefix) and k[len(prefix) :] in flat}
     return {k: prefix + k for k in expected if prefix + k in flat}
 
 

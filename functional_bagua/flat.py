@@ -117,8 +117,12 @@ class FlatLayout:
                 raise TypeError(f"FlatLayout: leaf {name!r} is {leaf.layout}; flat buffers hold dense tensors")
         paths = optree.treespec_paths(spec)
         flat_dict = type(params) is dict and all(len(path) == 1 for path in paths)
-        return cls(spec, names, [(tuple(p.shape), p.dtype, p.device) for p in leaves],
-                   [path[0] for path in paths] if flat_dict else None)
+        return cls(
+            spec,
+            names,
+            [(tuple(p.shape), p.dtype, p.device) for p in leaves],
+            [path[0] for path in paths] if flat_dict else None,
+        )
 
     @property
     def keys(self) -> list:
@@ -174,12 +178,9 @@ class FlatLayout:
         """
         self.check(buffers)
         pieces = {
-            key: torch.split(buffers[key], [s.numel for s in group.segments])
-            for key, group in self.groups.items()
+            key: torch.split(buffers[key], [s.numel for s in group.segments]) for key, group in self.groups.items()
         }
-        leaves = [
-            pieces[key][i].view(self.groups[key].segments[i].shape) for key, i in self._slots
-        ]
+        leaves = [pieces[key][i].view(self.groups[key].segments[i].shape) for key, i in self._slots]
         if self._dict_keys is not None:  # built directly: torch.compile cannot trace spec.unflatten
             return dict(zip(self._dict_keys, leaves))
         return self.spec.unflatten(leaves)
@@ -201,8 +202,7 @@ class FlatLayout:
         if not isinstance(buffers, dict) or set(buffers) != set(self.groups):
             got = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
             raise ValueError(
-                f"expected flat buffers with keys {sorted(self.groups)}, got {got}; "
-                "make them with layout.flatten(tree)"
+                f"expected flat buffers with keys {sorted(self.groups)}, got {got}; make them with layout.flatten(tree)"
             )
         for key, group in self.groups.items():
             b = buffers[key]

@@ -55,7 +55,9 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fuse: tx is {type(tx).__name__}, not a GradientTransformation")
     if not isinstance(layout, FlatLayout):
-        raise TypeError(f"fuse: layout is {type(layout).__name__}, not a FlatLayout (make one with FlatLayout.of(params))")
+        raise TypeError(
+            f"fuse: layout is {type(layout).__name__}, not a FlatLayout (make one with FlatLayout.of(params))"
+        )
 
     def init(params):
         layout.check(params)

@@ -151,7 +151,10 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
         static = {k: v for k, v in arguments.items() if k not in dynamic}
         factory(**static, **{k: _map_dynamic(_as_number, _value_at(v, 0)) for k, v in dynamic.items()})
         eager_only = {  # id -> name of each schedule that torch.compile cannot trace
-            id(v): describe(v) for value in dynamic.values() for v in _leaves(value) if callable(v) and reads_count_as_number(v)
+            id(v): describe(v)
+            for value in dynamic.values()
+            for v in _leaves(value)
+            if callable(v) and reads_count_as_number(v)
         }
 
         def tensors_at(count, current: dict) -> dict:
@@ -211,7 +214,9 @@ def _holds_schedule(value) -> bool:
     return callable(value)
 
 
-def accepts_schedules(alias: Optional[Callable[..., GradientTransformation]] = None, *, static_args: Sequence[str] = ()):
+def accepts_schedules(
+    alias: Optional[Callable[..., GradientTransformation]] = None, *, static_args: Sequence[str] = ()
+):
     """Let every float hyperparameter of ``alias`` be a schedule: when any argument is callable,
     the alias is built through :func:`inject_hyperparams` (its state is then an
     :class:`InjectHyperparamsState`); otherwise it is built directly. Arguments named in

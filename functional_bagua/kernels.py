@@ -34,7 +34,11 @@ class KernelSpec(NamedTuple):
     hyper: dict
 
 
-MOMENTS = {"adam": (ScaleByAdamState, ScaleByAmsgradState), "adamw": (ScaleByAdamState, ScaleByAmsgradState), "sgd": (TraceState,)}
+MOMENTS = {
+    "adam": (ScaleByAdamState, ScaleByAmsgradState),
+    "adamw": (ScaleByAdamState, ScaleByAmsgradState),
+    "sgd": (TraceState,),
+}
 
 
 def tag(tx: GradientTransformation, kind: str, **hyper) -> GradientTransformation:
@@ -72,7 +76,9 @@ def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
     steps = [moments.count[k].to(STEP_DTYPE) for k in keys]
     max_nu = [_real(moments.nu_max[k]) for k in keys] if spec.hyper["amsgrad"] else []
     kernel = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
-    kernel(p, g, [_real(moments.mu[k]) for k in keys], [_real(moments.nu[k]) for k in keys], max_nu, steps, **spec.hyper)
+    kernel(
+        p, g, [_real(moments.mu[k]) for k in keys], [_real(moments.nu[k]) for k in keys], max_nu, steps, **spec.hyper
+    )
 
 
 def moments_of(kind: str, state):
@@ -84,7 +90,11 @@ def moments_of(kind: str, state):
         state: the alias's state, any tree of states.
     """
     types = MOMENTS[kind]
-    found = [s for s in optree.tree_leaves(state, is_leaf=lambda s: isinstance(s, types), none_is_leaf=True) if isinstance(s, types)]
+    found = [
+        s
+        for s in optree.tree_leaves(state, is_leaf=lambda s: isinstance(s, types), none_is_leaf=True)
+        if isinstance(s, types)
+    ]
     if len(found) > 1:
         raise ValueError(f"torch's {kind} kernel: the state holds {len(found)} {types[0].__name__}s; it updates one")
     if not found and kind != "sgd":

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -130,8 +131,19 @@ def lbfgs(
         count = torch.zeros((), dtype=torch.int64, device=x.device)
         scalar = torch.zeros((), dtype=torch.float64, device=x.device)
         history = x.new_zeros(history_size, x.numel())
-        return LbfgsState(count, count.clone(), torch.zeros_like(x), scalar, history, history.clone(),
-                          x.new_zeros(history_size), count.clone(), x.new_ones(()), torch.zeros_like(x), scalar.clone())
+        return LbfgsState(
+            count,
+            count.clone(),
+            torch.zeros_like(x),
+            scalar,
+            history,
+            history.clone(),
+            x.new_zeros(history_size),
+            count.clone(),
+            x.new_ones(()),
+            torch.zeros_like(x),
+            scalar.clone(),
+        )
 
     def update(grads, state, params=None, *, value_fn: Optional[Callable] = None, value=None):
         if params is None or value_fn is None:
@@ -149,16 +161,40 @@ def lbfgs(
             g, f = torch.func.grad_and_value(lambda v: value_fn(flat.tree(v)))(x)
             return float(f), g.detach()
 
-        x, state = _iterations(evaluate, x0, loss, grad, state, lr, max_iter, max_eval, tolerance_grad,
-                               tolerance_change, history_size, line_search_fn)
+        x, state = _iterations(
+            evaluate,
+            x0,
+            loss,
+            grad,
+            state,
+            lr,
+            max_iter,
+            max_eval,
+            tolerance_grad,
+            tolerance_change,
+            history_size,
+            line_search_fn,
+        )
         updates = [_exact_difference(new, old) for new, old in zip(tree.flatten(flat.tree(x))[0], flat.leaves)]
         return flat.spec.unflatten(updates), state
 
     return GradientTransformation(init, update)
 
 
-def _iterations(evaluate, x, loss, grad, s: LbfgsState, lr, max_iter, max_eval, tolerance_grad,
-                tolerance_change, history_size, line_search_fn):
+def _iterations(
+    evaluate,
+    x,
+    loss,
+    grad,
+    s: LbfgsState,
+    lr,
+    max_iter,
+    max_eval,
+    tolerance_grad,
+    tolerance_change,
+    history_size,
+    line_search_fn,
+):
     """The iterations of one update, from ``x`` (loss ``loss``, gradient ``grad``): the new ``x``
     and state."""
     func_evals, n_iter = int(s.func_evals) + 1, int(s.n_iter)
@@ -186,9 +222,9 @@ def _iterations(evaluate, x, loss, grad, s: LbfgsState, lr, max_iter, max_eval, 
             break
         if line_search_fn == "strong_wolfe":
             # torch.optim.LBFGS leaves the line search's own tolerance_change at its default
+            along_d = functools.partial(_evaluate_along, evaluate, x, d)
             loss, grad, t, evals = strong_wolfe(
-                lambda step_t: evaluate(x.add(d, alpha=step_t)), t, d, Point(0, loss, grad, gtd),
-                max_ls=max_eval - current_evals,
+                along_d, t, d, Point(0, loss, grad, gtd), max_ls=max_eval - current_evals
             )
             x = x.add(d, alpha=t)
         else:
@@ -198,14 +234,26 @@ def _iterations(evaluate, x, loss, grad, s: LbfgsState, lr, max_iter, max_eval, 
                 evals = 1
         current_evals += evals
         func_evals += evals
-        if (iteration == max_iter or current_evals >= max_eval or grad.abs().max() <= tolerance_grad
-                or d.mul(t).abs().max() <= tolerance_change or abs(loss - prev_loss) < tolerance_change):
+        if (
+            iteration == max_iter
+            or current_evals >= max_eval
+            or grad.abs().max() <= tolerance_grad
+            or d.mul(t).abs().max() <= tolerance_change
+            or abs(loss - prev_loss) < tolerance_change
+        ):
             break
     return x, LbfgsState(
-        torch.full_like(s.func_evals, func_evals), torch.full_like(s.n_iter, n_iter), d,
-        torch.as_tensor(t, dtype=torch.float64, device=d.device).clone(), dirs, steps, rho,
-        torch.full_like(s.kept, kept), torch.as_tensor(h_diag, dtype=d.dtype, device=d.device).clone(),
-        prev_grad, torch.full_like(s.prev_loss, prev_loss),
+        torch.full_like(s.func_evals, func_evals),
+        torch.full_like(s.n_iter, n_iter),
+        d,
+        torch.as_tensor(t, dtype=torch.float64, device=d.device).clone(),
+        dirs,
+        steps,
+        rho,
+        torch.full_like(s.kept, kept),
+        torch.as_tensor(h_diag, dtype=d.dtype, device=d.device).clone(),
+        prev_grad,
+        torch.full_like(s.prev_loss, prev_loss),
     )
 
 
@@ -217,6 +265,11 @@ def _exact_difference(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         wide = torch.complex128 if old.is_complex() else torch.float64
         return new.to(wide) - old.to(wide)
     return new - old
+
+
+def _evaluate_along(evaluate: Callable, x: torch.Tensor, d: torch.Tensor, t) -> tuple:
+    """The loss and gradient at ``x + t d``."""
+    return evaluate(x.add(d, alpha=t))
 
 
 def _remember(dirs, steps, rho, kept, y, step, new_rho, history_size):

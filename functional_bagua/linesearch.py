@@ -22,7 +22,6 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-
 Scalar = Any  # a Python float or a 0-dim tensor: torch.optim.LBFGS mixes both, and so must we to match it
 
 
@@ -112,8 +111,9 @@ def strong_wolfe(
         iterations += 1
     if iterations == max_ls:
         bracket = [start, current]
-    bracket, evaluations = _zoom(trial, bracket, start, sufficient, flat_enough, d_norm, tolerance_change,
-                                 evaluations, iterations, max_ls)
+    bracket, evaluations = _zoom(
+        trial, bracket, start, sufficient, flat_enough, d_norm, tolerance_change, evaluations, iterations, max_ls
+    )
     best = bracket[0]
     return best.f, best.g, best.t, evaluations
 

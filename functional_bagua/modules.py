@@ -31,11 +31,7 @@ def params_of(module: torch.nn.Module, *, detach: bool = True) -> dict[str, torc
     Returns:
         A new dict; changing a tensor in place changes the module's parameter (they share storage).
     """
-    return {
-        name: (p.detach() if detach else p)
-        for name, p in module.named_parameters()
-        if p.requires_grad
-    }
+    return {name: (p.detach() if detach else p) for name, p in module.named_parameters() if p.requires_grad}
 
 
 def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -329,7 +329,12 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
 
 
 def warmup_cosine_decay(
-    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0, exponent: float = 1.0
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+    exponent: float = 1.0,
 ) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine
     decay to ``end_value`` at step ``decay_steps`` (counted from 0, warmup included), held after.
@@ -361,7 +366,9 @@ def warmup_cosine_decay(
     return join_schedules(
         [
             linear(init_value, peak_value, warmup_steps),
-            cosine_decay(peak_value, decay_steps - warmup_steps, end_value / peak_value if peak_value else 0.0, exponent),
+            cosine_decay(
+                peak_value, decay_steps - warmup_steps, end_value / peak_value if peak_value else 0.0, exponent
+            ),
         ],
         [warmup_steps],
     )

@@ -66,5 +66,7 @@ def scale(x: torch.Tensor, factors: torch.Tensor, lengths) -> torch.Tensor:
     """``x`` with its ``i``-th segment multiplied by ``factors[i]`` (a new buffer, ``x``'s dtype)."""
     lengths = _checked(x, lengths)
     if factors.shape != (len(lengths),):
-        raise ValueError(f"segments.scale: need one factor per segment ({len(lengths)}), got shape {tuple(factors.shape)}")
+        raise ValueError(
+            f"segments.scale: need one factor per segment ({len(lengths)}), got shape {tuple(factors.shape)}"
+        )
     return _segment_scale(x, factors, lengths)

@@ -126,4 +126,3 @@ def check_batch(batch) -> None:
             "model's positional arguments or a dict of its keyword arguments, and loss_fn(outputs, targets) "
             "computes the loss"
         )
-

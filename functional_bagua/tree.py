@@ -94,9 +94,7 @@ def leaves_with_params(updates: Any, params: Any) -> tuple[list, list, optree.Py
     return leaves_matching(spec, updates, "grads", "params"), param_leaves, spec
 
 
-def describe_mismatch(
-    expected: optree.PyTreeSpec, got: optree.PyTreeSpec, name: str, reference: str
-) -> str:
+def describe_mismatch(expected: optree.PyTreeSpec, got: optree.PyTreeSpec, name: str, reference: str) -> str:
     """A message naming the keys in which two tree structures differ."""
     want, have = leaf_names(expected), leaf_names(got)
     missing = [k for k in want if k not in set(have)]

@@ -27,6 +27,16 @@ from functional_bagua.distributed.process_group import broadcast_params
 from functional_bagua.distributed.sharding import ShardState, shard
 
 __all__ = [
-    "allreduce_gradients", "shard", "ShardState", "periodic_average", "decentralized", "AveragingState",
-    "peer_of", "assign_buckets", "COMPRESSIONS", "quantize", "dequantize", "broadcast_params",
+    "allreduce_gradients",
+    "shard",
+    "ShardState",
+    "periodic_average",
+    "decentralized",
+    "AveragingState",
+    "peer_of",
+    "assign_buckets",
+    "COMPRESSIONS",
+    "quantize",
+    "dequantize",
+    "broadcast_params",
 ]

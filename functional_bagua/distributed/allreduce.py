@@ -17,6 +17,7 @@ Example (under ``torchrun --nproc-per-node 2``)::
 from __future__ import annotations
 
 import functools
+
 import torch
 
 from functional_bagua import checks, tree
@@ -65,7 +66,9 @@ def allreduce_gradients(
         raise ValueError(f"{NAME}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
     codecs.check_compression(compression)
     cap_bytes = int(bucket_cap_mb * bucketing.MIB)
-    agreement = Agreement(NAME, dict(bucket_cap_mb=bucket_cap_mb, average=average, compression=compression), same_values=True)
+    agreement = Agreement(
+        NAME, dict(bucket_cap_mb=bucket_cap_mb, average=average, compression=compression), same_values=True
+    )
 
     def init(params):
         agreement.init(params, resolve(group, NAME))

@@ -78,7 +78,9 @@ def periodic_average(period: int, warmup_steps: int = 0, group=None) -> Gradient
     return _averaging("periodic_average", settings, due, average_locals, group)
 
 
-def decentralized(peer_selection_mode: str = "all", communication_interval: int = 1, group=None) -> GradientTransformation:
+def decentralized(
+    peer_selection_mode: str = "all", communication_interval: int = 1, group=None
+) -> GradientTransformation:
     """Average the weights with peers before adding the local update (module docstring); needs ``params``.
 
     Args:
@@ -97,7 +99,9 @@ def decentralized(peer_selection_mode: str = "all", communication_interval: int 
         state = tx.init(params)
     """
     if peer_selection_mode not in PEER_SELECTION_MODES:
-        raise ValueError(f"decentralized: peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {peer_selection_mode!r}")
+        raise ValueError(
+            f"decentralized: peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {peer_selection_mode!r}"
+        )
     if not isinstance(communication_interval, int) or communication_interval < 1:
         raise ValueError(f"decentralized: communication_interval must be an int >= 1, got {communication_interval!r}")
 
@@ -113,13 +117,17 @@ def decentralized(peer_selection_mode: str = "all", communication_interval: int 
 
     def check_world(g: Group):
         if peer_selection_mode == "shift_one" and g.world_size % 2:
-            raise ValueError(f"decentralized: peer_selection_mode='shift_one' needs an even world size, got {g.world_size}")
+            raise ValueError(
+                f"decentralized: peer_selection_mode='shift_one' needs an even world size, got {g.world_size}"
+            )
 
     settings = dict(peer_selection_mode=peer_selection_mode, communication_interval=communication_interval)
     return _averaging("decentralized", settings, due, average_then_add, group, check_world)
 
 
-def _averaging(name: str, settings: dict, due: Callable, average: Callable, group, check_world=None) -> GradientTransformation:
+def _averaging(
+    name: str, settings: dict, due: Callable, average: Callable, group, check_world=None
+) -> GradientTransformation:
     """A transform that replaces ``local = p + u`` by ``average(p, u, local, group, count)`` (lists
     over the parameters that have an update) on the steps where ``due(count)``. ``init`` checks
     that every rank built it with the same ``settings`` and holds parameters of the same names,
@@ -198,7 +206,9 @@ def mean_with_peer(tensors: list, g: Group, s) -> list:
     if torch.compiler.is_compiling():
         peer = peer_of(g.rank, g.world_size, s)
         for key, b in mine.items():
-            theirs[key] = funcol.all_gather_single(b.unsqueeze(0), 0, g.group).index_select(0, peer.reshape(1)).reshape(-1)
+            theirs[key] = (
+                funcol.all_gather_single(b.unsqueeze(0), 0, g.group).index_select(0, peer.reshape(1)).reshape(-1)
+            )
     else:
         peer = peer_of(g.rank, g.world_size, int(s))
         for key, b in mine.items():

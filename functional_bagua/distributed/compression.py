@@ -110,7 +110,7 @@ def _minmax_uint8_all_reduce(buffers: list, group: Group, average: bool) -> list
     sent = [quantize(padded_chunks(b, n)) for b in buffers]
     received = [funcol.all_to_all_single(p.reshape(-1), None, None, group.group) for p in sent]
     mine = []
-    for r, p, b in zip(received, sent, buffers):
+    for r, p in zip(received, sent):
         copies = dequantize(r.view(p.shape), torch.float32)  # row j: rank j's copy of my chunk
         reduced = copies.mean(dim=0) if average else copies.sum(dim=0)
         mine.append(funcol.all_gather_single(quantize(reduced.unsqueeze(0)), 0, group.group))

@@ -176,7 +176,8 @@ def check_same_everywhere(params, group: Group, who: str, settings: dict) -> Non
         if their_settings != reference_settings:
             differ = [
                 f"{k}={dict(reference_settings).get(k)!r} on rank 0, {v!r} on rank {rank}"
-                for k, v in their_settings if dict(reference_settings).get(k) != v
+                for k, v in their_settings
+                if dict(reference_settings).get(k) != v
             ]
             raise ValueError(
                 f"{who}: ranks were built with different settings: {'; '.join(differ)}. Every rank must build "

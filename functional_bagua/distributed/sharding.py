@@ -93,7 +93,8 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
         shards = local_shards(FlatLayout.of(params), params, g)
         device = tree.device_of(params)
         return ShardState(
-            torch.tensor(g.rank, device=device), torch.tensor(g.world_size, device=device),
+            torch.tensor(g.rank, device=device),
+            torch.tensor(g.world_size, device=device),
             layout_context.run_on_flat_buffers(_Shards(), inner.init, shards),
         )
 
@@ -102,7 +103,9 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
         leaves, spec = tree.flatten(grads)
         for i, leaf in enumerate(leaves):
             if leaf is None:
-                raise ValueError(f"{NAME}: gradient of {tree.leaf_names(spec)[i]!r} is None; every rank must send every gradient")
+                raise ValueError(
+                    f"{NAME}: gradient of {tree.leaf_names(spec)[i]!r} is None; every rank must send every gradient"
+                )
         agreement.check(leaves)
         layout = FlatLayout.of(grads)
         grad_shards = {}
@@ -110,10 +113,11 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
             summed = funcol.reduce_scatter_single(padded_chunks(buffer, g.world_size).reshape(-1), "sum", 0, g.group)
             grad_shards[key] = summed / g.world_size if average else summed
         param_shards = None if params is None else local_shards(layout, params, g)
-        update_shards, inner_state = layout_context.run_on_flat_buffers(_Shards(), inner.update, grad_shards, state.inner, param_shards)
+        update_shards, inner_state = layout_context.run_on_flat_buffers(
+            _Shards(), inner.update, grad_shards, state.inner, param_shards
+        )
         full = {
-            key: funcol.all_gather_single(u, 0, g.group)[: layout.groups[key].numel]
-            for key, u in update_shards.items()
+            key: funcol.all_gather_single(u, 0, g.group)[: layout.groups[key].numel] for key, u in update_shards.items()
         }
         return layout.unflatten(full), ShardState(state.rank, state.world_size, inner_state)
 

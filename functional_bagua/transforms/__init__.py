@@ -77,6 +77,7 @@ from functional_bagua.transforms.wrappers import (
 )
 
 __all__ = [
-    name for name, value in dict(globals()).items()
+    name
+    for name, value in dict(globals()).items()
     if not name.startswith("_") and not isinstance(value, _types.ModuleType)
 ]

@@ -77,7 +77,9 @@ def multi_steps(
         raise TypeError(f"accumulator_dtype must be a floating point dtype, got {accumulator_dtype}")
 
     def init(params):
-        return MultiStepsState(zero_count(params), zero_count(params), inner.init(params), tree.tree_map(_zeros_for_sum, params))
+        return MultiStepsState(
+            zero_count(params), zero_count(params), inner.init(params), tree.tree_map(_zeros_for_sum, params)
+        )
 
     def _zeros_for_sum(p):
         return None if p is None else torch.zeros_like(p, dtype=accumulator_dtype or p.dtype)
@@ -102,7 +104,9 @@ def multi_steps(
         gradient (or, where this call's gradient is ``None``, of the parameter)."""
         divisor = k if use_grad_mean else 1
         like = grads if params is None else params
-        return tree.tree_map(lambda a, g, p: None if a is None else (a / divisor).to(_dtype_of(g, p, a)), acc, grads, like)
+        return tree.tree_map(
+            lambda a, g, p: None if a is None else (a / divisor).to(_dtype_of(g, p, a)), acc, grads, like
+        )
 
     def _select_at_window_end(at_end, grads, acc, state, params):
         updates, inner_state = inner.update(_average(acc, grads, params), state.inner_state, params)
@@ -119,14 +123,18 @@ def multi_steps(
 def _check_grads(grad_leaves: list, acc_leaves: list, params, spec) -> None:
     """Each gradient fits its parameter (or, without ``params``, the accumulator's shape): the sum
     would broadcast a gradient of another shape."""
-    param_leaves = [None] * len(grad_leaves) if params is None else tree.leaves_matching(spec, params, "params", "grads")
+    param_leaves = (
+        [None] * len(grad_leaves) if params is None else tree.leaves_matching(spec, params, "params", "grads")
+    )
     for i, (g, a, p) in enumerate(zip(grad_leaves, acc_leaves, param_leaves)):
         if g is None:
             continue
         name = lambda i=i: tree.leaf_names(spec)[i]  # noqa: E731
         checks.check_grad(g, p, name, "multi_steps")
         if a is not None and g.shape != a.shape:
-            raise ValueError(f"multi_steps: gradient of {name()!r} has shape {tuple(g.shape)}, parameter has {tuple(a.shape)}")
+            raise ValueError(
+                f"multi_steps: gradient of {name()!r} has shape {tuple(g.shape)}, parameter has {tuple(a.shape)}"
+            )
 
 
 def _dtype_of(*candidates) -> torch.dtype:

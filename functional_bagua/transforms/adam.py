@@ -85,7 +85,9 @@ class ScaleByAmsgradState(NamedTuple):
     nu_max: torch.Tensor
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False) -> GradientTransformation:
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False
+) -> GradientTransformation:
     """Adam's preconditioned direction (module docstring). Example::
 
         adam = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
@@ -171,7 +173,9 @@ class ScaleByNadamState(NamedTuple):
     nu: torch.Tensor
 
 
-def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum_decay: float = 4e-3) -> GradientTransformation:
+def scale_by_nadam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum_decay: float = 4e-3
+) -> GradientTransformation:
     """NAdam's direction with torch.optim.NAdam's momentum schedule (module docstring).
 
     Args:
@@ -205,9 +209,7 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, moment
         mu = lerp(s.mu, g, 1 - b1)
         nu = second_moment(s.nu, g, b2)
         denom = nu.div(bias_correction(b2, t)).sqrt().add(eps)
-        u = (g / denom) * ((1 - mu_t) / (1 - mu_product)) + (mu / denom) * (
-            mu_next / (1 - mu_product * mu_next)
-        )
+        u = (g / denom) * ((1 - mu_t) / (1 - mu_product)) + (mu / denom) * (mu_next / (1 - mu_product * mu_next))
         return u, ScaleByNadamState(count, mu_product, mu, nu)
 
     return leafwise(ScaleByNadamState, init_leaf, update_leaf, name="scale_by_nadam")
@@ -221,7 +223,9 @@ class ScaleByRadamState(NamedTuple):
     nu: torch.Tensor
 
 
-def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, threshold: float = 5.0) -> GradientTransformation:
+def scale_by_radam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, threshold: float = 5.0
+) -> GradientTransformation:
     """RAdam's rectified direction (module docstring); ``threshold`` is torch's 5 on ``rho_t``.
 
     Args:

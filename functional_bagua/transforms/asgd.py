@@ -31,7 +31,9 @@ class ScaleByAsgdState(NamedTuple):
     ax: torch.Tensor
 
 
-def scale_by_asgd(lr: float = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6) -> GradientTransformation:
+def scale_by_asgd(
+    lr: float = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6
+) -> GradientTransformation:
     """ASGD's descent step and iterate averaging (module docstring).
 
     Args:

@@ -1,8 +1,8 @@
 """AdaBelief (Zhuang et al., 2020): Adam whose second moment tracks the belief ``(g - m)^2``::
 
-    m_t = lerp(m_{t-1}, g_t, 1 - b1)
-    s_t = b2 s_{t-1} + (1 - b2) (g_t - m_t)^2 + eps
-    u_t = (m_t / (1 - b1^t)) / (sqrt(s_t) / sqrt(1 - b2^t) + eps)
+m_t = lerp(m_{t-1}, g_t, 1 - b1)
+s_t = b2 s_{t-1} + (1 - b2) (g_t - m_t)^2 + eps
+u_t = (m_t / (1 - b1^t)) / (sqrt(s_t) / sqrt(1 - b2^t) + eps)
 """
 
 from __future__ import annotations

@@ -45,7 +45,9 @@ def _mean_square(g: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.norm(g, dim=dim, keepdim=True).square().div(g.size(dim))
 
 
-def scale_by_factored_rms(beta2_decay: float = -0.8, eps1: Optional[float] = None, d: float = 1.0) -> GradientTransformation:
+def scale_by_factored_rms(
+    beta2_decay: float = -0.8, eps1: Optional[float] = None, d: float = 1.0
+) -> GradientTransformation:
     """Adafactor's factored second-moment direction with update clipping (module docstring).
 
     Args:
@@ -68,7 +70,9 @@ def scale_by_factored_rms(beta2_decay: float = -0.8, eps1: Optional[float] = Non
         if p.dim() > 1:
             row_shape, col_shape = list(p.shape), list(p.shape)
             row_shape[-1], col_shape[-2] = 1, 1
-            return ScaleByFactoredRmsState(zero_count(p), p.new_zeros(row_shape), p.new_zeros(col_shape), p.new_zeros(0))
+            return ScaleByFactoredRmsState(
+                zero_count(p), p.new_zeros(row_shape), p.new_zeros(col_shape), p.new_zeros(0)
+            )
         return ScaleByFactoredRmsState(zero_count(p), p.new_zeros(0), p.new_zeros(0), torch.zeros_like(p))
 
     def update_leaf(g, s, p):
@@ -122,5 +126,10 @@ def scale_by_relative_step_size(lr: float = 1e-2, eps2: float = 1e-3) -> Gradien
         return g * (param_rms.clamp(min=eps2) * rho), ScaleByRelativeStepSizeState(count)
 
     return leafwise(
-        ScaleByRelativeStepSizeState, init_leaf, update_leaf, name="scale_by_relative_step_size", needs_params=True, per_tensor=True
+        ScaleByRelativeStepSizeState,
+        init_leaf,
+        update_leaf,
+        name="scale_by_relative_step_size",
+        needs_params=True,
+        per_tensor=True,
     )

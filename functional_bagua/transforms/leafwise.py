@@ -88,8 +88,10 @@ def leafwise(
                 checks.check_param(p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=complex_ok)
         keys = _segmented_keys(spec, per_tensor)
         per_leaf = [
-            state_type(*([None] * len(fields))) if p is None
-            else init_leaf(p) if keys is None
+            state_type(*([None] * len(fields)))
+            if p is None
+            else init_leaf(p)
+            if keys is None
             else _per_segment_states(state_type, [init_leaf(seg.of(p)) for seg in layout_context.segments_of(keys[i])])
             for i, p in enumerate(leaves)
         ]
@@ -103,8 +105,9 @@ def leafwise(
             param_leaves = [None] * len(grad_leaves)
         else:
             grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
-        checks.check_grads(grad_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name,
-                           complex_ok=complex_ok, layout=layout)
+        checks.check_grads(
+            grad_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=complex_ok, layout=layout
+        )
         if not isinstance(state, state_type):
             raise ValueError(
                 f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the "
@@ -126,9 +129,7 @@ def leafwise(
                 u, new_s = _update_segments(update_leaf, state_type, g, s, p, layout_context.segments_of(keys[i]))
             updates.append(u.to(g.dtype))
             new_state_leaves.append(_with_dtypes_of(new_s, s))
-        new_state = state_type(
-            *(spec.unflatten([s[i] for s in new_state_leaves]) for i in range(len(fields)))
-        )
+        new_state = state_type(*(spec.unflatten([s[i] for s in new_state_leaves]) for i in range(len(fields))))
         return spec.unflatten(updates), new_state
 
     return GradientTransformation(init, update)
@@ -182,12 +183,17 @@ def stateless(
             param_leaves = [None] * len(update_leaves)
         else:
             update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
-        checks.check_grads(update_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor)
+        checks.check_grads(
+            update_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor
+        )
         keys = _segmented_keys(spec, per_tensor)
         new = [
-            None if u is None
-            else rule(u, p).to(u.dtype) if keys is None
-            else per_buffer(u, p, [seg.numel for seg in layout_context.segments_of(keys[i])]).to(u.dtype) if per_buffer
+            None
+            if u is None
+            else rule(u, p).to(u.dtype)
+            if keys is None
+            else per_buffer(u, p, [seg.numel for seg in layout_context.segments_of(keys[i])]).to(u.dtype)
+            if per_buffer
             else _map_segments(update_leaf, u, p, layout_context.segments_of(keys[i]))
             for i, (u, p) in enumerate(zip(update_leaves, param_leaves))
         ]
@@ -220,25 +226,22 @@ def _update_segments(update_leaf, state_type, g, s, p, segments) -> tuple:
 
 def _map_segments(update_leaf, u, p, segments) -> torch.Tensor:
     """A stateless per-tensor rule on each segment of a flat buffer, concatenated back."""
-    return torch.cat([
-        update_leaf(seg.of(u), None if p is None else seg.of(p)).to(u.dtype).reshape(-1) for seg in segments
-    ])
+    return torch.cat(
+        [update_leaf(seg.of(u), None if p is None else seg.of(p)).to(u.dtype).reshape(-1) for seg in segments]
+    )
 
 
 def _field_leaves(spec, state, field: str, name: str, segmented: bool = False) -> list:
     try:
         field_tree = getattr(state, field)
     except AttributeError:
-        raise ValueError(
-            f"{name}: state has no field {field!r}; was it made by this transform's init?"
-        ) from None
+        raise ValueError(f"{name}: state has no field {field!r}; was it made by this transform's init?") from None
     if segmented:  # one tuple of per-segment tensors per buffer
         return tree.leaves_up_to(spec, field_tree, "grads", "the params the state was made for")
     leaves, field_spec = tree.flatten(field_tree)
     if field_spec != spec:
         raise ValueError(
-            f"{name}: "
-            + tree.describe_mismatch(field_spec, spec, "grads", "the params the state was made for")
+            f"{name}: " + tree.describe_mismatch(field_spec, spec, "grads", "the params the state was made for")
         )
     return leaves
 
@@ -250,10 +253,9 @@ def _with_dtypes_of(new: Any, old: Any) -> Any:
     float32 parameter's math runs in float64; the cast brings state and updates back to the
     tensor's own dtype (a no-op for every other tensor).
     """
-    return type(new)(*(
-        n.to(o.dtype) if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) else n
-        for n, o in zip(new, old)
-    ))
+    return type(new)(
+        *(n.to(o.dtype) if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) else n for n, o in zip(new, old))
+    )
 
 
 def _on_real_views(update_leaf: Callable) -> Callable:

@@ -1,8 +1,8 @@
 """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms")::
 
-    c_t = lerp(m_{t-1}, g_t, 1 - b1)          (= b1 m + (1 - b1) g)
-    u_t = sign(c_t)
-    m_t = lerp(m_{t-1}, g_t, 1 - b2)
+c_t = lerp(m_{t-1}, g_t, 1 - b1)          (= b1 m + (1 - b1) g)
+u_t = sign(c_t)
+m_t = lerp(m_{t-1}, g_t, 1 - b2)
 """
 
 from __future__ import annotations

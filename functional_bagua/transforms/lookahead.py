@@ -70,11 +70,17 @@ def lookahead(inner: GradientTransformation, sync_period: int = 5, alpha: float 
         count = state.count + 1
         sync = count % sync_period == 0
         slow = tree.tree_map(
-            lambda phi, theta: None if phi is None else torch.where(sync, lerp(phi, theta, alpha), phi), state.slow, fast
+            lambda phi, theta: None if phi is None else torch.where(sync, lerp(phi, theta, alpha), phi),
+            state.slow,
+            fast,
         )
         updates = tree.tree_map(
-            lambda phi, u, p: None if p is None else torch.where(sync, phi - p, torch.zeros_like(p) if u is None else u),
-            slow, fast_updates, params,
+            lambda phi, u, p: (
+                None if p is None else torch.where(sync, phi - p, torch.zeros_like(p) if u is None else u)
+            ),
+            slow,
+            fast_updates,
+            params,
         )
         return updates, LookaheadState(count, slow, inner_state)
 

@@ -54,7 +54,7 @@ def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False)
     def update_leaf(g, s, p):
         first = s.count == 0
         if is_number(dampening) and dampening == 0:
-            b = s.trace.mul(momentum).add(g)      # from b_0 = 0 this gives b_1 = g exactly
+            b = s.trace.mul(momentum).add(g)  # from b_0 = 0 this gives b_1 = g exactly
         else:
             b = torch.where(first, g, add_scaled(s.trace.mul(momentum), g, 1 - dampening))
         u = add_scaled(g, b, momentum) if nesterov else b

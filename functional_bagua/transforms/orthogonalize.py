@@ -28,7 +28,9 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 
 
-def newton_schulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS
+) -> torch.Tensor:
     """The quintic Newton-Schulz orthogonalisation of a matrix, in bfloat16 (module docstring).
 
     Args:
@@ -55,7 +57,9 @@ def newton_schulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS
     return x.T if tall else x
 
 
-def orthogonalize(ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS) -> GradientTransformation:
+def orthogonalize(
+    ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS
+) -> GradientTransformation:
     """``u = NewtonSchulz(g)`` per 2-D tensor, cast back to the gradient's dtype.
 
     Args:
@@ -75,7 +79,9 @@ def orthogonalize(ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if len(ns_coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    return stateless(lambda u, p: newton_schulz(u, ns_coefficients, ns_steps, eps), name="orthogonalize", per_tensor=True)
+    return stateless(
+        lambda u, p: newton_schulz(u, ns_coefficients, ns_steps, eps), name="orthogonalize", per_tensor=True
+    )
 
 
 def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:

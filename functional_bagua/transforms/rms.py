@@ -92,7 +92,9 @@ class ScaleByAdagradState(NamedTuple):
     sum_of_squares: torch.Tensor
 
 
-def scale_by_adagrad(lr_decay: float = 0.0, initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> GradientTransformation:
+def scale_by_adagrad(
+    lr_decay: float = 0.0, initial_accumulator_value: float = 0.0, eps: float = 1e-10
+) -> GradientTransformation:
     """Adagrad's direction with torch's per-tensor learning-rate decay (module docstring).
 
     Args:

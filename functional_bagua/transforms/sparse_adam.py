@@ -80,4 +80,3 @@ def _at_indices_of(g: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """A sparse COO tensor with ``values`` at the indices of the coalesced ``g`` (valid by
     construction, so torch's invariant checks are skipped)."""
     return torch.sparse_coo_tensor(g._indices(), values, g.shape, check_invariants=False, is_coalesced=True)
-

@@ -16,7 +16,9 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.transforms.leafwise import stateless
 
 
-def ratio_of_norms(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_coefficient: float = 1.0, eps: float = 0.0) -> torch.Tensor:
+def ratio_of_norms(
+    p_norm: torch.Tensor, u_norm: torch.Tensor, trust_coefficient: float = 1.0, eps: float = 0.0
+) -> torch.Tensor:
     """The trust ratio from the norms (elementwise: one ratio per pair of norms).
 
     Args:

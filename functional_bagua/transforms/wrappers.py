@@ -86,7 +86,9 @@ class PartitionState(NamedTuple):
     inner_states: dict
 
 
-def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[Any, Callable[[Any], Any]]) -> GradientTransformation:
+def partition(
+    transforms: Mapping[Any, GradientTransformation], labels: Union[Any, Callable[[Any], Any]]
+) -> GradientTransformation:
     """Parameter groups: each leaf is updated by the transform its label names. Example (AdamW
     without decay on biases and norms, a 10x learning rate for the head)::
 
@@ -111,17 +113,19 @@ def partition(transforms: Mapping[Any, GradientTransformation], labels: Union[An
         layout_context.refuse_inside_fuse("partition", "a flat buffer has no parameter names to label")
         _, spec = tree.flatten(params)
         found = tree.leaves_up_to(spec, _resolve(labels, params), "labels", "params")
-        unknown = sorted({str(l) for l in found if l not in transforms})
+        unknown = sorted({str(label) for label in found if label not in transforms})
         if unknown:
             raise ValueError(f"partition: labels without a transform: {unknown}; transforms are for {list(transforms)}")
         return found
 
     def masks(params):
         found = label_leaves(params)
-        return {name: [l == name for l in found] for name in transforms}
+        return {name: [label == name for label in found] for name in transforms}
 
     def init(params):
-        return PartitionState({name: tx.init(_keep_where(params, m)) for (name, tx), m in zip(transforms.items(), masks(params).values())})
+        return PartitionState(
+            {name: tx.init(_keep_where(params, m)) for (name, tx), m in zip(transforms.items(), masks(params).values())}
+        )
 
     def update(updates, state, params=None):
         if params is None:
@@ -213,7 +217,11 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"apply_if_finite: inner is {type(inner).__name__}, not a GradientTransformation")
-    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
+    if (
+        isinstance(max_consecutive_errors, bool)
+        or not isinstance(max_consecutive_errors, int)
+        or max_consecutive_errors < 0
+    ):
         raise ValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}")
 
     def init(params):
@@ -221,7 +229,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         return ApplyIfFiniteState(zero_count(params), finite, zero_count(params), inner.init(params))
 
     def update(updates, state, params=None):
-        layout_context.refuse_on_shards("apply_if_finite", "each rank would see only its shard, and ranks could disagree on skipping")
+        layout_context.refuse_on_shards(
+            "apply_if_finite", "each rank would see only its shard, and ranks could disagree on skipping"
+        )
         leaves = [u for u in tree.flatten(updates)[0] if u is not None]
         finite = torch.stack([torch.isfinite(u).all() for u in leaves]).all() if leaves else torch.tensor(True)
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
