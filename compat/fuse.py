@@ -70,10 +70,9 @@ __all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "fused_steps"]
 
 _grad_of = attrgetter("grad")
 # Per-tensor work per parameter (foreach slots, see fusion_check.ProbeResult) below which an
-# optimizer's step is cheaper unfused than copying fresh gradients into the flat buffer.
-# Measured on 200 tensors of 4k elements, fresh gradients, fused against step(): foreach SGD
-# (1 slot) 0.74-0.79x; for-loop SGD (2) 0.91-1.34x over nine runs, so it is stepped unfused too;
-# foreach SGD with momentum (3) 1.6-2.0x.
+# optimizer's step is cheaper unfused than copying fresh gradients into the flat buffer: fused
+# with fresh gradients, torch's SGD without momentum (1 slot foreach, 2 for-loop) was no faster
+# than step(), SGD with momentum (3) was (benchmarks/RESULTS.md, the fuse_step section).
 FRESH_GRADS_MIN_WORK = 3
 
 

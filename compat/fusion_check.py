@@ -51,7 +51,7 @@ GRAD_NORMS = (1e4, 1e-4, 1.0)
 PARAM_NORMS = (1e2, 1e-2, 1.0)
 HALF_GRAD_NORMS = (1e2, 1e-2, 1.0)  # float16/bfloat16: 1e4 would overflow squared moments
 PROBE_LR = 1e-3  # used when the group's lr is 0 (e.g. warmup starting at 0), which would hide everything
-SINGLE_OP_WORK = 2  # a single-tensor op costs about two slots of a foreach op's list on the CPU (1.1 vs 0.6 us)
+SINGLE_OP_WORK = 2  # a single-tensor op costs about two slots of a foreach op's list on the CPU
 
 
 class ProbeResult(NamedTuple):

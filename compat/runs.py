@@ -38,8 +38,8 @@ _NO_STATE: dict = {}  # what still_valid reads for a parameter without state (ne
 class StateIndex:
     """``optimizer.state``'s per-parameter dicts, read by position instead of by key.
 
-    Looking a tensor up in ``optimizer.state`` calls ``Tensor.__hash__``, a Python function
-    (about 0.25 us). :meth:`read` instead takes the keys' ids and the values in order (C-level
+    Looking a tensor up in ``optimizer.state`` calls ``Tensor.__hash__``, a Python function.
+    :meth:`read` instead takes the keys' ids and the values in order (C-level
     copies) and, while the ids are the same in the same order as last time, a run reads its
     members' dicts at remembered positions (a member is alive, so no other key can have its
     id); any insertion or deletion starts a new ``generation`` of positions. The values are
@@ -186,9 +186,8 @@ class Run:
     flat storage, each at most :data:`CPU_CHUNK_BYTES` on the CPU (one on other devices). A
     for-loop optimizer's temporaries then stay small enough for the allocator to reuse them
     (one 400 MB temporary per step costs page faults, and peak memory); a piece may cut a
-    member in two, which elementwise math does not notice. Pieces of 4 MiB measured 0-13% (median
-    4%) faster fused steps than 1 MiB on 200 tensors of 4k elements (half the kernel launches);
-    32 MiB made for-loop Adam's fresh-gradient step twice as slow with glibc's default malloc.
+    member in two, which elementwise math does not notice. benchmarks/RESULTS.md compares the
+    piece sizes (4 MiB against 1 MiB and 32 MiB).
     """
 
     def __init__(self, params: list, flat: torch.Tensor, state, place: Callable):
