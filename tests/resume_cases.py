@@ -7,7 +7,7 @@ import torch
 import functional_bagua as fb
 from functional_bagua import schedules
 from models import batches, loss_fn, make_model
-from test_torch_parity import CASES
+from parity_table import CASES
 
 FIRST_STEPS, MORE_STEPS = 4, 3
 DTYPE = torch.float64

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 import functional_bagua as fb
 from functional_bagua import schedules as S
 from models import batches, loss_fn, make_model
-from test_core import ALL_ALIASES
+from helpers import ALL_ALIASES
 
 # --- gradients and updates that do not fit their parameter --------------------------------------------
 

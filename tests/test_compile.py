@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
-from test_core import ALL_ALIASES, RICH_SETTINGS, problem
+from helpers import ALL_ALIASES, RICH_SETTINGS, problem
 
 STEPS = 4
 

@@ -9,49 +9,8 @@ import torch
 from hypothesis import given, settings
 
 import functional_bagua as fb
+from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree, problem, tensor_leaves
 from models import ShapesNet, make_model
-
-ALL_ALIASES = [
-    fb.sgd, fb.adam, fb.adamw, fb.adamax, fb.nadam, fb.radam, fb.adagrad, fb.adadelta, fb.rmsprop,
-    fb.rprop, fb.asgd, fb.adafactor, fb.muon, fb.lamb, fb.lars, fb.lion, fb.adabelief,
-]
-# non-default settings that switch on every code path with state (momentum, amsgrad, centered...)
-RICH_SETTINGS = {
-    fb.sgd: dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.1),
-    fb.adam: dict(amsgrad=True, weight_decay=0.1),
-    fb.rmsprop: dict(centered=True, momentum=0.9),
-    fb.adagrad: dict(lr_decay=0.1),
-    fb.lars: dict(nesterov=True, weight_decay=0.1),
-    fb.asgd: dict(t0=1, lambd=0.1),
-    fb.lion: dict(lr=1e-2),  # 1e-4 steps vanish under bfloat16 rounding
-}
-
-
-def problem(alias, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = {"w": (4, 3), "v": (3, 5)} if alias is fb.muon else {"w": (4, 3), "b": (3,), "s": (), "k": (2, 1, 3, 3)}
-    params = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-    grads = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-    return params, grads
-
-
-def tensor_leaves(tree):
-    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
-
-def clone_tree(tree):
-    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
-
-
-def assert_trees_equal(a, b):
-    la, lb = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y)
-        else:
-            assert x == y
-
 
 # --- chain, identity, apply_updates ------------------------------------------------------------
 

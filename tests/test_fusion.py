@@ -8,7 +8,7 @@ import torch
 import functional_bagua as fb
 from functional_bagua.flat import group_key
 from models import batches, loss_fn, make_model
-from test_torch_parity import CASES, STEPS, run_functional
+from parity_table import CASES, STEPS, run_functional
 
 # per-tensor rules that reduce over a tensor (norms, means, matmuls) run on segment views; the
 # only math that may differ from unfused at all is a reduction across tensors (global norms)

@@ -7,7 +7,7 @@ import torch
 
 import functional_bagua as fb
 from models import batches, default_dtype, loss_fn, make_model
-from test_core import assert_trees_equal, clone_tree
+from helpers import assert_trees_equal, clone_tree
 
 DTYPE = torch.float64
 

@@ -1,0 +1,53 @@
+"""Shared by the core-contract tests and the test files that run the same checks on every alias
+(test_core.py, test_compile.py, test_wrappers.py, test_bad_input.py): the table of every alias
+with the non-default settings that switch on their stateful code paths, a small problem
+(parameters and gradients) per alias, and helpers that list, clone and compare the tensors of a
+pytree bit for bit."""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+import functional_bagua as fb
+
+ALL_ALIASES = [
+    fb.sgd, fb.adam, fb.adamw, fb.adamax, fb.nadam, fb.radam, fb.adagrad, fb.adadelta, fb.rmsprop,
+    fb.rprop, fb.asgd, fb.adafactor, fb.muon, fb.lamb, fb.lars, fb.lion, fb.adabelief,
+]
+# non-default settings that switch on every code path with state (momentum, amsgrad, centered...)
+RICH_SETTINGS = {
+    fb.sgd: dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.1),
+    fb.adam: dict(amsgrad=True, weight_decay=0.1),
+    fb.rmsprop: dict(centered=True, momentum=0.9),
+    fb.adagrad: dict(lr_decay=0.1),
+    fb.lars: dict(nesterov=True, weight_decay=0.1),
+    fb.asgd: dict(t0=1, lambd=0.1),
+    fb.lion: dict(lr=1e-2),  # 1e-4 steps vanish under bfloat16 rounding
+}
+
+
+def problem(alias, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"w": (4, 3), "v": (3, 5)} if alias is fb.muon else {"w": (4, 3), "b": (3,), "s": (), "k": (2, 1, 3, 3)}
+    params = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+    grads = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+    return params, grads
+
+
+def tensor_leaves(tree):
+    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def clone_tree(tree):
+    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
+
+
+def assert_trees_equal(a, b):
+    la, lb = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert x == y
