@@ -11,15 +11,19 @@ import copy
 import warnings
 
 import torch
-
 from custom_optimizers import BertAdam
+
 from functional_bagua.compat import fuse_optimizer
 
 STEPS = 100
 
 # name -> (class, group-0 defaults, group-1 overrides)
 OPTIMIZERS = {
-    "SGD": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), dict(lr=0.01, momentum=0.5, nesterov=False)),
+    "SGD": (
+        torch.optim.SGD,
+        dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        dict(lr=0.01, momentum=0.5, nesterov=False),
+    ),
     "Adam": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True), dict(lr=3e-3, weight_decay=0.1, amsgrad=False)),
     "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05), dict(lr=2e-3, betas=(0.8, 0.9))),
     "RMSprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9, centered=True), dict(lr=1e-2, alpha=0.9)),
@@ -43,10 +47,26 @@ def make_params(seed=0):
     gen = torch.Generator().manual_seed(seed)
 
     def param(shape, dtype=torch.float32, requires_grad=True):
-        return torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype), requires_grad=requires_grad)
+        return torch.nn.Parameter(
+            torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype), requires_grad=requires_grad
+        )
 
-    group0 = [param((5, 3)), param((3,)), param((4, 4)), param((6,)), param((2, 2), requires_grad=False), param((7,)), param((3, 1))]
-    group1 = [param((3, 2), torch.float64), param((2, 2)), param((6,), torch.float64), param((5,)), param((2, 3), torch.float64)]
+    group0 = [
+        param((5, 3)),
+        param((3,)),
+        param((4, 4)),
+        param((6,)),
+        param((2, 2), requires_grad=False),
+        param((7,)),
+        param((3, 1)),
+    ]
+    group1 = [
+        param((3, 2), torch.float64),
+        param((2, 2)),
+        param((6,), torch.float64),
+        param((5,)),
+        param((2, 3), torch.float64),
+    ]
     return group0, group1
 
 

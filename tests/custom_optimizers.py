@@ -27,17 +27,26 @@ def warmup_linear(progress: float, warmup: float) -> float:
 class BertAdam(torch.optim.Optimizer):
     """For each parameter with a gradient, with ``t`` its step count::
 
-        g   <- g * min(1, max_grad_norm / ||g||)          (per parameter)
-        m   <- b1 m + (1 - b1) g
-        v   <- b2 v + (1 - b2) g^2
-        u   <- m / (sqrt(v) + e) + weight_decay * p
-        p   <- p - lr * warmup_linear(t / t_total, warmup) * u
+    g   <- g * min(1, max_grad_norm / ||g||)          (per parameter)
+    m   <- b1 m + (1 - b1) g
+    v   <- b2 v + (1 - b2) g^2
+    u   <- m / (sqrt(v) + e) + weight_decay * p
+    p   <- p - lr * warmup_linear(t / t_total, warmup) * u
     """
 
-    def __init__(self, params, lr=1e-3, warmup=0.1, t_total=1000, b1=0.9, b2=0.999, e=1e-6,
-                 weight_decay=0.01, max_grad_norm=1.0):
-        defaults = dict(lr=lr, warmup=warmup, t_total=t_total, b1=b1, b2=b2, e=e,
-                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+    def __init__(
+        self, params, lr=1e-3, warmup=0.1, t_total=1000, b1=0.9, b2=0.999, e=1e-6, weight_decay=0.01, max_grad_norm=1.0
+    ):
+        defaults = dict(
+            lr=lr,
+            warmup=warmup,
+            t_total=t_total,
+            b1=b1,
+            b2=b2,
+            e=e,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -70,8 +79,8 @@ class BertAdam(torch.optim.Optimizer):
 class SignMomentum(torch.optim.Optimizer):
     """Lion-style, elementwise::
 
-        p <- p - lr * (sign(b1 m + (1 - b1) g) + weight_decay * p)
-        m <- b2 m + (1 - b2) g
+    p <- p - lr * (sign(b1 m + (1 - b1) g) + weight_decay * p)
+    m <- b2 m + (1 - b2) g
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0):

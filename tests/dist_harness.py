@@ -36,9 +36,8 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, names: list, out_dir: str) -> None:
-    import torch.distributed as dist
-
     import dist_scenarios
+    import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

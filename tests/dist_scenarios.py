@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 
 import torch
+from models import batches, loss_fn, make_model
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.optim import PostLocalSGDOptimizer
 
 import functional_bagua as fb
 import functional_bagua.distributed as fbd
-from models import batches, loss_fn, make_model
 
 DTYPE = torch.float64
 STEPS = 4
@@ -58,6 +58,7 @@ def state_bytes(state) -> int:
 
 # --- all-reduce and sharding: N ranks x batch b == 1 process x batch N*b --------------------------
 
+
 def allreduce_sgd(rank, world_size):
     return train(fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), TXS["sgd"]()), local_batches(rank, world_size))[0]
 
@@ -103,12 +104,18 @@ def periodic_average(rank, world_size):
 
 # --- decentralized: each rank starts from its own weights ------------------------------------------
 
+
 def decentralized(mode, interval):
     def scenario(rank, world_size):
         trace = []
-        params, _ = train(fb.chain(fb.sgd(LR), fbd.decentralized(mode, interval)),
-                          batches(3, DTYPE, seed=20 + rank), seed=rank, trace=trace)
+        params, _ = train(
+            fb.chain(fb.sgd(LR), fbd.decentralized(mode, interval)),
+            batches(3, DTYPE, seed=20 + rank),
+            seed=rank,
+            trace=trace,
+        )
         return trace, params
+
     return scenario
 
 
@@ -118,6 +125,7 @@ decentralized_all_every_2 = decentralized("all", 2)
 
 # --- compression -------------------------------------------------------------------------------------
 
+
 def compressed_mean(compression):
     def scenario(rank, world_size):
         gen = torch.Generator().manual_seed(100 + rank)
@@ -125,6 +133,7 @@ def compressed_mean(compression):
         grads = {k: torch.randn(p.shape, generator=gen) * (rank + 1) for k, p in params.items()}
         tx = fbd.allreduce_gradients(bucket_cap_mb=0.001, compression=compression)
         return grads, tx.update(grads, tx.init(params), params)[0]
+
     return scenario
 
 
@@ -135,6 +144,7 @@ compressed_minmax_uint8 = compressed_mean("minmax_uint8")
 
 # --- compiled: the same transforms inside torch.compile(fullgraph=True) -----------------------------
 
+
 def compiled(make_tx):
     def scenario(rank, world_size):
         data = local_batches(rank, world_size)
@@ -142,18 +152,21 @@ def compiled(make_tx):
         tx = make_tx()
         compiled_params, _ = train(tx, data, update=torch.compile(tx.update, fullgraph=True))
         return eager, compiled_params
+
     return scenario
 
 
 compiled_allreduce_adamw = compiled(lambda: fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), TXS["adamw"]()))
 compiled_allreduce_minmax_uint8 = compiled(
-    lambda: fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression="minmax_uint8"), fb.sgd(LR)))
+    lambda: fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression="minmax_uint8"), fb.sgd(LR))
+)
 compiled_shard_adamw = compiled(lambda: fbd.shard(TXS["adamw"]()))
 compiled_periodic_average = compiled(lambda: fb.chain(fb.sgd(LR), fbd.periodic_average(2)))
 compiled_shift_one = compiled(lambda: fb.chain(fb.sgd(LR), fbd.decentralized("shift_one")))
 
 
 # --- bad input ------------------------------------------------------------------------------------
+
 
 def mismatched_shapes(rank, world_size):
     params = {"w": torch.zeros(3, 4 + rank), "b": torch.zeros(3)}
@@ -172,7 +185,10 @@ def dead_rank(rank, world_size):
 # --- ranks that disagree: the same clear error on every rank, at init -------------------------------
 
 MISMATCHED_SETTINGS = {
-    "fp16_vs_bf16": (lambda: fbd.allreduce_gradients(compression="fp16"), lambda: fbd.allreduce_gradients(compression="bf16")),
+    "fp16_vs_bf16": (
+        lambda: fbd.allreduce_gradients(compression="fp16"),
+        lambda: fbd.allreduce_gradients(compression="bf16"),
+    ),
     "none_vs_fp16": (lambda: fbd.allreduce_gradients(), lambda: fbd.allreduce_gradients(compression="fp16")),
     "none_vs_minmax": (lambda: fbd.allreduce_gradients(), lambda: fbd.allreduce_gradients(compression="minmax_uint8")),
     "mean_vs_sum": (lambda: fbd.allreduce_gradients(), lambda: fbd.allreduce_gradients(average=False)),
@@ -191,6 +207,7 @@ def mismatched_settings(name):
         tx = MISMATCHED_SETTINGS[name][min(rank, 1)]()
         tx.init({"w": torch.ones(3, 4), "b": torch.ones(4)})  # a mismatch must raise here, before any update
         return "init passed"
+
     return scenario
 
 

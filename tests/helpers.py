@@ -12,8 +12,23 @@ import torch
 import functional_bagua as fb
 
 ALL_ALIASES = [
-    fb.sgd, fb.adam, fb.adamw, fb.adamax, fb.nadam, fb.radam, fb.adagrad, fb.adadelta, fb.rmsprop,
-    fb.rprop, fb.asgd, fb.adafactor, fb.muon, fb.lamb, fb.lars, fb.lion, fb.adabelief,
+    fb.sgd,
+    fb.adam,
+    fb.adamw,
+    fb.adamax,
+    fb.nadam,
+    fb.radam,
+    fb.adagrad,
+    fb.adadelta,
+    fb.rmsprop,
+    fb.rprop,
+    fb.asgd,
+    fb.adafactor,
+    fb.muon,
+    fb.lamb,
+    fb.lars,
+    fb.lion,
+    fb.adabelief,
 ]
 # non-default settings that switch on every code path with state (momentum, amsgrad, centered...)
 RICH_SETTINGS = {

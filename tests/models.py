@@ -54,8 +54,10 @@ def make_model(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
 def batches(n: int, dtype: torch.dtype, seed: int = 1, batch_size: int = 8):
     gen = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(batch_size, 2, 6, 6, generator=gen, dtype=dtype),
-         torch.randn(batch_size, 4, generator=gen, dtype=dtype))
+        (
+            torch.randn(batch_size, 2, 6, 6, generator=gen, dtype=dtype),
+            torch.randn(batch_size, 4, generator=gen, dtype=dtype),
+        )
         for _ in range(n)
     ]
 

@@ -7,87 +7,152 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import loss_fn, make_model
 
 import functional_bagua as fb
-from models import loss_fn, make_model
 
 STEPS = 10
 
 # (fb alias, torch optimizer, model kind, list of hyperparameter settings)
 TABLE = [
-    (fb.sgd, torch.optim.SGD, "shapes", [
-        dict(lr=0.1),
-        dict(lr=0.1, momentum=0.9),
-        dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
-        dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
-        dict(lr=0.05, momentum=0.5, maximize=True),
-    ]),
-    (fb.adam, torch.optim.Adam, "shapes", [
-        dict(),
-        dict(lr=1e-2, weight_decay=0.1),
-        dict(lr=1e-2, amsgrad=True),
-        dict(lr=1e-2, maximize=True, weight_decay=0.05),
-        dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
-    ]),
-    (fb.adamw, torch.optim.AdamW, "shapes", [
-        dict(),
-        dict(lr=1e-2, weight_decay=0.1, amsgrad=True),
-        dict(lr=1e-2, maximize=True),
-    ]),
-    (fb.adamax, torch.optim.Adamax, "shapes", [
-        dict(),
-        dict(weight_decay=0.1, maximize=True),
-    ]),
-    (fb.nadam, torch.optim.NAdam, "shapes", [
-        dict(),
-        dict(weight_decay=0.1),
-        dict(weight_decay=0.1, decoupled_weight_decay=True),
-        dict(momentum_decay=0.01, maximize=True),
-    ]),
-    (fb.radam, torch.optim.RAdam, "shapes", [
-        dict(),
-        dict(lr=1e-2, weight_decay=0.1),
-        dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
-        dict(maximize=True),
-    ]),
-    (fb.adagrad, torch.optim.Adagrad, "shapes", [
-        dict(),
-        dict(lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1),
-        dict(maximize=True),
-    ]),
-    (fb.adadelta, torch.optim.Adadelta, "shapes", [
-        dict(),
-        dict(rho=0.8, weight_decay=0.1),
-        dict(lr=0.5, maximize=True),
-    ]),
-    (fb.rmsprop, torch.optim.RMSprop, "shapes", [
-        dict(),
-        dict(centered=True),
-        dict(momentum=0.9),
-        dict(centered=True, momentum=0.5, weight_decay=0.1),
-        dict(maximize=True),
-    ]),
-    (fb.rprop, torch.optim.Rprop, "shapes", [
-        dict(),
-        dict(etas=(0.3, 1.5), step_sizes=(1e-4, 0.1)),
-        dict(maximize=True),
-    ]),
-    (fb.asgd, torch.optim.ASGD, "shapes", [
-        dict(),
-        dict(lr=0.05, lambd=1e-2, t0=3, weight_decay=0.1),
-        dict(maximize=True),
-    ]),
-    (fb.adafactor, torch.optim.Adafactor, "shapes", [
-        dict(),
-        dict(weight_decay=0.1, d=2.0, beta2_decay=-0.5),
-        dict(eps=(1e-30, 1e-2)),
-        dict(maximize=True),
-    ]),
-    (fb.muon, torch.optim.Muon, "matrix", [
-        dict(),
-        dict(lr=0.02, nesterov=False, momentum=0.9),
-        dict(lr=0.02, adjust_lr_fn="match_rms_adamw", weight_decay=0.05),
-    ]),
+    (
+        fb.sgd,
+        torch.optim.SGD,
+        "shapes",
+        [
+            dict(lr=0.1),
+            dict(lr=0.1, momentum=0.9),
+            dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
+            dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+            dict(lr=0.05, momentum=0.5, maximize=True),
+        ],
+    ),
+    (
+        fb.adam,
+        torch.optim.Adam,
+        "shapes",
+        [
+            dict(),
+            dict(lr=1e-2, weight_decay=0.1),
+            dict(lr=1e-2, amsgrad=True),
+            dict(lr=1e-2, maximize=True, weight_decay=0.05),
+            dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+        ],
+    ),
+    (
+        fb.adamw,
+        torch.optim.AdamW,
+        "shapes",
+        [
+            dict(),
+            dict(lr=1e-2, weight_decay=0.1, amsgrad=True),
+            dict(lr=1e-2, maximize=True),
+        ],
+    ),
+    (
+        fb.adamax,
+        torch.optim.Adamax,
+        "shapes",
+        [
+            dict(),
+            dict(weight_decay=0.1, maximize=True),
+        ],
+    ),
+    (
+        fb.nadam,
+        torch.optim.NAdam,
+        "shapes",
+        [
+            dict(),
+            dict(weight_decay=0.1),
+            dict(weight_decay=0.1, decoupled_weight_decay=True),
+            dict(momentum_decay=0.01, maximize=True),
+        ],
+    ),
+    (
+        fb.radam,
+        torch.optim.RAdam,
+        "shapes",
+        [
+            dict(),
+            dict(lr=1e-2, weight_decay=0.1),
+            dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+            dict(maximize=True),
+        ],
+    ),
+    (
+        fb.adagrad,
+        torch.optim.Adagrad,
+        "shapes",
+        [
+            dict(),
+            dict(lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.1),
+            dict(maximize=True),
+        ],
+    ),
+    (
+        fb.adadelta,
+        torch.optim.Adadelta,
+        "shapes",
+        [
+            dict(),
+            dict(rho=0.8, weight_decay=0.1),
+            dict(lr=0.5, maximize=True),
+        ],
+    ),
+    (
+        fb.rmsprop,
+        torch.optim.RMSprop,
+        "shapes",
+        [
+            dict(),
+            dict(centered=True),
+            dict(momentum=0.9),
+            dict(centered=True, momentum=0.5, weight_decay=0.1),
+            dict(maximize=True),
+        ],
+    ),
+    (
+        fb.rprop,
+        torch.optim.Rprop,
+        "shapes",
+        [
+            dict(),
+            dict(etas=(0.3, 1.5), step_sizes=(1e-4, 0.1)),
+            dict(maximize=True),
+        ],
+    ),
+    (
+        fb.asgd,
+        torch.optim.ASGD,
+        "shapes",
+        [
+            dict(),
+            dict(lr=0.05, lambd=1e-2, t0=3, weight_decay=0.1),
+            dict(maximize=True),
+        ],
+    ),
+    (
+        fb.adafactor,
+        torch.optim.Adafactor,
+        "shapes",
+        [
+            dict(),
+            dict(weight_decay=0.1, d=2.0, beta2_decay=-0.5),
+            dict(eps=(1e-30, 1e-2)),
+            dict(maximize=True),
+        ],
+    ),
+    (
+        fb.muon,
+        torch.optim.Muon,
+        "matrix",
+        [
+            dict(),
+            dict(lr=0.02, nesterov=False, momentum=0.9),
+            dict(lr=0.02, adjust_lr_fn="match_rms_adamw", weight_decay=0.05),
+        ],
+    ),
 ]
 
 CASES = [

@@ -1,6 +1,6 @@
 """Fresh-process half of the resume test: load each checkpoint, train MORE_STEPS, save params.
 
-    python tests/resume_worker.py DIR
+python tests/resume_worker.py DIR
 """
 
 import pathlib
@@ -10,12 +10,13 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-import functional_bagua as fb  # noqa: E402
 from resume_cases import FIRST_STEPS, all_cases, data, initial_params, train  # noqa: E402
+
+import functional_bagua as fb  # noqa: E402
 
 directory = pathlib.Path(sys.argv[1])
 batches = data()[FIRST_STEPS:]
-for i, (case_id, make_tx, kind) in enumerate(all_cases()):
+for i, (_case_id, make_tx, kind) in enumerate(all_cases()):
     saved = torch.load(directory / f"{i}.pt")
     tx = make_tx()
     state = fb.load_state_dict(tx.init(initial_params(kind)), saved["state"])

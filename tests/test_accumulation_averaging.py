@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import batches, default_dtype, loss_fn, make_model
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
-from models import batches, default_dtype, loss_fn, make_model
 
 DTYPE = torch.float64
 K = 4
@@ -248,7 +248,9 @@ def train_side_by_side(first, second, steps):
 
 
 def test_lookahead_with_alpha_one_is_the_inner_optimizer():
-    (inner, _), (wrapped, _) = train_side_by_side(fb.adam(lr=0.1), fb.lookahead(fb.adam(lr=0.1), sync_period=2, alpha=1.0), 6)
+    (inner, _), (wrapped, _) = train_side_by_side(
+        fb.adam(lr=0.1), fb.lookahead(fb.adam(lr=0.1), sync_period=2, alpha=1.0), 6
+    )
     torch.testing.assert_close(wrapped["w"], inner["w"], rtol=1e-14, atol=1e-14)
 
 
@@ -283,4 +285,6 @@ def test_ema_inside_multi_steps_averages_once_per_window():
         if t % 3 == 0:
             window_ends.append(params["w"])
     assert state.inner_state[-1].count.item() == 2
-    torch.testing.assert_close(state.inner_state[-1].ema["w"], 0.5 * window_ends[0] + 0.5 * window_ends[1], rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(
+        state.inner_state[-1].ema["w"], 0.5 * window_ends[0] + 0.5 * window_ends[1], rtol=1e-14, atol=1e-14
+    )

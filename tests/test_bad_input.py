@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from helpers import ALL_ALIASES
+from models import batches, loss_fn, make_model
 from torch.overrides import TorchFunctionMode
 
 import functional_bagua as fb
 from functional_bagua import schedules as S
-from models import batches, loss_fn, make_model
-from helpers import ALL_ALIASES
 
 # --- gradients and updates that do not fit their parameter --------------------------------------------
 
@@ -26,11 +26,31 @@ EVERY_TX = {**STATELESS_CHAINS, **{a.__name__: a for a in ALL_ALIASES}}
 W = torch.randn(4, 8)
 WRONG_GRADIENTS = {
     "row (8,)": (lambda: torch.ones(8), ValueError, r"gradient of 'w' has shape \(8,\), parameter has \(4, 8\)"),
-    "column (4, 1)": (lambda: torch.ones(4, 1), ValueError, r"gradient of 'w' has shape \(4, 1\), parameter has \(4, 8\)"),
-    "int64": (lambda: torch.ones(4, 8, dtype=torch.int64), TypeError, r"gradient of 'w' is torch.int64, parameter is torch.float32"),
-    "float64": (lambda: torch.ones(4, 8, dtype=torch.float64), TypeError, r"gradient of 'w' is torch.float64, parameter is torch.float32"),
-    "sparse coo": (lambda: torch.ones(4, 8).to_sparse(), TypeError, r"gradient of 'w' is sparse coo; sparse gradients are not supported"),
-    "sparse csr": (lambda: torch.ones(4, 8).to_sparse_csr(), TypeError, r"gradient of 'w' is sparse csr; sparse gradients are not supported"),
+    "column (4, 1)": (
+        lambda: torch.ones(4, 1),
+        ValueError,
+        r"gradient of 'w' has shape \(4, 1\), parameter has \(4, 8\)",
+    ),
+    "int64": (
+        lambda: torch.ones(4, 8, dtype=torch.int64),
+        TypeError,
+        r"gradient of 'w' is torch.int64, parameter is torch.float32",
+    ),
+    "float64": (
+        lambda: torch.ones(4, 8, dtype=torch.float64),
+        TypeError,
+        r"gradient of 'w' is torch.float64, parameter is torch.float32",
+    ),
+    "sparse coo": (
+        lambda: torch.ones(4, 8).to_sparse(),
+        TypeError,
+        r"gradient of 'w' is sparse coo; sparse gradients are not supported",
+    ),
+    "sparse csr": (
+        lambda: torch.ones(4, 8).to_sparse_csr(),
+        TypeError,
+        r"gradient of 'w' is sparse csr; sparse gradients are not supported",
+    ),
 }
 
 
@@ -167,14 +187,21 @@ def test_complex_parameters_match_torch_optim(alias, torch_cls, kwargs, dtype):
     assert torch.equal(torch.view_as_real(params["w"]), real_params["w"])  # the same math, bit for bit
 
 
-@pytest.mark.parametrize("alias, torch_cls, kwargs", [
-    (fb.adamw, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
-    (fb.sgd, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
-], ids=["adamw", "sgd"])
+@pytest.mark.parametrize(
+    "alias, torch_cls, kwargs",
+    [
+        (fb.adamw, torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+        (fb.sgd, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ],
+    ids=["adamw", "sgd"],
+)
 def test_fuse_inplace_steps_complex_buffers_with_torchs_kernel_on_their_real_views(alias, torch_cls, kwargs):
     """torch's fused kernels refuse complex tensors: kernel="auto" failed inside them."""
     gen = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(4, 3, generator=gen, dtype=torch.complex64), "b": torch.randn(3, generator=gen, dtype=torch.complex64)}
+    params = {
+        "w": torch.randn(4, 3, generator=gen, dtype=torch.complex64),
+        "b": torch.randn(3, generator=gen, dtype=torch.complex64),
+    }
     references = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     optimizer = torch_cls(references.values(), **kwargs)
     layout = fb.FlatLayout.of(params)

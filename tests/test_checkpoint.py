@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from resume_cases import FIRST_STEPS, all_cases, data, initial_params, train
 
 import functional_bagua as fb
-from resume_cases import FIRST_STEPS, all_cases, data, initial_params, train
 
 HERE = pathlib.Path(__file__).parent
 
@@ -38,7 +38,9 @@ def test_load_state_dict_round_trips_and_reports_the_first_mismatch():
         fb.load_state_dict(tx.init(params), missing)
     with pytest.raises(ValueError, match="'2/extra/w' is not in this optimizer's state"):
         fb.load_state_dict(tx.init(params), dict(flat, **{"2/extra/w": torch.zeros(1)}))
-    with pytest.raises(ValueError, match=r"'2/mu/b' is torch.float32 \(3,\) in the checkpoint, the state expects torch.float32 \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"'2/mu/b' is torch.float32 \(3,\) in the checkpoint, the state expects torch.float32 \(2,\)"
+    ):
         fb.load_state_dict(tx.init(params), dict(flat, **{"2/mu/b": torch.zeros(3)}))
     with pytest.raises(ValueError, match=r"'2/mu/b' is torch.float64"):
         fb.load_state_dict(tx.init(params), dict(flat, **{"2/mu/b": torch.zeros(2, dtype=torch.float64)}))
@@ -52,7 +54,7 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
     batches = data()
     cases = all_cases()
     straight = []
-    for i, (case_id, make_tx, kind) in enumerate(cases):
+    for i, (_case_id, make_tx, kind) in enumerate(cases):
         tx = make_tx()
         params, state = train(tx, kind, initial_params(kind), tx.init(initial_params(kind)), batches[:FIRST_STEPS])
         torch.save({"params": params, "state": fb.state_dict(state)}, tmp_path / f"{i}.pt")

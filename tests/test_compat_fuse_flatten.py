@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 import torch
-
 from compat_helpers import assert_same, make_optimizer, make_params, set_grads
+
 from functional_bagua.compat import fuse_optimizer
 
 
@@ -38,7 +38,9 @@ def test_do_flatten_puts_params_grads_and_state_in_one_buffer_per_group_and_dtyp
                 assert len({t.untyped_storage().data_ptr() for _, t in pairs}) == 1
                 start = pairs[0][1].data_ptr() - (pairs[0][0].data_ptr() - base)
                 assert all(t.data_ptr() - start == p.data_ptr() - base for p, t in pairs)
-            assert all(a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(members, members[1:]))
+            assert all(
+                a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(members, members[1:])
+            )
     # the scalar step stays a separate 0-dim tensor per parameter
     steps = [opt.state[p]["step"] for p in groups[0] if p in opt.state]
     assert all(s.dim() == 0 for s in steps) and len({id(s) for s in steps}) == len(steps)

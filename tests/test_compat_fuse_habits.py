@@ -16,8 +16,6 @@ import warnings
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import example, given, settings
-
 from compat_helpers import (
     UNUSED,
     Net,
@@ -31,15 +29,23 @@ from compat_helpers import (
     two_copies,
 )
 from custom_optimizers import BertAdam
+from hypothesis import example, given, settings
+
 from functional_bagua.compat import fuse_optimizer, fused_steps
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_training_loop_with_backward_and_zero_grad(set_to_none):
     def make(net):
-        return torch.optim.AdamW([{"params": [net.b.weight, net.b.bias, net.unused.weight]},
-                                  {"params": [net.a.weight, net.a.bias, net.c.weight, net.c.bias, net.unused.bias], "lr": 3e-3}],
-                                 lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(
+            [
+                {"params": [net.b.weight, net.b.bias, net.unused.weight]},
+                {"params": [net.a.weight, net.a.bias, net.c.weight, net.c.bias, net.unused.bias], "lr": 3e-3},
+            ],
+            lr=1e-2,
+            weight_decay=0.1,
+        )
+
     ref, ref_opt, net, opt = two_copies(make)
     grad_pointer = None
     for t, (x, y) in enumerate(batches(20)):
@@ -71,13 +77,16 @@ def test_gradients_kept_between_steps_move_into_the_flat_buffer():
         opt.fuse_step()
     assert_models_equal(ref, net)
     buffers = {p.grad.untyped_storage().data_ptr() for p in fused}
-    bucket_grads = {b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs}
+    bucket_grads = {
+        b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs
+    }
     assert buffers <= bucket_grads
 
 
 def test_lr_scheduler_attached_to_fused_optimizer():
     def make(net):
         return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
     ref, ref_opt, net, opt = two_copies(make)
     ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.5, total_steps=12)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=12)
@@ -98,6 +107,7 @@ def test_lr_scheduler_attached_to_fused_optimizer():
 def test_state_dict_round_trips_between_fused_and_plain():
     def make(net):
         return torch.optim.Adam(net.parameters(), lr=1e-2)
+
     ref, ref_opt, net, opt = two_copies(make)
     data = batches(12)
 
@@ -131,6 +141,7 @@ def test_state_dict_round_trips_between_fused_and_plain():
 def test_grad_scaler_with_fused_steps_skips_inf_and_matches_plain():
     def make(net):
         return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
     ref, ref_opt, net, opt = two_copies(make)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
     for t, (x, y) in enumerate(batches(8)):
@@ -154,9 +165,11 @@ def test_grad_scaler_with_fused_steps_skips_inf_and_matches_plain():
 def test_closure_is_evaluated_once_and_loss_returned():
     def make(net):
         return torch.optim.RMSprop(net.parameters(), lr=1e-2)
+
     ref, ref_opt, net, opt = two_copies(make)
     calls = [0]
     for x, y in batches(5):
+
         def closure(model=net, o=opt):
             calls[0] += 1
             o.zero_grad()
@@ -169,6 +182,7 @@ def test_closure_is_evaluated_once_and_loss_returned():
             loss = loss_of(ref, x, y)
             loss.backward()
             return loss
+
         assert torch.equal(opt.fuse_step(closure), ref_opt.step(ref_closure))
     assert calls[0] == 5
     assert_models_equal(ref, net)
@@ -177,18 +191,22 @@ def test_closure_is_evaluated_once_and_loss_returned():
 def test_lbfgs_is_refused_by_the_check_and_steps_like_step():
     """LBFGS calls its closure many times and keeps per-group history: the check cannot step it
     without a closure, so the group is left unfused and fuse_step(closure) is step(closure)."""
+
     def make(net):
         return torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4)
+
     ref, ref_opt, net, opt = two_copies(make)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in batches(3):
             for model, o in ((ref, ref_opt), (net, opt)):
+
                 def closure(model=model, o=o):
                     o.zero_grad()
                     loss = loss_of(model, x, y)
                     loss.backward()
                     return loss
+
                 (o.fuse_step if o is opt else o.step)(closure)
     assert_models_equal(ref, net)
     assert opt._bagua_fused_count == 0
@@ -250,7 +268,9 @@ def test_a_fuse_step_kept_without_its_optimizer_says_so():
         step()
 
 
-@pytest.mark.parametrize("edit", ["replace exp_avg", "reset state", "delete state", "new step tensor", "bump step in place"])
+@pytest.mark.parametrize(
+    "edit", ["replace exp_avg", "reset state", "delete state", "new step tensor", "bump step in place"]
+)
 def test_state_edited_between_fused_steps_is_respected(edit):
     """A fused step re-reads ``optimizer.state`` entries a user replaced, reset or changed in
     place between steps, exactly as ``step()`` does."""
@@ -283,16 +303,32 @@ def test_state_edited_between_fused_steps_is_respected(edit):
 
 # ---- any sequence of what training code does, against plain step (hypothesis) -------------------
 
-ACTIONS = ["fresh", "in place", "every other fresh", "drop a gradient", "plain step", "new lr", "replace p.data",
-           "state_dict round trip", "clip on", "replace a state tensor", "scale a state tensor in place"]
+ACTIONS = [
+    "fresh",
+    "in place",
+    "every other fresh",
+    "drop a gradient",
+    "plain step",
+    "new lr",
+    "replace p.data",
+    "state_dict round trip",
+    "clip on",
+    "replace a state tensor",
+    "scale a state tensor in place",
+]
 
 
 def _act(action, t, pair):
     """Apply ``action`` at step ``t`` to one copy ``(groups, optimizer)``; both copies get the same."""
     groups, opt = pair
     gen = torch.Generator().manual_seed(1000 + t)
-    trainable = [(gi, i, p) for gi, ps in enumerate(groups) for i, p in enumerate(ps) if p.requires_grad and (gi, i) not in UNUSED]
-    for k, (gi, i, p) in enumerate(trainable):
+    trainable = [
+        (gi, i, p)
+        for gi, ps in enumerate(groups)
+        for i, p in enumerate(ps)
+        if p.requires_grad and (gi, i) not in UNUSED
+    ]
+    for k, (_gi, _i, p) in enumerate(trainable):
         g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
         fresh = action != "in place" and (action != "every other fresh" or k % 2 == 0)
         if p.grad is None or fresh:
@@ -321,8 +357,12 @@ def _act(action, t, pair):
 
 
 SEQUENCE_OPTIMIZERS = {
-    "SGD momentum foreach": lambda gs: torch.optim.SGD([{"params": gs[0]}, {"params": gs[1], "lr": 0.01}], lr=0.05, momentum=0.9, foreach=True),
-    "Adam for-loop": lambda gs: torch.optim.Adam([{"params": gs[0]}, {"params": gs[1], "weight_decay": 0.1}], lr=1e-2, foreach=False),
+    "SGD momentum foreach": lambda gs: torch.optim.SGD(
+        [{"params": gs[0]}, {"params": gs[1], "lr": 0.01}], lr=0.05, momentum=0.9, foreach=True
+    ),
+    "Adam for-loop": lambda gs: torch.optim.Adam(
+        [{"params": gs[0]}, {"params": gs[1], "weight_decay": 0.1}], lr=1e-2, foreach=False
+    ),
     "Adadelta foreach": lambda gs: torch.optim.Adadelta([{"params": gs[0]}, {"params": gs[1]}], lr=1.0, foreach=True),
     "BertAdam, clip off": lambda gs: BertAdam([{"params": gs[0]}, {"params": gs[1]}], lr=1e-2, max_grad_norm=0.0),
     "SGD foreach": lambda gs: torch.optim.SGD([{"params": gs[0]}, {"params": gs[1], "lr": 0.01}], lr=0.1, foreach=True),
@@ -330,10 +370,26 @@ SEQUENCE_OPTIMIZERS = {
 
 
 @settings(max_examples=50, deadline=None)
-@example(name="BertAdam, clip off", actions=["fresh", "clip on", "fresh"])  # the probe's verdict must not outlive the clip
-@example(name="SGD momentum foreach", actions=["every other fresh", "in place", "drop a gradient", "state_dict round trip",
-                                               "replace p.data", "plain step", "new lr", "fresh"])
-@given(name=st.sampled_from(sorted(SEQUENCE_OPTIMIZERS)), actions=st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=10))
+@example(
+    name="BertAdam, clip off", actions=["fresh", "clip on", "fresh"]
+)  # the probe's verdict must not outlive the clip
+@example(
+    name="SGD momentum foreach",
+    actions=[
+        "every other fresh",
+        "in place",
+        "drop a gradient",
+        "state_dict round trip",
+        "replace p.data",
+        "plain step",
+        "new lr",
+        "fresh",
+    ],
+)
+@given(
+    name=st.sampled_from(sorted(SEQUENCE_OPTIMIZERS)),
+    actions=st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=10),
+)
 def test_any_sequence_of_training_habits_equals_plain_step(name, actions):
     """Fresh, kept and missing gradients, plain steps in between, lr changes, replaced p.data,
     state_dict round trips, state tensors replaced or changed in place, and a per-tensor clip

@@ -13,9 +13,18 @@ import warnings
 
 import pytest
 import torch
-
-from compat_helpers import CASES, STEPS, alternate, assert_same, make_optimizer, make_params, set_grads, trainable_groups
+from compat_helpers import (
+    CASES,
+    STEPS,
+    alternate,
+    assert_same,
+    make_optimizer,
+    make_params,
+    set_grads,
+    trainable_groups,
+)
 from custom_optimizers import BertAdam, SignMomentum
+
 from functional_bagua.compat import fuse_optimizer, fuse_step, is_fused_optimizer
 from functional_bagua.compat.fusion_check import fusion_changes_step
 
@@ -34,7 +43,10 @@ def test_alternating_fuse_step_and_step_equals_plain_step(name, impl):
         assert opt._bagua_fused_count == fused_calls * trainable_groups(groups)
 
 
-@pytest.mark.parametrize("cls,kwargs", [(SignMomentum, dict(lr=1e-2, weight_decay=0.1)), (BertAdam, dict(lr=1e-2, t_total=STEPS, max_grad_norm=0.5))])
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [(SignMomentum, dict(lr=1e-2, weight_decay=0.1)), (BertAdam, dict(lr=1e-2, t_total=STEPS, max_grad_norm=0.5))],
+)
 def test_custom_optimizers_equal_plain_step(cls, kwargs):
     ref_groups, groups = make_params(), make_params()
     ref_opt = cls([{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 1e-3}], **kwargs)
@@ -123,9 +135,12 @@ def test_api_returns_same_object_refuses_twice_and_module_functions():
 def test_channels_last_parameters_keep_their_memory_format():
     """do_flatten made every parameter a contiguous view of the flat buffer, so a channels_last
     convolution kernel lost its memory format; such parameters are now stepped where they are."""
+
     def make():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2)
+        )
         return model.to(memory_format=torch.channels_last)
 
     reference, model = make(), make()
@@ -147,6 +162,7 @@ def test_channels_last_parameters_keep_their_memory_format():
 def test_sparse_csr_parameters_step_like_step():
     """A CSR gradient passed the sparse check (``is_sparse`` is False for CSR) and fuse_step
     failed inside; CSR tensors are now stepped as step() steps them."""
+
     def run(fused):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(4, 4, generator=gen).to_sparse_csr()) for _ in range(2)]
@@ -155,7 +171,11 @@ def test_sparse_csr_parameters_step_like_step():
         opt = fuse_optimizer(opt) if fused else opt
         for t in range(3):
             for p in params:
-                p.grad = torch.full((4, 4), t + 1.0).to_sparse_csr() if p.layout == torch.sparse_csr else torch.full(p.shape, t + 1.0)
+                p.grad = (
+                    torch.full((4, 4), t + 1.0).to_sparse_csr()
+                    if p.layout == torch.sparse_csr
+                    else torch.full(p.shape, t + 1.0)
+                )
             (opt.fuse_step if fused else opt.step)()
         return [p.detach().to_dense() for p in params]
 
@@ -218,6 +238,7 @@ def test_half_precision_steps_equal_plain_step(name, dtype):
     differently (often for SGD's ``add_(b, alpha=a)``, rarely for RMSprop's or Adam's ops), and a
     flat tensor moves elements from one to the other: fuse_step leaves half-precision CPU
     parameters as they are, and every step equals plain step bit for bit."""
+
     def params():
         gen = torch.Generator().manual_seed(0)
         shapes = [(5, 3), (3,), (4, 4), (6,), (2, 2), (7,), (40,), (9, 9)]

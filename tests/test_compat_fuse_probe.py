@@ -13,11 +13,18 @@ import warnings
 
 import pytest
 import torch
+from compat_helpers import (
+    assert_same,
+    bert_adam_pair,
+    count_probes,
+    fused_count_per_step,
+    make_params,
+    set_grads,
+    step_both,
+)
 
-from compat_helpers import assert_same, bert_adam_pair, count_probes, fused_count_per_step, make_params, set_grads, step_both
 from functional_bagua.compat import fuse_optimizer
 from functional_bagua.compat.fusion_check import SINGLE_OP_WORK, probe
-
 
 # ---- the probe: per-tensor work and per-tensor math ----------------------------------------------
 
@@ -52,11 +59,15 @@ class OpsPerTensor(torch.optim.Optimizer):
                         p.mul_(1.0)
 
 
-@pytest.mark.parametrize("make,work", [
-    (lambda ps: OneForeachOp(ps), 1),
-    (lambda ps: OpsPerTensor(ps, ops=1), SINGLE_OP_WORK),
-    (lambda ps: OpsPerTensor(ps, ops=3), 3 * SINGLE_OP_WORK),
-], ids=["one-foreach-op", "one-op-per-tensor", "three-ops-per-tensor"])
+@pytest.mark.parametrize(
+    "make,work",
+    [
+        (lambda ps: OneForeachOp(ps), 1),
+        (lambda ps: OpsPerTensor(ps, ops=1), SINGLE_OP_WORK),
+        (lambda ps: OpsPerTensor(ps, ops=3), 3 * SINGLE_OP_WORK),
+    ],
+    ids=["one-foreach-op", "one-op-per-tensor", "three-ops-per-tensor"],
+)
 def test_probe_counts_the_per_tensor_work_of_a_step(make, work):
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(4,), (3, 2), (5,)]]
     optimizer = make(params)
@@ -69,7 +80,10 @@ def test_the_probe_sees_position_dependent_rounding():
     least PROBE_MIN_NUMEL elements, so bfloat16 SGD's vector/tail difference shows (before, three
     members of a few elements each were all tail, fused or not)."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16)) for s in [(3,), (2, 2), (6,), (7,), (5, 3)] * 8]
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16))
+        for s in [(3,), (2, 2), (6,), (7,), (5, 3)] * 8
+    ]
     optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     assert probe(optimizer, optimizer.param_groups[0], params).reason is not None
     params32 = [torch.nn.Parameter(p.detach().float()) for p in params]
@@ -91,6 +105,7 @@ def test_the_check_leaves_the_real_optimizer_and_its_hooks_alone():
 
     def hook(o, args, kwargs):
         hook_calls[id(o)] += 1
+
     for o in (ref_opt, opt):
         o.register_step_post_hook(hook)
     for t in range(3):
@@ -256,16 +271,24 @@ def test_cheap_optimizers_step_fresh_gradients_unfused(foreach):
     stay in place. With momentum (three slots and more) it is fused either way. Same bits
     throughout."""
     ref_groups, groups = make_params(), make_params()
-    ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 0.01}], lr=0.1, foreach=foreach)
-    opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": 0.01}], lr=0.1, foreach=foreach))
+    ref_opt = torch.optim.SGD(
+        [{"params": ref_groups[0]}, {"params": ref_groups[1], "lr": 0.01}], lr=0.1, foreach=foreach
+    )
+    opt = fuse_optimizer(
+        torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": 0.01}], lr=0.1, foreach=foreach)
+    )
     fresh = fused_count_per_step(opt, groups, ref_opt, ref_groups, 6, fresh=True)
     in_place = fused_count_per_step(opt, groups, ref_opt, ref_groups, 6, fresh=False)
     assert_same(ref_groups, groups, ref_opt, opt)
     assert fresh == [2, 0, 0, 0, 0, 0]  # the first step plans, and fuses
     assert in_place == [2] * 6
     ref_groups, groups = make_params(), make_params()
-    ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1]}], lr=0.1, momentum=0.9, foreach=foreach)
-    opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, momentum=0.9, foreach=foreach))
+    ref_opt = torch.optim.SGD(
+        [{"params": ref_groups[0]}, {"params": ref_groups[1]}], lr=0.1, momentum=0.9, foreach=foreach
+    )
+    opt = fuse_optimizer(
+        torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, momentum=0.9, foreach=foreach)
+    )
     assert fused_count_per_step(opt, groups, ref_opt, ref_groups, 4, fresh=True) == [2] * 4
     assert_same(ref_groups, groups, ref_opt, opt)
 
@@ -342,7 +365,9 @@ def test_a_kept_plan_copies_only_the_gradients_that_moved(monkeypatch):
         opt.fuse_step()
         assert_same(ref_groups, groups, ref_opt, opt)
     assert len(plans) == 2
-    grads_buffers = {b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs}
+    grads_buffers = {
+        b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs
+    }
     survivors = [q for i, q in enumerate(groups[0]) if q.requires_grad and i % 3 != 0]
     assert survivors and all(q.grad.untyped_storage().data_ptr() in grads_buffers for q in survivors)
 

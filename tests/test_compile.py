@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ALL_ALIASES, RICH_SETTINGS, problem
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
-from helpers import ALL_ALIASES, RICH_SETTINGS, problem
 
 STEPS = 4
 
@@ -19,9 +19,7 @@ def is_matrix(params):
 
 WRAPPERS = {
     "masked": lambda: fb.chain(fb.masked(fb.add_decayed_weights(0.1), is_matrix), fb.adam(1e-2)),
-    "partition": lambda: fb.partition(
-        {True: fb.adamw(1e-2), False: fb.sgd(0.1, momentum=0.9)}, is_matrix
-    ),
+    "partition": lambda: fb.partition({True: fb.adamw(1e-2), False: fb.sgd(0.1, momentum=0.9)}, is_matrix),
     "freeze": lambda: fb.chain(fb.freeze({"w": True, "b": False, "s": False, "k": True}), fb.adam(1e-2)),
     "apply_if_finite": lambda: fb.apply_if_finite(fb.adam(1e-2), 2),
     "clip_by_global_norm": lambda: fb.chain(fb.clip_by_global_norm(1.0), fb.sgd(0.1)),
@@ -29,7 +27,10 @@ WRAPPERS = {
     "ema": lambda: fb.chain(fb.adam(1e-2), fb.ema(0.9)),
     "lookahead": lambda: fb.lookahead(fb.adam(1e-2), sync_period=3),
 }
-CASES = [pytest.param(lambda a=a: a(**RICH_SETTINGS.get(a, {})), fb.muon if a is fb.muon else None, id=a.__name__) for a in ALL_ALIASES]
+CASES = [
+    pytest.param(lambda a=a: a(**RICH_SETTINGS.get(a, {})), fb.muon if a is fb.muon else None, id=a.__name__)
+    for a in ALL_ALIASES
+]
 CASES += [pytest.param(make, None, id=name) for name, make in WRAPPERS.items()]
 
 

@@ -6,11 +6,11 @@ import hypothesis.strategies as st
 import optree
 import pytest
 import torch
+from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree, problem, tensor_leaves
 from hypothesis import given, settings
+from models import ShapesNet, make_model
 
 import functional_bagua as fb
-from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree, problem, tensor_leaves
-from models import ShapesNet, make_model
 
 # --- chain, identity, apply_updates ------------------------------------------------------------
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import batches, loss_fn, make_model
 
 import functional_bagua as fb
-from models import batches, loss_fn, make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
@@ -42,8 +42,11 @@ def test_flatten_module_gradients_land_in_the_cuda_buffer():
     flat.check(model)
 
 
-@pytest.mark.parametrize("make_tx", [lambda: fb.adamw(1e-2, weight_decay=0.1), lambda: fb.lamb(1e-2, weight_decay=0.1)],
-                         ids=["adamw", "lamb"])
+@pytest.mark.parametrize(
+    "make_tx",
+    [lambda: fb.adamw(1e-2, weight_decay=0.1), lambda: fb.lamb(1e-2, weight_decay=0.1)],
+    ids=["adamw", "lamb"],
+)
 def test_fused_equals_unfused_on_cuda(make_tx):
     model = make_model("shapes", torch.float32).to(DEVICE)
     params = fb.params_of(model)

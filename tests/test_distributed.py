@@ -7,24 +7,41 @@ import os
 import subprocess
 import sys
 
+import dist_scenarios as sc
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import PROCESS_GROUP_TIMEOUT_S, ScenarioError, run_ranks
 
 import functional_bagua as fb
 import functional_bagua.distributed as fbd
-import dist_scenarios as sc
-from dist_harness import PROCESS_GROUP_TIMEOUT_S, ScenarioError, run_ranks
 
 TWO_RANKS = [
-    "allreduce_sgd", "allreduce_adamw", "shard_adamw", "shard_lamb_refused", "shard_clip_refused", "periodic_average",
-    "compressed_fp16", "compressed_bf16", "compressed_minmax_uint8", "mismatched_shapes",
+    "allreduce_sgd",
+    "allreduce_adamw",
+    "shard_adamw",
+    "shard_lamb_refused",
+    "shard_clip_refused",
+    "periodic_average",
+    "compressed_fp16",
+    "compressed_bf16",
+    "compressed_minmax_uint8",
+    "mismatched_shapes",
     *[f"mismatched_{name}" for name in sc.MISMATCHED_SETTINGS],
-    "different_values_allreduce", "different_values_shard", "different_values_broadcast_first",
-    "shard_checkpoint_of_another_rank", "averaging_wrong_update",
+    "different_values_allreduce",
+    "different_values_shard",
+    "different_values_broadcast_first",
+    "shard_checkpoint_of_another_rank",
+    "averaging_wrong_update",
 ]
 FOUR_RANKS = ["allreduce_sgd", "decentralized_shift_one", "decentralized_all_every_2"]
-COMPILED = ["compiled_allreduce_adamw", "compiled_allreduce_minmax_uint8", "compiled_shard_adamw", "compiled_periodic_average", "compiled_shift_one"]
+COMPILED = [
+    "compiled_allreduce_adamw",
+    "compiled_allreduce_minmax_uint8",
+    "compiled_shard_adamw",
+    "compiled_periodic_average",
+    "compiled_shift_one",
+]
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64: only the summation order differs
 
 
@@ -49,6 +66,7 @@ def assert_trees_close(actual, expected, **tol):
 
 
 # --- N ranks x batch b == 1 process x batch N*b -----------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_two_ranks_with_allreduce_equal_one_process_with_the_global_batch(two, name):
@@ -84,6 +102,7 @@ def test_shard_refuses_per_tensor_rules_and_global_norms(two):
 
 
 # --- model averaging ----------------------------------------------------------------------------------
+
 
 def test_periodic_average_equals_torch_post_local_sgd(two):
     for rank in range(2):
@@ -130,6 +149,7 @@ def test_decentralized_all_is_the_mean_of_ranks_on_communication_steps(four):
 
 # --- compression ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("compression, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_cast_compression_is_within_the_cast_error(two, compression, dtype):
     (g0, u0), (g1, u1) = ok(two[0][f"compressed_{compression}"]), ok(two[1][f"compressed_{compression}"])
@@ -145,8 +165,10 @@ def test_cast_compression_is_within_the_cast_error(two, compression, dtype):
 def test_minmax_uint8_compression_is_within_the_quantization_steps(two):
     (g0, u0), (g1, u1) = ok(two[0]["compressed_minmax_uint8"]), ok(two[1]["compressed_minmax_uint8"])
     # every chunk's range (padding zeros included) is at most the whole gradient's range with 0
-    ranges = [max(g.max() for g in gs.values()).clamp(min=0) - min(g.min() for g in gs.values()).clamp(max=0)
-              for gs in (g0, g1)]
+    ranges = [
+        max(g.max() for g in gs.values()).clamp(min=0) - min(g.min() for g in gs.values()).clamp(max=0)
+        for gs in (g0, g1)
+    ]
     step_in = sum(ranges) / 2 / 255  # the mean of the ranks' steps
     step_out = step_in  # the reduced chunk lies between the means of the ranks' minima and maxima
     for k in g0:
@@ -167,13 +189,16 @@ def test_quantize_round_trip_is_within_half_a_step():
 
 # --- buckets --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cap", [1, 600, 4096, 1 << 20])
 def test_buckets_are_ddps(cap):
     sizes = [10, 300, 20, 400, 5, 1, 77, 250]
     leaves = [torch.empty(n) for n in sizes]
     ours = fbd.assign_buckets(leaves, cap)
     # DDP hands its reducer the tensors in reverse order; map its positions back to ours
-    theirs, _ = dist._compute_bucket_assignment_by_size(list(reversed(leaves)), [cap], [False] * len(sizes), list(range(len(sizes))))
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(leaves)), [cap], [False] * len(sizes), list(range(len(sizes)))
+    )
     assert ours == [[len(sizes) - 1 - i for i in bucket] for bucket in theirs]
 
 
@@ -184,6 +209,7 @@ def test_buckets_keep_dtypes_apart():
 
 
 # --- compiled ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_compiled_transforms_equal_eager_on_two_ranks():
@@ -196,10 +222,16 @@ def test_compiled_transforms_equal_eager_on_two_ranks():
 
 # --- bad input ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make", [
-    lambda: fbd.allreduce_gradients(), lambda: fbd.shard(fb.adamw()),
-    lambda: fbd.periodic_average(2), lambda: fbd.decentralized("shift_one"),
-])
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fbd.allreduce_gradients(),
+        lambda: fbd.shard(fb.adamw()),
+        lambda: fbd.periodic_average(2),
+        lambda: fbd.decentralized("shift_one"),
+    ],
+)
 def test_without_a_process_group_init_says_so(make):
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
@@ -223,7 +255,10 @@ def test_parameters_that_differ_across_ranks_fail_at_init_on_every_rank(two):
     for rank in range(2):
         error = two[rank]["mismatched_shapes"]
         assert isinstance(error, ScenarioError) and error.type == "ValueError"
-        assert "parameters differ across ranks: rank 0 has 'w' of shape (3, 4) float32, rank 1 has 'w' of shape (3, 5)" in error.message
+        assert (
+            "parameters differ across ranks: rank 0 has 'w' of shape (3, 4) float32, rank 1 has 'w' of shape (3, 5)"
+            in error.message
+        )
 
 
 @pytest.mark.parametrize("name", list(sc.MISMATCHED_SETTINGS))
@@ -326,6 +361,8 @@ def test_destroy_process_group_stops_gloo_threads_after_torch_func():
     distributed example under load). Importing functional_bagua.distributed first prevents it."""
     from dist_harness import free_port
 
-    result = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, str(free_port())], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", SHUTDOWN_SCRIPT, str(free_port())], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gloo threads after destroy_process_group: []" in result.stdout, result.stdout

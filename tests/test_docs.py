@@ -13,8 +13,19 @@ from functional_bagua import schedules
 
 
 def public_callables():
-    modules = [(fb, fb.__all__), (fbd, fbd.__all__), (compat, compat.__all__),
-               (schedules, [n for n, v in vars(schedules).items() if inspect.isfunction(v) and v.__module__ == schedules.__name__ and not n.startswith("_")])]
+    modules = [
+        (fb, fb.__all__),
+        (fbd, fbd.__all__),
+        (compat, compat.__all__),
+        (
+            schedules,
+            [
+                n
+                for n, v in vars(schedules).items()
+                if inspect.isfunction(v) and v.__module__ == schedules.__name__ and not n.startswith("_")
+            ],
+        ),
+    ]
     for module, names in modules:
         for name in names:
             value = getattr(module, name)
@@ -29,6 +40,6 @@ def test_every_public_function_documents_its_arguments(obj):
     doc = inspect.getdoc(obj) or ""
     if parameters:
         assert "Args:" in doc, f"{obj.__qualname__}: no Args section"
-        args = doc[doc.index("Args:"):]
+        args = doc[doc.index("Args:") :]
         missing = [p for p in parameters if p not in args]
         assert not missing, f"{obj.__qualname__}: Args does not name {missing}"

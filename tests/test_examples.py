@@ -28,7 +28,9 @@ def test_quickstart_loss_goes_down():
 def test_quickstart_runs_as_a_script():
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "5"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "full-data loss" in result.stdout
@@ -51,9 +53,22 @@ def run_distributed_example(*flags: str) -> subprocess.CompletedProcess:
     from dist_harness import free_port
 
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(ROOT / "examples" / "distributed_train.py"), *flags],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(ROOT / "examples" / "distributed_train.py"),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
@@ -71,19 +86,31 @@ def test_distributed_example_with_periodic_averaging_says_what_it_checked():
     assert "parameters agree across ranks" not in result.stdout
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--shard", "--compression", "minmax_uint8"], "--shard reduce-scatters the gradients itself"),
-    (["--periodic-average", "4", "--shard"], "--periodic-average sends no gradients"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--shard", "--compression", "minmax_uint8"], "--shard reduce-scatters the gradients itself"),
+        (["--periodic-average", "4", "--shard"], "--periodic-average sends no gradients"),
+    ],
+)
 def test_distributed_example_refuses_flags_it_cannot_combine(flags, says):
     """--shard --compression minmax_uint8 --periodic-average 4 silently ran only one of them."""
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "distributed_train.py"), *flags],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distributed_train.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and says in result.stderr
 
 
 def test_distributed_example_without_torchrun_says_how_to_launch_it():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "distributed_train.py")],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distributed_train.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 1 and "torchrun --standalone --nproc-per-node 2" in result.stderr

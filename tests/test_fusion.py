@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import batches, loss_fn, make_model
+from parity_table import CASES, STEPS, run_functional
 
 import functional_bagua as fb
 from functional_bagua.flat import group_key
-from models import batches, loss_fn, make_model
-from parity_table import CASES, STEPS, run_functional
 
 # per-tensor rules that reduce over a tensor (norms, means, matmuls) run on segment views; the
 # only math that may differ from unfused at all is a reduction across tensors (global norms)
@@ -108,7 +108,9 @@ def test_flat_layout_groups_by_dtype_and_round_trips():
     views = layout.unflatten(flat)
     for name, p in params.items():
         assert torch.equal(views[name], p) and views[name].dtype == p.dtype
-        assert views[name].untyped_storage().data_ptr() == flat[group_key(p.dtype, p.device)].untyped_storage().data_ptr()
+        assert (
+            views[name].untyped_storage().data_ptr() == flat[group_key(p.dtype, p.device)].untyped_storage().data_ptr()
+        )
     views["w"][0, 0] = 42.0  # a view: writes go to the buffer
     assert 42.0 in flat["float64@cpu"]
 
@@ -128,8 +130,10 @@ def test_fuse_rejects_trees_that_are_not_the_layouts_flat_buffers():
 def test_name_routing_wrappers_refuse_to_run_fused():
     params = _mixed_params()
     layout = fb.FlatLayout.of(params)
-    for tx in (fb.masked(fb.add_decayed_weights(0.1), lambda p: {k: True for k in p}),
-               fb.partition({"a": fb.sgd()}, lambda p: {k: "a" for k in p})):
+    for tx in (
+        fb.masked(fb.add_decayed_weights(0.1), lambda p: {k: True for k in p}),
+        fb.partition({"a": fb.sgd()}, lambda p: {k: "a" for k in p}),
+    ):
         with pytest.raises(NotImplementedError, match="cannot run inside fuse"):
             fb.fuse(tx, layout).init(layout.flatten(params))
 
@@ -167,12 +171,30 @@ def test_flatten_module_puts_params_and_grads_in_flat_buffers():
 # --- in-place (donated) execution ----------------------------------------------------------------
 
 KERNEL_CASES = {
-    "adam-amsgrad-l2": (lambda: fb.adam(lr=1e-2, weight_decay=0.1, amsgrad=True), lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True)),
-    "adamw": (lambda: fb.adamw(lr=1e-2, weight_decay=0.1), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)),
-    "adamw-maximize": (lambda: fb.adamw(lr=1e-2, maximize=True), lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True, fused=True)),
-    "sgd": (lambda: fb.sgd(lr=0.1, weight_decay=0.01), lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.01, fused=True)),
-    "sgd-momentum": (lambda: fb.sgd(lr=0.1, momentum=0.9, dampening=0.2), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2, fused=True)),
-    "sgd-nesterov": (lambda: fb.sgd(lr=0.1, momentum=0.9, nesterov=True, maximize=True), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, maximize=True, fused=True)),
+    "adam-amsgrad-l2": (
+        lambda: fb.adam(lr=1e-2, weight_decay=0.1, amsgrad=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True),
+    ),
+    "adamw": (
+        lambda: fb.adamw(lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    ),
+    "adamw-maximize": (
+        lambda: fb.adamw(lr=1e-2, maximize=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, maximize=True, fused=True),
+    ),
+    "sgd": (
+        lambda: fb.sgd(lr=0.1, weight_decay=0.01),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.01, fused=True),
+    ),
+    "sgd-momentum": (
+        lambda: fb.sgd(lr=0.1, momentum=0.9, dampening=0.2),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2, fused=True),
+    ),
+    "sgd-nesterov": (
+        lambda: fb.sgd(lr=0.1, momentum=0.9, nesterov=True, maximize=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, maximize=True, fused=True),
+    ),
 }
 
 
@@ -280,8 +302,10 @@ def test_torch_kernel_finds_the_moments_wherever_the_chain_keeps_them():
     assert int(state[1][0].count["float64@cpu"]) == 5  # the moments it found, and stepped
     layout = fb.FlatLayout.of({"w": torch.zeros(3)})
     flat = layout.flatten({"w": torch.zeros(3)})
-    for tx, says in ((kernels.tag(fb.chain(fb.scale(1.0)), "adam", **hyper), "holds no ScaleByAdamState"),
-                     (kernels.tag(fb.chain(fb.scale_by_adam(), fb.scale_by_adam()), "adam", **hyper), "holds 2 ScaleByAdamStates")):
+    for tx, says in (
+        (kernels.tag(fb.chain(fb.scale(1.0)), "adam", **hyper), "holds no ScaleByAdamState"),
+        (kernels.tag(fb.chain(fb.scale_by_adam(), fb.scale_by_adam()), "adam", **hyper), "holds 2 ScaleByAdamStates"),
+    ):
         with pytest.raises(ValueError, match=says):
             fb.fuse_inplace(tx, layout, kernel="torch")(flat, fb.fuse(tx, layout).init(flat), flat)
 
@@ -295,7 +319,10 @@ def test_fuse_inplace_rejects_unknown_kernels():
 
 
 def test_flat_layout_of_a_nested_tree_round_trips():
-    params = {"enc": {"w": torch.randn(3, 2), "b": torch.zeros(2)}, "heads": [torch.ones(4), torch.arange(6.0).view(2, 3)]}
+    params = {
+        "enc": {"w": torch.randn(3, 2), "b": torch.zeros(2)},
+        "heads": [torch.ones(4), torch.arange(6.0).view(2, 3)],
+    }
     layout = fb.FlatLayout.of(params)
     back = layout.unflatten(layout.flatten(params))
     assert back["heads"][1].shape == (2, 3) and torch.equal(back["heads"][1], params["heads"][1])

@@ -37,10 +37,16 @@ def test_the_package_says_it_is_typed():
 # --- what init and update are given -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("given, says", [
-    (lambda m: m, "is a Linear, not a tensor; pass fb.params_of(model), the dict of the module's trainable"),
-    (lambda m: m.parameters(), "is a generator, not a tensor; pass fb.params_of(model), a dict by name, not model.parameters()"),
-])
+@pytest.mark.parametrize(
+    "given, says",
+    [
+        (lambda m: m, "is a Linear, not a tensor; pass fb.params_of(model), the dict of the module's trainable"),
+        (
+            lambda m: m.parameters(),
+            "is a generator, not a tensor; pass fb.params_of(model), a dict by name, not model.parameters()",
+        ),
+    ],
+)
 def test_init_given_a_module_or_its_parameters_names_the_fix(given, says):
     """These gave "'Linear' object has no attribute 'device'"."""
     model = torch.nn.Linear(3, 2)
@@ -95,9 +101,17 @@ def test_schedules_that_read_the_count_as_a_number_are_found():
     assert S.reads_count_as_number(warmup_written_for_lambda_lr)
     assert S.reads_count_as_number(lambda t: 0.1 * float(t))
     assert not S.reads_count_as_number(lambda t: torch.where(t < 3, 0.1, 0.01))
-    for schedule in (S.constant(1.0), S.linear(1.0, 0.0, 5), S.polynomial(1.0, 0.0, 2.0, 5), S.cosine_decay(1.0, 5),
-                     S.exponential_decay(1.0, 2, 0.5, staircase=True, end_value=0.1), S.piecewise_constant(1.0, {2: 0.5}),
-                     S.warmup_cosine_decay(0.0, 1.0, 2, 10), S.one_cycle(10, 1.0), S.join_schedules([S.constant(1.0)] * 2, [3])):
+    for schedule in (
+        S.constant(1.0),
+        S.linear(1.0, 0.0, 5),
+        S.polynomial(1.0, 0.0, 2.0, 5),
+        S.cosine_decay(1.0, 5),
+        S.exponential_decay(1.0, 2, 0.5, staircase=True, end_value=0.1),
+        S.piecewise_constant(1.0, {2: 0.5}),
+        S.warmup_cosine_decay(0.0, 1.0, 2, 10),
+        S.one_cycle(10, 1.0),
+        S.join_schedules([S.constant(1.0)] * 2, [3]),
+    ):
         assert not S.reads_count_as_number(schedule)
 
 
@@ -128,8 +142,10 @@ def test_compiled_steps_name_an_untraceable_schedule_and_a_float_assigned_hyperp
     """A LambdaLR-style schedule failed with dynamo's data-dependent error; a float assigned to
     state.hyperparams recompiled every step until the recompile limit."""
     params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
-    for tx in (fb.adamw(lr=warmup_written_for_lambda_lr),
-               fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(warmup_written_for_lambda_lr))):
+    for tx in (
+        fb.adamw(lr=warmup_written_for_lambda_lr),
+        fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(warmup_written_for_lambda_lr)),
+    ):
         message = _compiled_error(tx.update, grads, tx.init(params), params)
         assert "the schedule 'warmup_written_for_lambda_lr'" in message and "torch.where" in message
     tx = fb.inject_hyperparams(fb.adamw)(lr=1e-3)
@@ -152,8 +168,11 @@ def test_a_constant_lr_checkpoint_loads_into_a_scheduled_optimizer():
         _, state = constant.update(grads, state, params)
     saved = fb.state_dict(state)
     scheduled = fb.adamw(lr=S.constant(1e-2))
-    with pytest.raises(ValueError, match=r"the checkpoint is the state of this optimizer's 'inner_state/' part .* "
-                                         r"key 'count' is missing .* pass strict=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"the checkpoint is the state of this optimizer's 'inner_state/' part .* "
+        r"key 'count' is missing .* pass strict=False",
+    ):
         fb.load_state_dict(scheduled.init(params), saved)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

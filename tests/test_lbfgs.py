@@ -17,20 +17,31 @@ def problem(dtype):
 
     def loss_of(p):
         residual = a @ p["w"] - b
-        return (residual**2).mean() + 0.1 * torch.log1p(p["w"] ** 2).sum() + (p["c"] ** 4).sum() + (p["c"] @ p["w"][:3]) ** 2
+        return (
+            (residual**2).mean()
+            + 0.1 * torch.log1p(p["w"] ** 2).sum()
+            + (p["c"] ** 4).sum()
+            + (p["c"] @ p["w"][:3]) ** 2
+        )
 
     return loss_of, start
 
 
-SETTINGS = [dict(), dict(history_size=3, max_iter=7), dict(line_search_fn="strong_wolfe"),
-            dict(line_search_fn="strong_wolfe", history_size=3, max_iter=7, lr=0.5)]
+SETTINGS = [
+    dict(),
+    dict(history_size=3, max_iter=7),
+    dict(line_search_fn="strong_wolfe"),
+    dict(line_search_fn="strong_wolfe", history_size=3, max_iter=7, lr=0.5),
+]
 # float32: bit for bit (the updates are float64, so p + u lands on torch's p exactly); float64:
 # p + (x - p) can differ from x in its last place, and near the minimum later iterations magnify it
 TOLERANCES = {torch.float32: dict(rtol=0, atol=0), torch.float64: dict(rtol=1e-9, atol=1e-10)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("settings", SETTINGS, ids=["fixed-step", "short-history", "strong-wolfe", "strong-wolfe-short"])
+@pytest.mark.parametrize(
+    "settings", SETTINGS, ids=["fixed-step", "short-history", "strong-wolfe", "strong-wolfe-short"]
+)
 def test_lbfgs_equals_torch_lbfgs_step_for_step(settings, dtype):
     loss_of, start = problem(dtype)
     reference = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}  # sorted names: the tree's order

@@ -104,20 +104,33 @@ def adabelief_reference(lr, b1, b2, eps, wd, decoupled, maximize=False):
 
 CASES = [
     ("lamb", fb.lamb(), lamb_reference(1e-3, 0.9, 0.999, 1e-6, 0.0)),
-    ("lamb-wd", fb.lamb(lr=1e-2, betas=(0.8, 0.99), eps=1e-4, weight_decay=0.1),
-     lamb_reference(1e-2, 0.8, 0.99, 1e-4, 0.1)),
+    (
+        "lamb-wd",
+        fb.lamb(lr=1e-2, betas=(0.8, 0.99), eps=1e-4, weight_decay=0.1),
+        lamb_reference(1e-2, 0.8, 0.99, 1e-4, 0.1),
+    ),
     ("lamb-max", fb.lamb(maximize=True, weight_decay=0.01), lamb_reference(1e-3, 0.9, 0.999, 1e-6, 0.01, True)),
     ("lars", fb.lars(), lars_reference(0.1, 0.9, 0.0, 1e-3, 0.0, False)),
-    ("lars-wd-nesterov", fb.lars(lr=0.5, momentum=0.8, weight_decay=0.1, trust_coefficient=0.02, eps=1e-3, nesterov=True),
-     lars_reference(0.5, 0.8, 0.1, 0.02, 1e-3, True)),
+    (
+        "lars-wd-nesterov",
+        fb.lars(lr=0.5, momentum=0.8, weight_decay=0.1, trust_coefficient=0.02, eps=1e-3, nesterov=True),
+        lars_reference(0.5, 0.8, 0.1, 0.02, 1e-3, True),
+    ),
     ("lars-max", fb.lars(maximize=True), lars_reference(0.1, 0.9, 0.0, 1e-3, 0.0, False, True)),
     ("lion", fb.lion(), lion_reference(1e-4, 0.9, 0.99, 0.0)),
     ("lion-wd", fb.lion(lr=1e-2, betas=(0.95, 0.98), weight_decay=0.1), lion_reference(1e-2, 0.95, 0.98, 0.1)),
     ("lion-max", fb.lion(maximize=True), lion_reference(1e-4, 0.9, 0.99, 0.0, True)),
     ("adabelief", fb.adabelief(), adabelief_reference(1e-3, 0.9, 0.999, 1e-16, 0.0, False)),
-    ("adabelief-l2", fb.adabelief(lr=1e-2, weight_decay=0.1, eps=1e-8), adabelief_reference(1e-2, 0.9, 0.999, 1e-8, 0.1, False)),
-    ("adabelief-decoupled", fb.adabelief(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
-     adabelief_reference(1e-2, 0.9, 0.999, 1e-16, 0.1, True)),
+    (
+        "adabelief-l2",
+        fb.adabelief(lr=1e-2, weight_decay=0.1, eps=1e-8),
+        adabelief_reference(1e-2, 0.9, 0.999, 1e-8, 0.1, False),
+    ),
+    (
+        "adabelief-decoupled",
+        fb.adabelief(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+        adabelief_reference(1e-2, 0.9, 0.999, 1e-16, 0.1, True),
+    ),
     ("adabelief-max", fb.adabelief(maximize=True), adabelief_reference(1e-3, 0.9, 0.999, 1e-16, 0.0, False, True)),
 ]
 

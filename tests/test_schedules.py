@@ -33,16 +33,24 @@ def our_sequence(schedule, steps):
 
 TORCH_EQUIVALENTS = [
     ("StepLR", lambda o: SCHED.StepLR(o, 7, 0.5), S.exponential_decay(LR, 7, 0.5, staircase=True), 40),
-    ("MultiStepLR", lambda o: SCHED.MultiStepLR(o, [5, 12, 20], 0.3), S.piecewise_constant(LR, {5: 0.3, 12: 0.3, 20: 0.3}), 30),
+    (
+        "MultiStepLR",
+        lambda o: SCHED.MultiStepLR(o, [5, 12, 20], 0.3),
+        S.piecewise_constant(LR, {5: 0.3, 12: 0.3, 20: 0.3}),
+        30,
+    ),
     ("ExponentialLR", lambda o: SCHED.ExponentialLR(o, 0.9), S.exponential_decay(LR, 1, 0.9), 30),
     # torch's cosine is periodic past T_max (it anneals back up); ours holds eta_min: compare to T_max
     ("CosineAnnealingLR", lambda o: SCHED.CosineAnnealingLR(o, 25, 1e-3), S.cosine_decay(LR, 25, alpha=1e-3 / LR), 26),
     ("LinearLR", lambda o: SCHED.LinearLR(o, 0.2, 0.9, 12), S.linear(LR * 0.2, LR * 0.9, 12), 30),
     ("PolynomialLR", lambda o: SCHED.PolynomialLR(o, 15, 2.0), S.polynomial(LR, 0.0, 2.0, 15), 30),
     ("OneCycleLR", lambda o: SCHED.OneCycleLR(o, 0.5, total_steps=30), S.one_cycle(30, 0.5), 30),
-    ("OneCycleLR-3phase-linear",
-     lambda o: SCHED.OneCycleLR(o, 0.5, total_steps=40, pct_start=0.25, anneal_strategy="linear", three_phase=True),
-     S.one_cycle(40, 0.5, pct_start=0.25, anneal_strategy="linear", three_phase=True), 40),
+    (
+        "OneCycleLR-3phase-linear",
+        lambda o: SCHED.OneCycleLR(o, 0.5, total_steps=40, pct_start=0.25, anneal_strategy="linear", three_phase=True),
+        S.one_cycle(40, 0.5, pct_start=0.25, anneal_strategy="linear", three_phase=True),
+        40,
+    ),
 ]
 
 
@@ -55,16 +63,31 @@ CLOSED_FORMS = [
     ("constant", S.constant(0.3), lambda t: 0.3),
     ("linear", S.linear(1.0, 0.1, 10, transition_begin=5), lambda t: 1.0 + (0.1 - 1.0) * min(max(t - 5, 0) / 10, 1)),
     ("polynomial", S.polynomial(1.0, 0.2, 3.0, 12), lambda t: 0.2 + 0.8 * (1 - min(t / 12, 1)) ** 3),
-    ("cosine_decay", S.cosine_decay(2.0, 20, alpha=0.1, exponent=2.0),
-     lambda t: 2.0 * (0.9 * (0.5 * (1 + math.cos(math.pi * min(t, 20) / 20))) ** 2 + 0.1)),
-    ("exponential_decay", S.exponential_decay(1.0, 4, 0.5, transition_begin=3, end_value=0.2),
-     lambda t: max(1.0 * 0.5 ** (max(t - 3, 0) / 4), 0.2)),
-    ("piecewise_constant", S.piecewise_constant(1.0, {3: 0.5, 8: 0.1}),
-     lambda t: 1.0 * (0.5 if t >= 3 else 1) * (0.1 if t >= 8 else 1)),
-    ("join_schedules", S.join_schedules([S.constant(1.0), S.linear(2.0, 0.0, 4)], [5]),
-     lambda t: 1.0 if t < 5 else 2.0 - 2.0 * min((t - 5) / 4, 1)),
-    ("warmup_cosine_decay", S.warmup_cosine_decay(0.0, 1.0, 5, 25, end_value=0.1),
-     lambda t: t / 5 if t < 5 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t - 5, 20) / 20))),
+    (
+        "cosine_decay",
+        S.cosine_decay(2.0, 20, alpha=0.1, exponent=2.0),
+        lambda t: 2.0 * (0.9 * (0.5 * (1 + math.cos(math.pi * min(t, 20) / 20))) ** 2 + 0.1),
+    ),
+    (
+        "exponential_decay",
+        S.exponential_decay(1.0, 4, 0.5, transition_begin=3, end_value=0.2),
+        lambda t: max(1.0 * 0.5 ** (max(t - 3, 0) / 4), 0.2),
+    ),
+    (
+        "piecewise_constant",
+        S.piecewise_constant(1.0, {3: 0.5, 8: 0.1}),
+        lambda t: 1.0 * (0.5 if t >= 3 else 1) * (0.1 if t >= 8 else 1),
+    ),
+    (
+        "join_schedules",
+        S.join_schedules([S.constant(1.0), S.linear(2.0, 0.0, 4)], [5]),
+        lambda t: 1.0 if t < 5 else 2.0 - 2.0 * min((t - 5) / 4, 1),
+    ),
+    (
+        "warmup_cosine_decay",
+        S.warmup_cosine_decay(0.0, 1.0, 5, 25, end_value=0.1),
+        lambda t: t / 5 if t < 5 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t - 5, 20) / 20)),
+    ),
 ]
 
 
@@ -98,7 +121,9 @@ def test_lr_schedule_in_an_alias_equals_torch_scheduler_steps():
 def test_every_float_hyperparameter_accepts_a_schedule():
     params = {"w": torch.randn(3, 2, dtype=torch.float64)}
     grads = {"w": torch.randn(3, 2, dtype=torch.float64)}
-    scheduled = fb.adam(lr=S.constant(1e-2), betas=(S.constant(0.8), 0.99), eps=S.constant(1e-6), weight_decay=S.constant(0.1))
+    scheduled = fb.adam(
+        lr=S.constant(1e-2), betas=(S.constant(0.8), 0.99), eps=S.constant(1e-6), weight_decay=S.constant(0.1)
+    )
     fixed = fb.adam(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
     s1, s2 = scheduled.init(params), fixed.init(params)
     assert isinstance(s1, fb.InjectHyperparamsState)
@@ -133,7 +158,11 @@ def test_inject_hyperparams_validates_initial_values():
 
 def _compiled_training(tx, steps, change_lr_by_hand=False):
     gen = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen), "s": torch.randn((), generator=gen)}
+    params = {
+        "w": torch.randn(4, 3, generator=gen),
+        "b": torch.randn(3, generator=gen),
+        "s": torch.randn((), generator=gen),
+    }
     eager_params = dict(params)
     counter = CompileCounter()
     compiled = torch.compile(tx.update, backend=counter, fullgraph=True)

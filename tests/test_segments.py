@@ -37,6 +37,7 @@ def test_bad_lengths_and_factors_are_named():
 
 def test_compiled_graph_size_does_not_grow_with_the_segment_count():
     """Under torch.compile each op is one node: 2000 segments trace to the same graph as 2."""
+
     def fn(x, lengths):
         return segments.scale(x * 2, segments.norms(x, lengths), lengths)
 

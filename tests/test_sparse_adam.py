@@ -9,11 +9,15 @@ import functional_bagua as fb
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("kwargs", [dict(lr=1e-2), dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, maximize=True)],
-                         ids=["default", "maximize"])
+@pytest.mark.parametrize(
+    "kwargs", [dict(lr=1e-2), dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, maximize=True)], ids=["default", "maximize"]
+)
 def test_sparse_adam_equals_torch_sparse_adam_bit_for_bit(kwargs, dtype):
     torch.manual_seed(0)
-    model, reference = torch.nn.Embedding(30, 4, sparse=True).to(dtype), torch.nn.Embedding(30, 4, sparse=True).to(dtype)
+    model, reference = (
+        torch.nn.Embedding(30, 4, sparse=True).to(dtype),
+        torch.nn.Embedding(30, 4, sparse=True).to(dtype),
+    )
     reference.load_state_dict(model.state_dict())
     optimizer = torch.optim.SparseAdam(reference.parameters(), **kwargs)
     tx = fb.sparse_adam(**kwargs)
@@ -31,14 +35,18 @@ def test_sparse_adam_equals_torch_sparse_adam_bit_for_bit(kwargs, dtype):
         params = fb.apply_updates(params, updates)
     assert torch.equal(params["weight"], reference.weight.detach())
     torch_state = optimizer.state[reference.weight]
-    assert torch.equal(state.mu["weight"], torch_state["exp_avg"]) and torch.equal(state.nu["weight"], torch_state["exp_avg_sq"])
+    assert torch.equal(state.mu["weight"], torch_state["exp_avg"]) and torch.equal(
+        state.nu["weight"], torch_state["exp_avg_sq"]
+    )
     assert int(state.count["weight"]) == torch_state["step"]
 
 
 def test_sparse_adam_refuses_dense_gradients_as_torch_does():
     params = {"w": torch.zeros(3, 2)}
     tx = fb.sparse_adam()
-    with pytest.raises(TypeError, match="gradient of 'w' is dense; scale_by_sparse_adam takes sparse COO gradients only"):
+    with pytest.raises(
+        TypeError, match="gradient of 'w' is dense; scale_by_sparse_adam takes sparse COO gradients only"
+    ):
         tx.update({"w": torch.ones(3, 2)}, tx.init(params), params)
     with pytest.raises(TypeError, match="gradient of 'w' is sparse coo; sparse gradients are not supported"):
         fb.adam().update({"w": torch.ones(3, 2).to_sparse()}, fb.adam().init(params), params)

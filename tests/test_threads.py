@@ -35,7 +35,10 @@ def test_a_fused_update_in_one_thread_leaves_an_unfused_one_in_another_alone():
     fused one's layout and failed with a KeyError on its own leaf name."""
     out: dict = {}
     barrier = threading.Barrier(2)
-    threads = [threading.Thread(target=lamb_run, args=(fused, out, name, barrier)) for fused, name in ((True, "fused"), (False, "tree"))]
+    threads = [
+        threading.Thread(target=lamb_run, args=(fused, out, name, barrier))
+        for fused, name in ((True, "fused"), (False, "tree"))
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import functional_bagua as fb
 from models import batches, default_dtype, loss_fn, make_model
 from parity_table import CASES, STEPS, TABLE, run_functional
+
+import functional_bagua as fb
 
 TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=2e-6)}
 
@@ -51,9 +51,7 @@ def test_matches_torch_optim(alias, torch_cls, kind, kwargs, dtype):
     assert_params_close(actual, expected, dtype)
 
 
-@pytest.mark.parametrize(
-    "alias, torch_cls, kind", [pytest.param(a, t, k, id=a.__name__) for a, t, k, _ in TABLE]
-)
+@pytest.mark.parametrize("alias, torch_cls, kind", [pytest.param(a, t, k, id=a.__name__) for a, t, k, _ in TABLE])
 def test_none_gradient_skips_parameter_like_torch(alias, torch_cls, kind):
     """A None gradient leaves its parameter and its state (step count included) untouched, as
     torch.optim skips a parameter whose .grad is None; its later steps use its own count."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import batches, default_dtype, loss_fn, make_model
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
-from models import batches, default_dtype, loss_fn, make_model
 
 DTYPE = torch.float64
 STEPS = 6
@@ -47,7 +47,9 @@ def assert_model_matches(model, params, reference, tol=1e-12):
     for name, p in reference.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
     for name, b in reference.named_buffers():  # running statistics came back into the module
-        torch.testing.assert_close(dict(model.named_buffers())[name], b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            dict(model.named_buffers())[name], b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["tree", "fused"])

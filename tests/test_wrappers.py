@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_trees_equal, clone_tree
+from models import batches, default_dtype, loss_fn, make_model
 
 import functional_bagua as fb
-from models import batches, default_dtype, loss_fn, make_model
-from helpers import assert_trees_equal, clone_tree
 
 DTYPE = torch.float64
 
@@ -52,7 +52,9 @@ def is_matrix(params):
 def test_partition_equals_torch_param_groups():
     """Two groups with different lr and weight_decay == torch.optim.AdamW with two param_groups."""
     labels = lambda p: {k: ("weights" if v.dim() > 1 else "rest") for k, v in p.items()}  # noqa: E731
-    tx = fb.partition({"weights": fb.adamw(lr=1e-2, weight_decay=0.1), "rest": fb.adamw(lr=3e-3, weight_decay=0.0)}, labels)
+    tx = fb.partition(
+        {"weights": fb.adamw(lr=1e-2, weight_decay=0.1), "rest": fb.adamw(lr=3e-3, weight_decay=0.0)}, labels
+    )
     actual, state = train_functional(tx)
     expected = train_torch(
         lambda m: [
@@ -66,7 +68,9 @@ def test_partition_equals_torch_param_groups():
 
 
 def test_masked_weight_decay_equals_torch_groups_without_decay_on_biases():
-    tx = fb.chain(fb.scale_by_adam(), fb.masked(fb.add_decayed_weights(0.1), is_matrix), fb.scale_by_learning_rate(1e-2))
+    tx = fb.chain(
+        fb.scale_by_adam(), fb.masked(fb.add_decayed_weights(0.1), is_matrix), fb.scale_by_learning_rate(1e-2)
+    )
     actual, _ = train_functional(tx)
     expected = train_torch(
         lambda m: [
@@ -83,7 +87,9 @@ def test_freeze_does_no_work_for_frozen_leaves():
     tx = fb.chain(fb.freeze(frozen), fb.adam(lr=1e-2))
     start = fb.params_of(make_model("shapes", DTYPE))
     actual, state = train_functional(tx)
-    expected = train_torch(lambda m: [p for n, p in m.named_parameters() if not frozen[n]], lambda g: torch.optim.Adam(g, lr=1e-2))
+    expected = train_torch(
+        lambda m: [p for n, p in m.named_parameters() if not frozen[n]], lambda g: torch.optim.Adam(g, lr=1e-2)
+    )
     for name, is_frozen in frozen.items():
         if is_frozen:
             assert torch.equal(actual[name], start[name])
@@ -94,7 +100,13 @@ def test_freeze_does_no_work_for_frozen_leaves():
 
 
 def test_partition_with_set_to_zero_keeps_no_state_for_frozen_leaves():
-    labels = {"conv.weight": "frozen", "conv.bias": "train", "fc.weight": "frozen", "fc.bias": "train", "scale": "train"}
+    labels = {
+        "conv.weight": "frozen",
+        "conv.bias": "train",
+        "fc.weight": "frozen",
+        "fc.bias": "train",
+        "scale": "train",
+    }
     tx = fb.partition({"train": fb.adam(lr=1e-2), "frozen": fb.set_to_zero()}, labels)
     start = fb.params_of(make_model("shapes", DTYPE))
     actual, state = train_functional(tx)
@@ -116,7 +128,11 @@ def test_clip_by_global_norm_equals_clip_grad_norm():
 
 def test_clip_by_global_norm_directly_against_clip_grad_norm():
     gen = torch.Generator().manual_seed(3)
-    grads = {"a": torch.randn(4, 5, generator=gen, dtype=DTYPE), "b": torch.randn(3, generator=gen, dtype=DTYPE), "c": None}
+    grads = {
+        "a": torch.randn(4, 5, generator=gen, dtype=DTYPE),
+        "b": torch.randn(3, generator=gen, dtype=DTYPE),
+        "c": None,
+    }
     tensors = [torch.nn.Parameter(torch.zeros_like(grads[k])) for k in ("a", "b")]
     for t, k in zip(tensors, ("a", "b")):
         t.grad = grads[k].clone()
