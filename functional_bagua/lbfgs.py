@@ -39,7 +39,7 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, check_params
-from functional_bagua.linesearch import Point, strong_wolfe
+from functional_bagua.linesearch import Point, Scalar, strong_wolfe
 
 LINE_SEARCHES = (None, "strong_wolfe")
 CURVATURE_MIN = 1e-10  # a pair (s, y) enters the history only when y.s exceeds this
@@ -62,6 +62,18 @@ class LbfgsState(NamedTuple):
     h_diag: torch.Tensor
     prev_grad: torch.Tensor
     prev_loss: torch.Tensor
+
+
+class _Settings(NamedTuple):
+    """The arguments of :func:`lbfgs`, as one update reads them."""
+
+    lr: float
+    max_iter: int
+    max_eval: int
+    tolerance_grad: float
+    tolerance_change: float
+    history_size: int
+    line_search_fn: Optional[str]
 
 
 class _Flat:
@@ -123,7 +135,7 @@ def lbfgs(
     if not isinstance(history_size, int) or history_size < 1:
         raise ValueError(f"lbfgs: history_size must be an int >= 1, got {history_size!r}")
     max_eval = max_iter * 5 // 4 if max_eval is None else max_eval
-    lr = float(lr)
+    settings = _Settings(float(lr), max_iter, max_eval, tolerance_grad, tolerance_change, history_size, line_search_fn)
 
     def init(params):
         check_params(params, "lbfgs")
@@ -161,46 +173,22 @@ def lbfgs(
             g, f = torch.func.grad_and_value(lambda v: value_fn(flat.tree(v)))(x)
             return float(f), g.detach()
 
-        x, state = _iterations(
-            evaluate,
-            x0,
-            loss,
-            grad,
-            state,
-            lr,
-            max_iter,
-            max_eval,
-            tolerance_grad,
-            tolerance_change,
-            history_size,
-            line_search_fn,
-        )
+        x, state = _iterations(evaluate, x0, loss, grad, state, settings)
         updates = [_exact_difference(new, old) for new, old in zip(tree.flatten(flat.tree(x))[0], flat.leaves)]
         return flat.spec.unflatten(updates), state
 
     return GradientTransformation(init, update)
 
 
-def _iterations(
-    evaluate,
-    x,
-    loss,
-    grad,
-    s: LbfgsState,
-    lr,
-    max_iter,
-    max_eval,
-    tolerance_grad,
-    tolerance_change,
-    history_size,
-    line_search_fn,
-):
+def _iterations(evaluate, x, loss, grad, s: LbfgsState, settings: _Settings):
     """The iterations of one update, from ``x`` (loss ``loss``, gradient ``grad``): the new ``x``
     and state."""
+    lr, max_iter, max_eval, tolerance_grad, tolerance_change, history_size, line_search_fn = settings
     func_evals, n_iter = int(s.func_evals) + 1, int(s.n_iter)
     if grad.abs().max() <= tolerance_grad:  # already optimal
         return x, s._replace(func_evals=torch.full_like(s.func_evals, func_evals))
-    d, t, h_diag, kept = s.d, s.t, s.h_diag, int(s.kept)
+    d, h_diag, kept = s.d, s.h_diag, int(s.kept)
+    t: Scalar = s.t  # a tensor or a Python float, as in torch.optim.LBFGS
     dirs, steps, rho = s.dirs, s.steps, s.rho
     prev_grad, prev_loss = s.prev_grad, float(s.prev_loss)
     current_evals = 1

@@ -147,6 +147,16 @@ def step_both(ref_groups, groups, ref_opt, opt, t, before_step=None) -> int:
     return fused
 
 
+def run_both(ref_groups, groups, ref_opt, opt, steps: int) -> None:
+    """``steps`` steps on both copies, as :func:`step_both` but without comparing after each: the
+    caller compares at the end (and checks what it needs in between)."""
+    for t in range(steps):
+        set_grads(ref_groups, t)
+        set_grads(groups, t)
+        ref_opt.step()
+        opt.fuse_step()
+
+
 # ---- a small network for training loops ---------------------------------------------------------
 
 

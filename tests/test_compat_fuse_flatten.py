@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from compat_helpers import assert_same, make_optimizer, make_params, set_grads
+from compat_helpers import assert_same, make_optimizer, make_params, run_both, set_grads
 
 from functional_bagua.compat import fuse_optimizer
 
@@ -52,11 +52,7 @@ def test_do_flatten_false_leaves_params_in_place_and_still_matches():
     ref_opt = make_optimizer("AdamW", "for-loop", ref_groups)
     opt = fuse_optimizer(make_optimizer("AdamW", "for-loop", groups), do_flatten=False)
     assert [p.data_ptr() for p in groups[0]] == pointers
-    for t in range(6):
-        set_grads(ref_groups, t)
-        set_grads(groups, t)
-        ref_opt.step()
-        opt.fuse_step()
+    run_both(ref_groups, groups, ref_opt, opt, 6)
     assert_same(ref_groups, groups, ref_opt, opt)
     assert [p.data_ptr() for p in groups[0]] == pointers
 
@@ -132,11 +128,7 @@ def test_large_parameters_on_the_cpu_are_stepped_alone(monkeypatch):
     opt = fuse_optimizer(make_optimizer("NAdam", "for-loop", groups))
     seen = []
     opt.register_step_pre_hook(lambda o, args, kwargs: seen.append([len(g["params"]) for g in o.param_groups]))
-    for t in range(4):
-        set_grads(ref_groups, t)
-        set_grads(groups, t)
-        ref_opt.step()
-        opt.fuse_step()
+    run_both(ref_groups, groups, ref_opt, opt, 4)
     assert_same(ref_groups, groups, ref_opt, opt)
     # large parameters are not moved into the flat buffers either: they keep their own storage
     for ps in groups:

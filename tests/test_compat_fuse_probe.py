@@ -19,6 +19,7 @@ from compat_helpers import (
     count_probes,
     fused_count_per_step,
     make_params,
+    run_both,
     set_grads,
     step_both,
 )
@@ -324,11 +325,7 @@ def test_the_plan_is_kept_between_steps(kwargs, monkeypatch):
     ref_groups, groups = make_params(), make_params()
     ref_opt = torch.optim.SGD([{"params": ref_groups[0]}, {"params": ref_groups[1]}], lr=0.1, **kwargs)
     opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, **kwargs))
-    for t in range(6):
-        set_grads(ref_groups, t)
-        set_grads(groups, t)
-        ref_opt.step()
-        opt.fuse_step()
+    run_both(ref_groups, groups, ref_opt, opt, 6)
     assert_same(ref_groups, groups, ref_opt, opt)
     # once per group: the state the first step creates is adopted by the runs, not re-planned
     assert len(plans) == 2
