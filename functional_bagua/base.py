@@ -108,7 +108,7 @@ def check_params(params: Params, who: str) -> None:
     leaves, spec = tree.flatten(params)
     for i, p in enumerate(leaves):
         if p is not None:
-            checks.check_param(p, functools.partial(_leaf_name, spec, i), who)
+            checks.check_param(p, functools.partial(tree.leaf_name, spec, i), who)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:
@@ -129,14 +129,10 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     """
     param_leaves, spec = tree.flatten(params)
     update_leaves = tree.leaves_matching(spec, updates, "updates", "params")
-    checks.check_updates(update_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], "apply_updates")
+    checks.check_updates(update_leaves, param_leaves, functools.partial(tree.leaf_name, spec), "apply_updates")
     new_leaves = [p if u is None else _add_keeping_dtype(p, u) for p, u in zip(param_leaves, update_leaves)]
     return spec.unflatten(new_leaves)
 
 
 def _add_keeping_dtype(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.add(p, u).to(p.dtype)
-
-
-def _leaf_name(spec, i: int) -> str:
-    return tree.leaf_names(spec)[i]

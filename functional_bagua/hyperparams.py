@@ -44,8 +44,6 @@ from functional_bagua.schedules import (
     step_count,
 )
 
-DTYPE = SCALAR_DTYPE  # schedules and injected hyperparameters compute in float64
-
 # True while inject_hyperparams rebuilds its factory with the tensors it holds (see
 # hyperparams_are_checked). A context variable, not a module global: each thread and task has its own.
 _REBUILDING = contextvars.ContextVar("functional_bagua_rebuilding_with_checked_hyperparams", default=False)
@@ -113,7 +111,7 @@ def _value_at(hyperparameter, count):
 
 
 def _as_tensor(value, device) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=DTYPE, device=device)
+    return torch.as_tensor(value, dtype=SCALAR_DTYPE, device=device)
 
 
 def _as_number(value):

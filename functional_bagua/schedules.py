@@ -31,7 +31,6 @@ import torch
 from functional_bagua.numerics import SCALAR_DTYPE
 
 Schedule = Callable[[Union[int, torch.Tensor]], torch.Tensor]
-DTYPE = SCALAR_DTYPE  # schedules and injected hyperparameters compute in float64
 
 
 def step_count(count: torch.Tensor) -> torch.Tensor:
@@ -40,7 +39,7 @@ def step_count(count: torch.Tensor) -> torch.Tensor:
     Args:
         count: the step counter, an integer tensor (0-dim in the optimizers' states).
     """
-    return count.to(DTYPE)
+    return count.to(SCALAR_DTYPE)
 
 
 class _NumberRead(Exception):
@@ -70,7 +69,7 @@ def reads_count_as_number(schedule: Callable) -> bool:
     Returns:
         ``True`` also when that call raises any other exception (it would fail compiled as well).
     """
-    count = torch.zeros((), dtype=DTYPE).as_subclass(_CountProbe)
+    count = torch.zeros((), dtype=SCALAR_DTYPE).as_subclass(_CountProbe)
     try:
         schedule(count)
     except _NumberRead:
@@ -110,7 +109,7 @@ def refuse_untraceable(name: str, where: str) -> None:
 
 def _step(count) -> torch.Tensor:
     """The step count as a float64 tensor."""
-    return torch.as_tensor(count).to(DTYPE)
+    return torch.as_tensor(count).to(SCALAR_DTYPE)
 
 
 def _fraction(t: torch.Tensor, begin: float, steps: float) -> torch.Tensor:

@@ -62,6 +62,12 @@ def leaf_names(spec: optree.PyTreeSpec) -> list[str]:
     return ["/".join(str(k) for k in path) or "<root>" for path in optree.treespec_paths(spec)]
 
 
+def leaf_name(spec: optree.PyTreeSpec, i: int) -> str:
+    """The readable name of leaf ``i`` of ``spec`` (see :func:`leaf_names`), for messages:
+    ``functools.partial(leaf_name, spec, i)`` names a leaf only when an error needs it."""
+    return leaf_names(spec)[i]
+
+
 def leaves_matching(spec: optree.PyTreeSpec, tree: Any, name: str, reference: str) -> list:
     """Leaves of ``tree``, which must have structure ``spec``; else a ValueError naming the keys.
 

@@ -104,10 +104,6 @@ def _dense_leaves(leaves: list, spec, params, complex_ok: bool) -> list:
                     f"{NAME}: gradient of {tree.leaf_names(spec)[i]!r} is None; pass params so that it can be sent as zeros"
                 )
             g = torch.zeros_like(p)
-        checks.check_grad(g, p, functools.partial(_leaf_name, spec, i), NAME, complex_ok=complex_ok)
+        checks.check_grad(g, p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=complex_ok)
         dense.append(g)
     return dense
-
-
-def _leaf_name(spec, i: int) -> str:
-    return tree.leaf_names(spec)[i]

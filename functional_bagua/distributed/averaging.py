@@ -24,6 +24,7 @@ Example (local SGD, averaging every 4 steps after 100)::
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -149,7 +150,7 @@ def _averaging(
         agreement.check(param_leaves)
         kept = [i for i, u in enumerate(update_leaves) if u is not None]
         for i in kept:
-            checks.check_update(update_leaves[i], param_leaves[i], lambda i=i: tree.leaf_names(spec)[i], name)
+            checks.check_update(update_leaves[i], param_leaves[i], functools.partial(tree.leaf_name, spec, i), name)
         params_kept, updates_kept = [param_leaves[i] for i in kept], [update_leaves[i] for i in kept]
         local = [p + u for p, u in zip(params_kept, updates_kept)]
         is_due = due(state.count)

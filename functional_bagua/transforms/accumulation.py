@@ -13,6 +13,7 @@ torch's ``(loss / k).backward()`` accumulation followed by ``optimizer.step()``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -129,7 +130,7 @@ def _check_grads(grad_leaves: list, acc_leaves: list, params, spec) -> None:
     for i, (g, a, p) in enumerate(zip(grad_leaves, acc_leaves, param_leaves)):
         if g is None:
             continue
-        name = lambda i=i: tree.leaf_names(spec)[i]  # noqa: E731
+        name = functools.partial(tree.leaf_name, spec, i)
         checks.check_grad(g, p, name, "multi_steps")
         if a is not None and g.shape != a.shape:
             raise ValueError(

@@ -21,6 +21,7 @@ parameter that skipped steps bias-corrects with its own count.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -85,7 +86,7 @@ def leafwise(
         leaves, spec = tree.flatten(params)
         for i, p in enumerate(leaves):
             if p is not None:
-                checks.check_param(p, lambda i=i: tree.leaf_names(spec)[i], name, complex_ok=complex_ok)
+                checks.check_param(p, functools.partial(tree.leaf_name, spec, i), name, complex_ok=complex_ok)
         keys = _segmented_keys(spec, per_tensor)
         per_leaf = [
             state_type(*([None] * len(fields)))
@@ -106,7 +107,12 @@ def leafwise(
         else:
             grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
         checks.check_grads(
-            grad_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=complex_ok, layout=layout
+            grad_leaves,
+            param_leaves,
+            functools.partial(tree.leaf_name, spec),
+            name,
+            complex_ok=complex_ok,
+            layout=layout,
         )
         if not isinstance(state, state_type):
             raise ValueError(
@@ -184,7 +190,7 @@ def stateless(
         else:
             update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
         checks.check_grads(
-            update_leaves, param_leaves, lambda i: tree.leaf_names(spec)[i], name, complex_ok=not per_tensor
+            update_leaves, param_leaves, functools.partial(tree.leaf_name, spec), name, complex_ok=not per_tensor
         )
         keys = _segmented_keys(spec, per_tensor)
         new = [
