@@ -48,7 +48,7 @@ from custom_optimizers import BertAdam  # noqa: E402
 from optimizer_step import bert_base_shapes  # noqa: E402
 
 from functional_bagua.compat import fuse_optimizer  # noqa: E402
-from functional_bagua.compat.spans import split_like  # noqa: E402
+from functional_bagua.flat import split_like  # noqa: E402
 
 OPTIMIZERS = {
     "AdamW": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),

@@ -8,8 +8,9 @@ benchmarks/fused_optimizer.py, so the caches are as cold as a training loop leav
 parts are timed by wrapping the methods of ``functional_bagua.compat`` that do them; the table
 gives each part's median over the calls, in microseconds. ``before`` / ``optimizer step`` /
 ``after``: the time up to the optimizer's own ``step``, inside it, and after it. The wrapped parts
-nest (``_plan`` holds ``_keep_flat`` and ``_still_valid``, which holds ``Run.still_valid``;
-``fused_states`` holds ``_refresh_grads``, the copy of fresh gradients).
+nest (``_plan_to_fuse`` holds ``_plan``, which holds ``_GroupPlan.holds``, which holds
+``Run.holds``; ``Run.bring_in_grads`` is the copy of fresh gradients; ``Run.take_back`` writes the
+state back).
 """
 
 from __future__ import annotations
@@ -26,18 +27,16 @@ from common import machine, steady_malloc, table  # noqa: E402
 from fused_optimizer import CONFIGS, IMPLEMENTATIONS, OPTIMIZERS, make_tensors, optimizer_on_copies  # noqa: E402
 
 import functional_bagua.compat.fuse as fuse  # noqa: E402
-from functional_bagua.compat.runs import Run, StateIndex  # noqa: E402
+from functional_bagua.compat.runs import Run  # noqa: E402
 
 PARTS = [
-    (fuse._Fusion, "_fresh_and_cheap"),
-    (StateIndex, "read"),
+    (fuse._Fusion, "_plan_to_fuse"),
     (fuse._Fusion, "_plan"),
-    (fuse._Fusion, "_keep_flat"),
-    (fuse._Fusion, "_still_valid"),
-    (Run, "still_valid"),
-    (Run, "fused_states"),
-    (Run, "_refresh_grads"),
-    (Run, "scatter"),
+    (fuse._GroupPlan, "holds"),
+    (Run, "holds"),
+    (Run, "bring_in_grads"),
+    (Run, "chunk_states"),
+    (Run, "take_back"),
 ]
 
 

@@ -53,22 +53,20 @@ import warnings
 import weakref
 from itertools import repeat
 from operator import attrgetter, is_, is_not
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from functional_bagua.compat import flat_buckets, fusion_check
-from functional_bagua.compat.fusion_check import (
-    ProbeResult,
-    hyperparameter_kinds,
-    probe,
-)
-from functional_bagua.compat.runs import Run, StateIndex, candidate_runs
-from functional_bagua.compat.spans import span
+from functional_bagua.compat import fusion_check
+from functional_bagua.compat.flatten import FlattenedGroup, Home, warn_not_flat
+from functional_bagua.compat.fusion_check import ProbeResult, hyperparameter_kinds, probe
+from functional_bagua.compat.runs import Run, candidate_runs
+from functional_bagua.flat import span
 
 __all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "fused_steps"]
 
 _grad_of = attrgetter("grad")
+_NO_STATE: dict = {}  # what a plan check reads for a parameter without state (never written)
 # Per-tensor work per parameter (foreach slots, see fusion_check.ProbeResult) below which an
 # optimizer's step is cheaper unfused than copying fresh gradients into the flat buffer: fused
 # with fresh gradients, torch's SGD without momentum (1 slot foreach, 2 for-loop) was no faster
@@ -187,19 +185,58 @@ class _FusedAlias:
         return self.fusion.step(closure)
 
 
-class _GroupPlan(NamedTuple):
-    """How one param group is stepped: ``runs`` fused, ``alone`` as they are. Valid while the
-    group holds the same parameters with the same kinds of hyperparameters, the same ones have
-    gradients, and every run is intact."""
+class _GroupPlan:
+    """How one param group is stepped: ``runs`` fused, ``alone`` as they are. It holds while the
+    group has the same parameters with the same kinds of hyperparameters, the same ones have
+    gradients, and every run holds (:meth:`Run.holds`).
 
-    param_ids: tuple
-    hyperparameters: tuple  # fusion_check.hyperparameter_kinds of the group when planned
-    values: tuple  # the group's values when planned (the objects themselves), see _fresh_and_cheap
-    runs: list
-    alone: list
-    alone_has_grad: list
-    pointers_checked: list  # per run: whether _keep_flat's bucket check covers its parameters
-    unfused_when_fresh: bool  # every run's optimizer work is below FRESH_GRADS_MIN_WORK
+    Args:
+        param_ids: the ids of the group's parameters when planned.
+        kinds: :func:`hyperparameter_kinds` of the group when planned.
+        values: the group's values when planned (the objects themselves, see :meth:`same_hyperparameters`).
+        runs: the runs stepped fused.
+        alone: the parameters stepped as they are.
+        cheap: every run's optimizer work per parameter is below :data:`FRESH_GRADS_MIN_WORK`.
+    """
+
+    def __init__(self, param_ids: tuple, kinds: tuple, values: tuple, runs: list, alone: list, cheap: bool):
+        self.param_ids, self.kinds, self.values = param_ids, kinds, values
+        self.runs, self.alone, self.cheap = runs, alone, cheap
+        self.alone_has_grad = [p.grad is not None for p in alone]
+        self.first_grad_seen: Optional[weakref.ref] = None  # the first member's gradient at the last fuse_step
+
+    def holds(self, param_ids: tuple, kinds: tuple, state: dict) -> bool:
+        """Whether the group is still as planned (class docstring). Reads only."""
+        return (
+            self.param_ids == param_ids
+            and self.kinds == kinds
+            and list(map(is_not, map(_grad_of, self.alone), repeat(None))) == self.alone_has_grad
+            and all(run.holds(list(map(state.get, run.params, repeat(_NO_STATE)))) for run in self.runs)
+        )
+
+    def gradients_are_fresh(self) -> bool:
+        """Whether the group's gradients are new tensors (after ``zero_grad(set_to_none=True)``): the
+        first member's decides, fresh unless it is its flat view or the one the last ``fuse_step``
+        saw (it survived ``zero_grad(set_to_none=False)``; the fused path then moves it into the flat
+        buffer, and later steps find it in place)."""
+        first = self.runs[0]
+        grad = first.params[0].grad
+        if grad is None or grad is first.grads.members[0]:
+            return False
+        return self.first_grad_seen is None or self.first_grad_seen() is not grad
+
+    def remember_gradients(self) -> None:
+        grad = self.runs[0].params[0].grad
+        self.first_grad_seen = None if grad is None else weakref.ref(grad)
+
+    def same_hyperparameters(self, group: dict) -> bool:
+        """Whether ``group``'s hyperparameters have the kinds they were planned with: at once when
+        every value is the object it was (short of one changed in place, such as a list's item,
+        which only leaves the group unfused, which is exact), else by computing the kinds."""
+        values = tuple(group.values())
+        if len(values) == len(self.values) and all(map(is_, values, self.values)):
+            return True
+        return self.kinds == hyperparameter_kinds(group)
 
 
 class _Fusion:
@@ -210,13 +247,10 @@ class _Fusion:
         # buffers alive until the garbage collector runs
         self._optimizer = weakref.ref(optimizer)
         self.do_flatten, self.check_flatten = do_flatten, check_flatten
-        self.layouts: dict = {}  # group index -> (ids of the group's params, [FlatBucket])
-        self.bucket_of: dict = {}  # id(param) -> its FlatBucket
+        self.flattened: dict = {}  # group index -> (ids of the group's params, FlattenedGroup)
         self.plans: dict = {}  # group index -> _GroupPlan of the last fused step
         self.probes: dict = {}  # (param ids, device, dtype, ndims) -> (hyperparameter kinds, ProbeResult)
         self.warned_reprobing: set = set()  # group indices warned about (see _probe)
-        self.last_fresh_grad: dict = {}  # group index -> weak reference, see _fresh_and_cheap
-        self.state_index = StateIndex()  # optimizer.state read by position, for the plan checks
         self.warned_not_flat = False
         self.warned_unfused: set = set()  # (group index, dtype, reason) already warned about
         if do_flatten:
@@ -235,119 +269,66 @@ class _Fusion:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self, closure: Optional[Callable] = None):
+    def step(self, closure: Optional[Callable] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
             closure = _evaluated_once(closure, loss)
         optimizer = self.optimizer
-        state = optimizer.state
-        swapped, runs, index_read = [], [], False
-        try:
-            for index, group in enumerate(optimizer.param_groups):
-                if self._fresh_and_cheap(index, group):
-                    continue
-                if not index_read:  # not needed by groups stepped as they are
-                    self.state_index.read(state)
-                    index_read = True
-                plan = self._plan(index, group)
-                if not plan.runs:
-                    continue
-                for run in plan.runs:
-                    for chunk, chunk_state in zip(run.chunks, run.fused_states()):
-                        state[chunk] = chunk_state
-                    runs.append(run)
-                swapped.append((group, group["params"]))
-                group["params"] = [chunk for run in plan.runs for chunk in run.chunks] + plan.alone
-                vars(optimizer)["_bagua_fused_count"] += 1
-            plain_step = _plain_step(optimizer)
+        fused = []
+        for index, group in enumerate(optimizer.param_groups):
+            plan = self._plan_to_fuse(index, group)
+            if plan is not None:
+                fused.append((group, plan))
+        vars(optimizer)["_bagua_fused_count"] += len(fused)
+        plain_step = _plain_step(optimizer)
+        with _runs_as_parameters(optimizer, fused):
             result = plain_step(closure) if closure is not None else plain_step()
-        finally:
-            self.state_index.release()
-            for group, params in swapped:
-                group["params"] = params
-            for run in runs:
-                run.scatter(state, [state.pop(chunk, {}) for chunk in run.chunks], type(optimizer).__name__)
         return loss if closure is not None else result
 
     # ---- planning -------------------------------------------------------------------------
 
-    def _fresh_and_cheap(self, index: int, group: dict) -> bool:
-        """Whether group ``index`` is better stepped as it is this time: its optimizer does
-        little work per tensor (as probed for its current kinds of hyperparameters: turning
-        momentum on makes it more) and its gradients are fresh. The first member's gradient
-        decides (stepping unfused is right whatever the others are): fresh unless it is its view
-        or the same tensor as last time (``zero_grad(set_to_none=False)``: the fused path then
-        moves the surviving gradients into the flat buffer, and later steps find them in place)."""
+    def _plan_to_fuse(self, index: int, group: dict) -> Optional[_GroupPlan]:
+        """The plan group ``index`` is stepped by this time, or ``None`` to step it as ``step()``
+        does: it has nothing to fuse, or its optimizer does little work per tensor (as probed for
+        its current kinds of hyperparameters: turning momentum on makes it more) and its gradients
+        are fresh, so that copying them into the flat buffer would cost what fusion saves."""
         plan = self.plans.get(index)
-        if plan is None or not plan.unfused_when_fresh:
-            return False
-        first = plan.runs[0]
-        grad = first.params[0].grad
-        if grad is not None:
-            if grad is first.grad_views[0]:
-                return False
-            last = self.last_fresh_grad.get(index)
-            self.last_fresh_grad[index] = weakref.ref(grad)
-            if last is not None and last() is grad:
-                return False
-        # checked last, so that a group whose gradients are in place (planned by _plan, which
-        # compares the kinds itself) does not compute them twice. The same value objects as when
-        # planned have the same kinds, short of one changed in place (a list's item); missing
-        # that only leaves the group unfused, which is exact, so the identity test suffices.
-        values = tuple(group.values())
-        if len(values) == len(plan.values) and all(map(is_, values, plan.values)):
-            return True
-        return plan.hyperparameters == hyperparameter_kinds(group)
+        if plan is not None and plan.cheap:
+            fresh = plan.gradients_are_fresh()
+            plan.remember_gradients()
+            if fresh and plan.same_hyperparameters(group):
+                return None
+        plan = self._plan(index, group)
+        return plan if plan.runs else None
 
     def _plan(self, index: int, group: dict) -> _GroupPlan:
-        """The last step's plan if it still holds, else a new one."""
+        """The last step's plan if it still holds, else a new one (flattening the group again first
+        if its parameters changed or, with ``check_flatten``, left their buffers)."""
         param_ids, kinds = tuple(map(id, group["params"])), hyperparameter_kinds(group)
+        plan = self.plans.get(index)
+        if plan is not None and plan.holds(param_ids, kinds, self.optimizer.state):
+            return plan
         if self.do_flatten:
             self._keep_flat(index, group, param_ids)
-        plan = self.plans.get(index)
-        if plan is not None and self._still_valid(plan, param_ids, kinds):
-            return plan
         plan = self.plans[index] = self._new_plan(index, group, param_ids, kinds)
         return plan
-
-    def _still_valid(self, plan: _GroupPlan, param_ids: tuple, kinds: tuple) -> bool:
-        return (
-            plan.param_ids == param_ids
-            and plan.hyperparameters == kinds
-            and list(map(is_not, map(_grad_of, plan.alone), repeat(None))) == plan.alone_has_grad
-            and all(
-                run.still_valid(self.state_index, check_pointers=not checked)
-                for run, checked in zip(plan.runs, plan.pointers_checked)
-            )
-        )
 
     def _new_plan(self, index: int, group: dict, param_ids: tuple, kinds: tuple) -> _GroupPlan:
         state = self.optimizer.state
         candidates, alone = candidate_runs(group["params"], state)
-        fused, pointers_checked, work = [], [], []
+        runs, work = [], []
         for params in candidates:
             flat = span(params) if len(params) > 1 else None
             found = self._probe(index, group, params, param_ids, kinds) if flat is not None else None
             if flat is None or found is None or found.reason is not None:
                 alone.extend(params)
                 continue
-            bucket, slot = self._slot(params, flat.numel())
-            fused.append(Run(params, flat, state, _placer(bucket, slot)))
-            pointers_checked.append(slot is not None and self.check_flatten)
+            runs.append(Run(params, flat, state, self._home(index, params[0], flat.numel())))
             work.append(found.work_per_param)
         cheap = bool(work) and max(work) < FRESH_GRADS_MIN_WORK
-        return _GroupPlan(
-            param_ids,
-            kinds,
-            tuple(group.values()),
-            fused,
-            alone,
-            [p.grad is not None for p in alone],
-            pointers_checked,
-            cheap,
-        )
+        return _GroupPlan(param_ids, kinds, tuple(group.values()), runs, alone, cheap)
 
     def _probe(self, index: int, group: dict, params: list, param_ids: tuple, kinds: tuple) -> ProbeResult:
         """The probe's result for a run of ``params``: run once per group (its parameters),
@@ -371,7 +352,7 @@ class _Fusion:
                 f"fuse_step: {type(self.optimizer).__name__} param group {index} ({params[0].dtype}) stays "
                 f"unfused: {found.reason}. fuse_step steps it tensor by tensor, as step() does.",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=6,
             )
         return found
 
@@ -392,36 +373,55 @@ class _Fusion:
             "on). If these change every step, each fuse_step probes; only "
             f"{', '.join(fusion_check.SCHEDULED)} may change freely. This warning is shown once per group.",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=7,
         )
 
     # ---- flat buffers ---------------------------------------------------------------------
 
     def _flatten(self, index: int, group: dict) -> None:
-        buckets = flat_buckets.flatten_group(group["params"], self.optimizer.state)
-        self.layouts[index] = (tuple(map(id, group["params"])), buckets)
-        for bucket in buckets:
-            for p in bucket.params:
-                self.bucket_of[id(p)] = bucket
-        self.plans.pop(index, None)
+        self.flattened[index] = (tuple(map(id, group["params"])), FlattenedGroup(group["params"], self.optimizer.state))
 
     def _keep_flat(self, index: int, group: dict, param_ids: tuple) -> None:
         """Flatten a group that is new or whose parameter list changed; with ``check_flatten``,
         flatten again (warning once) a group whose parameters left their buffers."""
-        layout = self.layouts.get(index)
-        if layout is None or layout[0] != param_ids:
+        known = self.flattened.get(index)
+        if known is None or known[0] != param_ids:
             self._flatten(index, group)
-        elif self.check_flatten and not all(bucket.intact() for bucket in layout[1]):
+        elif self.check_flatten and not known[1].intact():
             if not self.warned_not_flat:
-                flat_buckets.warn_not_flat(type(self.optimizer).__name__)
+                warn_not_flat(type(self.optimizer).__name__)
                 self.warned_not_flat = True
             self._flatten(index, group)
 
-    def _slot(self, params: list, numel: int) -> tuple:
-        """``(bucket, (start, end))`` when a run sits at its slots in a flat bucket, else ``(None, None)``."""
-        bucket = self.bucket_of.get(id(params[0]))
-        slot = bucket.slot(params[0], numel) if bucket is not None else None
-        return (bucket, slot) if slot is not None else (None, None)
+    def _home(self, index: int, first: torch.Tensor, numel: int) -> Optional[Home]:
+        """Where a run starting with ``first`` sits in group ``index``'s flat buffers, if it does."""
+        known = self.flattened.get(index)
+        return None if known is None else known[1].home(first, numel)
+
+
+@contextlib.contextmanager
+def _runs_as_parameters(optimizer: torch.optim.Optimizer, fused: list) -> Iterator[None]:
+    """Within the block, each ``(group, plan)`` of ``fused`` lists its runs' chunks (and then the
+    parameters stepped alone) as its ``params``, and ``optimizer.state`` holds the chunks' state
+    (fresh gradients copied into the runs first). On the way out, whatever happened inside, the
+    groups get their own parameter lists back and every member takes its part of the state the
+    optimizer left for the chunks."""
+    state, handed, own = optimizer.state, [], []
+    try:
+        for group, plan in fused:
+            for run in plan.runs:
+                run.bring_in_grads()
+                for chunk, chunk_state in zip(run.chunks, run.chunk_states()):
+                    state[chunk] = chunk_state
+                handed.append(run)
+            own.append((group, group["params"]))
+            group["params"] = [chunk for run in plan.runs for chunk in run.chunks] + plan.alone
+        yield
+    finally:
+        for group, params in own:
+            group["params"] = params
+        for run in handed:
+            run.take_back(state, [state.pop(chunk, {}) for chunk in run.chunks], type(optimizer).__name__)
 
 
 def _plain_step(optimizer: torch.optim.Optimizer) -> Callable:
@@ -430,20 +430,6 @@ def _plain_step(optimizer: torch.optim.Optimizer) -> Callable:
     if isinstance(own, _FusedAlias):
         return own.original or type(optimizer).step.__get__(optimizer)
     return optimizer.step
-
-
-def _placer(bucket, slot) -> Callable:
-    """Where a run's gradients and state go: its slice of the bucket's flat buffers when it sits
-    at its slots in a bucket, else new tensors (``None``)."""
-
-    def place(kind, key, like):
-        if slot is None:
-            return None
-        if kind == "grad":
-            return bucket.grads_slice(*slot)
-        return bucket.state_slice(key, like.dtype, like.device, *slot)
-
-    return place
 
 
 def _evaluated_once(closure: Callable, loss) -> Callable:

@@ -38,7 +38,7 @@ from functional_bagua.base import (
     identity,
 )
 from functional_bagua.checkpoint import load_state_dict, state_dict
-from functional_bagua.flat import FlatLayout, FlatModule, flatten_module
+from functional_bagua.flat import FlatLayout, FlatModule, flatten_module, flatten_parameters
 from functional_bagua.fusion import fuse, fuse_inplace
 from functional_bagua.hyperparams import (
     InjectHyperparamsState,
@@ -78,6 +78,7 @@ __all__ = [
     "FlatLayout",
     "FlatModule",
     "flatten_module",
+    "flatten_parameters",
     "fuse",
     "fuse_inplace",
     "make_train_step",

@@ -8,14 +8,16 @@ A :class:`FlatLayout` records, once, where each named tensor lives::
 
 Flat buffers are a pytree too (a dict by group key), so any transform runs over them: elementwise
 math becomes one kernel per group whatever the number of tensors (see :mod:`functional_bagua.fusion`).
-``flatten_module`` re-points a module's parameters and gradients into flat buffers, as Bagua's
-``do_flatten`` does, so that ``backward()`` writes every gradient into one buffer.
+:func:`flatten_parameters` re-points parameters into flat buffers, as Bagua's ``do_flatten`` does,
+and :func:`flatten_module` does it for a module's parameters and gradients, so that ``backward()``
+writes every gradient into one buffer. Tensors that already lie back to back are one flat buffer
+without a copy: :func:`span` views them as one, :func:`split_like` is its inverse.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
 import torch
@@ -221,6 +223,84 @@ class FlatLayout:
         return f"FlatLayout({parts})"
 
 
+def span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One 1-D view over ``tensors`` if they lie back to back in one storage, else ``None``.
+
+    Back to back: each is contiguous, all share a dtype, and each starts where the previous one
+    ends. The view lives in the first tensor's storage, so tensors that are merely adjacent in
+    memory but belong to different storages give ``None`` (the view would run past the end).
+
+    Args:
+        tensors: a non-empty sequence of tensors, e.g. the parameters of a flattened group.
+
+    Returns:
+        ``flat`` with ``split_like(flat, tensors)[i]`` viewing the memory of ``tensors[i]``, or ``None``.
+
+    Example::
+
+        >>> buffer = torch.arange(5.0)
+        >>> span([buffer[:2], buffer[2:]]).data_ptr() == buffer.data_ptr()
+        True
+    """
+    first = tensors[0]
+    start, itemsize, dtype = first.data_ptr(), first.element_size(), first.dtype
+    total = 0
+    for t in tensors:
+        if t.dtype != dtype or not t.is_contiguous() or t.data_ptr() != start + total * itemsize:
+            return None
+        total += t.numel()
+    try:
+        return first.detach().as_strided((total,), (1,), first.storage_offset())
+    except RuntimeError:  # past the end of the first tensor's storage: adjacent by accident
+        return None
+
+
+def split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the 1-D ``flat`` shaped like ``tensors``, back to back (the inverse of :func:`span`).
+
+    Args:
+        flat: a 1-D tensor of at least as many elements as ``tensors`` hold together.
+        tensors: tensors (or anything with ``shape`` and ``numel()``) giving the views' shapes.
+
+    Example::
+
+        >>> [tuple(v.shape) for v in split_like(torch.zeros(7), [torch.zeros(2, 2), torch.zeros(3)])]
+        [(2, 2), (3,)]
+    """
+    pieces = flat.split([t.numel() for t in tensors])
+    return [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
+
+
+@torch.no_grad()
+def flatten_parameters(params: Any) -> tuple[FlatLayout, dict[str, torch.Tensor]]:
+    """Move a tree of parameters into new flat buffers, one per (dtype, device), and re-point each
+    parameter's ``.data`` to its view there. The ``Parameter`` objects keep their identity, so an
+    optimizer or hook holding them keeps working; what reads ``.data`` reads the buffer.
+
+    Args:
+        params: a pytree of dense tensors (``Parameter`` s, usually), e.g. a list of one param
+            group's parameters or ``dict(model.named_parameters())``; the tree's order is the
+            buffers' order.
+
+    Returns:
+        ``(layout, buffers)``: the :class:`FlatLayout` of ``params`` and its flat buffers,
+        ``{group key: 1-D tensor}``, which the parameters now view.
+
+    Example::
+
+        >>> ps = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(3))]
+        >>> layout, buffers = flatten_parameters(ps)
+        >>> buffers["float32@cpu"].tolist(), ps[1].data_ptr() == buffers["float32@cpu"][2:].data_ptr()
+        ([1.0, 1.0, 0.0, 0.0, 0.0], True)
+    """
+    detached = tree.tree_map(torch.Tensor.detach, params)
+    layout = FlatLayout.of(detached)
+    buffers = layout.flatten(detached)
+    for p, view in zip(tree.flatten(params)[0], tree.flatten(layout.unflatten(buffers))[0]):
+        p.data = view
+    return layout, buffers
+
+
 class FlatModule(NamedTuple):
     """A module whose trainable parameters and gradients live in flat buffers:
     ``params[key]`` / ``grads[key]`` are the buffers the parameters' ``.data`` / ``.grad`` view.
@@ -348,14 +428,11 @@ def flatten_module(module: torch.nn.Module) -> FlatModule:
         gradient hooks (:meth:`FlatModule.remove_hooks` removes them).
     """
     named = {name: p for name, p in module.named_parameters() if p.requires_grad}
-    layout = FlatLayout.of({name: p.detach() for name, p in named.items()})
-    params = layout.flatten({name: p.detach() for name, p in named.items()})
+    layout, params = flatten_parameters(named)
     grads = layout.zeros()
-    param_views = layout.unflatten(params)
     home = _GradientsHome(named, layout, params, grads)
     with torch.no_grad():
         for name, p in named.items():
-            p.data = param_views[name]
             p.grad = home.grad_view(name)
     hooks = tuple(
         p.register_post_accumulate_grad_hook(lambda p, name=name: home.after_accumulate(name, p))

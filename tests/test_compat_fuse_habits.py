@@ -78,7 +78,7 @@ def test_gradients_kept_between_steps_move_into_the_flat_buffer():
     assert_models_equal(ref, net)
     buffers = {p.grad.untyped_storage().data_ptr() for p in fused}
     bucket_grads = {
-        b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs
+        g.untyped_storage().data_ptr() for _, flat in opt._bagua_fusion.flattened.values() for g in flat.grad_buffers()
     }
     assert buffers <= bucket_grads
 

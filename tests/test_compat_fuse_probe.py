@@ -363,42 +363,7 @@ def test_a_kept_plan_copies_only_the_gradients_that_moved(monkeypatch):
         assert_same(ref_groups, groups, ref_opt, opt)
     assert len(plans) == 2
     grads_buffers = {
-        b.grads_buffer.untyped_storage().data_ptr() for _, bs in opt._bagua_fusion.layouts.values() for b in bs
+        g.untyped_storage().data_ptr() for _, flat in opt._bagua_fusion.flattened.values() for g in flat.grad_buffers()
     }
     survivors = [q for i, q in enumerate(groups[0]) if q.requires_grad and i % 3 != 0]
     assert survivors and all(q.grad.untyped_storage().data_ptr() in grads_buffers for q in survivors)
-
-
-def test_state_index_reads_by_position_and_sees_replaced_dicts():
-    """StateIndex (how the plan checks read optimizer.state without hashing tensors) against
-    plain dict lookups, through replacement, deletion and insertion of entries."""
-    from collections import defaultdict
-
-    from functional_bagua.compat.runs import StateIndex
-
-    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(4)]
-    state = defaultdict(dict)
-    for p in params[:3]:
-        state[p]["k"] = 1
-    index = StateIndex()
-
-    def read(members):
-        index.read(state)
-        return list(index.getter(members)(index.values))
-
-    def expected(members):
-        return [state.get(p, {}) for p in members]
-
-    members = [params[2], params[0], params[3]]
-    got = read(members)
-    assert all(a is b for a, b in zip(got[:2], expected(members)[:2])) and got[2] == {}
-    generation = index.generation
-    state[params[0]] = {"k": 2}  # replaced under the same key: same positions, new dict seen
-    assert read(members)[1] is state[params[0]] and index.generation == generation
-    del state[params[2]]  # a deletion starts a new generation of positions
-    state[params[3]]["k"] = 3  # and so does an insertion
-    got = read(members)
-    assert index.generation > generation
-    assert got[0] == {} and got[1] is state[params[0]] and got[2] is state[params[3]]
-    index.release()
-    assert index.values == []

@@ -168,6 +168,48 @@ def test_flatten_module_puts_params_and_grads_in_flat_buffers():
         flat.check(model)
 
 
+def test_flatten_parameters_moves_a_list_into_one_buffer_per_dtype_in_list_order():
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 2), (4,), (2, 2), (5,), (1, 3)]
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float32, torch.float64]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=d)) for s, d in zip(shapes, dtypes)]
+    values = [p.detach().clone() for p in params]
+    ids = list(map(id, params))
+    layout, buffers = fb.flatten_parameters(params)
+    assert list(map(id, params)) == ids and all(torch.equal(p, v) for p, v in zip(params, values))
+    for dtype in (torch.float32, torch.float64):
+        buffer = buffers[group_key(dtype, torch.device("cpu"))]
+        members = [p for p in params if p.dtype == dtype]
+        # back to back in list order, in the buffer's storage
+        offset = 0
+        for p in members:
+            assert p.data_ptr() == buffer.data_ptr() + offset * p.element_size()
+            offset += p.numel()
+        assert offset == buffer.numel()
+        assert torch.equal(buffer, torch.cat([v.reshape(-1) for v in values if v.dtype == dtype]))
+    with torch.no_grad():
+        params[1].add_(1.0)  # the parameter is a view: the buffer changes with it
+    assert torch.equal(buffers["float64@cpu"][:4], values[1] + 1.0)
+    assert layout == fb.FlatLayout.of([v for v in values])
+
+
+def test_span_views_tensors_that_lie_back_to_back_and_split_like_inverts_it():
+    from functional_bagua.flat import span, split_like
+
+    buffer = torch.arange(10.0)
+    pieces = [buffer[0:6].view(2, 3), buffer[6:10]]
+    flat = span(pieces)
+    assert flat is not None and flat.data_ptr() == buffer.data_ptr() and torch.equal(flat, buffer)
+    back = split_like(flat, pieces)
+    assert [v.shape for v in back] == [p.shape for p in pieces]
+    assert all(v.data_ptr() == p.data_ptr() for v, p in zip(back, pieces))
+    assert span([buffer[0:3], buffer[4:6]]) is None  # a gap
+    assert span([buffer[4:6], buffer[0:4]]) is None  # out of order
+    assert span([buffer[0:2], buffer.double()[2:4]]) is None  # another dtype
+    assert span([buffer.view(2, 5).t(), buffer[10:]]) is None  # not contiguous
+    assert span([buffer[0:5]]).data_ptr() == buffer.data_ptr()
+
+
 # --- in-place (donated) execution ----------------------------------------------------------------
 
 KERNEL_CASES = {
