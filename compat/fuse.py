@@ -18,7 +18,7 @@ writes scalar state (``step`` counters) back to every member.
 
 What makes a run (:mod:`functional_bagua.compat.runs`): consecutive parameters of one param
 group that have a dense gradient, lie back to back in one storage (``do_flatten=True`` arranges
-that once, per (group, device, dtype)), and whose state has the same keys, kinds and scalar
+that once, per (group, device, dtype): :mod:`functional_bagua.compat.flatten`), and whose state has the same keys, kinds and scalar
 values. Gradients and state tensors that are not back to back yet (a fresh ``backward`` after
 ``zero_grad(set_to_none=True)``, a ``load_state_dict``) are copied into the group's flat buffers
 and re-pointed there. Everything else (no gradient, sparse, a gradient of another dtype
@@ -205,13 +205,17 @@ class _GroupPlan:
         self.alone_has_grad = [p.grad is not None for p in alone]
         self.first_grad_seen: Optional[weakref.ref] = None  # the first member's gradient at the last fuse_step
 
-    def holds(self, param_ids: tuple, kinds: tuple, state: dict) -> bool:
-        """Whether the group is still as planned (class docstring). Reads only."""
+    def holds(self, param_ids: tuple, kinds: tuple, state: dict, grads: list) -> bool:
+        """Whether the group is still as planned (class docstring), its runs' members having the
+        gradients ``grads`` (one list per run, :meth:`Run.moved_gradients`). Reads only."""
         return (
             self.param_ids == param_ids
             and self.kinds == kinds
             and list(map(is_not, map(_grad_of, self.alone), repeat(None))) == self.alone_has_grad
-            and all(run.holds(list(map(state.get, run.params, repeat(_NO_STATE)))) for run in self.runs)
+            and all(
+                run.holds(list(map(state.get, run.params, repeat(_NO_STATE))), run_grads)
+                for run, run_grads in zip(self.runs, grads)
+            )
         )
 
     def gradients_are_fresh(self) -> bool:
@@ -231,8 +235,9 @@ class _GroupPlan:
 
     def same_hyperparameters(self, group: dict) -> bool:
         """Whether ``group``'s hyperparameters have the kinds they were planned with: at once when
-        every value is the object it was (short of one changed in place, such as a list's item,
-        which only leaves the group unfused, which is exact), else by computing the kinds."""
+        every value is the object it was, else by computing the kinds. Only for deciding to step
+        unfused: the identity test misses a value changed in place (a list's item), and missing it
+        only leaves the group unfused, which is exact."""
         values = tuple(group.values())
         if len(values) == len(self.values) and all(map(is_, values, self.values)):
             return True
@@ -278,9 +283,9 @@ class _Fusion:
         optimizer = self.optimizer
         fused = []
         for index, group in enumerate(optimizer.param_groups):
-            plan = self._plan_to_fuse(index, group)
-            if plan is not None:
-                fused.append((group, plan))
+            planned = self._plan_to_fuse(index, group)
+            if planned is not None:
+                fused.append((group, *planned))
         vars(optimizer)["_bagua_fused_count"] += len(fused)
         plain_step = _plain_step(optimizer)
         with _runs_as_parameters(optimizer, fused):
@@ -289,8 +294,9 @@ class _Fusion:
 
     # ---- planning -------------------------------------------------------------------------
 
-    def _plan_to_fuse(self, index: int, group: dict) -> Optional[_GroupPlan]:
-        """The plan group ``index`` is stepped by this time, or ``None`` to step it as ``step()``
+    def _plan_to_fuse(self, index: int, group: dict) -> Optional[tuple]:
+        """``(plan, grads)``: the plan group ``index`` is stepped by this time and its runs'
+        gradients (:meth:`Run.moved_gradients`), or ``None`` to step the group as ``step()``
         does: it has nothing to fuse, or its optimizer does little work per tensor (as probed for
         its current kinds of hyperparameters: turning momentum on makes it more) and its gradients
         are fresh, so that copying them into the flat buffer would cost what fusion saves."""
@@ -300,20 +306,23 @@ class _Fusion:
             plan.remember_gradients()
             if fresh and plan.same_hyperparameters(group):
                 return None
-        plan = self._plan(index, group)
-        return plan if plan.runs else None
+        plan, grads = self._plan(index, group)
+        return (plan, grads) if plan.runs else None
 
-    def _plan(self, index: int, group: dict) -> _GroupPlan:
-        """The last step's plan if it still holds, else a new one (flattening the group again first
-        if its parameters changed or, with ``check_flatten``, left their buffers)."""
+    def _plan(self, index: int, group: dict) -> tuple:
+        """``(plan, grads)``: the last step's plan if it still holds, else a new one (flattening
+        the group again first if its parameters changed or, with ``check_flatten``, left their
+        buffers), and the gradients its runs' members have now."""
         param_ids, kinds = tuple(map(id, group["params"])), hyperparameter_kinds(group)
         plan = self.plans.get(index)
-        if plan is not None and plan.holds(param_ids, kinds, self.optimizer.state):
-            return plan
+        if plan is not None:
+            grads = [run.moved_gradients() for run in plan.runs]
+            if plan.holds(param_ids, kinds, self.optimizer.state, grads):
+                return plan, grads
         if self.do_flatten:
             self._keep_flat(index, group, param_ids)
         plan = self.plans[index] = self._new_plan(index, group, param_ids, kinds)
-        return plan
+        return plan, [run.moved_gradients() for run in plan.runs]
 
     def _new_plan(self, index: int, group: dict, param_ids: tuple, kinds: tuple) -> _GroupPlan:
         state = self.optimizer.state
@@ -401,16 +410,16 @@ class _Fusion:
 
 @contextlib.contextmanager
 def _runs_as_parameters(optimizer: torch.optim.Optimizer, fused: list) -> Iterator[None]:
-    """Within the block, each ``(group, plan)`` of ``fused`` lists its runs' chunks (and then the
-    parameters stepped alone) as its ``params``, and ``optimizer.state`` holds the chunks' state
-    (fresh gradients copied into the runs first). On the way out, whatever happened inside, the
+    """Within the block, each ``(group, plan, grads)`` of ``fused`` lists its runs' chunks (and
+    then the parameters stepped alone) as its ``params``, and ``optimizer.state`` holds the chunks'
+    state (the runs' gradients ``grads`` brought into their flat gradients first). On the way out, whatever happened inside, the
     groups get their own parameter lists back and every member takes its part of the state the
     optimizer left for the chunks."""
     state, handed, own = optimizer.state, [], []
     try:
-        for group, plan in fused:
-            for run in plan.runs:
-                run.bring_in_grads()
+        for group, plan, grads in fused:
+            for run, run_grads in zip(plan.runs, grads):
+                run.bring_in_grads(run_grads)
                 for chunk, chunk_state in zip(run.chunks, run.chunk_states()):
                     state[chunk] = chunk_state
                 handed.append(run)

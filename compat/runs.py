@@ -19,7 +19,7 @@ few identity comparisons per member) instead of planning again.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import attrgetter, eq, is_, ne, not_
+from operator import attrgetter, eq, is_, is_not, ne, not_
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -255,42 +255,49 @@ class Run:
 
     # ---- before the step ------------------------------------------------------------------
 
-    def holds(self, states: list) -> bool:
+    def moved_gradients(self) -> Optional[list]:
+        """The members' ``.grad`` in member order, or ``None`` when each is its flat view (the
+        usual case with gradients kept in place: nothing to check or bring in)."""
+        grads = list(map(_grad_of, self.params))
+        return None if all(map(is_, grads, self.grads.members)) else grads
+
+    def holds(self, states: list, grads: list) -> bool:
         """Whether the members are where this run left them: parameters at the same place, each
-        with a gradient of the run's dtype, and state entries (``states[i]`` is member ``i``'s
-        dict) that are still the run's, scalars unchanged since the run wrote them. Reads only.
+        with a gradient of the run's dtype, and state entries that are still the run's, scalars
+        unchanged since the run wrote them. Reads only.
 
         Args:
             states: the members' ``optimizer.state`` dicts, in member order (``{}`` for none).
+            grads: :meth:`moved_gradients`.
         """
         if list(map(_data_ptr, self.params)) != self._pointers:
             return False
-        grads = list(map(_grad_of, self.params))
-        if not all(map(is_, grads, self.grads.members)) and (
+        if grads is not None and (
             any(map(is_, grads, repeat(None))) or any(map(ne, map(_dtype_of, grads), repeat(self.flat.dtype)))
         ):
             return False  # a gradient is missing, or has another dtype (p.grad_dtype was changed)
-        if any(map(ne, map(type, states), repeat(dict))) or any(map(ne, map(len, states), repeat(len(self.state)))):
+        if any(map(is_not, map(type, states), repeat(dict))) or any(map(ne, map(len, states), repeat(len(self.state)))):
             return False
         return all(entry.held_by(list(map(dict.get, states, repeat(key)))) for key, entry in self.state.items())
 
-    @torch.no_grad()
-    def bring_in_grads(self) -> None:
-        """Copy the members' gradients that are not their flat views into the flat gradient.
+    def bring_in_grads(self, grads: Optional[list]) -> None:
+        """Copy the members' gradients ``grads`` (:meth:`moved_gradients`) that are not their flat
+        views into the flat gradient.
 
         A fresh gradient (after ``zero_grad(set_to_none=True)``) is copied and left where it is:
         ``zero_grad`` drops it before the next ``backward`` anyway. A gradient seen at the last
         fused step too (it survived ``zero_grad(set_to_none=False)``, which zeroes in place) is
         re-pointed to its view, so that later steps find it in place."""
-        grads, views = list(map(_grad_of, self.params)), self.grads.members
-        in_place = list(map(is_, grads, views))
-        if all(in_place):
+        if grads is None:
             return
-        if any(in_place):
-            moved = list(compress(range(len(grads)), map(not_, in_place)))
-            torch._foreach_copy_([views[i] for i in moved], [grads[i] for i in moved])
-        else:  # all fresh, the usual case: no index lists
-            torch._foreach_copy_(views, grads)
+        views = self.grads.members
+        in_place = list(map(is_, grads, views))
+        with torch.no_grad():
+            if any(in_place):
+                moved = list(compress(range(len(grads)), map(not_, in_place)))
+                torch._foreach_copy_([views[i] for i in moved], [grads[i] for i in moved])
+            else:  # all fresh, the usual case: no index lists
+                torch._foreach_copy_(views, grads)
         ids = list(map(id, grads))
         for i in compress(range(len(grads)), map(eq, ids, self._grads_seen)):
             if not in_place[i]:
