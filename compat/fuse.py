@@ -213,7 +213,7 @@ class _GroupPlan:
             and self.kinds == kinds
             and list(map(is_not, map(_grad_of, self.alone), repeat(None))) == self.alone_has_grad
             and all(
-                run.holds(list(map(state.get, run.params, repeat(_NO_STATE))), run_grads)
+                run.holds(_states_of(run.params, state), run_grads)
                 for run, run_grads in zip(self.runs, grads)
             )
         )
@@ -406,6 +406,14 @@ class _Fusion:
         """Where a run starting with ``first`` sits in group ``index``'s flat buffers, if it does."""
         known = self.flattened.get(index)
         return None if known is None else known[1].home(first, numel)
+
+
+def _states_of(params: list, state: dict) -> list:
+    """The ``optimizer.state`` dicts of ``params`` (``{}`` for none), without a lookup per parameter
+    when the optimizer keeps no state at all (SGD without momentum)."""
+    if not state:
+        return [_NO_STATE] * len(params)
+    return list(map(state.get, params, repeat(_NO_STATE)))
 
 
 @contextlib.contextmanager
