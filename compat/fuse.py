@@ -212,10 +212,7 @@ class _GroupPlan:
             self.param_ids == param_ids
             and self.kinds == kinds
             and list(map(is_not, map(_grad_of, self.alone), repeat(None))) == self.alone_has_grad
-            and all(
-                run.holds(_states_of(run.params, state), run_grads)
-                for run, run_grads in zip(self.runs, grads)
-            )
+            and all(run.holds(_states_of(run.params, state), run_grads) for run, run_grads in zip(self.runs, grads))
         )
 
     def gradients_are_fresh(self) -> bool:
