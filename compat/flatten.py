@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -56,7 +56,7 @@ class Home(NamedTuple):
         """The run's slice of the group's gradient buffer (made, zeroed, when first needed)."""
         return self.group.buffer(self.key, "grad", self.group.layout.groups[self.key].dtype)[self.start : self.end]
 
-    def state(self, name, like: torch.Tensor) -> torch.Tensor:
+    def state(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The run's slice of the buffer of state ``name``, of ``like``'s dtype and device."""
         return self.group.buffer(self.key, ("state", name), like.dtype, like.device)[self.start : self.end]
 
@@ -70,7 +70,7 @@ class FlattenedGroup:
             have already move into the new buffers.
     """
 
-    def __init__(self, params: list, state: dict):
+    def __init__(self, params: list, state: dict) -> None:
         self.params = flattenable(params)
         self.layout, self.params_buffers = flatten_parameters(self.params)
         self._pointers = list(map(torch.Tensor.data_ptr, self.params))
@@ -102,7 +102,9 @@ class FlattenedGroup:
             return None
         return Home(self, key, segment.offset, segment.offset + numel)
 
-    def buffer(self, key: str, what, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+    def buffer(
+        self, key: str, what: Union[str, tuple[str, str]], dtype: torch.dtype, device: Optional[torch.device] = None
+    ) -> torch.Tensor:
         """The gradient (``what="grad"``) or state (``what=("state", name)``) buffer of group
         ``key``, of ``dtype`` on ``device`` (the group's by default): made zeroed when first needed,
         and made anew for another dtype or device (the old one lives on in the views that hold it).

@@ -53,7 +53,7 @@ import warnings
 import weakref
 from itertools import repeat
 from operator import attrgetter, is_, is_not
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -73,8 +73,10 @@ _NO_STATE: dict = {}  # what a plan check reads for a parameter without state (n
 # than step(), SGD with momentum (3) was (benchmarks/RESULTS.md, the fuse_step section).
 FRESH_GRADS_MIN_WORK = 3
 
+_Optimizer = TypeVar("_Optimizer", bound=torch.optim.Optimizer)
 
-def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, check_flatten: bool = True):
+
+def fuse_optimizer(optimizer: _Optimizer, do_flatten: bool = True, check_flatten: bool = True) -> _Optimizer:
     """Give ``optimizer`` a fused step, ``optimizer.fuse_step(closure=None)``, and return it.
 
     Args:
@@ -111,7 +113,7 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer, do_flatten: bool = True, ch
     return optimizer
 
 
-def is_fused_optimizer(optimizer) -> bool:
+def is_fused_optimizer(optimizer: object) -> bool:
     """Whether ``fuse_optimizer`` was applied to ``optimizer``.
 
     Args:
@@ -120,7 +122,7 @@ def is_fused_optimizer(optimizer) -> bool:
     return isinstance(getattr(optimizer, "_bagua_fusion", None), _Fusion)
 
 
-def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = None):
+def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = None) -> Any:
     """``optimizer.fuse_step(closure)`` for an optimizer returned by :func:`fuse_optimizer`:
     one optimizer step, with runs of parameters stepped as one tensor. Returns the closure's loss.
 
@@ -140,7 +142,7 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = No
 
 
 @contextlib.contextmanager
-def fused_steps(optimizer: torch.optim.Optimizer):
+def fused_steps(optimizer: _Optimizer) -> Iterator[_Optimizer]:
     """Within the block, ``optimizer.step`` means ``optimizer.fuse_step``: for code that calls
     ``step()`` itself, such as ``GradScaler.step``::
 
@@ -176,10 +178,10 @@ def fused_steps(optimizer: torch.optim.Optimizer):
 class _FusedAlias:
     """``optimizer.step`` inside :func:`fused_steps`; remembers the step it stands in for."""
 
-    def __init__(self, fusion: "_Fusion", original):
+    def __init__(self, fusion: "_Fusion", original: Optional[Callable]) -> None:
         self.fusion, self.original = fusion, original
 
-    def __call__(self, closure=None, **kwargs):
+    def __call__(self, closure: Optional[Callable] = None, **kwargs: Any) -> Any:
         if kwargs:  # e.g. grad_scaler=..., for optimizers with their own AMP handling
             raise TypeError(f"fuse_step takes only a closure, got {sorted(kwargs)}")
         return self.fusion.step(closure)
@@ -199,7 +201,7 @@ class _GroupPlan:
         cheap: every run's optimizer work per parameter is below :data:`FRESH_GRADS_MIN_WORK`.
     """
 
-    def __init__(self, param_ids: tuple, kinds: tuple, values: tuple, runs: list, alone: list, cheap: bool):
+    def __init__(self, param_ids: tuple, kinds: tuple, values: tuple, runs: list, alone: list, cheap: bool) -> None:
         self.param_ids, self.kinds, self.values = param_ids, kinds, values
         self.runs, self.alone, self.cheap = runs, alone, cheap
         self.alone_has_grad = [p.grad is not None for p in alone]
@@ -244,7 +246,7 @@ class _GroupPlan:
 class _Fusion:
     """The fused step of one optimizer (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, do_flatten: bool, check_flatten: bool):
+    def __init__(self, optimizer: torch.optim.Optimizer, do_flatten: bool, check_flatten: bool) -> None:
         # a weak reference: the optimizer holds us (and fuse_step), and a cycle would keep its
         # buffers alive until the garbage collector runs
         self._optimizer = weakref.ref(optimizer)
@@ -446,11 +448,11 @@ def _plain_step(optimizer: torch.optim.Optimizer) -> Callable:
     return optimizer.step
 
 
-def _evaluated_once(closure: Callable, loss) -> Callable:
+def _evaluated_once(closure: Callable, loss: Any) -> Callable:
     """A closure whose first call returns ``loss`` (already computed) and later calls evaluate."""
     calls = [0]
 
-    def once():
+    def once() -> Any:
         calls[0] += 1
         if calls[0] == 1:
             return loss

@@ -32,7 +32,7 @@ import copy
 import math
 from collections import OrderedDict, defaultdict
 from itertools import cycle
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -89,7 +89,7 @@ def hyperparameter_kinds(group: dict) -> tuple:
     )
 
 
-def _sign_kind(value):
+def _sign_kind(value: object) -> object:
     """A scheduled value by its sign (each element of a tuple such as ``betas``)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return type(value), (value > 0) - (value < 0)
@@ -98,7 +98,7 @@ def _sign_kind(value):
     return _kind(value)
 
 
-def _kind(value):
+def _kind(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return torch.Tensor, value.dtype, value.device, tuple(value.shape)
     if isinstance(value, (tuple, list)):
@@ -177,11 +177,17 @@ class _WorkCounter(TorchDispatchMode):
     """Counts the work of the ATen ops run under it: the length of a foreach op's tensor list,
     :data:`SINGLE_OP_WORK` for any other op."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.total = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Optional[dict] = None,
+    ) -> Any:
         is_foreach = func.__name__.startswith("_foreach_") and args and isinstance(args[0], (list, tuple))
         self.total += len(args[0]) if is_foreach else SINGLE_OP_WORK
         return func(*args, **(kwargs or {}))
@@ -243,7 +249,9 @@ def _shadow(optimizer: torch.optim.Optimizer, group: dict, params: list, state: 
     return shadow
 
 
-def _run(optimizer, group, params, state, grads_per_step, work: _WorkCounter) -> None:
+def _run(
+    optimizer: torch.optim.Optimizer, group: dict, params: list, state: dict, grads_per_step: list, work: _WorkCounter
+) -> None:
     """Step ``params`` on ``grads_per_step``; ``work`` counts every step but the first (which
     may create state)."""
     shadow = _shadow(optimizer, group, params, state)
@@ -285,7 +293,7 @@ def _state_difference(fused: torch.Tensor, fused_state: dict, separate_states: l
     return None
 
 
-def _equal_values(a, b) -> bool:
+def _equal_values(a: object, b: object) -> bool:
     try:
         return bool(a == b)
     except Exception:

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import attrgetter, eq, is_, is_not, ne, not_
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
 from functional_bagua.flat import span, split_like
+
+if TYPE_CHECKING:
+    from functional_bagua.compat.flatten import Home
 
 CPU_CHUNK_BYTES = 4 << 20
 CPU_FUSE_MAX_NUMEL = 1 << 15
@@ -230,7 +233,7 @@ class Run:
         home: where the run sits in a :class:`~functional_bagua.compat.flatten.FlattenedGroup`, if it does.
     """
 
-    def __init__(self, params: list, flat: torch.Tensor, state: dict, home: Any = None):
+    def __init__(self, params: list, flat: torch.Tensor, state: dict, home: Optional[Home] = None) -> None:
         self.params, self.flat, self.home = params, flat, home
         self.bounds = chunk_bounds(flat)
         self.chunks = [torch.nn.Parameter(flat[a:b], requires_grad=False) for a, b in self.bounds]
@@ -337,7 +340,7 @@ class Run:
             del self.state[key]
 
     @torch.no_grad()
-    def _write_scalars(self, state: dict, key, given: Any, chunks: list) -> None:
+    def _write_scalars(self, state: dict, key: str, given: Any, chunks: list) -> None:
         """Copy the value of the chunks' 0-dim ``key`` into every member's own 0-dim tensor: one
         copy into the flat tensor they view (:meth:`holds` checked that they still do)."""
         value = chunks[0]
@@ -347,7 +350,7 @@ class Run:
         given.flat.fill_(value)
         self.state[key] = given._replace(chunks=chunks, version=given.flat._version)
 
-    def _joined(self, key, pieces: list, optimizer_name: str) -> Tensors:
+    def _joined(self, key: str, pieces: list, optimizer_name: str) -> Tensors:
         """New per-chunk state tensors (the optimizer's first step makes them) joined into one
         flat tensor, in the run's home when it has one."""
         for (a, b), piece in zip(self.bounds, pieces):
@@ -390,14 +393,14 @@ class Run:
             torch._foreach_copy_(targets, sources)
         return entry
 
-    def _give_tensors(self, state: dict, key, entry: Tensors) -> None:
+    def _give_tensors(self, state: dict, key: str, entry: Tensors) -> None:
         """Make ``state[p][key]`` the member views of ``entry``."""
         for p, view in zip(self.params, entry.members):
             state[p][key] = view
         self.state[key] = entry
 
     @torch.no_grad()
-    def _give_scalars(self, state: dict, key, value: torch.Tensor, chunks: list) -> None:
+    def _give_scalars(self, state: dict, key: str, value: torch.Tensor, chunks: list) -> None:
         """Make ``state[p][key]`` 0-dim views of one new flat tensor holding ``value`` for every
         member: each member still has its own 0-dim tensor (a plain ``step()`` adds to it in
         place), and writing them all back after a fused step is one copy."""

@@ -9,6 +9,8 @@ updates, state = tx.update(grads, state, params)
 params = fb.apply_updates(params, updates)
 """
 
+import types as _types
+
 from functional_bagua import schedules
 from functional_bagua.aliases import (
     adabelief,
@@ -56,7 +58,7 @@ __version__ = "0.1.0"
 _SUBPACKAGES = ("distributed", "compat")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _types.ModuleType:
     """``fb.distributed`` and ``fb.compat``, imported when first used (``functional_bagua.distributed``
     sets up torch.distributed's functional collectives, which a single-process user never needs)."""
     if name in _SUBPACKAGES:

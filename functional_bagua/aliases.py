@@ -17,12 +17,12 @@ Everything returns a :class:`~functional_bagua.GradientTransformation`::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence, Union, cast
 
 import torch
 
 from functional_bagua import kernels
-from functional_bagua.base import GradientTransformation, chain, check_params
+from functional_bagua.base import GradientTransformation, OptState, chain, check_params
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.layout_context import tensor_shapes
 from functional_bagua.numerics import is_number
@@ -62,6 +62,7 @@ from functional_bagua.transforms.scaling import (
 from functional_bagua.transforms.sparse_adam import scale_by_sparse_adam
 from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio
 from functional_bagua.transforms.weight_decay import add_decayed_weights
+from functional_bagua.tree import PyTree
 
 # --- validation, with torch.optim's messages -------------------------------------------------
 
@@ -71,12 +72,12 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _known(*values) -> bool:
+def _known(*values: object) -> bool:
     """All Python numbers (fixed when the alias is built, as torch's fused kernels need them)."""
     return all(is_number(v) for v in values)
 
 
-def _check(value, ok, message: str) -> None:
+def _check(value: object, ok: Callable[[float], bool], message: str) -> None:
     """Raise ``message.format(value)`` unless ``ok(value)``, for a value that can be checked now
     (:func:`~functional_bagua.hyperparams.checkable`). The message is formatted only on failure:
     inside a traced step a value may be symbolic, and formatting it would break the trace."""
@@ -85,31 +86,39 @@ def _check(value, ok, message: str) -> None:
         raise ValueError(message.format(value))
 
 
-def _check_lr(lr) -> None:
+def _check_lr(lr: ScalarOrSchedule) -> None:
     _check(lr, lambda v: 0.0 <= v, "Invalid learning rate: {}")
 
 
-def _check_nonnegative(value, name: str) -> None:
+def _check_nonnegative(value: ScalarOrSchedule, name: str) -> None:
     _check(value, lambda v: 0.0 <= v, f"Invalid {name} value: " + "{}")
 
 
-def _check_eps(eps) -> None:
+def _check_eps(eps: ScalarOrSchedule) -> None:
     _check(eps, lambda v: 0.0 <= v, "Invalid epsilon value: {}")
 
 
-def _check_betas(betas) -> None:
+def _check_betas(betas: Sequence[ScalarOrSchedule]) -> None:
     for i, beta in enumerate(betas):
         _check(beta, lambda v: 0.0 <= v < 1.0, f"Invalid beta parameter at index {i}: " + "{}")
 
 
-def _check_adam_like(lr, betas, eps, weight_decay) -> None:
+def _check_adam_like(
+    lr: ScalarOrSchedule, betas: Sequence[ScalarOrSchedule], eps: ScalarOrSchedule, weight_decay: ScalarOrSchedule
+) -> None:
     _check_lr(lr)
     _check_eps(eps)
     _check_betas(betas)
     _check_nonnegative(weight_decay, "weight_decay")
 
 
-def _decayed(preconditioner, weight_decay, decoupled: bool, lr, maximize: bool) -> GradientTransformation:
+def _decayed(
+    preconditioner: GradientTransformation,
+    weight_decay: Union[float, torch.Tensor],
+    decoupled: bool,
+    lr: ScalarOrSchedule,
+    maximize: bool,
+) -> GradientTransformation:
     """``maximize``, L2 (``decoupled=False``) or decoupled weight decay, around a preconditioner."""
     if decoupled:
         return chain(negate_if(maximize), preconditioner, add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
@@ -158,11 +167,13 @@ def sgd(
     _check_lr(lr)
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
-    if nesterov and None not in (checkable(momentum), checkable(dampening)):
-        _require(
-            checkable(momentum) > 0 and checkable(dampening) == 0,
-            "Nesterov momentum requires a momentum and zero dampening",
-        )
+    if nesterov:
+        momentum_now, dampening_now = checkable(momentum), checkable(dampening)
+        if momentum_now is not None and dampening_now is not None:
+            _require(
+                momentum_now > 0 and dampening_now == 0,
+                "Nesterov momentum requires a momentum and zero dampening",
+            )
     tx = chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),
@@ -312,7 +323,8 @@ def sparse_adam(
     _check_lr(lr)
     _check_eps(eps)
     _check_betas(betas)
-    return scale_by_sparse_adam(lr, *betas, eps, maximize=maximize)
+    learning_rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
+    return scale_by_sparse_adam(learning_rate, *betas, eps, maximize=maximize)
 
 
 @accepts_schedules
@@ -585,8 +597,9 @@ def rprop(
         state = tx.init(params)
     """
     _check_lr(lr)
-    if None not in map(checkable, etas):
-        _require(0.0 < checkable(etas[0]) < 1.0 < checkable(etas[1]), f"Invalid eta values: {etas[0]}, {etas[1]}")
+    eta_minus, eta_plus = map(checkable, etas)
+    if eta_minus is not None and eta_plus is not None:
+        _require(0.0 < eta_minus < 1.0 < eta_plus, f"Invalid eta values: {etas[0]}, {etas[1]}")
     return chain(negate_if(maximize), scale_by_rprop(lr, etas, step_sizes), scale(-1.0))
 
 
@@ -739,7 +752,7 @@ def muon(
         scale_by_learning_rate(lr),
     )
 
-    def init(params):
+    def init(params: PyTree) -> OptState:
         check_params(params, "muon")
         for key, shape in tensor_shapes(params):
             if len(shape) != 2:
@@ -838,8 +851,8 @@ def lars(
     _check_nonnegative(momentum, "momentum")
     _check_nonnegative(weight_decay, "weight_decay")
     _check_eps(eps)
-    if nesterov and checkable(momentum) is not None:
-        _require(checkable(momentum) > 0, "Nesterov momentum requires a momentum")
+    if nesterov and (momentum_now := checkable(momentum)) is not None:
+        _require(momentum_now > 0, "Nesterov momentum requires a momentum")
     return chain(
         negate_if(maximize),
         add_decayed_weights(weight_decay),

@@ -43,11 +43,11 @@ class EmptyState(NamedTuple):
 def identity() -> GradientTransformation:
     """The transform that returns the gradients unchanged: ``u = g``."""
 
-    def init(params):
+    def init(params: Params) -> EmptyState:
         del params
         return EmptyState()
 
-    def update(grads, state, params=None):
+    def update(grads: Updates, state: EmptyState, params: Optional[Params] = None) -> tuple[Updates, EmptyState]:
         del params
         return grads, state
 
@@ -75,11 +75,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation")
 
-    def init(params):
+    def init(params: Params) -> tuple[OptState, ...]:
         check_params(params, "init")
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates, state, params=None):
+    def update(
+        updates: Updates, state: tuple[OptState, ...], params: Optional[Params] = None
+    ) -> tuple[Updates, tuple[OptState, ...]]:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain of {len(transforms)} transforms got a state that is not a tuple of "

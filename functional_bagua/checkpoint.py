@@ -28,7 +28,7 @@ the template's, and a checkpoint whose values differ is refused.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import optree
 import torch
@@ -36,15 +36,15 @@ import torch
 from functional_bagua import tree
 
 
-def _escaped(entry) -> str:
+def _escaped(entry: object) -> str:
     return str(entry).replace("%", "%25").replace("/", "%2F")
 
 
-def _key(accessor) -> str:
+def _key(accessor: optree.PyTreeAccessor) -> str:
     return "/".join(_escaped(getattr(entry, "field", None) or entry.entry) for entry in accessor)
 
 
-def _keyed_leaves(state: Any):
+def _keyed_leaves(state: Any) -> tuple[list[str], list[optree.PyTreeAccessor], list, optree.PyTreeSpec]:
     accessors, leaves, spec = optree.tree_flatten_with_accessor(state, none_is_leaf=tree.NONE_IS_LEAF)
     keys = [_key(a) for a in accessors]
     seen: dict = {}
@@ -58,7 +58,7 @@ def _keyed_leaves(state: Any):
     return keys, accessors, leaves, spec
 
 
-def _must_match(accessor) -> bool:
+def _must_match(accessor: optree.PyTreeAccessor) -> bool:
     """Whether the leaf at ``accessor`` is a field its state type lists in ``must_match_on_load()``."""
     if not len(accessor):
         return False
@@ -150,7 +150,7 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
     return spec.unflatten(new_leaves)
 
 
-def _nesting(expected: list, flat: dict):
+def _nesting(expected: list, flat: dict) -> Optional[tuple[str, str]]:
     """``(prefix, side)`` when one state is a part of the other: every checkpoint key is a template
     key under ``prefix`` (``side = "template"``: the template holds the checkpoint's state inside
     it), or every template key is a checkpoint key under ``prefix`` (``side = "checkpoint"``);
@@ -175,7 +175,7 @@ def _source_keys(expected: list, flat: dict) -> dict:
     return {k: prefix + k for k in expected if prefix + k in flat}
 
 
-def _mismatch(missing: list, unexpected: list, nesting) -> str:
+def _mismatch(missing: list, unexpected: list, nesting: Optional[tuple[str, str]]) -> str:
     parts = []
     if nesting is not None:
         prefix, side = nesting

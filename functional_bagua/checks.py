@@ -29,7 +29,7 @@ import torch
 STRIDED = torch.strided
 
 
-def params_instead(x) -> str:
+def params_instead(x: object) -> str:
     """What to pass instead of ``x`` where a params tree belongs."""
     if isinstance(x, torch.nn.Module):
         return "pass fb.params_of(model), the dict of the module's trainable parameters by name"
@@ -43,7 +43,7 @@ def trainable_dtype(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def check_param(p, name: Callable[[], str], who: str, *, complex_ok: bool = True) -> None:
+def check_param(p: object, name: Callable[[], str], who: str, *, complex_ok: bool = True) -> None:
     """Raise naming the parameter (``name()``, computed only on failure) unless ``p`` is a dense
     floating-point (or, with ``complex_ok``, complex) tensor."""
     if not isinstance(p, torch.Tensor):
@@ -65,7 +65,13 @@ def check_param(p, name: Callable[[], str], who: str, *, complex_ok: bool = True
 
 
 def check_grad(
-    g, p: Optional[torch.Tensor], name: Callable[[], str], who: str, *, complex_ok: bool = True, layout=STRIDED
+    g: object,
+    p: Optional[torch.Tensor],
+    name: Callable[[], str],
+    who: str,
+    *,
+    complex_ok: bool = True,
+    layout: torch.layout = STRIDED,
 ) -> None:
     """Raise naming the parameter unless ``g`` can be its gradient: a tensor of ``layout`` (dense,
     or ``torch.sparse_coo`` for transforms made for sparse gradients) of the shape and dtype of
@@ -101,7 +107,7 @@ def check_grad(
         check_param(g, name, who, complex_ok=False)
 
 
-def check_update(u, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
+def check_update(u: object, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
     """Raise naming the parameter unless ``p + u`` is an update of ``p`` (module docstring)."""
     if not isinstance(u, torch.Tensor):
         raise TypeError(f"{who}: update of {name()!r} is a {type(u).__name__}, not a tensor")
@@ -121,7 +127,13 @@ def check_update(u, p: torch.Tensor, name: Callable[[], str], who: str) -> None:
 
 
 def check_grads(
-    grads: list, params: list, name: Callable[[int], str], who: str, *, complex_ok: bool = True, layout=STRIDED
+    grads: list,
+    params: list,
+    name: Callable[[int], str],
+    who: str,
+    *,
+    complex_ok: bool = True,
+    layout: torch.layout = STRIDED,
 ) -> None:
     """:func:`check_grad` for lists of leaves (``None`` gradients skipped; ``params`` may hold
     ``None`` where there is no reference); ``name(i)`` names leaf ``i``. A few passes over all
@@ -146,7 +158,7 @@ def check_updates(updates: list, params: list, name: Callable[[int], str], who: 
             check_update(u, p, functools.partial(name, i), who)
 
 
-def _all_fit(gs: list, ps: list, complex_ok: bool, layout) -> bool:
+def _all_fit(gs: list, ps: list, complex_ok: bool, layout: torch.layout) -> bool:
     """All tensors of ``layout``, of a trainable dtype, and of their parameter's shape and dtype
     (any shape when no parameters were given at all)."""
     if not all(isinstance(g, torch.Tensor) for g in gs):

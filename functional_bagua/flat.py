@@ -81,7 +81,7 @@ class FlatLayout:
             builds the dict directly), else ``None``. :meth:`of` computes all four from a tree.
     """
 
-    def __init__(self, spec: optree.PyTreeSpec, names: list, metas: list, dict_keys: Optional[list] = None):
+    def __init__(self, spec: optree.PyTreeSpec, names: list, metas: list, dict_keys: Optional[list] = None) -> None:
         self.spec = spec
         self._dict_keys = dict_keys  # the keys, in leaf order, when the tree is a flat dict
         segments: dict[str, list] = {}
@@ -155,7 +155,7 @@ class FlatLayout:
             members[key].append(leaf.reshape(-1))
         return {key: torch.cat(parts) if len(parts) > 1 else parts[0].clone() for key, parts in members.items()}
 
-    def _check_leaf(self, leaf, key: str, i: int) -> None:
+    def _check_leaf(self, leaf: object, key: str, i: int) -> None:
         """Raise unless ``leaf`` is a tensor of the shape, dtype and device its segment was made for
         (a leaf of the same size but another shape would land in the wrong elements)."""
         group, seg = self.groups[key], self.groups[key].segments[i]
@@ -212,7 +212,7 @@ class FlatLayout:
                 desc = f"{tuple(b.shape)} {b.dtype}" if isinstance(b, torch.Tensor) else type(b).__name__
                 raise ValueError(f"flat buffer {key!r} should be ({group.numel},) {group.dtype}, got {desc}")
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, FlatLayout) and self.spec == other.spec and self.groups == other.groups
 
     def __hash__(self) -> int:
@@ -359,7 +359,7 @@ class _GradientsHome:
     in the buffer). A parameter that no longer views its flat buffer (``p.data`` replaced)
     raises during ``backward()``: its values are not the buffer's any more."""
 
-    def __init__(self, named: dict, layout: FlatLayout, params: dict, grads: dict):
+    def __init__(self, named: dict, layout: FlatLayout, params: dict, grads: dict) -> None:
         self.named, self.layout, self.params, self.grads = named, layout, params, grads
         self.views = {}  # name -> (segment, group key, gradient view)
         for key, group in layout.groups.items():

@@ -23,14 +23,15 @@ get a gradient at every step (flat gradients always do).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from functional_bagua import kernels, tree
-from functional_bagua.base import GradientTransformation, apply_updates
+from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.flat import FlatLayout
 from functional_bagua.layout_context import run_on_flat_buffers
+from functional_bagua.tree import PyTree
 
 
 def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformation:
@@ -59,11 +60,13 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
             f"fuse: layout is {type(layout).__name__}, not a FlatLayout (make one with FlatLayout.of(params))"
         )
 
-    def init(params):
+    def init(params: dict[str, torch.Tensor]) -> OptState:
         layout.check(params)
         return run_on_flat_buffers(layout, tx.init, params)
 
-    def update(grads, state, params=None):
+    def update(
+        grads: dict[str, torch.Tensor], state: OptState, params: Optional[dict[str, torch.Tensor]] = None
+    ) -> tuple[dict[str, torch.Tensor], OptState]:
         layout.check(grads)
         if params is not None:
             layout.check(params)
@@ -113,13 +116,13 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
     if kernel == "auto":
         kernel = "torch" if spec is not None else "compiled"
 
-    def pure_into_buffers(grads, state, params) -> None:
+    def pure_into_buffers(grads: dict[str, torch.Tensor], state: OptState, params: dict[str, torch.Tensor]) -> None:
         updates, new_state = fused.update(grads, state, params)
         _copy_into((params, state), (apply_updates(params, updates), new_state))
 
     if kernel == "torch" and spec is not None:  # spec exists: checked above
 
-        def torch_kernel_step(grads, state, params) -> None:
+        def torch_kernel_step(grads: dict[str, torch.Tensor], state: OptState, params: dict[str, torch.Tensor]) -> None:
             layout.check(grads)
             layout.check(params)
             kernels.run(spec, grads, state, params)
@@ -130,7 +133,7 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
     return pure_into_buffers
 
 
-def _copy_into(old_tree, new_tree) -> None:
+def _copy_into(old_tree: PyTree, new_tree: PyTree) -> None:
     for old, new in zip(tree.flatten(old_tree)[0], tree.flatten(new_tree)[0]):
         if isinstance(old, torch.Tensor) and new is not old:
             if old.dim() == 0:

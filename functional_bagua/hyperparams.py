@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, overload
 
 import torch
 
@@ -43,13 +43,14 @@ from functional_bagua.schedules import (
     refuse_untraceable,
     step_count,
 )
+from functional_bagua.tree import PyTree
 
 # True while inject_hyperparams rebuilds its factory with the tensors it holds (see
 # hyperparams_are_checked). A context variable, not a module global: each thread and task has its own.
 _REBUILDING = contextvars.ContextVar("functional_bagua_rebuilding_with_checked_hyperparams", default=False)
 
 
-def checkable(value):
+def checkable(value: object) -> Optional[float]:
     """The number to validate hyperparameter ``value`` against now: a Python number as it is, a
     one-element tensor's value (a hyperparameter given as a tensor is checked as torch checks
     it), and ``None`` for a schedule and for the tensors that were validated already
@@ -83,42 +84,44 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: Any
 
 
-def _is_dynamic_leaf(x) -> bool:
+def _is_dynamic_leaf(x: object) -> bool:
     return (isinstance(x, float) or isinstance(x, torch.Tensor) or callable(x)) and not isinstance(x, bool)
 
 
-def _is_dynamic(value) -> bool:
+def _is_dynamic(value: object) -> bool:
     if isinstance(value, tuple):
         return any(_is_dynamic_leaf(v) for v in value)
     return _is_dynamic_leaf(value)
 
 
-def _leaves(value) -> tuple:
+def _leaves(value: object) -> tuple:
     """A hyperparameter's values: itself, or the elements of a tuple (``betas``)."""
     return value if isinstance(value, tuple) else (value,)
 
 
-def _map_dynamic(fn: Callable, value):
+def _map_dynamic(fn: Callable[[Any], Any], value: Any) -> Any:
     """Apply ``fn`` to the dynamic leaves of a hyperparameter (itself, or each tuple element)."""
     if isinstance(value, tuple):
         return tuple(fn(v) if _is_dynamic_leaf(v) else v for v in value)
     return fn(value)
 
 
-def _value_at(hyperparameter, count):
+def _value_at(hyperparameter: Any, count: Union[int, torch.Tensor]) -> Any:
     """A schedule's value at ``count``; any other value as it is."""
     return _map_dynamic(lambda v: v(count) if callable(v) else v, hyperparameter)
 
 
-def _as_tensor(value, device) -> torch.Tensor:
+def _as_tensor(value: Any, device: Optional[torch.device]) -> torch.Tensor:
     return torch.as_tensor(value, dtype=SCALAR_DTYPE, device=device)
 
 
-def _as_number(value):
+def _as_number(value: Any) -> Any:
     return float(value) if isinstance(value, torch.Tensor) else value
 
 
-def inject_hyperparams(factory: Callable[..., GradientTransformation], static_args: Sequence[str] = ()):
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation], static_args: Sequence[str] = ()
+) -> Callable[..., GradientTransformation]:
     """Wrap ``factory`` so that its numeric hyperparameters live in the state (module docstring).
 
     The values are validated once, when the wrapper is called, by building ``factory`` with them
@@ -143,7 +146,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
     signature = inspect.signature(factory)
 
     @functools.wraps(factory)
-    def build(*args, **kwargs) -> GradientTransformation:
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
         arguments = signature.bind(*args, **kwargs).arguments
         dynamic = {k: v for k, v in arguments.items() if k not in static_args and _is_dynamic(v)}
         static = {k: v for k, v in arguments.items() if k not in dynamic}
@@ -155,11 +158,11 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
             if callable(v) and reads_count_as_number(v)
         }
 
-        def tensors_at(count, current: dict) -> dict:
+        def tensors_at(count: torch.Tensor, current: dict) -> dict:
             """Each dynamic hyperparameter as a tensor: a schedule's value at ``count``, else the
             value held in ``current`` (which the user may have overwritten)."""
 
-            def now(name, given, held):
+            def now(name: str, given: Any, held: Any) -> torch.Tensor:
                 if callable(given):
                     if id(given) in eager_only and torch.compiler.is_compiling():
                         refuse_untraceable(eager_only[id(given)], f"the hyperparameter {name!r}")
@@ -172,7 +175,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
                     )
                 return _as_tensor(held, count.device)
 
-            out = {}
+            out: dict[str, Any] = {}
             for name, given in dynamic.items():
                 held = current[name]
                 if isinstance(given, tuple):
@@ -190,13 +193,15 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
             finally:
                 _REBUILDING.reset(token)
 
-        def init(params):
+        def init(params: PyTree) -> InjectHyperparamsState:
             count = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
             hyperparams = tensors_at(count, {k: _value_at(v, 0) for k, v in dynamic.items()})
             inner_state = rebuilt(hyperparams).init(params)
             return InjectHyperparamsState(count, hyperparams, inner_state)
 
-        def update(updates, state, params=None):
+        def update(
+            updates: PyTree, state: InjectHyperparamsState, params: Optional[PyTree] = None
+        ) -> tuple[PyTree, InjectHyperparamsState]:
             hyperparams = tensors_at(state.count, state.hyperparams)
             updates, inner_state = rebuilt(hyperparams).update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
@@ -206,15 +211,26 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation], static_ar
     return build
 
 
-def _holds_schedule(value) -> bool:
+def _holds_schedule(value: object) -> bool:
     if isinstance(value, tuple):
         return any(callable(e) for e in value)
     return callable(value)
 
 
+_Factory = Callable[..., GradientTransformation]
+
+
+@overload
+def accepts_schedules(alias: _Factory, *, static_args: Sequence[str] = ()) -> _Factory: ...
+
+
+@overload
+def accepts_schedules(alias: None = None, *, static_args: Sequence[str] = ()) -> Callable[[_Factory], _Factory]: ...
+
+
 def accepts_schedules(
-    alias: Optional[Callable[..., GradientTransformation]] = None, *, static_args: Sequence[str] = ()
-):
+    alias: Optional[_Factory] = None, *, static_args: Sequence[str] = ()
+) -> Union[_Factory, Callable[[_Factory], _Factory]]:
     """Let every float hyperparameter of ``alias`` be a schedule: when any argument is callable,
     the alias is built through :func:`inject_hyperparams` (its state is then an
     :class:`InjectHyperparamsState`); otherwise it is built directly. Arguments named in
@@ -238,7 +254,7 @@ def accepts_schedules(
     names = list(inspect.signature(alias).parameters)  # no Signature.bind per call: it may run inside a trace
 
     @functools.wraps(alias)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> GradientTransformation:
         arguments = [*zip(names, args), *kwargs.items()]
         if any(_holds_schedule(v) for k, v in arguments if k not in static_args):
             return inject_hyperparams(alias, static_args)(*args, **kwargs)

@@ -15,7 +15,7 @@ elementwise on the flat buffer) and within float rounding of the pure update.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union, cast
 
 import optree
 import torch
@@ -23,6 +23,7 @@ import torch
 from functional_bagua.base import GradientTransformation
 from functional_bagua.transforms.adam import ScaleByAdamState, ScaleByAmsgradState
 from functional_bagua.transforms.momentum import TraceState
+from functional_bagua.tree import PyTree
 
 STEP_DTYPE = torch.float32  # torch's fused kernels read the step count as a float tensor
 
@@ -41,7 +42,7 @@ MOMENTS = {
 }
 
 
-def tag(tx: GradientTransformation, kind: str, **hyper) -> GradientTransformation:
+def tag(tx: GradientTransformation, kind: str, **hyper: Any) -> GradientTransformation:
     """Record on ``tx`` that torch's ``kind`` kernel computes it with ``hyper`` (the kernel's
     keyword arguments: the one place the kernel reads them from).
 
@@ -69,19 +70,20 @@ def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
     moments = moments_of(spec.kind, state)
     p, g = [_real(params[k]) for k in keys], [_real(grads[k]) for k in keys]
     if spec.kind == "sgd":
-        _sgd(spec.hyper, moments, keys, p, g)
+        _sgd(spec.hyper, cast(Optional[TraceState], moments), keys, p, g)
         return
+    assert isinstance(moments, (ScaleByAdamState, ScaleByAmsgradState))  # moments_of raised if there were none
     for k in keys:
         moments.count[k].add_(1)
     steps = [moments.count[k].to(STEP_DTYPE) for k in keys]
-    max_nu = [_real(moments.nu_max[k]) for k in keys] if spec.hyper["amsgrad"] else []
+    max_nu = [_real(cast(ScaleByAmsgradState, moments).nu_max[k]) for k in keys] if spec.hyper["amsgrad"] else []
     kernel = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
     kernel(
         p, g, [_real(moments.mu[k]) for k in keys], [_real(moments.nu[k]) for k in keys], max_nu, steps, **spec.hyper
     )
 
 
-def moments_of(kind: str, state):
+def moments_of(kind: str, state: PyTree) -> Optional[Union[ScaleByAdamState, ScaleByAmsgradState, TraceState]]:
     """The one state of ``kind``'s moment type in ``state`` (a sgd without momentum has none:
     ``None``); a ValueError if there are several, or none where the kernel needs them.
 
@@ -108,7 +110,7 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def _sgd(hyper: dict, moments, keys: list, p: list, g: list) -> None:
+def _sgd(hyper: dict, moments: Optional[TraceState], keys: list, p: list, g: list) -> None:
     if hyper["momentum"] == 0 or moments is None:
         torch._fused_sgd_(p, g, [], is_first_step=False, **hyper)
         return

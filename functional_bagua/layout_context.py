@@ -17,22 +17,31 @@ This module sits below the transforms and :mod:`functional_bagua.fusion`, which 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from functional_bagua import tree
+
+_T = TypeVar("_T")
+
+
+class Layout(Protocol):
+    """What a fused update's layout gives its rules: the segments of each flat buffer (a
+    :class:`~functional_bagua.FlatLayout`, or ``distributed.shard``'s stand-in, which raises)."""
+
+    def segments(self, key: str) -> tuple: ...
 
 
 class _Running(threading.local):
     """This thread's stack of the layouts of the fused updates running now (innermost last)."""
 
-    def __init__(self):
-        self.layouts: list = []
+    def __init__(self) -> None:
+        self.layouts: list[Layout] = []
 
 
 _RUNNING = _Running()
 
 
-def active_layout():
+def active_layout() -> Optional[Layout]:
     """The layout of the fused update running now in this thread, or ``None`` outside of one."""
     layouts = _RUNNING.layouts
     return layouts[-1] if layouts else None
@@ -48,7 +57,7 @@ def segments_of(key: str) -> Optional[tuple]:
     return None if layout is None else layout.segments(key)
 
 
-def tensor_shapes(params) -> list:
+def tensor_shapes(params: tree.PyTree) -> list:
     """``(name, shape)`` of each parameter tensor of ``params``, also when ``params`` are the flat
     buffers of the fused update running now (then the names and shapes are the layout's).
 
@@ -58,9 +67,9 @@ def tensor_shapes(params) -> list:
     """
     leaves, spec = tree.flatten(params)
     names = tree.leaf_names(spec)
-    if active_layout() is None:
-        return [(name, tuple(p.shape)) for name, p in zip(names, leaves) if p is not None]
     layout = active_layout()
+    if layout is None:
+        return [(name, tuple(p.shape)) for name, p in zip(names, leaves) if p is not None]
     return [(seg.name, seg.shape) for key in names for seg in layout.segments(key)]
 
 
@@ -99,7 +108,7 @@ def refuse_on_shards(name: str, why: str) -> None:
         )
 
 
-def run_on_flat_buffers(layout, fn, *args):
+def run_on_flat_buffers(layout: Layout, fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)`` with ``layout`` as the active layout: per-tensor rules inside ``fn`` ask it for
     the segments of each buffer (``layout.segments(key)``).
 

@@ -33,13 +33,14 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, cast
 
 import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, check_params
 from functional_bagua.linesearch import Point, Scalar, strong_wolfe
+from functional_bagua.tree import PyTree
 
 LINE_SEARCHES = (None, "strong_wolfe")
 CURVATURE_MIN = 1e-10  # a pair (s, y) enters the history only when y.s exceeds this
@@ -85,7 +86,7 @@ class _Settings(NamedTuple):
 class _Flat:
     """All leaves of a parameter tree as one real vector, and back (differentiably)."""
 
-    def __init__(self, params):
+    def __init__(self, params: PyTree) -> None:
         leaves, self.spec = tree.flatten(params)
         kinds = {(p.dtype.to_real() if p.is_complex() else p.dtype, p.device) for p in leaves}
         if len(kinds) != 1:
@@ -95,10 +96,10 @@ class _Flat:
         self.leaves = leaves
         self.sizes = [2 * p.numel() if p.is_complex() else p.numel() for p in leaves]
 
-    def vector(self, leaves) -> torch.Tensor:
+    def vector(self, leaves: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([(torch.view_as_real(t) if t.is_complex() else t).reshape(-1) for t in leaves])
 
-    def tree(self, x: torch.Tensor):
+    def tree(self, x: torch.Tensor) -> PyTree:
         pieces = []
         for piece, p in zip(torch.split(x, self.sizes), self.leaves):
             pieces.append(torch.view_as_complex(piece.view(*p.shape, 2)) if p.is_complex() else piece.view(p.shape))
@@ -143,7 +144,7 @@ def lbfgs(
     max_eval = max_iter * 5 // 4 if max_eval is None else max_eval
     settings = _Settings(float(lr), max_iter, max_eval, tolerance_grad, tolerance_change, history_size, line_search_fn)
 
-    def init(params):
+    def init(params: PyTree) -> LbfgsState:
         check_params(params, "lbfgs")
         x = _Flat(params).vector(tree.flatten(params)[0])
         count = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -163,7 +164,14 @@ def lbfgs(
             scalar.clone(),
         )
 
-    def update(grads, state, params=None, *, value_fn: Optional[Callable] = None, value=None):
+    def update(
+        grads: PyTree,
+        state: LbfgsState,
+        params: Optional[PyTree] = None,
+        *,
+        value_fn: Optional[Callable[[PyTree], torch.Tensor]] = None,
+        value: Optional[Scalar] = None,
+    ) -> tuple[PyTree, LbfgsState]:
         if params is None or value_fn is None:
             raise ValueError(
                 "lbfgs evaluates the loss along its search: call update(grads, state, params, value_fn=loss_of), "
@@ -175,7 +183,7 @@ def lbfgs(
         grad = flat.vector([torch.zeros_like(p) if g is None else g for g, p in zip(grad_leaves, flat.leaves)])
         loss = float(value_fn(params) if value is None else value)
 
-        def evaluate(x):
+        def evaluate(x: torch.Tensor) -> tuple[float, torch.Tensor]:
             g, f = torch.func.grad_and_value(lambda v: value_fn(flat.tree(v)))(x)
             return float(f), g.detach()
 
@@ -186,7 +194,14 @@ def lbfgs(
     return GradientTransformation(init, update)
 
 
-def _iterations(evaluate, x, loss, grad, s: LbfgsState, settings: _Settings):
+def _iterations(
+    evaluate: Callable[[torch.Tensor], tuple[float, torch.Tensor]],
+    x: torch.Tensor,
+    loss: float,
+    grad: torch.Tensor,
+    s: LbfgsState,
+    settings: _Settings,
+) -> tuple[torch.Tensor, LbfgsState]:
     """The iterations of one update, from ``x`` (loss ``loss``, gradient ``grad``): the new ``x``
     and state."""
     lr, max_iter, max_eval, tolerance_grad, tolerance_change, history_size, line_search_fn = settings
@@ -211,7 +226,7 @@ def _iterations(evaluate, x, loss, grad, s: LbfgsState, settings: _Settings):
             n = grad.numel()
             d = _two_loop(grad, dirs[:kept, :n], steps[:kept, :n], rho[:kept], h_diag)
         prev_grad, prev_loss = grad, loss
-        t = min(1.0, 1.0 / grad.abs().sum()) * lr if n_iter == 1 else lr
+        t = cast(Scalar, min(1.0, 1.0 / grad.abs().sum())) * lr if n_iter == 1 else lr
         gtd = grad.dot(d)
         if gtd > -tolerance_change:
             break
@@ -262,12 +277,21 @@ def _exact_difference(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return new - old
 
 
-def _evaluate_along(evaluate: Callable, x: torch.Tensor, d: torch.Tensor, t) -> tuple:
+def _evaluate_along(evaluate: Callable, x: torch.Tensor, d: torch.Tensor, t: Scalar) -> tuple:
     """The loss and gradient at ``x + t d``."""
     return evaluate(x.add(d, alpha=t))
 
 
-def _remember(dirs, steps, rho, kept, y, step, new_rho, history_size):
+def _remember(
+    dirs: torch.Tensor,
+    steps: torch.Tensor,
+    rho: torch.Tensor,
+    kept: int,
+    y: torch.Tensor,
+    step: torch.Tensor,
+    new_rho: torch.Tensor,
+    history_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The history with the pair ``(y, step)`` appended (the oldest dropped when full)."""
     if kept == history_size:  # roll makes new buffers with the oldest pair last, to be overwritten
         dirs, steps, rho, kept = dirs.roll(-1, 0), steps.roll(-1, 0), rho.roll(-1, 0), kept - 1
@@ -285,7 +309,9 @@ def _row_length(x: torch.Tensor) -> int:
     return -(-x.numel() // per_row) * per_row
 
 
-def _two_loop(grad, dirs, steps, rho, h_diag) -> torch.Tensor:
+def _two_loop(
+    grad: torch.Tensor, dirs: torch.Tensor, steps: torch.Tensor, rho: torch.Tensor, h_diag: torch.Tensor
+) -> torch.Tensor:
     """``-H grad`` by the two-loop recursion over the kept pairs (module docstring)."""
     q = grad.neg()
     alphas: list = [None] * len(dirs)

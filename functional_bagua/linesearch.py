@@ -34,7 +34,7 @@ class Point(NamedTuple):
     gtd: Scalar
 
 
-def cubic_minimizer(a: Point, b: Point, bounds: Optional[tuple] = None):
+def cubic_minimizer(a: Point, b: Point, bounds: Optional[tuple] = None) -> Scalar:
     """The minimiser of the cubic through ``(a.t, a.f)`` and ``(b.t, b.f)`` with slopes ``a.gtd`` and
     ``b.gtd``, clamped to ``bounds`` (default: between the two points); the middle of the bounds
     where the cubic has no minimiser.
@@ -60,8 +60,8 @@ def cubic_minimizer(a: Point, b: Point, bounds: Optional[tuple] = None):
 
 
 def strong_wolfe(
-    evaluate: Callable,
-    t,
+    evaluate: Callable[[Scalar], tuple[float, torch.Tensor]],
+    t: Scalar,
     d: torch.Tensor,
     start: Point,
     c1: float = 1e-4,
@@ -88,7 +88,7 @@ def strong_wolfe(
     sufficient = lambda p: p.f <= start.f + c1 * p.t * start.gtd  # noqa: E731
     flat_enough = lambda p: abs(p.gtd) <= -c2 * start.gtd  # noqa: E731
 
-    def trial(t) -> Point:
+    def trial(t: Scalar) -> Point:
         f, g = evaluate(t)
         return Point(t, f, g, g.dot(d))
 
@@ -111,6 +111,7 @@ def strong_wolfe(
         iterations += 1
     if iterations == max_ls:
         bracket = [start, current]
+    assert bracket is not None  # set by a break, or by running out of evaluations
     bracket, evaluations = _zoom(
         trial, bracket, start, sufficient, flat_enough, d_norm, tolerance_change, evaluations, iterations, max_ls
     )
@@ -118,7 +119,18 @@ def strong_wolfe(
     return best.f, best.g, best.t, evaluations
 
 
-def _zoom(trial, bracket, start, sufficient, flat_enough, d_norm, tolerance_change, evaluations, iterations, max_ls):
+def _zoom(
+    trial: Callable[[Scalar], Point],
+    bracket: list[Point],
+    start: Point,
+    sufficient: Callable[[Point], bool],
+    flat_enough: Callable[[Point], bool],
+    d_norm: torch.Tensor,
+    tolerance_change: float,
+    evaluations: int,
+    iterations: int,
+    max_ls: int,
+) -> tuple[list[Point], int]:
     """Shrink ``bracket`` (two points, one of them the lower, ``low``) until a point in it meets
     both conditions, it is shorter than ``tolerance_change``, or the evaluations run out; the
     bracket with its lower point first."""

@@ -8,15 +8,20 @@ it multiplies, so a float32 parameter's update stays float32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Union
+
 import torch
 
 from functional_bagua import tree
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 COUNT_DTYPE = torch.int64
 SCALAR_DTYPE = torch.float64
 
 
-def zero_count(like) -> torch.Tensor:
+def zero_count(like: tree.PyTree) -> torch.Tensor:
     """A 0-dim integer step counter on the device of ``like`` (a tensor, or a tree of them).
 
     Args:
@@ -45,7 +50,7 @@ def as_scalar(count: torch.Tensor) -> torch.Tensor:
     return count.to(SCALAR_DTYPE)
 
 
-def is_number(x) -> bool:
+def is_number(x: object) -> TypeIs[float]:
     """A Python number (a hyperparameter fixed at build time), as opposed to a tensor.
 
     Args:
@@ -57,7 +62,7 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
+def lerp(start: torch.Tensor, end: torch.Tensor, weight: Union[float, torch.Tensor]) -> torch.Tensor:
     """``start + weight * (end - start)``; ``weight`` a number or a 0-dim tensor (any dtype).
 
     Args:
@@ -71,7 +76,7 @@ def lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
     return start.lerp(end, weight if is_number(weight) else weight.to(start.dtype))
 
 
-def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
+def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha: Union[float, torch.Tensor]) -> torch.Tensor:
     """``x + alpha * y``; ``alpha`` a number (one fused kernel) or a 0-dim tensor.
 
     Args:
@@ -85,7 +90,7 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
     return x.add(y, alpha=alpha) if is_number(alpha) else x + alpha * y
 
 
-def filled_like(p: torch.Tensor, value) -> torch.Tensor:
+def filled_like(p: torch.Tensor, value: Union[float, complex, torch.Tensor]) -> torch.Tensor:
     """A tensor like ``p`` filled with ``value`` (a number or a 0-dim tensor), in ``p``'s dtype.
 
     Args:

@@ -24,13 +24,14 @@ staircase=True)``
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import torch
 
 from functional_bagua.numerics import SCALAR_DTYPE
 
-Schedule = Callable[[Union[int, torch.Tensor]], torch.Tensor]
+Count = Union[int, torch.Tensor]  # a step count: a Python int or a 0-dim tensor holding one
+Schedule = Callable[[Count], torch.Tensor]
 
 
 def step_count(count: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ class _CountProbe(torch.Tensor):
     """A step count that refuses to become a Python number (``bool``, ``float``, ``int``,
     ``.item()``), and so do the tensors computed from it."""
 
-    def _refuse(self, *args, **kwargs):
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise _NumberRead()
 
     __bool__ = __float__ = __int__ = __index__ = item = tolist = _refuse
@@ -107,7 +108,7 @@ def refuse_untraceable(name: str, where: str) -> None:
     )
 
 
-def _step(count) -> torch.Tensor:
+def _step(count: Count) -> torch.Tensor:
     """The step count as a float64 tensor."""
     return torch.as_tensor(count).to(SCALAR_DTYPE)
 
@@ -182,7 +183,7 @@ def polynomial(
     if transition_steps <= 0:
         return constant(init_value)
 
-    def schedule(count):
+    def schedule(count: Count) -> torch.Tensor:
         t = _step(count)
         if power == 1.0:  # the linear form, exactly as LinearLR interpolates
             return init_value + (end_value - init_value) * _fraction(t, transition_begin, transition_steps)
@@ -213,7 +214,7 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0, expone
     if decay_steps <= 0:
         raise ValueError(f"cosine_decay: decay_steps must be positive, got {decay_steps}")
 
-    def schedule(count):
+    def schedule(count: Count) -> torch.Tensor:
         t = _step(count).clamp(max=decay_steps)
         cosine = 0.5 * (1 + torch.cos(math.pi * t / decay_steps))
         return init_value * ((1 - alpha) * cosine**exponent + alpha)
@@ -252,7 +253,7 @@ def exponential_decay(
     if transition_steps <= 0:
         raise ValueError(f"exponential_decay: transition_steps must be positive, got {transition_steps}")
 
-    def schedule(count):
+    def schedule(count: Count) -> torch.Tensor:
         exponent = (_step(count) - transition_begin).clamp(min=0) / transition_steps
         if staircase:
             exponent = exponent.floor()
@@ -283,7 +284,7 @@ def piecewise_constant(init_value: float, boundaries_and_scales: Mapping[int, fl
     """
     items = sorted(boundaries_and_scales.items())
 
-    def schedule(count):
+    def schedule(count: Count) -> torch.Tensor:
         t = _step(count)
         value = torch.full_like(t, init_value)
         for boundary, scale in items:
@@ -317,7 +318,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     if any(later < earlier for earlier, later in zip(boundaries, boundaries[1:])):
         raise ValueError(f"join_schedules: boundaries must not decrease, got {list(boundaries)}")
 
-    def schedule(count):
+    def schedule(count: Count) -> torch.Tensor:
         t = _step(count)
         value = schedules[0](t)
         for start, later in zip(boundaries, schedules[1:]):
@@ -433,23 +434,24 @@ def one_cycle(
                 "(torch's OneCycleLR divides by zero here)"
             )
 
-    def anneal(start, end, pct):
+    def anneal(start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
         if anneal_strategy == "cos":
             return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
         return (end - start) * pct + start
 
-    def schedule(count):
+    def schedule(count: Count) -> torch.Tensor:
         t = _step(count).clamp(max=last)
-        value = None
+        value: Optional[torch.Tensor] = None
         for (start, end), low, high in reversed(_with_starts(phases)):
             here = anneal(low, high, (t - start) / (end - start))
             value = here if value is None else torch.where(t <= end, here, value)
+        assert value is not None  # there are two or three phases
         return value
 
     return schedule
 
 
-def _with_starts(phases):
+def _with_starts(phases: list[tuple[float, float, float]]) -> list[tuple[tuple[float, float], float, float]]:
     """Each phase as ``((start_step, end_step), start_value, end_value)``; the first starts at 0."""
     out, start = [], 0.0
     for end, low, high in phases:

@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
@@ -31,7 +33,7 @@ def _segment_norms(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 
 @_segment_norms.register_fake
-def _(x, lengths):
+def _(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return x.new_empty(len(lengths))
 
 
@@ -43,11 +45,11 @@ def _segment_scale(x: torch.Tensor, factors: torch.Tensor, lengths: list[int]) -
 
 
 @_segment_scale.register_fake
-def _(x, factors, lengths):
+def _(x: torch.Tensor, factors: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _checked(x: torch.Tensor, lengths) -> list:
+def _checked(x: torch.Tensor, lengths: Sequence[int]) -> list[int]:
     lengths = [int(n) for n in lengths]
     if x.dim() != 1 or sum(lengths) != x.numel():
         raise ValueError(
@@ -57,12 +59,12 @@ def _checked(x: torch.Tensor, lengths) -> list:
     return lengths
 
 
-def norms(x: torch.Tensor, lengths) -> torch.Tensor:
+def norms(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """The 2-norm of each segment of the 1-D buffer ``x``, as a tensor of ``len(lengths)``, in ``x``'s dtype."""
     return _segment_norms(x, _checked(x, lengths))
 
 
-def scale(x: torch.Tensor, factors: torch.Tensor, lengths) -> torch.Tensor:
+def scale(x: torch.Tensor, factors: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """``x`` with its ``i``-th segment multiplied by ``factors[i]`` (a new buffer, ``x``'s dtype)."""
     lengths = _checked(x, lengths)
     if factors.shape != (len(lengths),):

@@ -27,9 +27,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from functional_bagua.base import GradientTransformation, apply_updates
+from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.flat import FlatLayout
 from functional_bagua.fusion import fuse
+from functional_bagua.tree import PyTree
 
 
 def make_train_step(
@@ -67,7 +68,9 @@ def make_train_step(
     update = (fuse(tx, layout) if layout is not None else tx).update
     to_tree = layout.unflatten if layout is not None else (lambda params: params)
 
-    def loss_of(params, buffers, inputs, targets):
+    def loss_of(
+        params: PyTree, buffers: dict[str, torch.Tensor], inputs: Any, targets: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         buffers = {k: b.clone() for k, b in buffers.items()}  # the forward may update them in place
         args, kwargs = model_arguments(inputs)
         out = torch.func.functional_call(model, (to_tree(params), buffers), args, kwargs)
@@ -75,7 +78,9 @@ def make_train_step(
 
     value_and_grad = torch.func.grad_and_value(loss_of, has_aux=True)
 
-    def pure_step(params, state, batch, buffers):
+    def pure_step(
+        params: PyTree, state: OptState, batch: Any, buffers: dict[str, torch.Tensor]
+    ) -> tuple[PyTree, OptState, torch.Tensor, dict[str, torch.Tensor]]:
         inputs, targets = batch
         grads, (loss, new_buffers) = value_and_grad(params, buffers, inputs, targets)
         updates, state = update(grads, state, params)
@@ -84,7 +89,7 @@ def make_train_step(
     if compile:
         pure_step = torch.compile(pure_step, fullgraph=True, **(compile if isinstance(compile, dict) else {}))
 
-    def step(params, state, batch):
+    def step(params: PyTree, state: OptState, batch: Any) -> tuple[PyTree, OptState, torch.Tensor]:
         check_batch(batch)
         buffers = dict(model.named_buffers())
         params, state, loss, new_buffers = pure_step(params, state, batch, buffers)
@@ -96,7 +101,7 @@ def make_train_step(
     return step
 
 
-def model_arguments(inputs) -> tuple:
+def model_arguments(inputs: Any) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for the model: a tuple is positional arguments, a dict keyword arguments,
     anything else the single argument.
 
@@ -108,7 +113,7 @@ def model_arguments(inputs) -> tuple:
     return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
 
 
-def check_batch(batch) -> None:
+def check_batch(batch: object) -> None:
     """Raise naming the fix unless ``batch`` is a pair ``(inputs, targets)``.
 
     Args:

@@ -7,7 +7,7 @@ the parameter tree they belong to.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import optree
 import torch
@@ -16,34 +16,36 @@ from functional_bagua import checks
 
 NONE_IS_LEAF = True
 
+PyTree = Any  # a nested container (dict, list, tuple, NamedTuple...) of tensors and None leaves
 
-def flatten(tree: Any) -> tuple[list, optree.PyTreeSpec]:
+
+def flatten(tree: PyTree) -> tuple[list, optree.PyTreeSpec]:
     """Leaves and structure of ``tree`` (``None`` counts as a leaf)."""
     return optree.tree_flatten(tree, none_is_leaf=NONE_IS_LEAF)
 
 
-def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     """optree's ``tree_map`` with ``None`` as a leaf."""
     return optree.tree_map(fn, tree, *rest, none_is_leaf=NONE_IS_LEAF)
 
 
-def clone(tree: Any) -> Any:
+def clone(tree: PyTree) -> PyTree:
     """A copy of every tensor leaf of ``tree`` (``None`` leaves stay ``None``)."""
     return tree_map(lambda x: None if x is None else x.clone(), tree)
 
 
-def where(condition, new: Any, old: Any) -> Any:
+def where(condition: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     """``new`` where the 0-dim bool ``condition`` holds, else ``old``, tensor leaf by tensor leaf
     (branch-free, so it traces into one graph); non-tensor leaves are taken from ``new``."""
     return tree_map(lambda n, o: torch.where(condition, n, o) if isinstance(n, torch.Tensor) else n, new, old)
 
 
-def zeros_unless(condition, updates: Any) -> Any:
+def zeros_unless(condition: torch.Tensor, updates: PyTree) -> PyTree:
     """``updates`` where the 0-dim bool ``condition`` holds, else zeros (``None`` stays ``None``)."""
     return tree_map(lambda u: None if u is None else torch.where(condition, u, torch.zeros_like(u)), updates)
 
 
-def device_of(tree: Any):
+def device_of(tree: PyTree) -> Optional[torch.device]:
     """The device of the first leaf of ``tree`` that is not ``None`` (``None`` if there is none);
     a TypeError naming the leaf if it is not a tensor."""
     leaves, spec = flatten(tree)
@@ -68,7 +70,7 @@ def leaf_name(spec: optree.PyTreeSpec, i: int) -> str:
     return leaf_names(spec)[i]
 
 
-def leaves_matching(spec: optree.PyTreeSpec, tree: Any, name: str, reference: str) -> list:
+def leaves_matching(spec: optree.PyTreeSpec, tree: PyTree, name: str, reference: str) -> list:
     """Leaves of ``tree``, which must have structure ``spec``; else a ValueError naming the keys.
 
     ``name`` and ``reference`` are what the two trees are called in the message, e.g.
@@ -80,7 +82,7 @@ def leaves_matching(spec: optree.PyTreeSpec, tree: Any, name: str, reference: st
     return leaves
 
 
-def leaves_up_to(spec: optree.PyTreeSpec, tree: Any, name: str, reference: str) -> list:
+def leaves_up_to(spec: optree.PyTreeSpec, tree: PyTree, name: str, reference: str) -> list:
     """Leaves of ``tree`` cut at the leaves of ``spec`` (a mask or label tree, a tree of ``None``):
     like :func:`leaves_matching`, but it also traces under torch.compile for trees that hold no
     tensors, which optree's flatten does not. A mismatch raises a ValueError naming the keys."""
@@ -90,7 +92,7 @@ def leaves_up_to(spec: optree.PyTreeSpec, tree: Any, name: str, reference: str) 
         raise ValueError(describe_mismatch(spec, flatten(tree)[1], name, reference)) from None
 
 
-def leaves_with_params(updates: Any, params: Any) -> tuple[list, list, optree.PyTreeSpec]:
+def leaves_with_params(updates: PyTree, params: PyTree) -> tuple[list, list, optree.PyTreeSpec]:
     """Leaves of ``updates`` and of ``params`` and their common structure.
 
     ``params`` is the reference: a gradient/update tree of another structure raises a ValueError

@@ -17,14 +17,18 @@ Example (under ``torchrun --nproc-per-node 2``)::
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
+import optree
 import torch
+import torch.distributed as dist
 
 from functional_bagua import checks, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.distributed import buckets as bucketing
 from functional_bagua.distributed import compression as codecs
 from functional_bagua.distributed.process_group import Agreement, resolve
+from functional_bagua.tree import PyTree
 
 NAME = "allreduce_gradients"
 
@@ -32,8 +36,8 @@ NAME = "allreduce_gradients"
 def allreduce_gradients(
     bucket_cap_mb: float = 25.0,
     average: bool = True,
-    compression=None,
-    group=None,
+    compression: Optional[str] = None,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> GradientTransformation:
     """Average (or sum) the gradients over the ranks of ``group`` (module docstring).
 
@@ -70,11 +74,11 @@ def allreduce_gradients(
         NAME, dict(bucket_cap_mb=bucket_cap_mb, average=average, compression=compression), same_values=True
     )
 
-    def init(params):
+    def init(params: PyTree) -> EmptyState:
         agreement.init(params, resolve(group, NAME))
         return EmptyState()
 
-    def update(grads, state, params=None):
+    def update(grads: PyTree, state: EmptyState, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
         g = resolve(group, NAME)
         leaves, spec = tree.flatten(grads)
         leaves = _dense_leaves(leaves, spec, params, complex_ok=compression is None)
@@ -82,7 +86,7 @@ def allreduce_gradients(
         assignment = bucketing.assign_buckets(leaves, cap_bytes)
         flat = [bucketing.pack(leaves, bucket) for bucket in assignment]
         reduced = codecs.all_reduce(flat, g, average, compression)
-        out = [None] * len(leaves)
+        out: list[Optional[torch.Tensor]] = [None] * len(leaves)
         for bucket, buffer in zip(assignment, reduced):
             for i, piece in zip(bucket, bucketing.unpack(buffer, leaves, bucket)):
                 out[i] = piece
@@ -91,7 +95,7 @@ def allreduce_gradients(
     return GradientTransformation(init, update)
 
 
-def _dense_leaves(leaves: list, spec, params, complex_ok: bool) -> list:
+def _dense_leaves(leaves: list, spec: optree.PyTreeSpec, params: Optional[PyTree], complex_ok: bool) -> list:
     """The gradient leaves with ``None`` replaced by zeros shaped like the parameter; an error
     naming the parameter for a gradient that is sparse, not floating-point (nor complex, where
     ``complex_ok``: the compressions cast to real dtypes) or not shaped like its parameter."""

@@ -25,9 +25,10 @@ Example (local SGD, averaging every 4 steps after 100)::
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional, Union, overload
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from functional_bagua import checks, tree
@@ -35,6 +36,7 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.flat import FlatLayout
 from functional_bagua.numerics import zero_count
+from functional_bagua.tree import PyTree
 
 PEER_SELECTION_MODES = ("all", "shift_one")
 
@@ -45,7 +47,9 @@ class AveragingState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
 
 
-def periodic_average(period: int, warmup_steps: int = 0, group=None) -> GradientTransformation:
+def periodic_average(
+    period: int, warmup_steps: int = 0, group: Optional[dist.ProcessGroup] = None
+) -> GradientTransformation:
     """Average the parameters over the ranks on the steps PeriodicModelAverager averages (module
     docstring). Needs ``params``; parameters whose update is ``None`` are not averaged (torch
     leaves out parameters without ``.grad``).
@@ -69,10 +73,10 @@ def periodic_average(period: int, warmup_steps: int = 0, group=None) -> Gradient
     if not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"periodic_average: warmup_steps must be an int >= 0, got {warmup_steps!r}")
 
-    def due(count):
+    def due(count: torch.Tensor) -> torch.Tensor:
         return (count >= warmup_steps) & ((count - warmup_steps) % period == 0)
 
-    def average_locals(params, updates, local, g, count):
+    def average_locals(params: list, updates: list, local: list, g: Group, count: torch.Tensor) -> list:
         return mean_over_ranks(local, g)
 
     settings = dict(period=period, warmup_steps=warmup_steps)
@@ -80,7 +84,7 @@ def periodic_average(period: int, warmup_steps: int = 0, group=None) -> Gradient
 
 
 def decentralized(
-    peer_selection_mode: str = "all", communication_interval: int = 1, group=None
+    peer_selection_mode: str = "all", communication_interval: int = 1, group: Optional[dist.ProcessGroup] = None
 ) -> GradientTransformation:
     """Average the weights with peers before adding the local update (module docstring); needs ``params``.
 
@@ -106,17 +110,17 @@ def decentralized(
     if not isinstance(communication_interval, int) or communication_interval < 1:
         raise ValueError(f"decentralized: communication_interval must be an int >= 1, got {communication_interval!r}")
 
-    def due(count):
+    def due(count: torch.Tensor) -> torch.Tensor:
         return count % communication_interval == 0
 
-    def average_then_add(params, updates, local, g, count):
+    def average_then_add(params: list, updates: list, local: list, g: Group, count: torch.Tensor) -> list:
         if peer_selection_mode == "all":
             averaged = mean_over_ranks(params, g)
         else:
             averaged = mean_with_peer(params, g, count // communication_interval)
         return [a + u for a, u in zip(averaged, updates)]
 
-    def check_world(g: Group):
+    def check_world(g: Group) -> None:
         if peer_selection_mode == "shift_one" and g.world_size % 2:
             raise ValueError(
                 f"decentralized: peer_selection_mode='shift_one' needs an even world size, got {g.world_size}"
@@ -127,7 +131,12 @@ def decentralized(
 
 
 def _averaging(
-    name: str, settings: dict, due: Callable, average: Callable, group, check_world=None
+    name: str,
+    settings: dict,
+    due: Callable[[torch.Tensor], torch.Tensor],
+    average: Callable[[list, list, list, Group, torch.Tensor], list],
+    group: Optional[dist.ProcessGroup],
+    check_world: Optional[Callable[[Group], None]] = None,
 ) -> GradientTransformation:
     """A transform that replaces ``local = p + u`` by ``average(p, u, local, group, count)`` (lists
     over the parameters that have an update) on the steps where ``due(count)``. ``init`` checks
@@ -135,14 +144,16 @@ def _averaging(
     shapes and dtypes (their values may differ: averaging is what brings them together)."""
     agreement = Agreement(name, settings)
 
-    def init(params):
+    def init(params: PyTree) -> AveragingState:
         g = resolve(group, name)
         if check_world is not None:
             check_world(g)
         agreement.init(params, g)
         return AveragingState(zero_count(params))
 
-    def update(updates, state, params=None):
+    def update(
+        updates: PyTree, state: AveragingState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, AveragingState]:
         if params is None:
             raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
         g = resolve(group, name)
@@ -179,7 +190,15 @@ def mean_over_ranks(tensors: list, g: Group) -> list:
     return layout.unflatten(sums)
 
 
-def peer_of(rank, world_size: int, s):
+@overload
+def peer_of(rank: int, world_size: int, s: int) -> int: ...
+
+
+@overload
+def peer_of(rank: int, world_size: int, s: torch.Tensor) -> torch.Tensor: ...
+
+
+def peer_of(rank: int, world_size: int, s: Union[int, torch.Tensor]) -> Union[int, torch.Tensor]:
     """Bagua's shift_one peer of ``rank`` at communication round ``s`` (an int or a tensor).
 
     Args:
@@ -191,7 +210,7 @@ def peer_of(rank, world_size: int, s):
     return h + (s + rank) % h if rank < h else (rank - h - s) % h
 
 
-def mean_with_peer(tensors: list, g: Group, s) -> list:
+def mean_with_peer(tensors: list, g: Group, s: Union[int, torch.Tensor]) -> list:
     """``(x[rank] + x[peer]) / 2`` for each tensor, the peer chosen by :func:`peer_of`. Eagerly one
     all-to-all that sends the buffers to the peer only; under torch.compile (where the peer is a
     tensor) an all-gather from which the peer's buffers are taken.
@@ -205,14 +224,15 @@ def mean_with_peer(tensors: list, g: Group, s) -> list:
     mine = layout.flatten(tensors)
     theirs = {}
     if torch.compiler.is_compiling():
+        assert isinstance(s, torch.Tensor)  # the round is a tensor under torch.compile
         peer = peer_of(g.rank, g.world_size, s)
         for key, b in mine.items():
             theirs[key] = (
                 funcol.all_gather_single(b.unsqueeze(0), 0, g.group).index_select(0, peer.reshape(1)).reshape(-1)
             )
     else:
-        peer = peer_of(g.rank, g.world_size, int(s))
+        peer_rank = peer_of(g.rank, g.world_size, int(s))
         for key, b in mine.items():
-            splits = [b.numel() if r == peer else 0 for r in range(g.world_size)]
+            splits = [b.numel() if r == peer_rank else 0 for r in range(g.world_size)]
             theirs[key] = funcol.all_to_all_single(b, splits, splits, g.group)
     return layout.unflatten({key: (mine[key] + theirs[key]) / 2 for key in mine})

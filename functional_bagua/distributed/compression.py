@@ -19,6 +19,8 @@ result waits when first used), so the buffers' communication overlaps.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed._functional_collectives as funcol
 
@@ -30,7 +32,7 @@ LEVELS = 255
 MINMAX_BYTES = 8  # min and max as float32, sent with each chunk's codes
 
 
-def check_compression(compression) -> None:
+def check_compression(compression: object) -> None:
     """Raise a ValueError unless ``compression`` is one of :data:`COMPRESSIONS`.
 
     Args:
@@ -40,7 +42,7 @@ def check_compression(compression) -> None:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
 
 
-def all_reduce(buffers: list, group: Group, average: bool = True, compression=None) -> list:
+def all_reduce(buffers: list, group: Group, average: bool = True, compression: Optional[str] = None) -> list:
     """``buffers`` reduced over the ranks of ``group`` (mean or sum), each in its own dtype.
 
     Args:

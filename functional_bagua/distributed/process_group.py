@@ -10,13 +10,14 @@ gloo or silently wrong math.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from functional_bagua import tree
 from functional_bagua.flat import FlatLayout
+from functional_bagua.tree import PyTree
 
 if dist.is_available():
     # torch.distributed.nn.functional's functions take ``group=group.WORLD`` as a default argument,
@@ -37,7 +38,7 @@ class Group(NamedTuple):
     rank: int
 
 
-def resolve(group, who: str) -> Group:
+def resolve(group: Optional[dist.ProcessGroup], who: str) -> Group:
     """``group`` (or the default group) with its size and rank; a RuntimeError naming ``who`` if
     torch.distributed has no process group yet.
 
@@ -54,7 +55,7 @@ def resolve(group, who: str) -> Group:
     return Group(group, dist.get_world_size(group), dist.get_rank(group))
 
 
-def describe_leaves(params) -> list:
+def describe_leaves(params: PyTree) -> list:
     """``(name, shape, dtype)`` of each leaf (``None`` leaves as ``(name, None, None)``).
 
     Args:
@@ -103,11 +104,11 @@ class Agreement:
         same_values: also check at ``init`` that every rank's parameter values equal rank 0's.
     """
 
-    def __init__(self, who: str, settings: dict, same_values: bool = False):
+    def __init__(self, who: str, settings: dict, same_values: bool = False) -> None:
         self.who, self.settings, self.same_values = who, dict(settings), same_values
         self._checked: list = []  # shapes_of the parameter trees init checked
 
-    def init(self, params, group: Group) -> None:
+    def init(self, params: PyTree, group: Group) -> None:
         """Check across the ranks of ``group`` (class docstring) and remember the shapes and dtypes
         of ``params`` for :meth:`check`. Every rank must call it at the same point.
 
@@ -153,7 +154,7 @@ def _describe_shapes(shapes: tuple) -> str:
     return f"{len(shapes)} tensors [{shown}{', ...' if len(shapes) > 6 else ''}]"
 
 
-def check_same_everywhere(params, group: Group, who: str, settings: dict) -> None:
+def check_same_everywhere(params: PyTree, group: Group, who: str, settings: dict) -> None:
     """Raise the same ValueError on every rank unless all ranks of ``group`` run ``who`` with the
     same ``settings`` on parameters of the same names, shapes and dtypes (one ``all_gather_object``).
 
@@ -187,7 +188,7 @@ def check_same_everywhere(params, group: Group, who: str, settings: dict) -> Non
             raise ValueError(f"{who}: parameters differ across ranks: {_first_difference(reference, theirs, rank)}")
 
 
-def check_same_values(params, group: Group, who: str) -> None:
+def check_same_values(params: PyTree, group: Group, who: str) -> None:
     """Raise the same ValueError on every rank unless every rank's parameter values equal rank
     0's, bit for bit: rank 0's values are broadcast once per (dtype, device) buffer, each rank
     compares, and the names of the differing parameters are gathered (DDP broadcasts rank 0's
@@ -221,7 +222,7 @@ def check_same_values(params, group: Group, who: str) -> None:
             )
 
 
-def broadcast_params(params, group=None):
+def broadcast_params(params: PyTree, group: Optional[dist.ProcessGroup] = None) -> PyTree:
     """Rank 0's parameter values on every rank (a new tree; ``params`` are not changed), as DDP
     broadcasts them at construction: for replicas seeded differently. One broadcast per (dtype,
     device) buffer. Example::

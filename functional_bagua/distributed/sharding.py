@@ -19,16 +19,18 @@ Example (under torchrun)::
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed.compression import padded_chunks
-from functional_bagua.distributed.process_group import Agreement, resolve
+from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.flat import FlatLayout
+from functional_bagua.tree import PyTree
 
 NAME = "shard"
 
@@ -54,14 +56,16 @@ class _Shards:
 
     is_shard = True  # transforms that reduce across tensors refuse (layout_context.refuse_on_shards)
 
-    def segments(self, key: str):
+    def segments(self, key: str) -> NoReturn:
         raise NotImplementedError(
             f"a per-tensor rule cannot run inside {NAME}(): each rank holds 1/world_size of the flat buffer "
             f"{key!r}, which cuts tensors apart. Shard an elementwise optimizer (sgd, adam, adamw, lion, ...)."
         )
 
 
-def shard(inner: GradientTransformation, average: bool = True, group=None) -> GradientTransformation:
+def shard(
+    inner: GradientTransformation, average: bool = True, group: Optional[dist.ProcessGroup] = None
+) -> GradientTransformation:
     """``inner`` on this rank's shard of the flat buffers (module docstring). ``update`` takes the
     gradient tree without ``None`` leaves (every rank must send every gradient).
 
@@ -84,10 +88,10 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
 
     agreement = Agreement(NAME, dict(average=average), same_values=True)
 
-    def local_shards(layout, values, g) -> dict:
+    def local_shards(layout: FlatLayout, values: PyTree, g: Group) -> dict[str, torch.Tensor]:
         return {key: padded_chunks(b, g.world_size)[g.rank] for key, b in layout.flatten(values).items()}
 
-    def init(params):
+    def init(params: PyTree) -> ShardState:
         g = resolve(group, NAME)
         agreement.init(params, g)
         shards = local_shards(FlatLayout.of(params), params, g)
@@ -98,7 +102,7 @@ def shard(inner: GradientTransformation, average: bool = True, group=None) -> Gr
             layout_context.run_on_flat_buffers(_Shards(), inner.init, shards),
         )
 
-    def update(grads, state, params=None):
+    def update(grads: PyTree, state: ShardState, params: Optional[PyTree] = None) -> tuple[PyTree, ShardState]:
         g = resolve(group, NAME)
         leaves, spec = tree.flatten(grads)
         for i, leaf in enumerate(leaves):

@@ -16,11 +16,13 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple, Optional
 
+import optree
 import torch
 
 from functional_bagua import checks, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.numerics import zero_count
+from functional_bagua.tree import PyTree
 
 
 class MultiStepsState(NamedTuple):
@@ -77,15 +79,17 @@ def multi_steps(
     if accumulator_dtype is not None and not accumulator_dtype.is_floating_point:
         raise TypeError(f"accumulator_dtype must be a floating point dtype, got {accumulator_dtype}")
 
-    def init(params):
+    def init(params: PyTree) -> MultiStepsState:
         return MultiStepsState(
             zero_count(params), zero_count(params), inner.init(params), tree.tree_map(_zeros_for_sum, params)
         )
 
-    def _zeros_for_sum(p):
+    def _zeros_for_sum(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if p is None else torch.zeros_like(p, dtype=accumulator_dtype or p.dtype)
 
-    def update(grads, state, params=None):
+    def update(
+        grads: PyTree, state: MultiStepsState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, MultiStepsState]:
         acc_leaves, spec = tree.flatten(state.acc_grads)
         grad_leaves = tree.leaves_matching(spec, grads, "grads", "the params the state was made for")
         _check_grads(grad_leaves, acc_leaves, params, spec)
@@ -100,7 +104,7 @@ def multi_steps(
         reset = tree.tree_map(torch.zeros_like, acc)
         return updates, MultiStepsState(torch.zeros_like(mini_step), state.gradient_step + 1, inner_state, reset)
 
-    def _average(acc, grads, params):
+    def _average(acc: PyTree, grads: PyTree, params: Optional[PyTree]) -> PyTree:
         """The gradient ``inner`` sees: the window's mean (or sum), rounded to the dtype of the
         gradient (or, where this call's gradient is ``None``, of the parameter)."""
         divisor = k if use_grad_mean else 1
@@ -109,7 +113,9 @@ def multi_steps(
             lambda a, g, p: None if a is None else (a / divisor).to(_dtype_of(g, p, a)), acc, grads, like
         )
 
-    def _select_at_window_end(at_end, grads, acc, state, params):
+    def _select_at_window_end(
+        at_end: torch.Tensor, grads: PyTree, acc: PyTree, state: MultiStepsState, params: Optional[PyTree]
+    ) -> tuple[PyTree, MultiStepsState]:
         updates, inner_state = inner.update(_average(acc, grads, params), state.inner_state, params)
         return tree.zeros_unless(at_end, updates), MultiStepsState(
             torch.where(at_end, 0, state.mini_step + 1),
@@ -121,7 +127,7 @@ def multi_steps(
     return GradientTransformation(init, update)
 
 
-def _check_grads(grad_leaves: list, acc_leaves: list, params, spec) -> None:
+def _check_grads(grad_leaves: list, acc_leaves: list, params: Optional[PyTree], spec: optree.PyTreeSpec) -> None:
     """Each gradient fits its parameter (or, without ``params``, the accumulator's shape): the sum
     would broadcast a gradient of another shape."""
     param_leaves = (
@@ -138,11 +144,11 @@ def _check_grads(grad_leaves: list, acc_leaves: list, params, spec) -> None:
             )
 
 
-def _dtype_of(*candidates) -> torch.dtype:
+def _dtype_of(*candidates: Optional[torch.Tensor]) -> torch.dtype:
     return next(c for c in candidates if c is not None).dtype
 
 
-def _zeros_like_grad(g):
+def _zeros_like_grad(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if g is None else torch.zeros_like(g)
 
 
@@ -171,7 +177,7 @@ class MultiSteps:
         every_k_schedule: int,
         use_grad_mean: bool = True,
         accumulator_dtype: Optional[torch.dtype] = None,
-    ):
+    ) -> None:
         self._tx = multi_steps(opt, every_k_schedule, use_grad_mean=use_grad_mean, accumulator_dtype=accumulator_dtype)
         self.init = self._tx.init
         self.update = self._tx.update

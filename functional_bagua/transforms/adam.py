@@ -30,7 +30,7 @@ float64, like torch.optim's Python floats.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Union, cast
 
 import torch
 
@@ -39,7 +39,7 @@ from functional_bagua.numerics import as_scalar, is_number, lerp, zero_count
 from functional_bagua.transforms.leafwise import leafwise
 
 
-def bias_correction(beta, t: torch.Tensor) -> torch.Tensor:
+def bias_correction(beta: Union[float, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
     """``1 - beta^t`` as a float64 scalar tensor (``t`` a float64 step count).
 
     Args:
@@ -52,7 +52,7 @@ def bias_correction(beta, t: torch.Tensor) -> torch.Tensor:
     return 1 - beta**t
 
 
-def second_moment(v: torch.Tensor, g: torch.Tensor, b2) -> torch.Tensor:
+def second_moment(v: torch.Tensor, g: torch.Tensor, b2: Union[float, torch.Tensor]) -> torch.Tensor:
     """``b2 v + (1 - b2) g^2`` (``b2`` a number or a 0-dim tensor).
 
     Args:
@@ -85,6 +85,9 @@ class ScaleByAmsgradState(NamedTuple):
     nu_max: torch.Tensor
 
 
+_AdamState = Union[ScaleByAdamState, ScaleByAmsgradState]
+
+
 def scale_by_adam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, amsgrad: bool = False
 ) -> GradientTransformation:
@@ -107,20 +110,21 @@ def scale_by_adam(
     """
     state_type = ScaleByAmsgradState if amsgrad else ScaleByAdamState
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> _AdamState:
         moments = (zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
-        return state_type(*moments, torch.zeros_like(p)) if amsgrad else state_type(*moments)
+        return ScaleByAmsgradState(*moments, torch.zeros_like(p)) if amsgrad else ScaleByAdamState(*moments)
 
-    def update_leaf(g, s, p):
+    def update_leaf(g: torch.Tensor, s: _AdamState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, _AdamState]:
         count = s.count + 1
         t = as_scalar(count)
         mu = lerp(s.mu, g, 1 - b1)
         nu = second_moment(s.nu, g, b2)
+        new_state: _AdamState
         if amsgrad:
-            nu_max = torch.maximum(s.nu_max, nu)
-            new_state = state_type(count, mu, nu, nu_max)
+            nu_max = torch.maximum(cast(ScaleByAmsgradState, s).nu_max, nu)
+            new_state = ScaleByAmsgradState(count, mu, nu, nu_max)
         else:
-            nu_max, new_state = nu, state_type(count, mu, nu)
+            nu_max, new_state = nu, ScaleByAdamState(count, mu, nu)
         denom = (nu_max.sqrt() / bias_correction(b2, t).sqrt()).add(eps)
         return mu / bias_correction(b1, t) / denom, new_state
 
@@ -151,10 +155,12 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
         tx = fb.chain(fb.scale_by_adamax(), fb.scale_by_learning_rate(2e-3))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByAdamaxState:
         return ScaleByAdamaxState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByAdamaxState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByAdamaxState]:
         count = s.count + 1
         mu = lerp(s.mu, g, 1 - b1)
         nu = torch.maximum(s.nu.mul(b2), g.abs().add(eps))
@@ -194,14 +200,16 @@ def scale_by_nadam(
         tx = fb.chain(fb.scale_by_nadam(), fb.scale_by_learning_rate(2e-3))
     """
 
-    def momentum_at(t):
+    def momentum_at(t: torch.Tensor) -> torch.Tensor:
         return b1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByNadamState:
         one = torch.ones((), dtype=torch.float64, device=p.device)
         return ScaleByNadamState(zero_count(p), one, torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByNadamState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByNadamState]:
         count = s.count + 1
         t = as_scalar(count)
         mu_t, mu_next = momentum_at(t), momentum_at(t + 1)
@@ -244,10 +252,12 @@ def scale_by_radam(
     """
     rho_inf = 2 / (1 - b2) - 1
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByRadamState:
         return ScaleByRadamState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByRadamState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByRadamState]:
         count = s.count + 1
         t = as_scalar(count)
         mu = lerp(s.mu, g, 1 - b1)

@@ -13,7 +13,7 @@ running average of the iterates it keeps needs the new parameters::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -56,15 +56,18 @@ def scale_by_asgd(
         eval_params = state.ax
     """
 
-    def init_leaf(p):
-        def scalar(x):
+    def init_leaf(p: torch.Tensor) -> ScaleByAsgdState:
+        def scalar(x: float) -> torch.Tensor:
             return torch.as_tensor(x, dtype=SCALAR_DTYPE, device=p.device).clone()
 
         return ScaleByAsgdState(zero_count(p), scalar(lr), scalar(1.0), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByAsgdState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByAsgdState]:
         count = s.count + 1
         t = as_scalar(count)
+        assert p is not None  # needs_params: update gets the parameters
         u = -s.eta * (g + lambd * p)
         new_p = p + u
         ax = torch.where(s.mu == 1, new_p, s.ax + (new_p - s.ax) * s.mu)

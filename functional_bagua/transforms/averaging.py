@@ -15,7 +15,7 @@ it last in a chain; it passes the updates through and keeps the average of
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -23,6 +23,7 @@ from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, apply_updates
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.numerics import lerp, zero_count
+from functional_bagua.tree import PyTree
 
 
 class EmaParamsState(NamedTuple):
@@ -51,13 +52,16 @@ def ema(decay: float = 0.999) -> GradientTransformation:
         A GradientTransformation that passes the updates through unchanged and keeps the average
         in an :class:`EmaParamsState`; its ``update`` needs the parameters.
     """
-    if checkable(decay) is not None and not 0.0 <= checkable(decay) <= 1.0:
+    decay_now = checkable(decay)
+    if decay_now is not None and not 0.0 <= decay_now <= 1.0:
         raise ValueError(f"Invalid decay value {decay} provided. Please provide a value in [0,1] range.")
 
-    def init(params):
+    def init(params: PyTree) -> EmaParamsState:
         return EmaParamsState(zero_count(params), tree.clone(params))
 
-    def update(updates, state, params=None):
+    def update(
+        updates: PyTree, state: EmaParamsState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, EmaParamsState]:
         if params is None:
             raise ValueError("ema needs the parameters: call update(grads, state, params)")
         new_params = apply_updates(params, updates)

@@ -7,7 +7,7 @@ u_t = (m_t / (1 - b1^t)) / (sqrt(s_t) / sqrt(1 - b2^t) + eps)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -43,10 +43,12 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16) -> G
         tx = fb.chain(fb.scale_by_belief(), fb.scale_by_learning_rate(1e-3))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByBeliefState:
         return ScaleByBeliefState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByBeliefState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByBeliefState]:
         count = s.count + 1
         t = as_scalar(count)
         mu = lerp(s.mu, g, 1 - b1)

@@ -8,12 +8,15 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.hyperparams import checkable
 from functional_bagua.transforms.leafwise import stateless
+from functional_bagua.tree import PyTree
 
 
 def clip(max_delta: float) -> GradientTransformation:
@@ -34,7 +37,7 @@ def clip(max_delta: float) -> GradientTransformation:
     return stateless(lambda u, p: u.clamp(-max_delta, max_delta), name="clip")
 
 
-def global_norm(updates, norm_type: float = 2.0) -> torch.Tensor:
+def global_norm(updates: PyTree, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all leaves together (``None`` leaves left out; 0 when there are none), as
     clip_grad_norm_ computes it: one norm per tensor, in its dtype, then the norm of those.
 
@@ -74,10 +77,10 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
     """
     _check_threshold(max_norm, "clip_by_global_norm", "max_norm")
 
-    def init(params):
+    def init(params: PyTree) -> EmptyState:
         return EmptyState()
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
         layout_context.refuse_on_shards("clip_by_global_norm", "the norm of one shard is not the global norm")
         if all(u is None for u in tree.flatten(updates)[0]):
             return updates, state
@@ -94,7 +97,7 @@ def _scaled(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return u * factor
 
 
-def _check_threshold(value, who: str, name: str) -> None:
+def _check_threshold(value: object, who: str, name: str) -> None:
     """A clip threshold: a number (or 0-dim tensor) that is not NaN and not negative."""
     number = checkable(value)
     if number is not None and not number >= 0:

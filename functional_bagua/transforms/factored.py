@@ -66,7 +66,7 @@ def scale_by_factored_rms(
         tx = fb.chain(fb.scale_by_factored_rms(), fb.scale_by_relative_step_size(1e-2), fb.scale(-1.0))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByFactoredRmsState:
         if p.dim() > 1:
             row_shape, col_shape = list(p.shape), list(p.shape)
             row_shape[-1], col_shape[-2] = 1, 1
@@ -75,7 +75,9 @@ def scale_by_factored_rms(
             )
         return ScaleByFactoredRmsState(zero_count(p), p.new_zeros(0), p.new_zeros(0), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByFactoredRmsState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByFactoredRmsState]:
         eps = torch.finfo(g.dtype).eps if eps1 is None else eps1
         count = s.count + 1
         weight = as_scalar(count) ** beta2_decay
@@ -116,12 +118,15 @@ def scale_by_relative_step_size(lr: float = 1e-2, eps2: float = 1e-3) -> Gradien
         tx = fb.chain(fb.scale_by_factored_rms(), fb.scale_by_relative_step_size(1e-2), fb.scale(-1.0))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByRelativeStepSizeState:
         return ScaleByRelativeStepSizeState(zero_count(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByRelativeStepSizeState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByRelativeStepSizeState]:
         count = s.count + 1
         rho = as_scalar(count).rsqrt().clamp(max=lr)
+        assert p is not None  # needs_params: update gets the parameters
         param_rms = p.norm(2).to(SCALAR_DTYPE) / p.numel() ** 0.5
         return g * (param_rms.clamp(min=eps2) * rho), ScaleByRelativeStepSizeState(count)
 

@@ -22,18 +22,21 @@ parameter that skipped steps bias-corrects with its own count.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import optree
 import torch
 
 from functional_bagua import checks, layout_context, tree
 from functional_bagua.base import EmptyState, GradientTransformation
+from functional_bagua.flat import Segment
+from functional_bagua.tree import PyTree
 
 
 def leafwise(
     state_type: Any,
     init_leaf: Callable[[torch.Tensor], NamedTuple],
-    update_leaf: Callable[[torch.Tensor, NamedTuple, Optional[torch.Tensor]], tuple],
+    update_leaf: Callable[[torch.Tensor, Any, Optional[torch.Tensor]], tuple],  # Any: the rule's state NamedTuple
     *,
     name: str,
     needs_params: bool = False,
@@ -80,7 +83,7 @@ def leafwise(
     complex_ok = not (per_tensor or sparse_gradients)
     layout = torch.sparse_coo if sparse_gradients else torch.strided
 
-    def init(params):
+    def init(params: PyTree) -> NamedTuple:
         if sparse_gradients:
             layout_context.refuse_inside_fuse(name, "its sparse gradients have no flat buffer")
         leaves, spec = tree.flatten(params)
@@ -93,12 +96,12 @@ def leafwise(
             if p is None
             else init_leaf(p)
             if keys is None
-            else _per_segment_states(state_type, [init_leaf(seg.of(p)) for seg in layout_context.segments_of(keys[i])])
+            else _per_segment_states(state_type, [init_leaf(seg.of(p)) for seg in _segments_of(keys[i])])
             for i, p in enumerate(leaves)
         ]
         return state_type(*(spec.unflatten([s[i] for s in per_leaf]) for i in range(len(fields))))
 
-    def update(grads, state, params=None):
+    def update(grads: PyTree, state: NamedTuple, params: Optional[PyTree] = None) -> tuple[PyTree, NamedTuple]:
         if needs_params and params is None:
             raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
         if params is None:
@@ -122,7 +125,8 @@ def leafwise(
         keys = _segmented_keys(spec, per_tensor)
         state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
 
-        updates, new_state_leaves = [], []
+        updates: list[Optional[torch.Tensor]] = []
+        new_state_leaves: list[NamedTuple] = []
         for i, (g, p) in enumerate(zip(grad_leaves, param_leaves)):
             s = state_type(*(leaves[i] for leaves in state_leaves))
             if g is None:
@@ -132,7 +136,7 @@ def leafwise(
             if keys is None:
                 u, new_s = rule(g, s, p)
             else:
-                u, new_s = _update_segments(update_leaf, state_type, g, s, p, layout_context.segments_of(keys[i]))
+                u, new_s = _update_segments(update_leaf, state_type, g, s, p, _segments_of(keys[i]))
             updates.append(u.to(g.dtype))
             new_state_leaves.append(_with_dtypes_of(new_s, s))
         new_state = state_type(*(spec.unflatten([s[i] for s in new_state_leaves]) for i in range(len(fields))))
@@ -177,11 +181,11 @@ def stateless(
 
     rule = update_leaf if per_tensor else _stateless_on_real_views(update_leaf)
 
-    def init(params):
+    def init(params: PyTree) -> EmptyState:
         del params
         return EmptyState()
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
         if params is None:
             if needs_params:
                 raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
@@ -198,9 +202,9 @@ def stateless(
             if u is None
             else rule(u, p).to(u.dtype)
             if keys is None
-            else per_buffer(u, p, [seg.numel for seg in layout_context.segments_of(keys[i])]).to(u.dtype)
+            else per_buffer(u, p, [seg.numel for seg in _segments_of(keys[i])]).to(u.dtype)
             if per_buffer
-            else _map_segments(update_leaf, u, p, layout_context.segments_of(keys[i]))
+            else _map_segments(update_leaf, u, p, _segments_of(keys[i]))
             for i, (u, p) in enumerate(zip(update_leaves, param_leaves))
         ]
         return spec.unflatten(new), state
@@ -208,9 +212,16 @@ def stateless(
     return GradientTransformation(init, update)
 
 
-def _segmented_keys(spec, per_tensor: bool) -> Optional[list]:
+def _segmented_keys(spec: optree.PyTreeSpec, per_tensor: bool) -> Optional[list]:
     """The flat-buffer key of each leaf when a per-tensor rule runs inside a fused update, else ``None``."""
     return tree.leaf_names(spec) if per_tensor and layout_context.active_layout() is not None else None
+
+
+def _segments_of(key: str) -> tuple[Segment, ...]:
+    """The segments of the flat buffer ``key``; called only while a fused update runs."""
+    segments = layout_context.segments_of(key)
+    assert segments is not None, "no fused update is running"
+    return segments
 
 
 def _per_segment_states(state_type: Any, states: list) -> Any:
@@ -218,7 +229,14 @@ def _per_segment_states(state_type: Any, states: list) -> Any:
     return state_type(*(tuple(s[k] for s in states) for k in range(len(state_type._fields))))
 
 
-def _update_segments(update_leaf, state_type, g, s, p, segments) -> tuple:
+def _update_segments(
+    update_leaf: Callable[[torch.Tensor, Any, Optional[torch.Tensor]], tuple],
+    state_type: Any,
+    g: torch.Tensor,
+    s: NamedTuple,
+    p: Optional[torch.Tensor],
+    segments: Sequence[Segment],
+) -> tuple:
     """A per-tensor rule on each segment of a flat buffer: the updates concatenated back into one
     buffer, the states kept per segment."""
     updates, states = [], []
@@ -230,14 +248,19 @@ def _update_segments(update_leaf, state_type, g, s, p, segments) -> tuple:
     return torch.cat(updates), _per_segment_states(state_type, states)
 
 
-def _map_segments(update_leaf, u, p, segments) -> torch.Tensor:
+def _map_segments(
+    update_leaf: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
+    u: torch.Tensor,
+    p: Optional[torch.Tensor],
+    segments: Sequence[Segment],
+) -> torch.Tensor:
     """A stateless per-tensor rule on each segment of a flat buffer, concatenated back."""
     return torch.cat(
         [update_leaf(seg.of(u), None if p is None else seg.of(p)).to(u.dtype).reshape(-1) for seg in segments]
     )
 
 
-def _field_leaves(spec, state, field: str, name: str, segmented: bool = False) -> list:
+def _field_leaves(spec: optree.PyTreeSpec, state: NamedTuple, field: str, name: str, segmented: bool = False) -> list:
     try:
         field_tree = getattr(state, field)
     except AttributeError:
@@ -264,12 +287,12 @@ def _with_dtypes_of(new: Any, old: Any) -> Any:
     )
 
 
-def _on_real_views(update_leaf: Callable) -> Callable:
+def _on_real_views(update_leaf: Callable[..., tuple]) -> Callable[..., tuple]:
     """An elementwise rule applied to complex tensors as torch.optim does: on their real views
     (``torch.view_as_real``: each complex number as a pair of reals, so a second moment is
     ``re^2`` and ``im^2``, never the complex square ``g^2``); real tensors go through as they are."""
 
-    def rule(g, s, p):
+    def rule(g: torch.Tensor, s: NamedTuple, p: Optional[torch.Tensor]) -> tuple:
         if not g.is_complex():
             return update_leaf(g, s, p)
         u, new_s = update_leaf(_real_view(g), type(s)(*map(_real_view, s)), _real_view(p))
@@ -279,10 +302,10 @@ def _on_real_views(update_leaf: Callable) -> Callable:
     return rule
 
 
-def _stateless_on_real_views(update_leaf: Callable) -> Callable:
+def _stateless_on_real_views(update_leaf: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """:func:`_on_real_views` for a stateless rule ``update_leaf(u, p) -> new_u``."""
 
-    def rule(u, p):
+    def rule(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
         if not u.is_complex():
             return update_leaf(u, p)
         return torch.view_as_complex(update_leaf(_real_view(u), _real_view(p)).to(u.real.dtype))
@@ -290,9 +313,9 @@ def _stateless_on_real_views(update_leaf: Callable) -> Callable:
     return rule
 
 
-def _is_complex(x) -> bool:
+def _is_complex(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.is_complex()
 
 
-def _real_view(x):
+def _real_view(x: Any) -> Any:
     return torch.view_as_real(x) if _is_complex(x) else x

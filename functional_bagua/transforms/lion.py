@@ -7,7 +7,7 @@ m_t = lerp(m_{t-1}, g_t, 1 - b2)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,10 +37,12 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         tx = fb.chain(fb.scale_by_lion(), fb.scale_by_learning_rate(1e-4))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByLionState:
         return ScaleByLionState(torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByLionState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByLionState]:
         u = lerp(s.mu, g, 1 - b1).sign()
         return u, ScaleByLionState(lerp(s.mu, g, 1 - b2))
 

@@ -13,7 +13,7 @@ Between syncs the update is ``inner``'s own. The update returned on a sync step 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, apply_updates
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.numerics import lerp, zero_count
+from functional_bagua.tree import PyTree
 
 
 class LookaheadState(NamedTuple):
@@ -56,13 +57,14 @@ def lookahead(inner: GradientTransformation, sync_period: int = 5, alpha: float 
         raise TypeError(f"lookahead: inner is {type(inner).__name__}, not a GradientTransformation")
     if isinstance(sync_period, bool) or not isinstance(sync_period, int) or sync_period < 1:
         raise ValueError(f"Invalid sync_period: {sync_period!r} (an int >= 1)")
-    if checkable(alpha) is not None and not 0.0 <= checkable(alpha) <= 1.0:
+    alpha_now = checkable(alpha)
+    if alpha_now is not None and not 0.0 <= alpha_now <= 1.0:
         raise ValueError(f"Invalid alpha: {alpha} (in [0, 1])")
 
-    def init(params):
+    def init(params: PyTree) -> LookaheadState:
         return LookaheadState(zero_count(params), tree.clone(params), inner.init(params))
 
-    def update(grads, state, params=None):
+    def update(grads: PyTree, state: LookaheadState, params: Optional[PyTree] = None) -> tuple[PyTree, LookaheadState]:
         if params is None:
             raise ValueError("lookahead needs the parameters: call update(grads, state, params)")
         fast_updates, inner_state = inner.update(grads, state.inner_state, params)

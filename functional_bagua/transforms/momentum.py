@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -48,10 +48,10 @@ def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False)
     if is_number(momentum) and momentum == 0:
         return identity()
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> TraceState:
         return TraceState(count=zero_count(p), trace=torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(g: torch.Tensor, s: TraceState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, TraceState]:
         first = s.count == 0
         if is_number(dampening) and dampening == 0:
             b = s.trace.mul(momentum).add(g)  # from b_0 = 0 this gives b_1 = g exactly
@@ -85,10 +85,12 @@ def ema_momentum(decay: float, nesterov: bool = False) -> GradientTransformation
         tx = fb.chain(fb.ema_momentum(0.95, nesterov=True), fb.orthogonalize(), fb.scale_by_learning_rate(0.02))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> EmaMomentumState:
         return EmaMomentumState(ema=torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: EmaMomentumState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, EmaMomentumState]:
         b = lerp(s.ema, g, 1 - decay)
         u = lerp(g, b, decay) if nesterov else b
         return u, EmaMomentumState(ema=b)

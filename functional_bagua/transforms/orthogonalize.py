@@ -16,7 +16,7 @@ bfloat16 on the wide orientation of ``G``::
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ NS_EPS = 1e-7
 
 
 def newton_schulz(
-    g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS
+    g: torch.Tensor, coefficients: Sequence[float] = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS
 ) -> torch.Tensor:
     """The quintic Newton-Schulz orthogonalisation of a matrix, in bfloat16 (module docstring).
 
@@ -58,7 +58,7 @@ def newton_schulz(
 
 
 def orthogonalize(
-    ns_coefficients=NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS
+    ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = NS_STEPS, eps: float = NS_EPS
 ) -> GradientTransformation:
     """``u = NewtonSchulz(g)`` per 2-D tensor, cast back to the gradient's dtype.
 
@@ -84,7 +84,7 @@ def orthogonalize(
     )
 
 
-def shape_factor(shape, adjust_lr_fn: Optional[str]) -> float:
+def shape_factor(shape: Sequence[int], adjust_lr_fn: Optional[str]) -> float:
     """Muon's learning-rate factor for an ``A x B`` matrix (module docstring).
 
     Args:

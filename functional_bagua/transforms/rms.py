@@ -23,7 +23,7 @@ Each returns the ascent direction; aliases finish with ``scale_by_learning_rate`
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Union, cast
 
 import torch
 
@@ -52,6 +52,9 @@ class ScaleByCenteredRmsState(NamedTuple):
     grad_avg: torch.Tensor
 
 
+_RmsState = Union[ScaleByRmsState, ScaleByCenteredRmsState]
+
+
 def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False) -> GradientTransformation:
     """RMSprop's direction (module docstring). Momentum composes after it::
 
@@ -70,16 +73,18 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False)
     """
     state_type = ScaleByCenteredRmsState if centered else ScaleByRmsState
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> _RmsState:
         return state_type(*(torch.zeros_like(p) for _ in state_type._fields))
 
-    def update_leaf(g, s, p):
+    def update_leaf(g: torch.Tensor, s: _RmsState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, _RmsState]:
         square_avg = second_moment(s.square_avg, g, alpha)
+        new_state: _RmsState
         if centered:
-            grad_avg = lerp(s.grad_avg, g, 1 - alpha)
-            rms, new_state = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt(), state_type(square_avg, grad_avg)
+            grad_avg = lerp(cast(ScaleByCenteredRmsState, s).grad_avg, g, 1 - alpha)
+            rms = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt()
+            new_state = ScaleByCenteredRmsState(square_avg, grad_avg)
         else:
-            rms, new_state = square_avg.sqrt(), state_type(square_avg)
+            rms, new_state = square_avg.sqrt(), ScaleByRmsState(square_avg)
         return g / rms.add(eps), new_state
 
     return leafwise(state_type, init_leaf, update_leaf, name="scale_by_rms")
@@ -110,10 +115,12 @@ def scale_by_adagrad(
         tx = fb.chain(fb.scale_by_adagrad(), fb.scale_by_learning_rate(1e-2))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByAdagradState:
         return ScaleByAdagradState(zero_count(p), filled_like(p, initial_accumulator_value))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByAdagradState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByAdagradState]:
         count = s.count + 1
         sum_of_squares = s.sum_of_squares.addcmul(g, g)
         u = g / sum_of_squares.sqrt().add(eps)
@@ -146,10 +153,12 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
         tx = fb.chain(fb.scale_by_adadelta(), fb.scale_by_learning_rate(1.0))
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByAdadeltaState:
         return ScaleByAdadeltaState(torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByAdadeltaState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByAdadeltaState]:
         square_avg = second_moment(s.square_avg, g, rho)
         delta = s.acc_delta.add(eps).sqrt().div(square_avg.add(eps).sqrt()).mul(g)
         acc_delta = second_moment(s.acc_delta, delta, rho)

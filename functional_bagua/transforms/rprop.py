@@ -10,7 +10,7 @@ Per element, with ``s = sign(g_t * g_{t-1})``::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,12 +51,14 @@ def scale_by_rprop(
     eta_minus, eta_plus = etas
     step_min, step_max = step_sizes
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleByRpropState:
         # a complex parameter steps its real and imaginary parts alike: both start at the lr (as torch)
         initial = learning_rate * (1 + 1j) if p.is_complex() else learning_rate
         return ScaleByRpropState(torch.zeros_like(p), filled_like(p, initial))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByRpropState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByRpropState]:
         agreement = (g * s.prev).sign()
         same, flipped = agreement > 0, agreement < 0
         eta = torch.ones_like(g).masked_fill(same, eta_plus).masked_fill(flipped, eta_minus)

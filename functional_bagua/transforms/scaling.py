@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -21,6 +21,7 @@ from functional_bagua.schedules import (
     step_count,
 )
 from functional_bagua.transforms.leafwise import stateless
+from functional_bagua.tree import PyTree
 
 Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
 ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
@@ -86,10 +87,12 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
 
     eager_only = describe(schedule) if reads_count_as_number(schedule) else None
 
-    def init(params):
+    def init(params: PyTree) -> ScaleByScheduleState:
         return ScaleByScheduleState(count=zero_count(params))
 
-    def update(updates, state, params=None):
+    def update(
+        updates: PyTree, state: ScaleByScheduleState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, ScaleByScheduleState]:
         if eager_only is not None and torch.compiler.is_compiling():
             refuse_untraceable(eager_only, "scale_by_schedule")
         updates, _ = scale(schedule(step_count(state.count))).update(updates, EmptyState(), params)
@@ -119,7 +122,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     if callable(learning_rate):
 
         @functools.wraps(learning_rate)  # keeps the schedule's name for messages
-        def signed(count):
+        def signed(count: torch.Tensor) -> Union[float, torch.Tensor]:
             return sign * learning_rate(count)
 
         return scale_by_schedule(signed)

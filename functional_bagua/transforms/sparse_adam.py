@@ -15,7 +15,7 @@ one factor.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -34,7 +34,11 @@ class ScaleBySparseAdamState(NamedTuple):
 
 
 def scale_by_sparse_adam(
-    learning_rate=1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, maximize: bool = False
+    learning_rate: Union[float, torch.Tensor] = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    maximize: bool = False,
 ) -> GradientTransformation:
     """SparseAdam's update for sparse COO gradients (module docstring); dense gradients raise a
     TypeError, as torch.optim.SparseAdam raises for them.
@@ -55,10 +59,12 @@ def scale_by_sparse_adam(
         grads = {"embedding.weight": embedding.weight.grad}    # from nn.Embedding(sparse=True)
     """
 
-    def init_leaf(p):
+    def init_leaf(p: torch.Tensor) -> ScaleBySparseAdamState:
         return ScaleBySparseAdamState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(g, s, p):
+    def update_leaf(
+        g: torch.Tensor, s: ScaleBySparseAdamState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleBySparseAdamState]:
         count = s.count + 1
         g = (g.neg() if maximize else g).coalesce()
         values = g._values()

@@ -9,6 +9,8 @@ Inside a fused update the norms of all tensors of a flat buffer are taken at onc
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from functional_bagua import segments
@@ -63,10 +65,12 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
         A stateless GradientTransformation; its ``update`` needs the parameters.
     """
 
-    def per_tensor(u, p):
+    def per_tensor(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
+        assert p is not None  # needs_params: update gets the parameters
         return u * trust_ratio(p, u, trust_coefficient, eps)
 
-    def per_buffer(u, p, lengths):
+    def per_buffer(u: torch.Tensor, p: Optional[torch.Tensor], lengths: list) -> torch.Tensor:
+        assert p is not None  # needs_params: update gets the parameters
         ratios = ratio_of_norms(segments.norms(p, lengths), segments.norms(u, lengths), trust_coefficient, eps)
         return segments.scale(u, ratios, lengths)
 

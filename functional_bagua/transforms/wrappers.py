@@ -15,25 +15,26 @@ leave parameters and state untouched: that is all the routing there is.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.numerics import zero_count
+from functional_bagua.tree import PyTree
 
 
-def _resolve(tree_or_fn, params):
+def _resolve(tree_or_fn: Union[PyTree, Callable[[PyTree], PyTree]], params: PyTree) -> PyTree:
     return tree_or_fn(params) if callable(tree_or_fn) else tree_or_fn
 
 
-def _keep_where(updates, keep_leaves):
+def _keep_where(updates: PyTree, keep_leaves: list[bool]) -> PyTree:
     leaves, spec = tree.flatten(updates)
     return spec.unflatten([u if keep else None for u, keep in zip(leaves, keep_leaves)])
 
 
-def _mask_leaves(mask, params) -> list:
+def _mask_leaves(mask: Union[PyTree, Callable[[PyTree], PyTree]], params: PyTree) -> list[bool]:
     layout_context.refuse_inside_fuse("masked", "a flat buffer has no parameter names to mask")
     _, spec = tree.flatten(params)
     return [bool(m) for m in tree.leaves_up_to(spec, _resolve(mask, params), "mask", "params")]
@@ -64,10 +65,10 @@ def masked(inner: GradientTransformation, mask: Union[Any, Callable[[Any], Any]]
         fused update.
     """
 
-    def init(params):
+    def init(params: PyTree) -> MaskedState:
         return MaskedState(inner.init(_keep_where(params, _mask_leaves(mask, params))))
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: MaskedState, params: Optional[PyTree] = None) -> tuple[PyTree, MaskedState]:
         if callable(mask) and params is None:
             raise ValueError("masked: a mask given as a function needs the parameters")
         keep = _mask_leaves(mask, params if params is not None else updates)
@@ -109,7 +110,7 @@ def partition(
         the parameters, and it cannot run inside a fused update.
     """
 
-    def label_leaves(params):
+    def label_leaves(params: PyTree) -> list:
         layout_context.refuse_inside_fuse("partition", "a flat buffer has no parameter names to label")
         _, spec = tree.flatten(params)
         found = tree.leaves_up_to(spec, _resolve(labels, params), "labels", "params")
@@ -118,16 +119,18 @@ def partition(
             raise ValueError(f"partition: labels without a transform: {unknown}; transforms are for {list(transforms)}")
         return found
 
-    def masks(params):
+    def masks(params: PyTree) -> dict[Any, list[bool]]:
         found = label_leaves(params)
         return {name: [label == name for label in found] for name in transforms}
 
-    def init(params):
+    def init(params: PyTree) -> PartitionState:
         return PartitionState(
             {name: tx.init(_keep_where(params, m)) for (name, tx), m in zip(transforms.items(), masks(params).values())}
         )
 
-    def update(updates, state, params=None):
+    def update(
+        updates: PyTree, state: PartitionState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, PartitionState]:
         if params is None:
             raise ValueError("partition needs the parameters: call update(grads, state, params)")
         leaves, spec = tree.flatten(updates)
@@ -156,10 +159,10 @@ def set_to_zero() -> GradientTransformation:
         tx = fb.partition({"train": fb.adamw(1e-3), "frozen": fb.set_to_zero()}, labels)
     """
 
-    def init(params):
+    def init(params: PyTree) -> EmptyState:
         return EmptyState()
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
         return tree.tree_map(lambda u: None, updates), state
 
     return GradientTransformation(init, update)
@@ -224,11 +227,13 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     ):
         raise ValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}")
 
-    def init(params):
+    def init(params: PyTree) -> ApplyIfFiniteState:
         finite = torch.ones((), dtype=torch.bool, device=tree.device_of(params))
         return ApplyIfFiniteState(zero_count(params), finite, zero_count(params), inner.init(params))
 
-    def update(updates, state, params=None):
+    def update(
+        updates: PyTree, state: ApplyIfFiniteState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, ApplyIfFiniteState]:
         layout_context.refuse_on_shards(
             "apply_if_finite", "each rank would see only its shard, and ranks could disagree on skipping"
         )
