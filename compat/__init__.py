@@ -1,10 +1,52 @@
 """functional_bagua.compat: legacy stateful APIs (Bagua, torch.distributed.optim) rebuilt on the
 functional core. Installed from the repository's ``compat/`` folder as ``functional_bagua.compat``.
 
+A Bagua script runs after replacing ``import bagua.torch_api as bagua`` with
+``import functional_bagua.compat as bagua``; the module layout mirrors ``bagua.torch_api``:
+
+- ``init_process_group``, ``get_rank``, ``get_world_size``, ``get_local_rank``, ``get_local_size``,
+  the collectives and ``ReduceOp`` (:mod:`~functional_bagua.compat.communication`);
+- ``model.with_bagua(optimizers, algorithm)`` on every ``torch.nn.Module`` once this package is
+  imported (:mod:`~functional_bagua.compat.bagua_module`);
+- ``algorithms`` (gradient_allreduce, bytegrad, decentralized, q_adam, async_model_average),
+  ``data_parallel.DistributedDataParallel``, ``contrib.fuse_optimizer``;
 - :func:`fuse_optimizer`, :func:`fuse_step`, :func:`is_fused_optimizer`, :func:`fused_steps`:
   Bagua's fused optimizer for any ``torch.optim.Optimizer`` (:mod:`functional_bagua.compat.fuse`).
 """
 
+from functional_bagua.compat import algorithms, communication, contrib, data_parallel
+from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel, patch_torch_module
+from functional_bagua.compat.communication import (
+    BaguaProcessGroup,
+    ReduceOp,
+    allgather,
+    allgather_inplace,
+    allreduce,
+    allreduce_inplace,
+    alltoall,
+    alltoall_inplace,
+    alltoall_v,
+    alltoall_v_inplace,
+    barrier,
+    broadcast,
+    gather,
+    gather_inplace,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+    recv,
+    reduce,
+    reduce_inplace,
+    reduce_scatter,
+    reduce_scatter_inplace,
+    scatter,
+    scatter_inplace,
+    send,
+)
 from functional_bagua.compat.fuse import (
     fuse_optimizer,
     fuse_step,
@@ -12,4 +54,45 @@ from functional_bagua.compat.fuse import (
     is_fused_optimizer,
 )
 
-__all__ = ["fuse_optimizer", "fuse_step", "fused_steps", "is_fused_optimizer"]
+patch_torch_module()
+
+__all__ = [
+    "fuse_optimizer",
+    "fuse_step",
+    "fused_steps",
+    "is_fused_optimizer",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_local_size",
+    "BaguaProcessGroup",
+    "BaguaDistributedDataParallel",
+    "ReduceOp",
+    "send",
+    "recv",
+    "broadcast",
+    "reduce",
+    "reduce_inplace",
+    "allreduce",
+    "allreduce_inplace",
+    "allgather",
+    "allgather_inplace",
+    "gather",
+    "gather_inplace",
+    "scatter",
+    "scatter_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "barrier",
+    "algorithms",
+    "communication",
+    "contrib",
+    "data_parallel",
+]

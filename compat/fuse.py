@@ -287,7 +287,7 @@ class _Fusion:
                 fused.append((group, *planned))
         vars(optimizer)["_bagua_fused_count"] += len(fused)
         plain_step = _plain_step(optimizer)
-        with _runs_as_parameters(optimizer, fused):
+        with _runs_as_parameters(optimizer, fused) if fused else contextlib.nullcontext():
             result = plain_step(closure) if closure is not None else plain_step()
         return loss if closure is not None else result
 

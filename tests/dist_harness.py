@@ -2,7 +2,8 @@
 
     results = run_ranks(2, ["allreduce_sgd", "shard_adamw"])    # results[rank][name]
 
-Each scenario is a function ``name(rank, world_size)`` in :mod:`dist_scenarios`; its return value
+Each scenario is a function ``name(rank, world_size)`` in :mod:`dist_scenarios` (or the module
+``run_ranks`` names); its return value
 (tensors allowed) comes back through ``torch.save``. An exception in a scenario comes back as
 ``ScenarioError`` (its type name, message and the seconds it took). Every wait has a timeout, so a
 hang fails the test instead of the suite.
@@ -11,6 +12,7 @@ hang fails the test instead of the suite.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 import tempfile
@@ -35,32 +37,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, names: list, out_dir: str) -> None:
-    import dist_scenarios
+def _entry(rank: int, world_size: int, port: int, names: list, out_dir: str, module: str, init: bool) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
+    scenarios = importlib.import_module(module)
+    os.environ.update(  # what torchrun sets
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
+    torch.set_num_threads(1)
+    if init:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
+        )
     results = {}
     for name in names:
         start = time.monotonic()
         try:
-            results[name] = getattr(dist_scenarios, name)(rank, world_size)
+            results[name] = getattr(scenarios, name)(rank, world_size)
         except Exception as e:  # reported to the test, which decides
             results[name] = ScenarioError(type(e).__name__, str(e), time.monotonic() - start)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, names: list, timeout_s: float = 300) -> list[dict]:
-    """``results[rank][name]`` of each scenario run on ``world_size`` ranks, in order."""
+def run_ranks(
+    world_size: int, names: list, timeout_s: float = 300, module: str = "dist_scenarios", init: bool = True
+) -> list[dict]:
+    """``results[rank][name]`` of each scenario of ``module`` run on ``world_size`` ranks, in order.
+    With ``init=False`` the scenarios initialize torch.distributed themselves (torchrun's variables
+    are set either way)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, names, out_dir)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world_size, port, names, out_dir, module, init))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import inspect
 
 import pytest
@@ -29,7 +30,8 @@ def public_callables():
     for module, names in modules:
         for name in names:
             value = getattr(module, name)
-            is_state = inspect.isclass(value) and issubclass(value, tuple)  # NamedTuple states document their fields
+            # NamedTuple states document their fields; enums their members
+            is_state = inspect.isclass(value) and issubclass(value, (tuple, enum.Enum))
             if (inspect.isfunction(value) or inspect.isclass(value)) and not is_state:
                 yield pytest.param(value, id=f"{module.__name__}.{name}")
 

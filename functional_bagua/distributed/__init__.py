@@ -24,6 +24,7 @@ from functional_bagua.distributed.averaging import (
 from functional_bagua.distributed.buckets import assign_buckets
 from functional_bagua.distributed.compression import COMPRESSIONS, dequantize, quantize
 from functional_bagua.distributed.process_group import broadcast_params
+from functional_bagua.distributed.reducer import GradientReducer
 from functional_bagua.distributed.sharding import ShardState, shard
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "quantize",
     "dequantize",
     "broadcast_params",
+    "GradientReducer",
 ]

@@ -1,0 +1,690 @@
+"""Bagua's communication API (``bagua.torch_api.communication``), as thin calls of torch.distributed.
+
+    import functional_bagua.compat as bagua
+
+    bagua.init_process_group()                  # from torchrun's environment: gloo on CPU, nccl with CUDA
+    group = bagua.communication.new_group(ranks=[0, 1])
+    bagua.allreduce_inplace(tensor, op=bagua.ReduceOp.AVG, comm=group.get_global_communicator())
+
+A :class:`BaguaProcessGroup` is a torch process group plus Bagua's attributes (``ranks``,
+``group_name``, ``intra_ranks``, ``inter_ranks``); a communicator (``group.get_global_communicator()``)
+is what the collectives take as ``comm`` (``None``: the default group's). Ranks given to a
+collective (``src``, ``dst``) are ranks within the communicator, as in Bagua. A process outside a
+communicator's group returns at once from every collective, as Bagua's do.
+
+Beyond Bagua: any backend torch.distributed has (gloo on the CPU, NCCL on CUDA), tensors on any
+device the backend takes, and ``to_bagua_process_group`` accepts every torch process group
+(Bagua's accepted NCCL groups only). Differences: ``ReduceOp.AVG`` is a sum divided by the group
+size (gloo has no average), and a reduce leaves the non-destination ranks' tensors untouched (as
+NCCL does; gloo alone would leave partial sums there).
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ReduceOp",
+    "BaguaProcessGroup",
+    "Communicator",
+    "CommMember",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "from_torch_group",
+    "to_bagua_process_group",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_local_size",
+    "send",
+    "recv",
+    "broadcast",
+    "reduce",
+    "reduce_inplace",
+    "allreduce",
+    "allreduce_inplace",
+    "allgather",
+    "allgather_inplace",
+    "gather",
+    "gather_inplace",
+    "scatter",
+    "scatter_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "barrier",
+]
+
+
+class ReduceOp(enum.IntEnum):
+    """Bagua's reduction operators (the same values as Bagua's)."""
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    BOR = 7
+    BAND = 8
+    BXOR = 9
+    AVG = 10
+
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+    ReduceOp.AVG: dist.ReduceOp.SUM,  # then divided by the group size
+}
+
+
+class CommMember(enum.Enum):
+    """``NON_COMM_MEMBER``: what a process outside a group gets for the group's communicators."""
+
+    NON_COMM_MEMBER = 0
+
+
+# ---- environment (torchrun sets these variables) ------------------------------------------------
+
+
+def get_rank() -> int:
+    """This process's global rank: ``RANK`` (0 when unset), as Bagua reads it."""
+    return int(os.environ.get("RANK", 0))
+
+
+def get_world_size() -> int:
+    """The number of processes: ``WORLD_SIZE`` (1 when unset), as Bagua reads it."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def get_local_rank() -> int:
+    """This process's rank on its machine: ``LOCAL_RANK`` (0 when unset), as Bagua reads it."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_local_size() -> int:
+    """The number of processes on this machine: ``LOCAL_WORLD_SIZE`` (1 when unset), as Bagua reads it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+# ---- process groups ------------------------------------------------------------------------------
+
+
+class Communicator:
+    """A :class:`BaguaProcessGroup` as the collectives take it (``comm=``): ``rank()`` and
+    ``nranks()`` within the group.
+
+    Args:
+        group: the process group this communicator talks to.
+    """
+
+    def __init__(self, group: "BaguaProcessGroup") -> None:
+        self.group = group
+
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return dist.get_rank(self.group.torch_group)
+
+    def nranks(self) -> int:
+        """The number of processes in the group."""
+        return dist.get_world_size(self.group.torch_group)
+
+
+class BaguaProcessGroup:
+    """A torch process group with Bagua's attributes (module docstring); made by :func:`new_group`,
+    :func:`from_torch_group` or :func:`init_process_group` (the default group).
+
+    Args:
+        ranks: the global ranks in the group, sorted.
+        torch_group: the torch process group over those ranks (``None`` on a process outside it).
+        group_name: the group's name (a counter, as Bagua's).
+        stream: a CUDA stream, kept for Bagua's signature (torch's backends choose their own).
+    """
+
+    def __init__(
+        self, ranks: list[int], torch_group: Optional[dist.ProcessGroup], group_name: str, stream: object = None
+    ) -> None:
+        self.ranks, self.torch_group, self.group_name, self.stream = ranks, torch_group, group_name, stream
+        local_size, rank = get_local_size(), dist.get_rank()
+        node = rank // local_size
+        self.intra_ranks = [r for r in ranks if r // local_size == node]
+        self.inter_ranks = [r for r in ranks if r % local_size == ranks[0] % local_size]
+
+    def is_member(self) -> bool:
+        """Whether this process is in the group."""
+        return dist.get_rank() in self.ranks
+
+    def get_global_communicator(self) -> Union[Communicator, CommMember]:
+        """The communicator over all ranks of the group (:data:`CommMember.NON_COMM_MEMBER` outside it)."""
+        return Communicator(self) if self.is_member() else CommMember.NON_COMM_MEMBER
+
+    def __repr__(self) -> str:
+        return f"BaguaProcessGroup(name={self.group_name!r}, ranks={self.ranks})"
+
+
+class _Registry:
+    """The default group and the names given so far; one per process (what torch.distributed's own
+    default group is to torch)."""
+
+    def __init__(self) -> None:
+        self.default: Optional[BaguaProcessGroup] = None
+        self.count = 0
+        self.of_torch_group: dict = {}  # id(torch group) -> BaguaProcessGroup
+
+    def name(self) -> str:
+        self.count += 1
+        return str(self.count - 1)
+
+
+_groups = _Registry()
+
+
+def init_process_group(store: Optional[dist.Store] = None) -> None:
+    """Initialize torch.distributed from torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK``, ``WORLD_SIZE``), with NCCL when CUDA is available and gloo otherwise, unless it is
+    initialized already, and make the default Bagua group over all ranks.
+
+    The process group is destroyed when the process exits (gloo aborts a process that exits
+    without it, and Bagua's scripts never destroy it themselves).
+
+    Args:
+        store: a ``torch.distributed.Store`` to rendezvous through, instead of the environment.
+
+    Raises:
+        RuntimeError: when called a second time in a process.
+    """
+    if _groups.default is not None:
+        raise RuntimeError("init_process_group was called twice; the default Bagua group exists already")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if store is None:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=store, rank=get_rank(), world_size=get_world_size())
+        atexit.register(_destroy_at_exit)
+    ranks = list(range(dist.get_world_size()))
+    _groups.default = BaguaProcessGroup(ranks, dist.group.WORLD, _groups.name())
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _groups.default = None
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` has made the default Bagua group."""
+    return _groups.default is not None and dist.is_initialized()
+
+
+def default_group() -> BaguaProcessGroup:
+    """The default Bagua group: the one :func:`init_process_group` made, or, where torch.distributed
+    was initialized directly, one over its default group; a RuntimeError naming the fix before either."""
+    if _groups.default is None and dist.is_available() and dist.is_initialized():
+        _groups.default = BaguaProcessGroup(list(range(dist.get_world_size())), dist.group.WORLD, _groups.name())
+    if not is_initialized() or _groups.default is None:
+        raise RuntimeError(
+            "Bagua's process group is not initialized: call functional_bagua.compat.init_process_group() first "
+            "(under torchrun, or with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set)"
+        )
+    return _groups.default
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, stream: object = None) -> BaguaProcessGroup:
+    """A new group over ``ranks`` (all ranks when ``None``). Every process must call it, in the same
+    order, also those not in ``ranks`` (as torch's ``new_group``).
+
+    Args:
+        ranks: global ranks, each in ``[0, world size)``; sorted.
+        stream: a CUDA stream, kept for Bagua's signature.
+    """
+    world = default_group()
+    chosen = sorted(ranks) if ranks is not None else list(world.ranks)
+    bad = [r for r in chosen if not 0 <= r < dist.get_world_size()]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are not in [0, {dist.get_world_size()})")
+    torch_group = dist.new_group(chosen)
+    member = torch_group if dist.get_rank() in chosen else None
+    return BaguaProcessGroup(chosen, member, _groups.name(), stream)
+
+
+def from_torch_group(group: dist.ProcessGroup, stream: object = None) -> BaguaProcessGroup:
+    """The Bagua group over the same ranks as the torch process group ``group`` (it uses ``group``
+    itself; no new group is made, so only the processes in ``group`` need to call this).
+
+    Args:
+        group: a torch process group this process belongs to.
+        stream: a CUDA stream, kept for Bagua's signature.
+    """
+    known = _groups.of_torch_group.get(id(group))
+    if known is not None and known.torch_group is group:
+        return known
+    made = BaguaProcessGroup(sorted(dist.get_process_group_ranks(group)), group, _groups.name(), stream)
+    _groups.of_torch_group[id(group)] = made
+    return made
+
+
+def to_bagua_process_group(process_group: object = None) -> BaguaProcessGroup:
+    """``None`` -> the default Bagua group; a torch process group -> :func:`from_torch_group`; a
+    :class:`BaguaProcessGroup` as it is; anything else raises a TypeError.
+
+    Args:
+        process_group: ``None``, a ``torch.distributed.ProcessGroup`` or a :class:`BaguaProcessGroup`.
+    """
+    if process_group is None:
+        return default_group()
+    if isinstance(process_group, BaguaProcessGroup):
+        return process_group
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "to_bagua_process_group: this process is not in that torch process group (torch's new_group gave it "
+            "GroupMember.NON_GROUP_MEMBER); only its members can use it"
+        )
+    if isinstance(process_group, dist.ProcessGroup):
+        return from_torch_group(process_group)
+    raise TypeError(
+        f"expected None, a torch.distributed process group or a BaguaProcessGroup, got {type(process_group).__name__}"
+    )
+
+
+def _rank_not_in_group(group: BaguaProcessGroup) -> bool:
+    """Whether this process is outside ``group`` (Bagua's helper of the same name)."""
+    return not group.is_member()
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+
+
+def _resolve(comm: object) -> Optional[BaguaProcessGroup]:
+    """The group of ``comm`` (``None``: the default group's), or ``None`` outside it."""
+    if comm is CommMember.NON_COMM_MEMBER:
+        return None
+    if comm is None:
+        return default_group()
+    if isinstance(comm, Communicator):
+        return comm.group
+    if isinstance(comm, BaguaProcessGroup):
+        return comm if comm.is_member() else None
+    raise TypeError(f"comm must be a communicator (group.get_global_communicator()) or None, got {type(comm).__name__}")
+
+
+def _global(group: BaguaProcessGroup, rank: int) -> int:
+    """The global rank of ``rank`` within ``group``."""
+    if not 0 <= rank < len(group.ranks):
+        raise ValueError(f"rank {rank} is not in the communicator, which has {len(group.ranks)} ranks")
+    return group.ranks[rank]
+
+
+def _reduced(tensor: torch.Tensor, op: ReduceOp, group: BaguaProcessGroup) -> None:
+    """``AVG``'s division by the group size, in place (the sum was taken by torch)."""
+    if ReduceOp(op) == ReduceOp.AVG:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+        tensor.div_(len(group.ranks))
+
+
+def _rows(tensor: torch.Tensor, n: int, what: str) -> list[torch.Tensor]:
+    """``tensor`` as ``n`` equal contiguous pieces (views)."""
+    if tensor.numel() % n or not tensor.is_contiguous():
+        raise ValueError(
+            f"{what}: a contiguous tensor of a multiple of {n} elements is needed, got {tuple(tensor.shape)}"
+        )
+    return list(tensor.view(n, -1).unbind(0))
+
+
+def send(tensor: torch.Tensor, dst: int, comm: object = None) -> None:
+    """Send ``tensor`` to rank ``dst`` of the communicator.
+
+    Args:
+        tensor: the tensor to send.
+        dst: the receiving rank, within the communicator.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        dist.send(tensor, _global(group, dst), group=group.torch_group)
+
+
+def recv(tensor: torch.Tensor, src: int, comm: object = None) -> None:
+    """Receive into ``tensor`` from rank ``src`` of the communicator.
+
+    Args:
+        tensor: where the message lands (shape and dtype of what ``src`` sends).
+        src: the sending rank, within the communicator.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        dist.recv(tensor, _global(group, src), group=group.torch_group)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, comm: object = None) -> None:
+    """Rank ``src``'s ``tensor`` on every rank, in place.
+
+    Args:
+        tensor: sent from ``src``, overwritten elsewhere.
+        src: the sending rank, within the communicator.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        dist.broadcast(tensor, _global(group, src), group=group.torch_group)
+
+
+def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: object = None) -> None:
+    """The reduction of every rank's ``tensor``, written into rank ``dst``'s; the others' stay as they were.
+
+    Args:
+        tensor: this rank's contribution (and, on ``dst``, the result).
+        dst: the receiving rank, within the communicator.
+        op: a :class:`ReduceOp`.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    reduce(tensor, tensor, dst, op, comm)
+
+
+def reduce(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: object = None
+) -> None:
+    """The reduction of every rank's ``send_tensor`` into rank ``dst``'s ``recv_tensor``.
+
+    Args:
+        send_tensor: this rank's contribution (not changed).
+        recv_tensor: on ``dst``, where the result goes (untouched on the others).
+        dst: the receiving rank, within the communicator.
+        op: a :class:`ReduceOp`.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    work = send_tensor.detach().clone()
+    dist.reduce(work, _global(group, dst), op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group)
+    if dist.get_rank() == _global(group, dst):
+        _reduced(work, op, group)
+        recv_tensor.copy_(work)
+
+
+def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: object = None) -> None:
+    """The reduction of every rank's ``tensor``, on every rank, in place.
+
+    Args:
+        tensor: this rank's contribution, overwritten with the result.
+        op: a :class:`ReduceOp`.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        dist.all_reduce(tensor, op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group)
+        _reduced(tensor, op, group)
+
+
+def allreduce(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: object = None
+) -> None:
+    """The reduction of every rank's ``send_tensor`` into ``recv_tensor``, on every rank (the two may
+    be the same tensor).
+
+    Args:
+        send_tensor: this rank's contribution.
+        recv_tensor: where the result goes.
+        op: a :class:`ReduceOp`.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    if recv_tensor is not send_tensor:
+        recv_tensor.copy_(send_tensor)
+    allreduce_inplace(recv_tensor, op, comm)
+
+
+def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: object = None) -> None:
+    """Every rank's ``send_tensor``, back to back in rank order, in ``recv_tensor`` on every rank.
+
+    Args:
+        send_tensor: this rank's piece.
+        recv_tensor: a contiguous tensor of ``nranks * send_tensor.numel()`` elements.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        pieces = _rows(recv_tensor, len(group.ranks), "allgather")
+        dist.all_gather(pieces, send_tensor.reshape(-1).contiguous(), group=group.torch_group)
+
+
+def allgather_inplace(tensor: torch.Tensor, comm: object = None) -> None:
+    """``tensor`` holds ``nranks`` pieces; every rank's own piece (at its rank's position) ends up
+    on every rank.
+
+    Args:
+        tensor: a contiguous tensor of ``nranks`` equal pieces.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        pieces = _rows(tensor, len(group.ranks), "allgather_inplace")
+        mine = pieces[group.ranks.index(dist.get_rank())].clone()
+        dist.all_gather(pieces, mine, group=group.torch_group)
+
+
+def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm: object = None) -> None:
+    """Every rank's ``send_tensor``, back to back in rank order, in rank ``dst``'s ``recv_tensor``.
+
+    Args:
+        send_tensor: this rank's piece.
+        recv_tensor: on ``dst``, a contiguous tensor of ``nranks * send_tensor.numel()`` elements.
+        dst: the receiving rank, within the communicator.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    target = _global(group, dst)
+    pieces = _rows(recv_tensor, len(group.ranks), "gather") if dist.get_rank() == target else None
+    dist.gather(send_tensor.reshape(-1).contiguous(), pieces, dst=target, group=group.torch_group)
+
+
+def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm: object = None) -> None:
+    """On rank ``dst``, ``tensor`` (``nranks * count`` elements) gets every rank's first ``count``
+    elements (its own piece at its rank's position); elsewhere ``tensor`` holds ``count`` elements.
+
+    Args:
+        tensor: this rank's piece (and on ``dst`` the whole result).
+        count: the elements per rank.
+        dst: the receiving rank, within the communicator.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    target = _global(group, dst)
+    if dist.get_rank() == target:
+        pieces = _rows(tensor, len(group.ranks), "gather_inplace")
+        mine = pieces[group.ranks.index(target)].clone()
+        dist.gather(mine, pieces, dst=target, group=group.torch_group)
+    else:
+        dist.gather(tensor.reshape(-1)[:count].contiguous(), None, dst=target, group=group.torch_group)
+
+
+def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm: object = None) -> None:
+    """Piece ``r`` of rank ``src``'s ``send_tensor`` into rank ``r``'s ``recv_tensor``.
+
+    Args:
+        send_tensor: on ``src``, a contiguous tensor of ``nranks * recv_tensor.numel()`` elements.
+        recv_tensor: where this rank's piece lands.
+        src: the sending rank, within the communicator.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    source = _global(group, src)
+    pieces = _rows(send_tensor, len(group.ranks), "scatter") if dist.get_rank() == source else None
+    out = torch.empty(recv_tensor.numel(), dtype=recv_tensor.dtype, device=recv_tensor.device)
+    dist.scatter(out, pieces, src=source, group=group.torch_group)
+    recv_tensor.copy_(out.view(recv_tensor.shape))
+
+
+def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm: object = None) -> None:
+    """On rank ``src`` ``tensor`` holds ``nranks * count`` elements; rank ``r`` receives piece ``r``
+    into its ``tensor`` (``count`` elements; ``src`` keeps its whole tensor).
+
+    Args:
+        tensor: on ``src`` the pieces, elsewhere where this rank's piece lands.
+        count: the elements per rank.
+        src: the sending rank, within the communicator.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    source = _global(group, src)
+    if dist.get_rank() == source:
+        pieces = _rows(tensor, len(group.ranks), "scatter_inplace")
+        out = pieces[group.ranks.index(source)].clone()
+        dist.scatter(out, pieces, src=source, group=group.torch_group)
+    else:
+        out = torch.empty(count, dtype=tensor.dtype, device=tensor.device)
+        dist.scatter(out, None, src=source, group=group.torch_group)
+        tensor.reshape(-1)[:count].copy_(out)
+
+
+def reduce_scatter(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: object = None
+) -> None:
+    """Piece ``r`` of the reduction of every rank's ``send_tensor``, into rank ``r``'s ``recv_tensor``.
+
+    Args:
+        send_tensor: a contiguous tensor of ``nranks * recv_tensor.numel()`` elements.
+        recv_tensor: where this rank's reduced piece lands.
+        op: a :class:`ReduceOp`.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    _rows(send_tensor, len(group.ranks), "reduce_scatter")
+    out = torch.empty(recv_tensor.numel(), dtype=recv_tensor.dtype, device=recv_tensor.device)
+    dist.reduce_scatter_single(
+        out, send_tensor.reshape(-1).contiguous(), op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group
+    )
+    _reduced(out, op, group)
+    recv_tensor.copy_(out.view(recv_tensor.shape))
+
+
+def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: object = None) -> None:
+    """``tensor`` holds ``nranks`` pieces; this rank's piece (at its rank's position) becomes the
+    reduction of every rank's piece there.
+
+    Args:
+        tensor: a contiguous tensor of ``nranks`` equal pieces.
+        op: a :class:`ReduceOp`.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        pieces = _rows(tensor, len(group.ranks), "reduce_scatter_inplace")
+        reduce_scatter(tensor, pieces[group.ranks.index(dist.get_rank())], op, comm)
+
+
+def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: object = None) -> None:
+    """Piece ``j`` of every rank's ``send_tensor`` to rank ``j``, where the pieces land in rank order.
+
+    Args:
+        send_tensor: a contiguous tensor of ``nranks`` equal pieces.
+        recv_tensor: a tensor of as many elements.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    _rows(send_tensor, len(group.ranks), "alltoall")
+    out = torch.empty(recv_tensor.numel(), dtype=recv_tensor.dtype, device=recv_tensor.device)
+    dist.all_to_all_single(out, send_tensor.reshape(-1).contiguous(), group=group.torch_group)
+    recv_tensor.copy_(out.view(recv_tensor.shape))
+
+
+def alltoall_inplace(tensor: torch.Tensor, comm: object = None) -> None:
+    """:func:`alltoall` with ``tensor`` as both the pieces sent and where the received ones land.
+
+    Args:
+        tensor: a contiguous tensor of ``nranks`` equal pieces.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    alltoall(tensor.clone(), tensor, comm)
+
+
+def alltoall_v(
+    send_tensor: torch.Tensor,
+    send_counts: Sequence[int],
+    send_displs: Sequence[int],
+    recv_tensor: torch.Tensor,
+    recv_counts: Sequence[int],
+    recv_displs: Sequence[int],
+    comm: object = None,
+) -> None:
+    """All-to-all with pieces of their own sizes: ``send_counts[j]`` elements from offset
+    ``send_displs[j]`` of ``send_tensor`` go to rank ``j``, which puts them at ``recv_displs[r]``.
+
+    Args:
+        send_tensor: the elements to send.
+        send_counts: elements sent to each rank.
+        send_displs: where each rank's elements start in ``send_tensor``.
+        recv_tensor: where received elements land.
+        recv_counts: elements received from each rank.
+        recv_displs: where each rank's elements land in ``recv_tensor``.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return
+    flat_send = send_tensor.reshape(-1)
+    sent = torch.cat([flat_send[d : d + c] for c, d in zip(send_counts, send_displs)])
+    received = torch.empty(sum(recv_counts), dtype=recv_tensor.dtype, device=recv_tensor.device)
+    dist.all_to_all_single(received, sent, list(recv_counts), list(send_counts), group=group.torch_group)
+    flat_recv = recv_tensor.view(-1)
+    for piece, c, d in zip(received.split(list(recv_counts)), recv_counts, recv_displs):
+        flat_recv[d : d + c].copy_(piece)
+
+
+def alltoall_v_inplace(
+    tensor: torch.Tensor,
+    send_counts: Sequence[int],
+    send_displs: Sequence[int],
+    recv_counts: Sequence[int],
+    recv_displs: Sequence[int],
+    comm: object = None,
+) -> None:
+    """:func:`alltoall_v` with ``tensor`` as both what is sent and where received pieces land.
+
+    Args:
+        tensor: the elements sent, overwritten with those received.
+        send_counts: elements sent to each rank.
+        send_displs: where each rank's elements start.
+        recv_counts: elements received from each rank.
+        recv_displs: where each rank's elements land.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    alltoall_v(tensor.clone(), send_counts, send_displs, tensor, recv_counts, recv_displs, comm)
+
+
+def barrier(comm: object = None) -> None:
+    """Wait until every rank of the communicator gets here.
+
+    Args:
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is not None:
+        dist.barrier(group=group.torch_group)

@@ -1,0 +1,328 @@
+"""Scenarios of the Bagua compat layer, run on each gloo rank by dist_harness.run_ranks (module
+"bagua_scenarios"); test_compat_bagua.py checks the results against torch's own DDP and formulas.
+
+Every rank seeds its model differently (``seed=rank``), as Bagua's tests do: wrapping must make
+the replicas equal."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from models import batches, loss_fn, make_model
+
+import functional_bagua.compat as bagua
+from functional_bagua.compat.algorithms import bytegrad, gradient_allreduce
+
+DTYPE = torch.float64
+STEPS = 4
+TINY_BUCKETS_MB = 0.0005  # a few hundred bytes: several buckets even for the small test models
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+def local_batches(rank: int, world_size: int, steps: int = STEPS, seed: int = 1) -> list:
+    """This rank's part of each global batch."""
+    return [(x.chunk(world_size)[rank], y.chunk(world_size)[rank]) for x, y in batches(steps, DTYPE, seed=seed)]
+
+
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Parameters, buffers and optimizer state tensors, by name (clones)."""
+    out = {f"param/{n}": p.detach().clone() for n, p in model.named_parameters()}
+    out.update({f"buffer/{n}": b.detach().clone() for n, b in model.named_buffers()})
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, s in optimizer.state.items():
+        for key, value in s.items():
+            if isinstance(value, torch.Tensor):
+                out[f"state/{names[id(p)]}/{key}"] = value.detach().clone()
+    return out
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list, step=None) -> None:  # noqa: ANN001
+    for x, y in data:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        (step or optimizer.step)()
+
+
+def torch_ddp(rank: int, world_size: int, kind: str, optimizer: str, ignore: tuple = (), **ddp_kwargs) -> dict:  # noqa: ANN003
+    """The reference: torch's own DistributedDataParallel."""
+    model = make_model(kind, DTYPE, seed=rank)
+    if ignore:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    train(ddp, opt, local_batches(rank, world_size))
+    return state_of(model, opt)
+
+
+def ours(rank: int, world_size: int, kind: str, optimizer: str, how: str, ignore: tuple = (), **kwargs) -> dict:  # noqa: ANN003
+    model = make_model(kind, DTYPE, seed=rank)
+    if ignore:
+        model._bagua_params_and_buffers_to_ignore = list(ignore)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
+    if how == "with_bagua":
+        net = model.with_bagua([opt], algorithm)
+    else:
+        net = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt], algorithm=algorithm, **kwargs)
+    train(net, opt, local_batches(rank, world_size))
+    return state_of(model, opt)
+
+
+def gradient_allreduce_against_torch_ddp(rank: int, world_size: int) -> dict:
+    """GradientAllReduce via with_bagua and via DistributedDataParallel, and torch's DDP, on the
+    same seeds and data: BatchNorm buffers, an ignored parameter, tiny buckets, two optimizers."""
+    results = {}
+    ignore = ("fc.bias",)
+    for optimizer in OPTIMIZERS:
+        results[f"torch/{optimizer}"] = torch_ddp(rank, world_size, "norm", optimizer, ignore)
+        results[f"torch_tiny/{optimizer}"] = torch_ddp(
+            rank, world_size, "norm", optimizer, ignore, bucket_cap_mb=TINY_BUCKETS_MB
+        )
+        results[f"with_bagua/{optimizer}"] = ours(rank, world_size, "norm", optimizer, "with_bagua", ignore)
+        results[f"ddp/{optimizer}"] = ours(
+            rank, world_size, "norm", optimizer, "ddp", ignore, bucket_cap_mb=TINY_BUCKETS_MB
+        )
+    return results
+
+
+def buckets_launch_during_backward(rank: int, world_size: int) -> dict:
+    """When the gradient backward computes last (the first layer's weight) arrives, the buckets
+    that do not hold it are in flight already."""
+    model = make_model("shapes", DTYPE, seed=0)
+    first = model.conv.weight
+    seen: list = []
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(len(net.inner.bagua_algorithm.reducer._pending)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt], bucket_cap_mb=TINY_BUCKETS_MB)
+    x, y = local_batches(rank, world_size)[0]
+    loss_fn(net(x), y).backward()
+    return dict(launched_before_last=seen, buckets=len(net.bagua_buckets))
+
+
+def no_sync_against_torch_ddp(rank: int, world_size: int) -> dict:
+    """Two micro-batches accumulated under no_sync, then one synchronized: as torch's DDP."""
+    out = {}
+    for name in ("torch", "ours"):
+        model = make_model("shapes", DTYPE, seed=rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if name == "torch":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            net = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt])
+        for step, (x, y) in enumerate(local_batches(rank, world_size, steps=6)):
+            if step % 3 < 2:
+                with net.no_sync():
+                    loss_fn(net(x), y).backward()
+            else:
+                loss_fn(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        out[name] = state_of(model, opt)
+    return out
+
+
+class PartlyUnused(torch.nn.Module):
+    """``unused`` never gets a gradient; ``sometimes`` only on rank 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(72, 4)
+        self.sometimes = torch.nn.Linear(72, 4)
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x.flatten(1))
+        if dist.get_rank() == 0:
+            out = out + self.sometimes(x.flatten(1))
+        return out
+
+
+def find_unused_parameters_against_torch_ddp(rank: int, world_size: int) -> dict:
+    out = {}
+    for name in ("torch", "ours"):
+        torch.manual_seed(rank)
+        model = PartlyUnused().to(DTYPE)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if name == "torch":
+            net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        else:
+            net = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt], find_unused_parameters=True)
+        train(net, opt, local_batches(rank, world_size))
+        out[name] = state_of(model, opt)
+        out[f"{name}/unused_grad_is_none"] = model.unused.weight.grad is None
+    return out
+
+
+def broadcast_at_wrap_time(rank: int, world_size: int) -> dict:
+    """Replicas trained apart (different seeds, data, optimizer state) equal rank 0's after wrapping."""
+    out = {}
+    for optimizer in OPTIMIZERS:
+        model = make_model("norm", DTYPE, seed=rank)
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        train(model, opt, local_batches(rank, world_size, seed=10 + rank))
+        opt.param_groups[0]["lr"] = 0.5 + rank  # hyperparameters differ too
+        model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+        out[optimizer] = state_of(model, opt)
+        out[f"{optimizer}/lr"] = opt.param_groups[0]["lr"]
+    return out
+
+
+def model_switch(rank: int, world_size: int) -> dict:
+    """One model wrapped in turn with ByteGrad, GradientAllReduce and ByteGrad again (Bagua's
+    model-switch test): each wrap replaces the previous engine's hooks; the replicas stay equal."""
+    model = make_model("shapes", DTYPE, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = local_batches(rank, world_size, steps=6)
+    for i, algorithm in enumerate(
+        [bytegrad.ByteGradAlgorithm(), gradient_allreduce.GradientAllReduceAlgorithm(), bytegrad.ByteGradAlgorithm()]
+    ):
+        model.with_bagua([opt], algorithm)
+        train(model, opt, data[2 * i : 2 * i + 2])
+    return dict(state=state_of(model, opt), hooks=len(next(model.parameters())._post_accumulate_grad_hooks or {}))
+
+
+def bytegrad_against_float(rank: int, world_size: int) -> dict:
+    """One backward under ByteGrad and under GradientAllReduce, from the same replicas."""
+    out = {}
+    for name, algorithm in (
+        ("bytegrad", bytegrad.ByteGradAlgorithm()),
+        ("float", gradient_allreduce.GradientAllReduceAlgorithm()),
+    ):
+        model = make_model("shapes", DTYPE, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.with_bagua([opt], algorithm)
+        x, y = local_batches(rank, world_size)[0]
+        loss_fn(model(x), y).backward()
+        out[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    x, y = local_batches(rank, world_size)[0]
+    model = make_model("shapes", DTYPE, seed=0)
+    loss_fn(model(x), y).backward()
+    out["local"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out
+
+
+def fused_optimizer_with_bagua(rank: int, world_size: int) -> dict:
+    """fuse_optimizer before and after with_bagua, stepped with fuse_step: as torch's DDP with a plain step."""
+    out = {"torch": torch_ddp(rank, world_size, "shapes", "adam")}
+    for order in ("fuse_first", "wrap_first"):
+        model = make_model("shapes", DTYPE, seed=rank)
+        opt = OPTIMIZERS["adam"](model.parameters())
+        if order == "fuse_first":
+            bagua.fuse_optimizer(opt)
+            model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+        else:
+            model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+            bagua.fuse_optimizer(opt)
+        train(model, opt, local_batches(rank, world_size), step=opt.fuse_step)
+        out[order] = state_of(model, opt)
+        out[f"{order}/fused_count"] = opt._bagua_fused_count
+    return out
+
+
+def mismatched_models(rank: int, world_size: int) -> str:
+    """Rank 1's model has another shape: with_bagua raises on every rank (no hang)."""
+    model = torch.nn.Linear(4, 3 if rank == 0 else 2).to(DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+    return "wrapped"
+
+
+def mismatched_algorithms(rank: int, world_size: int) -> str:
+    model = torch.nn.Linear(4, 3).to(DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algorithm = bytegrad.ByteGradAlgorithm() if rank else gradient_allreduce.GradientAllReduceAlgorithm()
+    model.with_bagua([opt], algorithm)
+    return "wrapped"
+
+
+def bad_arguments(rank: int, world_size: int) -> dict:
+    """Mistakes found before any collective: the same on every rank."""
+    model, other = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    out = {}
+    for name, call in {
+        "not an algorithm": lambda: model.with_bagua(
+            [torch.optim.SGD(model.parameters(), lr=0.1)], "gradient_allreduce"
+        ),
+        "optimizer of another model": lambda: model.with_bagua(
+            [torch.optim.SGD(other.parameters(), lr=0.1)], gradient_allreduce.GradientAllReduceAlgorithm()
+        ),
+        "not a process group": lambda: model.with_bagua(
+            [torch.optim.SGD(model.parameters(), lr=0.1)], gradient_allreduce.GradientAllReduceAlgorithm(), 42
+        ),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # the test reads type and message
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+# ---- communication ---------------------------------------------------------------------------------
+
+
+def communication_api(rank: int, world_size: int) -> dict:
+    """bagua.init_process_group from torchrun's variables, then every collective against torch's own."""
+    bagua.init_process_group()
+    out: dict = dict(
+        initialized=bagua.communication.is_initialized(),
+        rank=bagua.get_rank(),
+        world_size=bagua.get_world_size(),
+        local_rank=bagua.get_local_rank(),
+        local_size=bagua.get_local_size(),
+        backend=dist.get_backend(),
+    )
+    n = world_size
+    x = torch.arange(4 * n, dtype=DTYPE) + 100 * rank
+
+    def fresh() -> torch.Tensor:
+        return x.clone()
+
+    t = fresh()
+    bagua.allreduce_inplace(t, op=bagua.ReduceOp.AVG)
+    out["allreduce_avg"] = t
+    recv = torch.empty_like(x)
+    bagua.allreduce(x, recv, op=bagua.ReduceOp.MAX)
+    out["allreduce_max"] = recv
+    t = fresh()
+    bagua.broadcast(t, src=n - 1)
+    out["broadcast"] = t
+    t = fresh()
+    bagua.reduce_inplace(t, dst=0, op=bagua.ReduceOp.SUM)
+    out["reduce"] = t
+    gathered = torch.empty(n, x.numel(), dtype=DTYPE)
+    bagua.allgather(x, gathered)
+    out["allgather"] = gathered
+    t = fresh()
+    bagua.allgather_inplace(t)
+    out["allgather_inplace"] = t
+    piece = torch.empty(4, dtype=DTYPE)
+    bagua.reduce_scatter(x, piece)
+    out["reduce_scatter"] = piece
+    a2a = torch.empty_like(x)
+    bagua.alltoall(x, a2a)
+    out["alltoall"] = a2a
+    got = torch.empty(4, dtype=DTYPE)
+    bagua.scatter(x, got, src=0)
+    out["scatter"] = got
+    bagua.barrier()
+    group = bagua.communication.new_group(ranks=[0, n - 1])
+    t = fresh()
+    bagua.allreduce_inplace(t, comm=group.get_global_communicator())
+    out["subgroup_allreduce"] = t
+    torch_group = dist.new_group([0])
+    try:
+        from_torch = bagua.communication.to_bagua_process_group(torch_group)
+        out["from_torch_ranks"] = from_torch.ranks
+        out["from_torch_nranks"] = from_torch.get_global_communicator().nranks()
+    except ValueError as e:  # a process outside the torch group
+        out["from_torch_ranks"] = str(e)
+    try:
+        bagua.init_process_group()
+        out["second_init"] = None
+    except RuntimeError as e:
+        out["second_init"] = str(e)
+    return out
