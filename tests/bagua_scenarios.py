@@ -326,3 +326,138 @@ def communication_api(rank: int, world_size: int) -> dict:
     except RuntimeError as e:
         out["second_init"] = str(e)
     return out
+
+
+# ---- weight-averaging algorithms, QAdam, async ----------------------------------------------------
+
+SGD_LR = 0.1
+DECENTRALIZED_CASES = {
+    "all-1": ("all", 1),
+    "all-2": ("all", 2),
+    "shift_one-1": ("shift_one", 1),
+    "shift_one-2": ("shift_one", 2),
+}
+
+
+def sgd_with(rank: int, world_size: int, algorithm: object, steps: int = STEPS) -> dict:
+    """Plain SGD (no momentum) on the "shapes" model wrapped with ``algorithm``: its parameters after each step."""
+    model = make_model("shapes", DTYPE, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    model.with_bagua([opt], algorithm)
+    trace = []
+    for x, y in local_batches(rank, world_size, steps=steps):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        trace.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return dict(trace=trace)
+
+
+def decentralized_runs(rank: int, world_size: int) -> dict:
+    from functional_bagua.compat.algorithms import decentralized
+
+    return {
+        name: sgd_with(
+            rank, world_size, decentralized.DecentralizedAlgorithm(peer_selection_mode=mode, communication_interval=k)
+        )
+        for name, (mode, k) in DECENTRALIZED_CASES.items()
+    }
+
+
+def low_precision_runs(rank: int, world_size: int) -> dict:
+    from functional_bagua.compat.algorithms import decentralized
+
+    return {
+        f"interval-{k}": sgd_with(
+            rank, world_size, decentralized.LowPrecisionDecentralizedAlgorithm(communication_interval=k)
+        )
+        for k in (1, 2)
+    }
+
+
+QADAM_WARMUP = 3
+
+
+def qadam_runs(rank: int, world_size: int) -> dict:
+    """QAdam through with_bagua, and torch DDP with torch's Adam (for-loop) on the same data."""
+    from functional_bagua.compat.algorithms import q_adam
+
+    model = make_model("shapes", DTYPE, seed=rank)
+    opt = q_adam.QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=QADAM_WARMUP, weight_decay=0.1)
+    model.with_bagua([opt], q_adam.QAdamAlgorithm(opt))
+    ref_model = make_model("shapes", DTYPE, seed=rank)
+    ref = torch.nn.parallel.DistributedDataParallel(ref_model)
+    ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    ours_trace, ref_trace = [], []
+    for x, y in local_batches(rank, world_size, steps=2 * QADAM_WARMUP):
+        for net, o, trace, m in ((model, opt, ours_trace, model), (ref, ref_opt, ref_trace, ref_model)):
+            o.zero_grad()
+            loss_fn(net(x), y).backward()
+            o.step()
+            trace.append(state_of(m, o))
+    return dict(ours=ours_trace, torch=ref_trace)
+
+
+def async_average(rank: int, world_size: int) -> dict:
+    """Train with async averaging (warmup 2 steps), abort and resume twice each, then let the
+    thread average the idle replicas and abort: the replicas agree; no thread is left."""
+    import threading
+    import time
+
+    from functional_bagua.compat.algorithms import async_model_average
+
+    model = make_model("shapes", DTYPE, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    algorithm = async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=2, warmup_steps=2)
+    model.with_bagua([opt], algorithm)
+    data = local_batches(rank, world_size, steps=12, seed=rank + 5)
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        if step == 1:
+            after_warmup = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if step == 6:
+            model.bagua_algorithm.abort(model)
+            model.bagua_algorithm.abort(model)  # twice: a no-op
+            model.bagua_algorithm.resume(model)
+            model.bagua_algorithm.resume(model)
+        time.sleep(0.005)
+    rounds_while_training = model.bagua_algorithm.rounds()
+    time.sleep(0.2)  # idle: the thread averages the replicas
+    algorithm.abort(model)
+    threads = [t.name for t in threading.enumerate() if t.name == "bagua-async-average"]
+    return dict(
+        after_warmup=after_warmup,
+        final={n: p.detach().clone() for n, p in model.named_parameters()},
+        rounds=rounds_while_training,
+        threads=threads,
+    )
+
+
+def every_algorithm_in_turn(rank: int, world_size: int) -> dict:
+    """Bagua's model-switch test: one model through all six algorithms, a few steps each."""
+    from functional_bagua.compat.algorithms import async_model_average, decentralized, q_adam
+
+    model = make_model("shapes", DTYPE, seed=rank)
+    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    qadam = q_adam.QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=2)
+    steps = {}
+    for name, opt, algorithm in (
+        ("bytegrad", sgd, bytegrad.ByteGradAlgorithm()),
+        ("decentralized", sgd, decentralized.DecentralizedAlgorithm(peer_selection_mode="shift_one")),
+        ("gradient_allreduce", sgd, gradient_allreduce.GradientAllReduceAlgorithm()),
+        ("qadam", qadam, q_adam.QAdamAlgorithm(qadam)),
+        ("async", qadam, async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=1)),
+        ("low_precision_decentralized", qadam, decentralized.LowPrecisionDecentralizedAlgorithm()),
+    ):
+        model.with_bagua([opt], algorithm)
+        for x, y in local_batches(rank, world_size, steps=4):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        if name == "async":
+            model.bagua_algorithm.abort(model)
+        steps[name] = model.bagua_train_step_counter
+        losses = loss_fn(model(x), y).item()
+    return dict(steps=steps, finite=bool(torch.isfinite(torch.tensor(losses))))

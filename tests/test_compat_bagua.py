@@ -5,11 +5,14 @@ both orders, bad input, and the communication API."""
 
 from __future__ import annotations
 
+import bagua_scenarios as sc
 import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
+from models import loss_fn, make_model
 
 import functional_bagua.compat as bagua
+import functional_bagua.distributed as fbd
 from functional_bagua.compat.algorithms import Algorithm, GlobalAlgorithmRegistry, gradient_allreduce
 
 TWO_RANKS = [
@@ -220,3 +223,167 @@ def test_communication_api_matches_torch_collectives():
 def test_to_bagua_process_group_refuses_other_objects():
     with pytest.raises(TypeError, match="BaguaProcessGroup"):
         bagua.communication.to_bagua_process_group("world")
+
+
+# ---- weight averaging, QAdam, async -----------------------------------------------------------------
+
+SGD_LR = sc.SGD_LR
+
+
+def local_gradient(model: torch.nn.Module, weights: dict, x: torch.Tensor, y: torch.Tensor) -> dict:
+    return torch.func.grad(lambda w: loss_fn(torch.func.functional_call(model, w, (x,)), y))(weights)
+
+
+def decentralized_reference(world_size: int, mode: str, interval: int) -> list:
+    """Bagua's decentralized SGD written out: on communication steps each rank's weights become the
+    average (all ranks, or itself and Bagua's shift_one peer), then take the local gradient step
+    computed at the weights before averaging. Every rank starts from rank 0's model (the broadcast)."""
+    model = make_model("shapes", sc.DTYPE, seed=0)
+    weights = [{n: p.detach().clone() for n, p in model.named_parameters()} for _ in range(world_size)]
+    data = [sc.local_batches(r, world_size) for r in range(world_size)]
+    traces: list = [[] for _ in range(world_size)]
+    for t in range(sc.STEPS):
+        grads = [local_gradient(model, weights[r], *data[r][t]) for r in range(world_size)]
+        if t % interval == 0:
+            k = t // interval
+            if mode == "all":
+                averaged = [{n: sum(w[n] for w in weights) / world_size for n in weights[0]}] * world_size
+            else:
+                averaged = [
+                    {n: (weights[r][n] + weights[fbd.peer_of(r, world_size, k)][n]) / 2 for n in weights[r]}
+                    for r in range(world_size)
+                ]
+        else:
+            averaged = weights
+        weights = [{n: averaged[r][n] - SGD_LR * grads[r][n] for n in weights[r]} for r in range(world_size)]
+        for r in range(world_size):
+            traces[r].append(weights[r])
+    return traces
+
+
+def assert_traces_close(actual: list, expected: list) -> None:
+    for t, (got, want) in enumerate(zip(actual, expected)):
+        for name in want:
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"step {t} {name}: {m}"
+            )
+
+
+@pytest.fixture(scope="module")
+def averaging_two():
+    return run_ranks(
+        2,
+        ["decentralized_runs", "low_precision_runs", "qadam_runs", "async_average", "every_algorithm_in_turn"],
+        module="bagua_scenarios",
+    )
+
+
+@pytest.fixture(scope="module")
+def averaging_four():
+    return run_ranks(4, ["decentralized_runs", "low_precision_runs"], module="bagua_scenarios")
+
+
+@pytest.mark.parametrize("case", list(sc.DECENTRALIZED_CASES))
+@pytest.mark.parametrize("world", ["averaging_two", "averaging_four"])
+def test_decentralized_equals_the_rule_written_out(world, case, request):
+    results = request.getfixturevalue(world)
+    mode, interval = sc.DECENTRALIZED_CASES[case]
+    expected = decentralized_reference(len(results), mode, interval)
+    for rank, result in enumerate(results):
+        assert_traces_close(ok(result["decentralized_runs"])[case]["trace"], expected[rank])
+
+
+def low_precision_reference(world_size: int, interval: int) -> list:
+    """Bagua's low-precision decentralized SGD written out (compat/algorithms/decentralized.py's
+    docstring), with functional_bagua's 8-bit min-max quantizer over all the weights."""
+    model = make_model("shapes", sc.DTYPE, seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    flat = lambda w: torch.cat([w[n].reshape(-1) for n in names])  # noqa: E731
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = [dict(start) for _ in range(world_size)]
+    x_hat = [flat(start) for _ in range(world_size)]
+    left, right = [flat(start) for _ in range(world_size)], [flat(start) for _ in range(world_size)]
+    data = [sc.local_batches(r, world_size) for r in range(world_size)]
+    traces: list = [[] for _ in range(world_size)]
+    for t in range(sc.STEPS):
+        grads = [local_gradient(model, weights[r], *data[r][t]) for r in range(world_size)]
+        weights = [{n: weights[r][n] - SGD_LR * grads[r][n] for n in names} for r in range(world_size)]
+        if t % interval == 0:
+            x = [flat(w) for w in weights]
+            sent = [
+                fbd.quantize((x[r] + left[r] / 3 + right[r] / 3 - 5 / 3 * x_hat[r]).unsqueeze(0))
+                for r in range(world_size)
+            ]
+            received = [fbd.dequantize(c, sc.DTYPE)[0] for c in sent]
+            for r in range(world_size):
+                left[r] = left[r] + received[(r - 1) % world_size]
+                right[r] = right[r] + received[(r + 1) % world_size]
+                x_hat[r] = x_hat[r] + received[r]
+                pieces = torch.split(x_hat[r], [start[n].numel() for n in names])
+                weights[r] = {n: piece.view(start[n].shape) for n, piece in zip(names, pieces)}
+        for r in range(world_size):
+            traces[r].append(weights[r])
+    return traces
+
+
+@pytest.mark.parametrize("interval", [1, 2])
+@pytest.mark.parametrize("world", ["averaging_two", "averaging_four"])
+def test_low_precision_decentralized_equals_the_rule_written_out(world, interval, request):
+    results = request.getfixturevalue(world)
+    expected = low_precision_reference(len(results), interval)
+    for rank, result in enumerate(results):
+        assert_traces_close(ok(result["low_precision_runs"])[f"interval-{interval}"]["trace"], expected[rank])
+
+
+def test_qadam_is_adam_on_averaged_gradients_during_warmup_then_compressed(averaging_two):
+    ours = [ok(r["qadam_runs"])["ours"] for r in averaging_two]
+    ref = [ok(r["qadam_runs"])["torch"] for r in averaging_two]
+    for rank in range(2):
+        for t in range(sc.QADAM_WARMUP - 1):  # steps 1 .. warmup-1: Adam on the averaged gradient
+            assert_same(ours[rank][t], ref[rank][t])
+    for t in range(sc.QADAM_WARMUP, 2 * sc.QADAM_WARMUP):
+        assert_same(ours[1][t], ours[0][t])  # compressed momentum: the same bits on every rank
+        assert not torch.equal(ours[0][t]["param/conv.weight"], ref[0][t]["param/conv.weight"])
+
+
+def test_qadam_optimizer_is_torch_adam_before_its_warmup():
+    from functional_bagua.compat.algorithms.q_adam import QAdamOptimizer
+
+    gen = torch.Generator().manual_seed(13)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = QAdamOptimizer(ours, lr=1e-3, warmup_steps=2000, weight_decay=0.1)
+    ref = torch.optim.Adam(theirs, lr=1e-3, weight_decay=0.1, foreach=False)
+    for _ in range(100):
+        for ps, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            sum((p**2).sum() * (i + 1) for i, p in enumerate(ps)).backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    with pytest.raises(ValueError, match="warmup_steps"):
+        QAdamOptimizer(ours, warmup_steps=0)
+
+
+def test_async_averaging_runs_in_the_background_and_stops_cleanly(averaging_two):
+    results = [ok(r["async_average"]) for r in averaging_two]
+    for name in results[0]["after_warmup"]:  # the warmup averaged gradients: replicas equal
+        assert torch.equal(results[0]["after_warmup"][name], results[1]["after_warmup"][name])
+    assert all(r["rounds"] > 0 for r in results)
+    for name in results[0]["final"]:  # idle replicas averaged by the thread
+        torch.testing.assert_close(results[0]["final"][name], results[1]["final"][name], rtol=1e-12, atol=1e-14)
+    assert all(r["threads"] == [] for r in results)
+
+
+def test_one_model_through_all_six_algorithms(averaging_two):
+    for result in averaging_two:
+        got = ok(result["every_algorithm_in_turn"])
+        assert got["finite"]
+        assert list(got["steps"]) == [
+            "bytegrad",
+            "decentralized",
+            "gradient_allreduce",
+            "qadam",
+            "async",
+            "low_precision_decentralized",
+        ]

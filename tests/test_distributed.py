@@ -187,6 +187,15 @@ def test_quantize_round_trip_is_within_half_a_step():
     assert fbd.quantize(x).dtype == torch.uint8 and fbd.quantize(x).shape == (4, 308)
 
 
+@pytest.mark.parametrize("columns", [1, 5, 302])
+def test_quantize_round_trip_of_one_row_of_any_length(columns):
+    """One row whose codes do not end at a multiple of 4 bytes (min and max then start unaligned)."""
+    x = torch.randn(1, columns, dtype=torch.float64)
+    back = fbd.dequantize(fbd.quantize(x), x.dtype)
+    step = (x.max() - x.min()) / 255
+    assert ((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
+
+
 # --- buckets --------------------------------------------------------------------------------------------
 
 

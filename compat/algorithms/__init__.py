@@ -4,10 +4,33 @@
 ``"bytegrad"``, ``"decentralized"``, ``"low_precision_decentralized"``, ``"qadam"``, ``"async"``.
 """
 
-from functional_bagua.compat.algorithms import bytegrad, gradient_allreduce
+from functional_bagua.compat.algorithms import (
+    async_model_average,
+    bytegrad,
+    decentralized,
+    gradient_allreduce,
+    q_adam,
+)
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
-GlobalAlgorithmRegistry.register("gradient_allreduce", gradient_allreduce.GradientAllReduceAlgorithm)
-GlobalAlgorithmRegistry.register("bytegrad", bytegrad.ByteGradAlgorithm)
+for _name, _cls in (
+    ("gradient_allreduce", gradient_allreduce.GradientAllReduceAlgorithm),
+    ("bytegrad", bytegrad.ByteGradAlgorithm),
+    ("decentralized", decentralized.DecentralizedAlgorithm),
+    ("low_precision_decentralized", decentralized.LowPrecisionDecentralizedAlgorithm),
+    ("qadam", q_adam.QAdamAlgorithm),
+    ("async", async_model_average.AsyncModelAverageAlgorithm),
+):
+    if _name not in GlobalAlgorithmRegistry:
+        GlobalAlgorithmRegistry.register(_name, _cls)
 
-__all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry", "bytegrad", "gradient_allreduce"]
+__all__ = [
+    "Algorithm",
+    "AlgorithmImpl",
+    "GlobalAlgorithmRegistry",
+    "async_model_average",
+    "bytegrad",
+    "decentralized",
+    "gradient_allreduce",
+    "q_adam",
+]

@@ -91,7 +91,8 @@ def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         packed: a uint8 tensor of shape ``[rows, columns + 8]``, as :func:`quantize` returns it.
         dtype: the dtype of the result.
     """
-    codes, minmax = packed[:, :-MINMAX_BYTES], packed[:, -MINMAX_BYTES:].contiguous().view(torch.float32)
+    codes = packed[:, :-MINMAX_BYTES]
+    minmax = packed[:, -MINMAX_BYTES:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # a copy: its own storage, aligned for float32
     lo, hi = minmax[:, :1], minmax[:, 1:]
     return (lo + codes.float() * ((hi - lo) / LEVELS)).to(dtype)
 

@@ -1,0 +1,280 @@
+"""Bagua's asynchronous model averaging: a background thread averages the weights over the ranks
+every ``sync_interval_ms`` while training goes on.
+
+For the first ``warmup_steps`` training steps the gradients are averaged as by GradientAllReduce.
+Then (after a reset that broadcasts rank 0's weights and optimizer state) each rank starts a
+thread that loops::
+
+    stop?       rank 0's decision, broadcast (so that every rank stops after the same round)
+    s = w                              a snapshot, taken under the weight lock
+    a = sum_r s[r]                     all-reduce on a process group of the thread's own
+    w <- w + (a / n - s)               under the lock: the average, plus what training changed meanwhile
+    sleep sync_interval_ms
+
+The training step holds the weight lock from its forward to the end of its optimizer step (Bagua
+held it for forward and backward only, so that the thread could write weights while the optimizer
+did). ``abort(model)`` stops the thread (every rank calls it: a barrier first) and ``resume(model)``
+starts it again; both may be called twice in a row. A thread left running stops when the process
+exits, before the process group is destroyed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
+from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
+from functional_bagua.compat.communication import BaguaProcessGroup
+from functional_bagua.flat import FlatLayout
+
+if TYPE_CHECKING:
+    from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+__all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
+
+JOIN_TIMEOUT_S = 60.0
+
+
+class _AveragingThread:
+    """The background loop (module docstring) over ``weights``, on ``group`` (a process group of its own)."""
+
+    def __init__(self, weights: list, group: dist.ProcessGroup, lock: threading.Lock, interval_s: float) -> None:
+        self.weights, self.group, self.lock, self.interval_s = weights, group, lock, interval_s
+        self.layout = FlatLayout.of([w.detach() for w in weights])
+        self.stop = threading.Event()
+        self.rounds = 0
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, name="bagua-async-average", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._agreed_to_stop():
+                self._average_once()
+                self.rounds += 1
+                time.sleep(self.interval_s)
+        except BaseException as e:  # kept for abort() to raise on the training thread
+            self.error = e
+
+    def _agreed_to_stop(self) -> bool:
+        flag = torch.tensor([1 if self.stop.is_set() else 0], dtype=torch.int32)
+        dist.broadcast(flag, dist.get_global_rank(self.group, 0), group=self.group)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def _average_once(self) -> None:
+        with self.lock:
+            snapshot = self.layout.flatten([w.detach() for w in self.weights])
+        sums = {key: buffer.clone() for key, buffer in snapshot.items()}
+        n = dist.get_world_size(self.group)
+        for key in sorted(sums):
+            dist.all_reduce(sums[key], group=self.group)
+        change = {key: sums[key] / n - snapshot[key] for key in sums}
+        with self.lock:
+            for w, delta in zip(self.weights, self.layout.unflatten(change)):
+                w.add_(delta)
+
+    def join(self) -> None:
+        self.stop.set()
+        self.thread.join(JOIN_TIMEOUT_S)
+        if self.thread.is_alive():
+            raise RuntimeError(f"the averaging thread did not stop within {JOIN_TIMEOUT_S} s (did every rank abort?)")
+        if self.error is not None:
+            raise RuntimeError(f"the averaging thread failed: {self.error!r}") from self.error
+
+
+class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
+    """Asynchronous model averaging (module docstring).
+
+    Args:
+        process_group: the group to average over.
+        peer_selection_mode: ``"all"`` (the only mode Bagua implemented).
+        sync_interval_ms: the pause between two averages, in milliseconds.
+        warmup_steps: training steps with synchronous gradient averaging first.
+    """
+
+    def __init__(
+        self,
+        process_group: BaguaProcessGroup,
+        peer_selection_mode: str = "all",
+        sync_interval_ms: int = 500,
+        warmup_steps: int = 0,
+    ) -> None:
+        super().__init__(process_group)
+        if peer_selection_mode != "all":
+            raise ValueError(
+                f"AsyncModelAverageAlgorithm supports peer_selection_mode='all' only, got {peer_selection_mode!r}"
+            )
+        if sync_interval_ms < 0 or warmup_steps < 0:
+            raise ValueError(f"sync_interval_ms and warmup_steps must be >= 0, got {sync_interval_ms}, {warmup_steps}")
+        self.sync_interval_ms, self.warmup_steps = sync_interval_ms, warmup_steps
+        self.step_id = 0
+        self.warmup = GradientAllReduceAlgorithmImpl(process_group)
+        self.lock = threading.Lock()
+        self.thread_group: Optional[dist.ProcessGroup] = None
+        self.averager: Optional[_AveragingThread] = None
+        self.weights: list = []
+        self._holding = False  # whether the training thread holds the lock (a step is under way)
+        self._exit_hook = False
+
+    @property
+    def averaging(self) -> bool:
+        """Whether the warmup is over (weights, not gradients, are averaged)."""
+        return self.step_id > self.warmup_steps
+
+    def need_reset(self) -> bool:
+        self.step_id += 1
+        return self.warmup_steps > 0 and self.step_id == self.warmup_steps + 1
+
+    def init(self, ddp: "BaguaDistributedDataParallel") -> None:
+        self.weights = [p for _, p in ddp.named_parameters_to_sync()]
+        if self.thread_group is None:  # every rank makes it at the same point (wrap time)
+            self.thread_group = dist.new_group(self.process_group.ranks)
+        if self.step_id < self.warmup_steps:
+            self.warmup.init(ddp)
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.warmup.set_gradient_sync(enabled)
+
+    def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
+        if not self.averaging or self.sync_interval_ms == 0:
+            return
+        if not self._holding:
+            self.lock.acquire()
+            self._holding = True
+        if self.averager is None:
+            self._start()
+
+    def after_step(self, ddp: "BaguaDistributedDataParallel", optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is ddp.bagua_optimizers[-1]:
+            self._release()
+
+    def _start(self) -> None:
+        assert self.thread_group is not None
+        self.averager = _AveragingThread(self.weights, self.thread_group, self.lock, self.sync_interval_ms / 1000)
+        if not self._exit_hook:
+            atexit.register(self._stop_at_exit)
+            self._exit_hook = True
+
+    def _stop_at_exit(self) -> None:
+        if self.averager is not None:
+            self._release()
+            self.averager.stop.set()
+            self.averager.thread.join(JOIN_TIMEOUT_S)
+            self.averager = None
+
+    def _release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self.lock.release()
+
+    def abort(self, bagua_module: Any) -> None:
+        """Stop the averaging thread after its current round; every rank must call it (a barrier
+        first). Does nothing when no thread runs.
+
+        Args:
+            bagua_module: the wrapped model (``with_bagua``), its ``DistributedDataParallel`` or engine.
+        """
+        engine = _engine_of(bagua_module, self)
+        if self.averager is None:
+            return
+        dist.barrier(group=engine.process_group.torch_group)
+        self._release()
+        averager, self.averager = self.averager, None
+        averager.join()
+
+    def resume(self, bagua_module: Any) -> None:
+        """Start the averaging thread again (after :meth:`abort`); every rank must call it. Does
+        nothing while a thread runs or before the warmup is over.
+
+        Args:
+            bagua_module: the wrapped model (``with_bagua``), its ``DistributedDataParallel`` or engine.
+        """
+        engine = _engine_of(bagua_module, self)
+        if self.averager is not None or not self.averaging:
+            return
+        dist.barrier(group=engine.process_group.torch_group)
+        self._start()
+
+    def detach(self, ddp: "BaguaDistributedDataParallel") -> None:
+        self.warmup.detach(ddp)
+        if self.averager is not None:
+            self._release()
+            averager, self.averager = self.averager, None
+            averager.join()
+
+    def rounds(self) -> int:
+        """The averaging rounds the running thread has finished."""
+        return 0 if self.averager is None else self.averager.rounds
+
+    def buckets(self) -> list:
+        return self.warmup.buckets()
+
+
+def _engine_of(bagua_module: Any, algorithm: AlgorithmImpl) -> "BaguaDistributedDataParallel":
+    from functional_bagua.compat.bagua_module import ENGINE_ATTRIBUTE, BaguaDistributedDataParallel
+
+    for candidate in (bagua_module, getattr(bagua_module, "inner", None), vars(bagua_module).get(ENGINE_ATTRIBUTE)):
+        if isinstance(candidate, BaguaDistributedDataParallel) and candidate.bagua_algorithm is algorithm:
+            return candidate
+    raise TypeError(
+        f"abort/resume need the model wrapped with this algorithm (with_bagua or DistributedDataParallel), "
+        f"got {type(bagua_module).__name__}"
+    )
+
+
+class AsyncModelAverageAlgorithm(Algorithm):
+    """Average the weights in a background thread while training runs (module docstring; Bagua's signature).
+
+    Args:
+        peer_selection_mode: ``"all"``.
+        sync_interval_ms: the pause between two averages, in milliseconds.
+        warmup_steps: training steps with synchronous gradient averaging first.
+    """
+
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500, warmup_steps: int = 0) -> None:
+        self.peer_selection_mode, self.sync_interval_ms, self.warmup_steps = (
+            peer_selection_mode,
+            sync_interval_ms,
+            warmup_steps,
+        )
+        self._impls: list = []
+
+    def reify(self, process_group: BaguaProcessGroup) -> AsyncModelAverageAlgorithmImpl:
+        impl = AsyncModelAverageAlgorithmImpl(
+            process_group, self.peer_selection_mode, self.sync_interval_ms, self.warmup_steps
+        )
+        self._impls.append(impl)
+        return impl
+
+    def abort(self, bagua_module: Any) -> None:
+        """Stop the averaging thread of ``bagua_module`` (Bagua calls this on the algorithm).
+
+        Args:
+            bagua_module: the wrapped model, its ``DistributedDataParallel`` or engine.
+        """
+        _impl_of(bagua_module, self).abort(bagua_module)
+
+    def resume(self, bagua_module: Any) -> None:
+        """Start the averaging thread of ``bagua_module`` again.
+
+        Args:
+            bagua_module: the wrapped model, its ``DistributedDataParallel`` or engine.
+        """
+        _impl_of(bagua_module, self).resume(bagua_module)
+
+
+def _impl_of(bagua_module: Any, algorithm: AsyncModelAverageAlgorithm) -> AsyncModelAverageAlgorithmImpl:
+    for impl in algorithm._impls:
+        try:
+            _engine_of(bagua_module, impl)
+            return impl
+        except TypeError:
+            continue
+    raise TypeError(f"{type(bagua_module).__name__} is not a model wrapped with this AsyncModelAverageAlgorithm")

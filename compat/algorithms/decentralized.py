@@ -1,0 +1,250 @@
+"""Bagua's decentralized algorithms: each rank averages its weights with peers instead of
+averaging gradients.
+
+:class:`DecentralizedAlgorithm` (full precision). On a communication step
+(``(t - 1) % communication_interval == 0``, ``t`` counting training forwards from 1)::
+
+    w_avg = mean_r w[r]                                     ("all")
+    w_avg = (w[r] + w[peer(r, k)]) / 2                      ("shift_one", k-th communication; Bagua's peers)
+    w[r] <- w_avg - lr * grad f_r(w[r])                     (the optimizer's step, from the local gradient)
+
+The average of the weights at the start of the step is launched before the forward and runs
+while forward and backward compute the local gradient at the local weights; after backward the
+weights become the average, and the optimizer applies the local gradient to it
+(:func:`functional_bagua.distributed.averaging.mean_over_ranks` and ``mean_with_peer``). Other
+steps are plain local steps.
+
+:class:`LowPrecisionDecentralizedAlgorithm` (8-bit differences with the ring neighbours
+``left = r - 1``, ``right = r + 1`` mod n). Each rank keeps ``x_hat`` (its weights as its
+neighbours know them) and ``L``, ``R`` (its neighbours' as it knows them), all equal to the
+weights at wrap time. After the optimizer's step ``x`` on a communication step::
+
+    d = x + L / 3 + R / 3 - 5/3 * x_hat,   c = Q(d)        (Q: 8-bit min-max over all the weights)
+    send c to left and right; receive c_left, c_right
+    L <- L + D(c_left),   R <- R + D(c_right),   x <- x_hat + D(c),   x_hat <- x
+
+so ``x`` moves to the weighted average ``(x + L + R) / 3`` of the three, up to the quantization of
+the difference (Q, D: :func:`functional_bagua.distributed.quantize` / ``dequantize``).
+
+``hierarchical=True`` (Bagua's default): Bagua averaged within each machine first and ran the
+algorithm between one leader per machine; here every rank is a peer of its own (on one machine
+Bagua's leaders-only scheme with one machine degenerates to the plain average, which
+``peer_selection_mode="all"`` gives).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
+from functional_bagua.compat.communication import BaguaProcessGroup
+from functional_bagua.distributed import dequantize, quantize
+from functional_bagua.distributed.averaging import PEER_SELECTION_MODES, mean_over_ranks, mean_with_peer
+from functional_bagua.distributed.process_group import Group
+from functional_bagua.flat import FlatLayout
+
+if TYPE_CHECKING:
+    from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+__all__ = [
+    "DecentralizedAlgorithm",
+    "DecentralizedAlgorithmImpl",
+    "LowPrecisionDecentralizedAlgorithm",
+    "LowPrecisionDecentralizedAlgorithmImpl",
+]
+
+
+def _is_communication_step(ddp: "BaguaDistributedDataParallel", interval: int) -> bool:
+    return (ddp.bagua_train_step_counter - 1) % interval == 0
+
+
+def _group_of(process_group: BaguaProcessGroup) -> Group:
+    g = process_group.torch_group
+    return Group(g, dist.get_world_size(g), dist.get_rank(g))
+
+
+def _weights(ddp: "BaguaDistributedDataParallel") -> list[torch.Tensor]:
+    return [p for _, p in ddp.named_parameters_to_sync()]
+
+
+class DecentralizedAlgorithmImpl(AlgorithmImpl):
+    """Full-precision decentralized SGD (module docstring).
+
+    Args:
+        process_group: the group of peers.
+        hierarchical: accepted for Bagua's scripts (module docstring).
+        peer_selection_mode: ``"all"`` or ``"shift_one"`` (an even number of ranks).
+        communication_interval: average on every ``communication_interval``-th step.
+    """
+
+    def __init__(
+        self,
+        process_group: BaguaProcessGroup,
+        hierarchical: bool = True,
+        peer_selection_mode: str = "all",
+        communication_interval: int = 1,
+    ) -> None:
+        super().__init__(process_group)
+        if peer_selection_mode not in PEER_SELECTION_MODES:
+            raise ValueError(f"peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {peer_selection_mode!r}")
+        if not isinstance(communication_interval, int) or communication_interval < 1:
+            raise ValueError(f"communication_interval must be an int >= 1, got {communication_interval!r}")
+        self.hierarchical, self.mode, self.interval = hierarchical, peer_selection_mode, communication_interval
+        self.communications = 0
+        self.peer_weight: Optional[list] = None  # the average launched before this step's forward
+
+    def init(self, ddp: "BaguaDistributedDataParallel") -> None:
+        g = _group_of(self.process_group)
+        if self.mode == "shift_one" and g.world_size % 2:
+            raise ValueError(f"peer_selection_mode='shift_one' needs an even number of ranks, got {g.world_size}")
+
+    def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
+        if not _is_communication_step(ddp, self.interval):
+            self.peer_weight = None
+            return
+        g = _group_of(self.process_group)
+        weights = [p.detach() for p in _weights(ddp)]
+        if self.mode == "all":
+            self.peer_weight = mean_over_ranks(weights, g)
+        else:
+            self.peer_weight = mean_with_peer(weights, g, self.communications)
+        self.communications += 1
+
+    @torch.no_grad()
+    def after_backward(self, ddp: "BaguaDistributedDataParallel") -> None:
+        if self.peer_weight is None:
+            return
+        for p, averaged in zip(_weights(ddp), self.peer_weight):
+            p.copy_(averaged)
+        self.peer_weight = None
+
+    def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
+        total = sum(p.numel() * p.element_size() for p in _weights(ddp))
+        return total // self.interval
+
+
+class DecentralizedAlgorithm(Algorithm):
+    """Decentralized SGD with full-precision weight averaging (module docstring; Bagua's signature).
+
+    Args:
+        hierarchical: accepted for Bagua's scripts (module docstring).
+        peer_selection_mode: ``"all"`` (the mean over all ranks) or ``"shift_one"`` (one peer per
+            communication, Bagua's schedule; an even number of ranks).
+        communication_interval: average on every ``communication_interval``-th step.
+    """
+
+    def __init__(self, hierarchical: bool = True, peer_selection_mode: str = "all", communication_interval: int = 1):
+        self.hierarchical, self.peer_selection_mode = hierarchical, peer_selection_mode
+        self.communication_interval = communication_interval
+
+    def reify(self, process_group: BaguaProcessGroup) -> DecentralizedAlgorithmImpl:
+        return DecentralizedAlgorithmImpl(
+            process_group, self.hierarchical, self.peer_selection_mode, self.communication_interval
+        )
+
+
+class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
+    """8-bit decentralized SGD with the ring neighbours (module docstring).
+
+    Args:
+        process_group: the group of peers.
+        hierarchical: accepted for Bagua's scripts (module docstring).
+        communication_interval: communicate on every ``communication_interval``-th step.
+    """
+
+    def __init__(
+        self, process_group: BaguaProcessGroup, hierarchical: bool = True, communication_interval: int = 1
+    ) -> None:
+        super().__init__(process_group)
+        if not isinstance(communication_interval, int) or communication_interval < 1:
+            raise ValueError(f"communication_interval must be an int >= 1, got {communication_interval!r}")
+        self.hierarchical, self.interval = hierarchical, communication_interval
+        self.layout: Optional[FlatLayout] = None
+        self.weight: dict = {}  # x_hat, by flat-buffer key
+        self.left_peer_weight: dict = {}  # L
+        self.right_peer_weight: dict = {}  # R
+
+    def init(self, ddp: "BaguaDistributedDataParallel") -> None:
+        weights = _weights(ddp)
+        stepped = {id(p) for o in ddp.bagua_optimizers for g in o.param_groups for p in g["params"]}
+        if any(id(p) not in stepped for p in weights):
+            raise RuntimeError(
+                "LowPrecisionDecentralizedAlgorithm: every synchronized parameter must be stepped by one of the "
+                "optimizers passed to with_bagua (it communicates after their step)"
+            )
+        detached = [p.detach() for p in weights]
+        self.layout = FlatLayout.of(detached)
+        self.weight = self.layout.flatten(detached)
+        self.left_peer_weight = {k: v.clone() for k, v in self.weight.items()}
+        self.right_peer_weight = {k: v.clone() for k, v in self.weight.items()}
+
+    @torch.no_grad()
+    def after_step(self, ddp: "BaguaDistributedDataParallel", optimizer: torch.optim.Optimizer) -> None:
+        if self.layout is None or optimizer is not ddp.bagua_optimizers[-1]:
+            return  # once per training step, after the last optimizer
+        if not _is_communication_step(ddp, self.interval):
+            return
+        weights = [p.detach() for p in _weights(ddp)]
+        x = self.layout.flatten(weights)
+        g = _group_of(self.process_group)
+        new = {}
+        for key in sorted(x):
+            d = x[key] + self.left_peer_weight[key] / 3 + self.right_peer_weight[key] / 3 - 5 / 3 * self.weight[key]
+            mine = quantize(d.unsqueeze(0))
+            from_left, from_right = _exchange_with_ring(mine, g)
+            self.left_peer_weight[key] += dequantize(from_left, d.dtype)[0]
+            self.right_peer_weight[key] += dequantize(from_right, d.dtype)[0]
+            new[key] = self.weight[key] + dequantize(mine, d.dtype)[0]
+            self.weight[key] = new[key].clone()
+        for p, value in zip(weights, self.layout.unflatten(new)):
+            p.copy_(value)
+
+    def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
+        n = sum(p.numel() for p in _weights(ddp))
+        return 2 * (n + 8) // self.interval  # one byte per weight plus min and max, to two neighbours
+
+    def buckets(self) -> list:
+        return [self]
+
+
+def _exchange_with_ring(message: torch.Tensor, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``message`` to both ring neighbours; return what the left and the right one sent.
+    Tags tell the two messages apart when both neighbours are one rank (two ranks)."""
+    n, rank = g.world_size, g.rank
+    if n == 1:
+        return message.clone(), message.clone()
+    left, right = (rank - 1) % n, (rank + 1) % n
+    to_global = (
+        (lambda r: r)
+        if g.group is None or g.group is dist.group.WORLD
+        else (lambda r: dist.get_global_rank(g.group, r))
+    )
+    from_left, from_right = torch.empty_like(message), torch.empty_like(message)
+    ops = [
+        dist.P2POp(dist.isend, message, to_global(right), g.group, tag=0),  # I am my right neighbour's left
+        dist.P2POp(dist.isend, message, to_global(left), g.group, tag=1),  # and my left neighbour's right
+        dist.P2POp(dist.irecv, from_left, to_global(left), g.group, tag=0),
+        dist.P2POp(dist.irecv, from_right, to_global(right), g.group, tag=1),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return from_left, from_right
+
+
+class LowPrecisionDecentralizedAlgorithm(Algorithm):
+    """Decentralized SGD exchanging 8-bit weight differences with the ring neighbours (module
+    docstring; Bagua's signature).
+
+    Args:
+        hierarchical: accepted for Bagua's scripts (module docstring).
+        communication_interval: communicate on every ``communication_interval``-th step.
+    """
+
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1) -> None:
+        self.hierarchical, self.communication_interval = hierarchical, communication_interval
+
+    def reify(self, process_group: BaguaProcessGroup) -> LowPrecisionDecentralizedAlgorithmImpl:
+        return LowPrecisionDecentralizedAlgorithmImpl(process_group, self.hierarchical, self.communication_interval)
