@@ -92,7 +92,9 @@ def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         dtype: the dtype of the result.
     """
     codes = packed[:, :-MINMAX_BYTES]
-    minmax = packed[:, -MINMAX_BYTES:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # a copy: its own storage, aligned for float32
+    minmax = (
+        packed[:, -MINMAX_BYTES:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    )  # a copy: its own storage, aligned for float32
     lo, hi = minmax[:, :1], minmax[:, 1:]
     return (lo + codes.float() * ((hi - lo) / LEVELS)).to(dtype)
 
