@@ -1,6 +1,7 @@
 """Data-parallel step on 2 gloo ranks (spawned on this machine, loopback): torch DDP vs
-functional_bagua.distributed, plus the bytes each compression hands to the collectives and the
-optimizer-state memory per rank with and without ZeRO sharding.
+functional_bagua.distributed and the Bagua compat layer (every algorithm), plus the bytes each
+variant hands to the collectives and the optimizer-state memory per rank with and without ZeRO
+sharding.
 
     python benchmarks/distributed.py                      # 2 ranks, CPU, gloo
     python benchmarks/distributed.py --ranks 4 --hidden 1024
@@ -8,7 +9,10 @@ optimizer-state memory per rank with and without ZeRO sharding.
 Every variant trains the same MLP (same weights, same batches) for the same steps; the step is
 forward + backward + gradient averaging + AdamW. Times are rank 0's median; `bytes/step` is
 the payload given to the collectives per rank and step, counted by wrapping torch's functional
-collectives (the wire traffic of a ring all-reduce is ~2(n-1)/n of it).
+collectives (the wire traffic of a ring all-reduce is ~2(n-1)/n of it); for the Bagua rows it is
+what the running algorithm reports (``bytes_per_step``: the tensors it hands to the collectives
+per training step, the codes where it compresses; the asynchronous one communicates outside the
+step, not counted).
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, table  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
+import functional_bagua.compat as bagua  # noqa: E402
 import functional_bagua.distributed as fbd  # noqa: E402
+from functional_bagua.compat.algorithms import (  # noqa: E402
+    async_model_average,
+    bytegrad,
+    decentralized,
+    gradient_allreduce,
+    q_adam,
+)
 
 COUNTED = ("all_reduce", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
 LR = 1e-3
@@ -124,6 +136,44 @@ def fb_compiled_flat(args, data):
     return step, lambda: state_bytes(holder["state"])
 
 
+def bagua_step(make_algorithm, wrap: str = "with_bagua", qadam: bool = False):
+    """A Bagua-style script's step: ``model.with_bagua([optimizer], algorithm)`` (or Bagua's
+    ``DistributedDataParallel``), then forward, backward and ``optimizer.step()``."""
+
+    def build(args, data):
+        model = make_model(args.hidden, args.layers)
+        if qadam:
+            opt = q_adam.QAdamOptimizer(model.parameters(), lr=LR, warmup_steps=args.warmup)
+            algorithm = q_adam.QAdamAlgorithm(opt)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+            algorithm = make_algorithm()
+        if wrap == "with_bagua":
+            net = model.with_bagua([opt], algorithm)
+            engine = vars(model)["_bagua_engine"]
+        else:
+            net = bagua.data_parallel.DistributedDataParallel(
+                model, optimizers=[opt], algorithm=algorithm, bucket_cap_mb=args.bucket_cap_mb
+            )
+            engine = net.inner
+
+        def step(batch):
+            x, y = batch
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+            opt.step()
+
+        def finish():
+            if isinstance(algorithm, async_model_average.AsyncModelAverageAlgorithm):
+                algorithm.abort(model)
+            return state_bytes(list(opt.state.values()))
+
+        step.bytes_per_step = engine.bytes_per_step  # type: ignore[attr-defined]
+        return step, finish
+
+    return build
+
+
 VARIANTS = {
     "torch DDP + AdamW(fused)": torch_ddp,
     "fb adamw, no communication (reference)": fb_chain(lambda a: fb.adamw(LR)),
@@ -140,6 +190,20 @@ VARIANTS = {
     "fb shard(adamw)": fb_chain(lambda a: fbd.shard(fb.adamw(LR))),
     "fb adamw + periodic_average(4)": fb_chain(lambda a: fb.chain(fb.adamw(LR), fbd.periodic_average(4))),
     "fb compiled flat step (allreduce + adamw)": fb_compiled_flat,
+    "bagua with_bagua GradientAllReduce + AdamW(fused)": bagua_step(gradient_allreduce.GradientAllReduceAlgorithm),
+    "bagua DistributedDataParallel GradientAllReduce + AdamW(fused)": bagua_step(
+        gradient_allreduce.GradientAllReduceAlgorithm, wrap="ddp"
+    ),
+    "bagua ByteGrad + AdamW(fused)": bagua_step(bytegrad.ByteGradAlgorithm),
+    "bagua Decentralized(all) + AdamW(fused)": bagua_step(decentralized.DecentralizedAlgorithm),
+    "bagua Decentralized(shift_one) + AdamW(fused)": bagua_step(
+        lambda: decentralized.DecentralizedAlgorithm(peer_selection_mode="shift_one")
+    ),
+    "bagua LowPrecisionDecentralized + AdamW(fused)": bagua_step(decentralized.LowPrecisionDecentralizedAlgorithm),
+    "bagua QAdam (8-bit momentum after the warm-up steps)": bagua_step(None, qadam=True),
+    "bagua AsyncModelAverage(50 ms) + AdamW(fused)": bagua_step(
+        lambda: async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=50)
+    ),
 }
 
 
@@ -152,6 +216,8 @@ def worker(rank, world, port, args, out_path):
     data = batches(args.steps + args.warmup, args.global_batch, rank, world)
     rows = []
     for name, build in VARIANTS.items():
+        if args.only and name != "torch DDP + AdamW(fused)" and not any(p in name for p in args.only.split(",")):
+            continue
         step, measure_state = build(args, data)
         times = []
         for i, batch in enumerate(data):
@@ -162,11 +228,12 @@ def worker(rank, world, port, args, out_path):
             step(batch)
             times.append(time.perf_counter() - start)
         timed = times[args.warmup :]
+        counted = step.bytes_per_step() if hasattr(step, "bytes_per_step") else counter[0] / len(timed)
         rows.append(
             dict(
                 variant=name,
                 ms=statistics.median(timed) * 1e3,
-                collective_mib_per_step=counter[0] / len(timed) / 2**20 if counter[0] else None,
+                collective_mib_per_step=counted / 2**20 if counted else None,
                 state_mib=measure_state() / 2**20,
             )
         )
@@ -185,6 +252,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--only", default="", help="comma-separated parts of the variant names to run (torch DDP always)"
+    )
     args = parser.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,8 @@ detaches the previous engine first.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+import weakref
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,9 +87,8 @@ class BaguaDistributedDataParallel:
         self.bagua_algorithm: AlgorithmImpl = algorithm.reify(self.process_group)
         self._in_backward = False
         self._hooks: list = [module.register_forward_pre_hook(self._before_forward)]
-        self._hooks += [
-            p.register_post_accumulate_grad_hook(self._on_gradient) for _, p in self.named_parameters_to_sync()
-        ]
+        on_gradient = _weakly(self._on_gradient)  # see GradientReducer._hook: a strong hook kept the engine alive
+        self._hooks += [p.register_post_accumulate_grad_hook(on_gradient) for _, p in self.named_parameters_to_sync()]
         self._hooks += [o.register_step_post_hook(self._after_step) for o in self.bagua_optimizers]
         self._reset()
 
@@ -217,6 +217,18 @@ class BaguaDistributedDataParallel:
     def bytes_per_step(self) -> int:
         """The bytes this rank hands to the collectives per training step (before compression)."""
         return self.bagua_algorithm.bytes_per_step(self)
+
+
+def _weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``method`` called through a weak reference to its object (nothing once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return call
 
 
 def _bagua_name(fqn: str) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import gc
 import os
 from typing import Optional, Sequence, Union
 
@@ -220,9 +221,16 @@ def init_process_group(store: Optional[dist.Store] = None) -> None:
 
 
 def _destroy_at_exit() -> None:
+    """Destroy the process group at exit, once nothing of ours references it any more: a gloo group
+    kept alive past ``destroy_process_group`` (here, by a wrapped model and its engine, which
+    reference each other and wait for the garbage collector) keeps its worker threads, and the
+    interpreter's shutdown then aborts the process ("terminate called without an active exception")."""
+    _groups.default = None
+    _groups.of_torch_group.clear()
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _groups.default = None
+    gc.collect()
 
 
 def is_initialized() -> bool:

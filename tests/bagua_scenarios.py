@@ -461,3 +461,32 @@ def every_algorithm_in_turn(rank: int, world_size: int) -> dict:
         steps[name] = model.bagua_train_step_counter
         losses = loss_fn(model(x), y).item()
     return dict(steps=steps, finite=bool(torch.isfinite(torch.tensor(losses))))
+
+
+def other_dtypes_and_compiled_modules(rank: int, world_size: int) -> dict:
+    """GradientAllReduce on a bfloat16 model, and on a model whose layer is torch.compile'd, each
+    against torch's DDP on the same model."""
+    out = {}
+    for name in ("torch", "ours"):
+        model = make_model("shapes", torch.bfloat16, seed=rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if name == "torch":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            net = model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+        for x, y in local_batches(rank, world_size):
+            opt.zero_grad()
+            loss_fn(net(x.to(torch.bfloat16)), y.to(torch.bfloat16)).backward()
+            opt.step()
+        out[f"bf16/{name}"] = state_of(model, opt)
+    for name in ("torch", "ours"):
+        model = make_model("shapes", DTYPE, seed=rank)
+        model.fc = torch.compile(model.fc, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if name == "torch":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            net = model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+        train(net, opt, local_batches(rank, world_size))
+        out[f"compiled/{name}"] = state_of(model, opt)
+    return out

@@ -168,6 +168,21 @@ def test_flatten_module_puts_params_and_grads_in_flat_buffers():
         flat.check(model)
 
 
+def test_a_flattened_module_is_freed_when_dropped():
+    """Its gradient hooks live where the garbage collector cannot see them; they must not hold the module."""
+    import gc
+    import weakref
+
+    model = make_model("shapes", torch.float32)
+    fb.flatten_module(model)
+    x, y = batches(1, torch.float32)[0]
+    loss_fn(model(x), y).backward()
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 def test_flatten_parameters_moves_a_list_into_one_buffer_per_dtype_in_list_order():
     gen = torch.Generator().manual_seed(0)
     shapes = [(3, 2), (4,), (2, 2), (5,), (1, 3)]

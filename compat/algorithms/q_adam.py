@@ -170,7 +170,9 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
 
     def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
         if self.compressing:
-            return sum(p.numel() for _, p in ddp.named_parameters_to_sync()) + 8  # uint8 codes
+            n = torch.distributed.get_world_size(self.process_group.torch_group)
+            numel = sum(p.numel() for _, p in ddp.named_parameters_to_sync())
+            return codecs.payload_bytes(numel, 4, n, "minmax_uint8")
         return self.warmup.bytes_per_step(ddp)
 
 

@@ -67,6 +67,25 @@ def all_reduce(buffers: list, group: Group, average: bool = True, compression: O
     return _minmax_uint8_all_reduce(buffers, group, average)
 
 
+def payload_bytes(numel: int, element_size: int, world_size: int, compression: Optional[str] = None) -> int:
+    """The bytes one rank hands to the collectives to all-reduce a buffer of ``numel`` elements of
+    ``element_size`` bytes with :func:`all_reduce` (the input of each collective it launches).
+
+    Args:
+        numel: the buffer's number of elements.
+        element_size: the bytes per element of the buffer.
+        world_size: the number of ranks.
+        compression: as for :func:`all_reduce`.
+    """
+    check_compression(compression)
+    if compression is None:
+        return numel * element_size
+    if compression in CAST_DTYPES:
+        return numel * 2
+    padded = numel + (-numel % world_size)
+    return padded + MINMAX_BYTES * world_size + padded // world_size + MINMAX_BYTES  # all-to-all, then all-gather
+
+
 def quantize(chunks: torch.Tensor) -> torch.Tensor:
     """Rows of ``chunks`` (float) as rows of uint8 codes followed by the row's min and max
     (float32, as 8 bytes): ``[rows, columns + 8]``.

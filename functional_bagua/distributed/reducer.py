@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -148,8 +149,11 @@ class GradientReducer:
         self._hooks = []
 
     def bytes_per_step(self) -> int:
-        """The bytes this rank hands to the collectives per step (before any compression)."""
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        """The bytes this rank hands to the collectives per synchronized backward (after compression)."""
+        n = self.group.world_size
+        return sum(
+            codecs.payload_bytes(b.buffer.numel(), b.buffer.element_size(), n, self.compression) for b in self.buckets
+        )
 
     # ---- during backward -------------------------------------------------------------------
 
@@ -164,9 +168,16 @@ class GradientReducer:
                 p.grad = view
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        """Parameter ``i``'s gradient hook. It holds the reducer weakly: the parameter keeps its
+        hooks where the garbage collector cannot see them, so a strong reference (parameter ->
+        hook -> reducer -> parameter) would keep the reducer, its buffers and its process group
+        alive for good. Keep a reference to the reducer while training."""
+        reducer = weakref.ref(self)
+
         def on_gradient(p: torch.Tensor) -> None:
-            if self.enabled:
-                self._ready(i, p)
+            me = reducer()
+            if me is not None and me.enabled:
+                me._ready(i, p)
 
         return on_gradient
 
