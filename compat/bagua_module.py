@@ -112,8 +112,14 @@ class BaguaDistributedDataParallel:
         ]
 
     def bagua_build_params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """Bagua's list of ``("{module_name}.{param_name}", parameter)`` for the synchronized parameters."""
-        return [(_bagua_name(name), p) for name, p in self.named_parameters_to_sync()]
+        """Bagua's list of ``("{module_name}.{param_name}", parameter)`` for the synchronized
+        parameters; with ``find_unused_parameters``, after a backward, only those that got a
+        gradient in it on this rank (as Bagua's)."""
+        named = [(_bagua_name(name), p) for name, p in self.named_parameters_to_sync()]
+        used = self.bagua_algorithm.used_in_last_backward() if self.find_unused_parameters else None
+        if used is None:
+            return named
+        return [pair for pair, got in zip(named, used) if got]
 
     def _states(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers not ignored, by name: what is broadcast from rank 0."""

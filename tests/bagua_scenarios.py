@@ -490,3 +490,75 @@ def other_dtypes_and_compiled_modules(rank: int, world_size: int) -> dict:
         train(net, opt, local_batches(rank, world_size))
         out[f"compiled/{name}"] = state_of(model, opt)
     return out
+
+
+def find_unused_parameters_build_params(rank: int, world_size: int) -> dict:
+    """Bagua's DDP test: after one backward, bagua_build_params names only the parameters that got
+    a gradient when find_unused_parameters is on, all of them otherwise."""
+    out = {}
+    for find_unused in (True, False):
+        torch.manual_seed(0)
+        model = PartlyUnused().to(DTYPE)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        net = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt], find_unused_parameters=find_unused)
+        x, y = local_batches(rank, world_size)[0]
+        if not find_unused:
+            import warnings
+
+            warnings.simplefilter("ignore")  # the unused parameters' warning
+        loss_fn(net(x), y).backward()
+        out[find_unused] = sorted(name for name, _ in net.inner.bagua_build_params())
+    return out
+
+
+class Net1(torch.nn.Module):
+    def __init__(self, widths: tuple) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def multi_models(rank: int, world_size: int) -> dict:
+    """Two models wrapped with one GradientAllReduceAlgorithm object, trained in turns: each equals
+    the same model under torch's DDP."""
+    shapes = ((72, 10, 4), (72, 10, 30, 20, 4))
+    out = {}
+    for name in ("torch", "ours"):
+        algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
+        pairs = []
+        for i, widths in enumerate(shapes):
+            torch.manual_seed(10 * rank + i)
+            model = Net1(widths).to(DTYPE)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            net = (
+                torch.nn.parallel.DistributedDataParallel(model)
+                if name == "torch"
+                else model.with_bagua([opt], algorithm)
+            )
+            pairs.append((model, net, opt))
+        for x, y in local_batches(rank, world_size):
+            for _, net, opt in pairs:
+                opt.zero_grad()
+                loss_fn(net(x.flatten(1)), y).backward()
+                opt.step()
+        out[name] = [state_of(model, opt) for model, _, opt in pairs]
+    return out
+
+
+def dead_rank(rank: int, world_size: int) -> str:
+    """Rank 1 dies after wrapping; rank 0's next backward fails within the process-group timeout."""
+    import os
+
+    model = make_model("shapes", DTYPE, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+    if rank == 1:
+        os._exit(1)
+    for x, y in local_batches(rank, world_size):
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return "trained alone?"

@@ -32,6 +32,8 @@ TWO_RANKS = [
     "mismatched_algorithms",
     "bad_arguments",
     "other_dtypes_and_compiled_modules",
+    "find_unused_parameters_build_params",
+    "multi_models",
 ]
 FOUR_RANKS = ["gradient_allreduce_against_torch_ddp", "model_switch", "bytegrad_against_float"]
 
@@ -115,6 +117,41 @@ def test_find_unused_parameters_like_torch_ddp(two):
         got = ok(result["find_unused_parameters_against_torch_ddp"])
         assert_same(got["ours"], got["torch"])
         assert got["ours/unused_grad_is_none"] and got["torch/unused_grad_is_none"]
+
+
+def test_build_params_names_what_got_gradients_with_find_unused_parameters(two):
+    got = ok(two[1]["find_unused_parameters_build_params"])  # rank 1 does not use "sometimes"
+    assert got[True] == ["fc.bias", "fc.weight"]
+    assert got[False] == [
+        "fc.bias",
+        "fc.weight",
+        "sometimes.bias",
+        "sometimes.weight",
+        "unused.bias",
+        "unused.weight",
+    ]
+    assert ok(two[0]["find_unused_parameters_build_params"])[True] == [
+        "fc.bias",
+        "fc.weight",
+        "sometimes.bias",
+        "sometimes.weight",
+    ]
+
+
+def test_two_models_sharing_one_algorithm_each_equal_torch_ddp(two):
+    for result in two:
+        got = ok(result["multi_models"])
+        for ours, theirs in zip(got["ours"], got["torch"]):
+            assert_same(ours, theirs)
+
+
+def test_a_rank_that_dies_makes_the_others_fail_in_bounded_time():
+    from dist_harness import PROCESS_GROUP_TIMEOUT_S
+
+    results = run_ranks(2, ["dead_rank"], timeout_s=PROCESS_GROUP_TIMEOUT_S + 60, module="bagua_scenarios")
+    error = results[0]["dead_rank"]
+    assert isinstance(error, ScenarioError), f"rank 0 did not fail: {error}"
+    assert error.seconds <= PROCESS_GROUP_TIMEOUT_S + 10, error
 
 
 def test_wrapping_broadcasts_parameters_buffers_and_optimizer_state(two):

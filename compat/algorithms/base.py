@@ -91,6 +91,11 @@ class AlgorithmImpl:
         """What Bagua called the model's buckets (``model.bagua_buckets``)."""
         return []
 
+    def used_in_last_backward(self) -> Optional[list[bool]]:
+        """Per synchronized parameter, whether it got a gradient in the last backward on this rank
+        (``None`` where the algorithm does not track it)."""
+        return None
+
     def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
         """The bytes this rank hands to the collectives in one training step (before compression).
 

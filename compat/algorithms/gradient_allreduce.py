@@ -62,6 +62,9 @@ class GradientAllReduceAlgorithmImpl(AlgorithmImpl):
     def buckets(self) -> list:
         return [] if self.reducer is None else list(self.reducer.buckets)
 
+    def used_in_last_backward(self) -> Optional[list[bool]]:
+        return None if self.reducer is None else self.reducer.used_in_last_backward
+
     def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
         return 0 if self.reducer is None else self.reducer.bytes_per_step()
 

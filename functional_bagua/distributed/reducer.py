@@ -127,6 +127,7 @@ class GradientReducer:
         self._next = 0  # the next bucket to launch
         self._pending: list = []  # (bucket, async work or lazy result), in launch order
         self._warned_unused = False
+        self.used_in_last_backward: Optional[list[bool]] = None  # this rank's, per parameter
         self._adopt_existing_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
@@ -254,6 +255,7 @@ class GradientReducer:
                 p.grad.copy_(view)
         self._pending = []
         self._next = 0
+        self.used_in_last_backward = self._received
         self._received = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.ready = 0
