@@ -350,7 +350,9 @@ def sgd_with(rank: int, world_size: int, algorithm: object, steps: int = STEPS) 
         loss_fn(model(x), y).backward()
         opt.step()
         trace.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return dict(trace=trace)
+    bucket = model.bagua_buckets[0]
+    attributes = ("_peer_weight", "_weight", "_left_peer_weight", "_right_peer_weight")
+    return dict(trace=trace, bucket={a: getattr(bucket, a).clone() for a in attributes if hasattr(bucket, a)})
 
 
 def decentralized_runs(rank: int, world_size: int) -> dict:

@@ -384,6 +384,29 @@ def test_low_precision_decentralized_equals_the_rule_written_out(world, interval
         assert_traces_close(ok(result["low_precision_runs"])[f"interval-{interval}"]["trace"], expected[rank])
 
 
+@pytest.mark.parametrize("world", ["averaging_two", "averaging_four"])
+def test_baguas_bucket_attributes(world, request):
+    """What Bagua's own tests read: the "all" average is the same on every rank; in the ring each
+    rank's x_hat is what its neighbours hold as their right (left) peer's weights."""
+    results = [ok(r["decentralized_runs"]) for r in request.getfixturevalue(world)]
+    for got in results[1:]:
+        assert torch.equal(got["all-1"]["bucket"]["_peer_weight"], results[0]["all-1"]["bucket"]["_peer_weight"])
+    ring = [ok(r["low_precision_runs"])["interval-1"]["bucket"] for r in request.getfixturevalue(world)]
+    n = len(ring)
+    for r in range(n):
+        assert torch.equal(ring[r]["_weight"], ring[(r - 1) % n]["_right_peer_weight"])
+        assert torch.equal(ring[r]["_weight"], ring[(r + 1) % n]["_left_peer_weight"])
+
+
+def test_utils_flatten_and_apply_flattened_call():
+    tensors = [torch.arange(6.0).view(2, 3), torch.ones(4)]
+    flat = bagua.utils.flatten(tensors)
+    assert torch.equal(flat, torch.cat([tensors[0].reshape(-1), tensors[1]]))
+    assert [tuple(v.shape) for v in bagua.utils.unflatten(flat, tensors)] == [(2, 3), (4,)]
+    bagua.utils.apply_flattened_call(tensors, lambda t, k: t.mul_(k), [3.0])
+    assert torch.equal(tensors[0], 3 * torch.arange(6.0).view(2, 3)) and torch.equal(tensors[1], 3 * torch.ones(4))
+
+
 def test_qadam_is_adam_on_averaged_gradients_during_warmup_then_compressed(averaging_two):
     ours = [ok(r["qadam_runs"])["ours"] for r in averaging_two]
     ref = [ok(r["qadam_runs"])["torch"] for r in averaging_two]

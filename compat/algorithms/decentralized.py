@@ -95,6 +95,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self.hierarchical, self.mode, self.interval = hierarchical, peer_selection_mode, communication_interval
         self.communications = 0
         self.peer_weight: Optional[list] = None  # the average launched before this step's forward
+        self._peer_weight: Optional[torch.Tensor] = None  # the last average, flat (Bagua's bucket attribute)
 
     def init(self, ddp: "BaguaDistributedDataParallel") -> None:
         g = _group_of(self.process_group)
@@ -119,7 +120,11 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
             return
         for p, averaged in zip(_weights(ddp), self.peer_weight):
             p.copy_(averaged)
+        self._peer_weight = torch.cat([w.reshape(-1) for w in self.peer_weight])
         self.peer_weight = None
+
+    def buckets(self) -> list:
+        return [self]
 
     def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
         total = sum(p.numel() * p.element_size() for p in _weights(ddp))
@@ -208,6 +213,19 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
 
     def buckets(self) -> list:
         return [self]
+
+    # Bagua's bucket attributes: x_hat, L and R over all the weights, flat
+    @property
+    def _weight(self) -> torch.Tensor:
+        return torch.cat([self.weight[k] for k in sorted(self.weight)])
+
+    @property
+    def _left_peer_weight(self) -> torch.Tensor:
+        return torch.cat([self.left_peer_weight[k] for k in sorted(self.left_peer_weight)])
+
+    @property
+    def _right_peer_weight(self) -> torch.Tensor:
+        return torch.cat([self.right_peer_weight[k] for k in sorted(self.right_peer_weight)])
 
 
 def _exchange_with_ring(message: torch.Tensor, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
