@@ -308,6 +308,32 @@ def communication_api(rank: int, world_size: int) -> dict:
     got = torch.empty(4, dtype=DTYPE)
     bagua.scatter(x, got, src=0)
     out["scatter"] = got
+    gathered_at_0 = torch.zeros(n * x.numel(), dtype=DTYPE)
+    bagua.gather(x, gathered_at_0, dst=0)
+    out["gather"] = gathered_at_0
+    t = fresh()
+    bagua.gather_inplace(t, count=4, dst=0)
+    out["gather_inplace"] = t
+    t = fresh()
+    bagua.scatter_inplace(t, count=4, src=0)
+    out["scatter_inplace"] = t
+    t = fresh()
+    bagua.reduce_scatter_inplace(t)
+    out["reduce_scatter_inplace"] = t
+    t = fresh()
+    bagua.alltoall_inplace(t)
+    out["alltoall_inplace"] = t
+    counts = [r + 1 for r in range(n)]  # rank r sends r + 1 elements to everyone, from offset 0
+    mine = [rank + 1] * n
+    received = torch.zeros(sum(counts), dtype=DTYPE)
+    bagua.alltoall_v(x, mine, [0] * n, received, counts, [sum(counts[:r]) for r in range(n)])
+    out["alltoall_v"] = received
+    message = torch.full((3,), float(rank), dtype=DTYPE)
+    if rank == 0:
+        bagua.send(message, dst=1)
+    elif rank == 1:
+        bagua.recv(message, src=0)
+    out["recv"] = message
     bagua.barrier()
     group = bagua.communication.new_group(ranks=[0, n - 1])
     t = fresh()

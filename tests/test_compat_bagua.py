@@ -262,6 +262,20 @@ def test_communication_api_matches_torch_collectives():
         assert torch.equal(got["alltoall"], torch.cat([x.view(n, -1)[rank] for x in xs]))
         assert torch.equal(got["scatter"], xs[0].view(n, -1)[rank])
         assert torch.equal(got["subgroup_allreduce"], sum(xs))
+        pieces = [x.view(n, -1) for x in xs]
+        assert torch.equal(
+            got["gather"], torch.cat(xs) if rank == 0 else torch.zeros(n * xs[0].numel(), dtype=torch.float64)
+        )
+        expected_gather_inplace = torch.cat([pieces[r][0] for r in range(n)])  # each rank's first count elements
+        if rank == 0:
+            assert torch.equal(got["gather_inplace"][: n * 4], expected_gather_inplace)
+        else:
+            assert torch.equal(got["gather_inplace"], xs[rank])
+        assert torch.equal(got["scatter_inplace"][:4], pieces[0][rank])
+        assert torch.equal(got["reduce_scatter_inplace"].view(n, -1)[rank], sum(pieces)[rank])
+        assert torch.equal(got["alltoall_inplace"], torch.cat([p[rank] for p in pieces]))
+        assert torch.equal(got["alltoall_v"], torch.cat([xs[r][: r + 1] for r in range(n)]))
+        assert torch.equal(got["recv"], torch.zeros(3, dtype=torch.float64))
         if rank == 0:
             assert got["from_torch_ranks"] == [0] and got["from_torch_nranks"] == 1
         else:
