@@ -590,3 +590,33 @@ def dead_rank(rank: int, world_size: int) -> str:
         loss_fn(model(x), y).backward()
         opt.step()
     return "trained alone?"
+
+
+def wrapper_attributes(rank: int, world_size: int) -> dict:
+    """What scripts read off a wrapped model: DDP's state_dict keys, the step counter, with_bagua's
+    no_sync (gradients stay local inside, as torch DDP's no_sync)."""
+    model = make_model("norm", DTYPE, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt])
+    theirs = torch.nn.parallel.DistributedDataParallel(make_model("norm", DTYPE, seed=0))
+    out: dict = dict(
+        ours_keys=list(ours.state_dict()), torch_keys=list(theirs.state_dict()), module=ours.module is model
+    )
+    wrapped = make_model("shapes", DTYPE, seed=0)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    wrapped.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+    x, y = local_batches(rank, world_size)[0]
+    with wrapped.no_sync():
+        loss_fn(wrapped(x), y).backward()
+    out["local_grad"] = wrapped.fc.weight.grad.clone()
+    wrapped.eval()
+    wrapped(x)  # an evaluation forward is not a training step
+    wrapped.train()
+    opt.zero_grad()
+    loss_fn(wrapped(x), y).backward()
+    out["synced_grad"] = wrapped.fc.weight.grad.clone()
+    out["counter"] = wrapped.bagua_train_step_counter
+    reference = make_model("shapes", DTYPE, seed=0)
+    loss_fn(reference(x), y).backward()
+    out["reference_local_grad"] = reference.fc.weight.grad.clone()
+    return out

@@ -34,6 +34,7 @@ TWO_RANKS = [
     "other_dtypes_and_compiled_modules",
     "find_unused_parameters_build_params",
     "multi_models",
+    "wrapper_attributes",
 ]
 FOUR_RANKS = ["gradient_allreduce_against_torch_ddp", "model_switch", "bytegrad_against_float"]
 
@@ -136,6 +137,18 @@ def test_build_params_names_what_got_gradients_with_find_unused_parameters(two):
         "sometimes.bias",
         "sometimes.weight",
     ]
+
+
+def test_wrapped_models_keep_torch_ddps_keys_count_steps_and_stay_local_in_no_sync(two):
+    results = [ok(r["wrapper_attributes"]) for r in two]
+    for got in results:
+        assert got["ours_keys"] == got["torch_keys"] and got["ours_keys"][0].startswith("module.")
+        assert got["module"]
+        assert torch.equal(got["local_grad"], got["reference_local_grad"])  # no_sync: this rank's own
+        assert got["counter"] == 2  # two training forwards; the evaluation one does not count
+    mean = sum(r["reference_local_grad"] for r in results) / len(results)
+    torch.testing.assert_close(results[0]["synced_grad"], mean, rtol=1e-12, atol=1e-14)
+    assert not torch.equal(results[0]["local_grad"], results[1]["local_grad"])
 
 
 def test_two_models_sharing_one_algorithm_each_equal_torch_ddp(two):
