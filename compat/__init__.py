@@ -14,7 +14,7 @@ A Bagua script runs after replacing ``import bagua.torch_api as bagua`` with
   Bagua's fused optimizer for any ``torch.optim.Optimizer`` (:mod:`functional_bagua.compat.fuse`).
 """
 
-from functional_bagua.compat import algorithms, communication, contrib, data_parallel, utils
+from functional_bagua.compat import algorithms, communication, contrib, data_parallel, optim, utils
 from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel, patch_torch_module
 from functional_bagua.compat.communication import (
     BaguaProcessGroup,
@@ -95,5 +95,6 @@ __all__ = [
     "communication",
     "contrib",
     "data_parallel",
+    "optim",
     "utils",
 ]

@@ -25,7 +25,7 @@ Example (local SGD, averaging every 4 steps after 100)::
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional, Union, overload
+from typing import Any, Callable, NamedTuple, Optional, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -74,13 +74,26 @@ def periodic_average(
         raise ValueError(f"periodic_average: warmup_steps must be an int >= 0, got {warmup_steps!r}")
 
     def due(count: torch.Tensor) -> torch.Tensor:
-        return (count >= warmup_steps) & ((count - warmup_steps) % period == 0)
+        return periodic_due(count, period, warmup_steps)
 
     def average_locals(params: list, updates: list, local: list, g: Group, count: torch.Tensor) -> list:
         return mean_over_ranks(local, g)
 
     settings = dict(period=period, warmup_steps=warmup_steps)
     return _averaging("periodic_average", settings, due, average_locals, group)
+
+
+def periodic_due(count: Any, period: int, warmup_steps: int = 0) -> Any:
+    """Whether step ``count`` (from 0) averages under ``periodic_average(period, warmup_steps)``:
+    ``count >= warmup_steps and (count - warmup_steps) % period == 0`` (a bool for an int count, a
+    0-dim bool tensor for a tensor one).
+
+    Args:
+        count: the step, an int or an integer tensor.
+        period: averages every ``period`` steps after the warmup.
+        warmup_steps: the first step that averages.
+    """
+    return (count >= warmup_steps) & ((count - warmup_steps) % period == 0)
 
 
 def decentralized(

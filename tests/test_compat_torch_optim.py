@@ -1,0 +1,91 @@
+"""functional_bagua.compat.optim against torch.distributed.optim's own classes on 2 and 4 gloo
+ranks: PostLocalSGDOptimizer with the periodic and hierarchical averagers, state dicts, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import ScenarioError, run_ranks
+
+from functional_bagua.compat.optim import averagers
+
+TWO_RANKS = [
+    "post_local_sgd_all",
+    "averagers_take_parameters_groups_and_generators",
+    "state_dict_round_trip",
+    "bad_averagers",
+]
+FOUR_RANKS = ["post_local_sgd_all"]
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_ranks(2, TWO_RANKS, module="torch_optim_scenarios")
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(4, FOUR_RANKS, module="torch_optim_scenarios")
+
+
+def ok(result):
+    assert not isinstance(result, ScenarioError), result
+    return result
+
+
+@pytest.mark.parametrize("averager", ["periodic", "hierarchical"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_post_local_sgd_equals_torchs_step_for_step(world, optimizer, averager, request):
+    """torch DDP + post_localSGD_hook, 8 float64 steps: our PostLocalSGDOptimizer with our
+    averager gives torch's parameters bit for bit after every step."""
+    for result in request.getfixturevalue(world):
+        got = ok(result["post_local_sgd_all"])
+        ours, theirs = got[f"ours/{optimizer}/{averager}"], got[f"torch/{optimizer}/{averager}"]
+        assert len(ours) == len(theirs) == 8
+        for t, (a, b) in enumerate(zip(ours, theirs)):
+            for name in b:
+                assert torch.equal(a[name], b[name]), (t, name)
+
+
+def test_averaging_is_not_a_no_op(four):
+    """The runs above would agree if nothing averaged: the ranks' parameters differ between
+    averages and agree right after one (step 5: (5 - 2) % 3 == 0)."""
+    results = [ok(r["post_local_sgd_all"])["ours/sgd/periodic"] for r in four]
+    assert not torch.equal(results[0][3]["fc.weight"], results[1][3]["fc.weight"])
+    assert all(torch.equal(r[5]["fc.weight"], results[0][5]["fc.weight"]) for r in results)
+
+
+def test_averagers_take_generators_and_param_groups_and_skip_parameters_without_gradients(two):
+    rank0, rank1 = (ok(r["averagers_take_parameters_groups_and_generators"]) for r in two)
+    for form in ("generator", "groups"):
+        for name in ("conv.weight", "fc.weight"):
+            expected = (rank0["start"][name] + rank1["start"][name]) / 2
+            torch.testing.assert_close(rank0[form][name], expected, rtol=1e-15, atol=0)
+            assert torch.equal(rank0[form][name], rank1[form][name])
+        assert torch.equal(rank0[form]["fc.bias"], rank0["start"]["fc.bias"])  # no gradient: left alone
+        assert not torch.equal(rank1[form]["fc.bias"], rank0[form]["fc.bias"])
+
+
+def test_state_dict_keeps_the_averagers_step_and_warns_when_it_is_missing(two):
+    got = ok(two[0]["state_dict_round_trip"])
+    assert got["saved_step"] == 3 and got["loaded_step"] == 3 and got["loaded_state_equal"]
+    assert got["missing_step"] == 0
+    assert any("does not contain a step counter" in w for w in got["warnings"])
+
+
+def test_bad_averagers_and_optimizers_are_named(two):
+    got = ok(two[0]["bad_averagers"])
+    assert got["period 0"][0] == "ValueError" and "period" in got["period 0"][1]
+    assert got["negative warmup"][0] == "ValueError"
+    assert got["empty hierarchy"][0] == "ValueError" and "must not be empty" in got["empty hierarchy"][1]
+    assert (
+        got["last size not the world"][0] == "ValueError"
+        and "must be equal to the size" in got["last size not the world"][1]
+    )
+    assert got["not an optimizer"][0] == "TypeError"
+
+
+def test_an_averager_without_a_process_group_says_so():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        averagers.PeriodicModelAverager(period=2)
