@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -141,4 +142,175 @@ def bad_averagers(rank: int, world_size: int) -> dict:
             out[name] = None
         except Exception as e:  # the test reads type and message
             out[name] = (type(e).__name__, str(e))
+    return out
+
+
+# ---- ZeroRedundancyOptimizer -------------------------------------------------------------------
+
+ZERO_CASES = {
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    "adam-for-loop": (torch.optim.Adam, dict(lr=1e-2, foreach=False)),
+    "adamw-foreach": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=True)),
+    "adamw-fused": (torch.optim.AdamW, dict(lr=1e-2, fused=True)),
+}
+
+
+def zero_optimizer(which: str, params: Any, case: str, **kwargs: Any) -> Any:
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    cls, defaults = ZERO_CASES[case]
+    zero = ours.ZeroRedundancyOptimizer if which == "ours" else TorchZero
+    return zero(params, optimizer_class=cls, **defaults, **kwargs)
+
+
+def zero_train(rank: int, world_size: int, which: str, case: str, setup: str, steps: int = 6) -> dict:
+    """DDP + a ZeroRedundancyOptimizer (torch's or ours): parameters after each step and the
+    consolidated state dict on rank 0. ``setup``: "plain", "bucket_view" or "groups" (two param
+    groups, a third added after 3 steps)."""
+    model = make_model("shapes", DTYPE, seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if setup == "groups":
+        params: Any = [{"params": [model.conv.weight, model.conv.bias]}, {"params": [model.fc.weight], "lr": 0.05}]
+    else:
+        params = model.parameters()
+    opt = zero_optimizer(which, params, case, parameters_as_bucket_view=setup == "bucket_view")
+    trace = []
+    for t, (x, y) in enumerate(local_batches(rank, world_size, steps=steps)):
+        if setup == "groups" and t == 3:
+            opt.add_param_group({"params": [model.fc.bias, model.scale], "lr": 0.02})
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        trace.append(params_of(model))
+    opt.consolidate_state_dict(to=0)
+    views = None
+    if setup == "bucket_view":
+        storages = {b.untyped_storage().data_ptr() for buckets in opt._buckets for b in buckets}
+        views = all(p.untyped_storage().data_ptr() in storages for p in model.parameters())
+    return dict(
+        trace=trace,
+        state=opt.state_dict() if rank == 0 else None,
+        local_entries=len(opt.optim.state),
+        total=sum(len(g["params"]) for g in opt.param_groups),
+        params_view_buckets=views,
+    )
+
+
+def zero_all(rank: int, world_size: int) -> dict:
+    out = {}
+    for case in ZERO_CASES:
+        for setup in ("plain", "bucket_view", "groups"):
+            for which in ("torch", "ours"):
+                out[f"{which}/{case}/{setup}"] = zero_train(rank, world_size, which, case, setup)
+    return out
+
+
+def _resume(rank: int, world_size: int, case: str, params: dict, state: dict, data: list, zero: bool) -> list:
+    """Continue from ``params`` and a whole-optimizer ``state``: with our ZeRO, or with the plain
+    optimizer class (every rank holding all the state) under DDP."""
+    model = make_model("shapes", DTYPE, seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    cls, defaults = ZERO_CASES[case]
+    opt = zero_optimizer("ours", model.parameters(), case) if zero else cls(model.parameters(), **defaults)
+    opt.load_state_dict(state)
+    trace = []
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        trace.append(params_of(model))
+    return trace
+
+
+def zero_resume(rank: int, world_size: int) -> dict:
+    """Save after 3 steps (consolidated, rank 0's state given to every rank) and resume for 3 more:
+    the same numbers as 6 uninterrupted steps."""
+    out = {}
+    for case in ("sgd", "adamw-fused"):
+        data = local_batches(rank, world_size, steps=6)
+        model = make_model("shapes", DTYPE, seed=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = zero_optimizer("ours", model.parameters(), case)
+        trace = []
+        for t, (x, y) in enumerate(data):
+            opt.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+            trace.append(params_of(model))
+            if t == 2:
+                opt.consolidate_state_dict(to=0)
+                payload = [opt.state_dict() if rank == 0 else None]
+                dist.broadcast_object_list(payload, src=0)
+                saved = (params_of(model), payload[0])
+        out[case] = dict(uninterrupted=trace[3:], resumed=_resume(rank, world_size, case, *saved, data[3:], zero=True))
+    return out
+
+
+def zero_save_for_other_world(rank: int, world_size: int) -> str:
+    """Train 3 steps on this world size and save the parameters and the consolidated state."""
+    import os
+
+    model = make_model("shapes", DTYPE, seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = zero_optimizer("ours", model.parameters(), "adam-for-loop")
+    for x, y in local_batches(rank, world_size, steps=3):
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save((params_of(model), opt.state_dict()), os.path.join(os.environ["FB_TEST_DIR"], "zero.pt"))
+    dist.barrier()
+    return "saved"
+
+
+def zero_load_from_other_world(rank: int, world_size: int) -> dict:
+    """Load what zero_save_for_other_world saved on another world size and train 3 steps, with our
+    ZeRO and with the plain optimizer class holding the whole state."""
+    import os
+
+    params, state = torch.load(os.path.join(os.environ["FB_TEST_DIR"], "zero.pt"), weights_only=False)
+    data = local_batches(rank, world_size, steps=3)
+    return dict(
+        zero=_resume(rank, world_size, "adam-for-loop", params, state, data, zero=True),
+        plain=_resume(rank, world_size, "adam-for-loop", params, state, data, zero=False),
+    )
+
+
+def zero_bad_input(rank: int, world_size: int) -> dict:
+    model = make_model("shapes", DTYPE, seed=0)
+    out = {}
+    for name, call in {
+        "state_dict before consolidating": lambda: zero_optimizer("ours", model.parameters(), "sgd").state_dict(),
+        "optimizer_class not a class": lambda: ours.ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD(model.parameters(), lr=0.1), lr=0.1
+        ),
+        "empty parameters": lambda: zero_optimizer("ours", [], "sgd"),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # the test reads type and message
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def zero_join_uneven_inputs(rank: int, world_size: int) -> dict:
+    """Under torch's Join with DDP, rank r has 3 + r batches: ours and torch's ZeRO end equal."""
+    from torch.distributed.algorithms.join import Join
+
+    out = {}
+    for which in ("torch", "ours"):
+        model = make_model("shapes", DTYPE, seed=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = zero_optimizer(which, model.parameters(), "adam-for-loop")
+        with Join([ddp, opt]):
+            for x, y in local_batches(rank, world_size, steps=6)[: 3 + rank]:
+                opt.zero_grad()
+                loss_fn(ddp(x), y).backward()
+                opt.step()
+        out[which] = params_of(model)
     return out

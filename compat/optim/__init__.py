@@ -2,10 +2,12 @@
 ``functional_bagua.compat.optim`` (and ``torch.distributed.algorithms.model_averaging.averagers`` to
 ``functional_bagua.compat.optim.averagers``).
 
+- :class:`ZeroRedundancyOptimizer` (:mod:`~functional_bagua.compat.optim.zero`);
 - :class:`PostLocalSGDOptimizer` with the averagers of :mod:`~functional_bagua.compat.optim.averagers`.
 """
 
 from functional_bagua.compat.optim import averagers
 from functional_bagua.compat.optim.post_local_sgd import PostLocalSGDOptimizer
+from functional_bagua.compat.optim.zero import ZeroRedundancyOptimizer
 
-__all__ = ["PostLocalSGDOptimizer", "averagers"]
+__all__ = ["PostLocalSGDOptimizer", "ZeroRedundancyOptimizer", "averagers"]

@@ -1,0 +1,328 @@
+"""torch's ``ZeroRedundancyOptimizer``: each rank keeps the optimizer state of its shard of the
+parameters only (ZeRO stage 1).
+
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    loss_fn(ddp_model(x), y).backward()      # gradients averaged by DDP
+    optimizer.step()                          # this rank's shard stepped, then every shard broadcast
+
+The partition is torch's: for each param group in turn, its parameters, largest first, go one by
+one to the rank holding the fewest elements so far; each parameter belongs to one rank. A step
+runs ``optimizer_class`` (torch's or a user's) on this rank's parameters, then every rank
+broadcasts the parameters it owns (with ``parameters_as_bucket_view``, one flat buffer per rank
+and device, which the parameters view: :func:`functional_bagua.flat.flatten_parameters`). So the
+numbers are those of ``optimizer_class`` on all the parameters, with ``1/world`` of its state per rank.
+
+``consolidate_state_dict(to)`` gathers the ranks' local states on rank ``to``; ``state_dict()`` (an
+error there before it) returns torch's optimizer format over all the parameters, keyed by their
+index in ``param_groups``, which ``optimizer_class`` itself can load. Beyond torch:
+``load_state_dict`` takes such a state saved at any world size (each rank keeps what it owns now),
+and loads through the local optimizer's own ``load_state_dict``, so a fused optimizer's ``step``
+tensors land where it needs them (torch moved every 0-dim state tensor to the CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from itertools import chain
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from functional_bagua.flat import flatten_parameters
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+def partition(param_groups: list[dict[str, Any]], world_size: int) -> list[list[dict[str, Any]]]:
+    """torch's partition (module docstring): per rank, its param groups (copies of ``param_groups``
+    holding that rank's parameters, possibly none).
+
+    Args:
+        param_groups: the optimizer's param groups.
+        world_size: the number of ranks.
+    """
+    per_rank: list[list[dict[str, Any]]] = [[] for _ in range(world_size)]
+    sizes = [0] * world_size
+    for group in param_groups:
+        owned: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+        for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
+            rank = sizes.index(min(sizes))
+            owned[rank].append(p)
+            sizes[rank] += p.numel()
+        for rank in range(world_size):
+            per_rank[rank].append({**group, "params": owned[rank]})
+    return per_rank
+
+
+def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Every key but ``params`` from each group of ``source`` into the matching group of ``target``."""
+    for src, dst in zip(source, target):
+        dst.update({k: v for k, v in src.items() if k != "params"})
+
+
+class _ZeroJoinHook(JoinHook):
+    """Under ``Join``, a rank out of inputs still steps, so that the others' broadcasts find it."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer") -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
+    """``optimizer_class`` with its state sharded over the ranks (module docstring).
+
+    Args:
+        params: parameters or param groups, as for any torch optimizer.
+        optimizer_class: the optimizer class each rank runs on its shard (a class; torch's or a user's).
+        process_group: the group; ``None`` for the default group.
+        parameters_as_bucket_view: keep each rank's parameters in one flat buffer per device and
+            broadcast those (fewer, larger broadcasts).
+        overlap_with_ddp: not supported yet (a NotImplementedError names the alternative).
+        defaults: ``optimizer_class``'s arguments (``lr=...``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        process_group: Optional[dist.ProcessGroup] = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        **defaults: Any,
+    ) -> None:
+        if not inspect.isclass(optimizer_class):
+            raise TypeError(
+                f"ZeroRedundancyOptimizer: optimizer_class must be an optimizer class such as torch.optim.AdamW, "
+                f"got {type(optimizer_class).__name__} {optimizer_class!r}"
+            )
+        if overlap_with_ddp:
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not supported here yet; step it after DDP's "
+                "backward (overlap_with_ddp=False)"
+            )
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group() first"
+            )
+        params = _checked_params(params)
+        self.initialized = False
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+        self.process_group: dist.ProcessGroup = dist.group.WORLD if process_group is None else process_group  # type: ignore[assignment]
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.global_rank = dist.get_global_rank(self.process_group, self.rank)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._optimizer_class: Callable[..., torch.optim.Optimizer] = optimizer_class  # type: ignore[assignment]
+        self._defaults = defaults
+        self._partition = partition(self.param_groups, self.world_size)
+        self.optim: torch.optim.Optimizer = self._optimizer_class(self._partition[self.rank], **defaults)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._trainable = self._trainable_mask()
+        self._buckets: list[list[torch.Tensor]] = []  # per rank, its flat buffers
+        self._build_buckets()
+        self._all_state_dicts: list[dict[str, Any]] = []
+        self.initialized = True
+
+    # ---- who owns what ---------------------------------------------------------------------------
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return list(chain.from_iterable(g["params"] for g in self.param_groups))
+
+    def _owner(self) -> dict[int, int]:
+        """``id(param) -> rank`` of the current partition."""
+        return {id(p): rank for rank, groups in enumerate(self._partition) for g in groups for p in g["params"]}
+
+    def _trainable_mask(self) -> list[bool]:
+        return [p.requires_grad for p in self._all_params()]
+
+    def _build_buckets(self) -> None:
+        """With ``parameters_as_bucket_view``, each rank's trainable parameters move into flat
+        buffers (one per dtype and device) that they view; frozen ones get storage of their own."""
+        self._buckets = []
+        if not self.parameters_as_bucket_view:
+            return
+        for groups in self._partition:
+            owned = [p for g in groups for p in g["params"]]
+            for p in owned:
+                if not p.requires_grad:
+                    p.data = p.data.detach().clone()
+            trainable = [p for p in owned if p.requires_grad]
+            self._buckets.append(list(flatten_parameters(trainable)[1].values()) if trainable else [])
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        """Step this rank's shard with ``optimizer_class``, then broadcast every rank's parameters.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, for optimizers that need it.
+            kwargs: passed to the local optimizer's ``step``.
+        """
+        Join.notify_join_context(self)
+        mask = self._trainable_mask()
+        if mask != self._trainable:
+            logger.warning("ZeroRedundancyOptimizer: the trainable parameters changed; rebuilding the buckets")
+            self._build_buckets()
+            self._trainable = mask
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._broadcast_shards()
+        return loss
+
+    @torch.no_grad()
+    def _broadcast_shards(self) -> None:
+        """Every rank's parameters (or buffers) from their owner, launched together, then awaited."""
+        works = []
+        for rank in range(self.world_size):
+            src = dist.get_global_rank(self.process_group, rank)
+            tensors = (
+                self._buckets[rank]
+                if self.parameters_as_bucket_view
+                else [p.data for g in self._partition[rank] for p in g["params"]]
+            )
+            works += [dist.broadcast(t, src, group=self.process_group, async_op=True) for t in tensors]
+        for work in works:
+            work.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the gradients of all the parameters, owned or not.
+
+        Args:
+            set_to_none: drop the gradients instead of zeroing them.
+        """
+        torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group on every rank (every rank must call it); this rank's optimizer gets its
+        share of the new parameters (the partition of the earlier groups does not change).
+
+        Args:
+            param_group: a param group, as torch's optimizers take it.
+        """
+        super().add_param_group(param_group)
+        if not self.initialized:
+            return
+        self._partition = partition(self.param_groups, self.world_size)
+        self.optim.add_param_group(self._partition[self.rank][-1])
+        self._trainable = self._trainable_mask()
+        self._build_buckets()
+
+    # ---- state dicts ------------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's local optimizer state on rank ``to`` (every rank must call it).
+
+        Args:
+            to: the rank (within the process group) that receives the states.
+        """
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        gathered: Optional[list] = [None] * self.world_size if self.rank == to else None
+        dist.gather_object(
+            self.optim.state_dict(),
+            gathered,
+            dst=dist.get_global_rank(self.process_group, to),
+            group=self.process_group,
+        )
+        self._all_state_dicts = list(gathered) if gathered is not None else []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state in torch's format (parameters indexed over ``param_groups``),
+        as last consolidated on this rank.
+
+        Raises:
+            RuntimeError: before :meth:`consolidate_state_dict` brought the states to this rank.
+        """
+        if not self._all_state_dicts:
+            raise RuntimeError(
+                "Optimizer state has not been consolidated on this rank. Please call "
+                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant to save the global state."
+            )
+        index = {id(p): i for i, p in enumerate(self._all_params())}
+        packed = torch.optim.Optimizer.state_dict(self)
+        state: dict[int, Any] = {}
+        for rank, local in enumerate(self._all_state_dicts):
+            owned = [p for g in self._partition[rank] for p in g["params"]]
+            for local_index, p in enumerate(owned):  # torch numbers a local optimizer's parameters in order
+                if local_index in local["state"]:
+                    state[index[id(p)]] = local["state"][local_index]
+        packed["state"] = dict(sorted(state.items()))
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole-optimizer state (from :meth:`state_dict`, saved at any world size, or from
+        ``optimizer_class`` itself): this rank keeps the entries of the parameters it owns.
+
+        Args:
+            state_dict: torch's optimizer format over all the parameters.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "ZeroRedundancyOptimizer.load_state_dict: the state dict's param groups do not match this "
+                f"optimizer's ({[len(g['params']) for g in groups]} vs {[len(g['params']) for g in self.param_groups]} parameters)"
+            )
+        index = {id(p): i for i, p in enumerate(self._all_params())}
+        local_state, local_index = {}, 0
+        local_groups = []
+        for group, mine in zip(groups, self._partition[self.rank]):
+            indices = []
+            for p in mine["params"]:
+                saved = state_dict["state"].get(index[id(p)])
+                if saved is not None:
+                    local_state[local_index] = copy.deepcopy(saved)
+                indices.append(local_index)
+                local_index += 1
+            local_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+
+    # ---- Join ---------------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that keeps a rank without inputs stepping under ``torch.distributed.algorithms.Join``.
+
+        Args:
+            kwargs: unused (torch's signature).
+        """
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._all_params()[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+
+def _checked_params(params: Iterable[Any]) -> list[Any]:
+    """``params`` as a list of tensors or of param groups; a clear error for anything else."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}")
+    try:
+        listed = list(params)
+    except TypeError as e:
+        raise TypeError(
+            f"`params` argument should be an iterable of Tensors or dicts, but got {type(params).__name__}"
+        ) from e
+    if not listed:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if not (all(isinstance(p, torch.Tensor) for p in listed) or all(isinstance(p, dict) for p in listed)):
+        raise TypeError("`params` argument should be an iterable of Tensors or dicts")
+    for group in listed:
+        if isinstance(group, dict) and "params" not in group:
+            raise ValueError("each parameter group passed in `params` needs a 'params' key")
+    return listed
