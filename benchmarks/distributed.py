@@ -174,6 +174,67 @@ def bagua_step(make_algorithm, wrap: str = "with_bagua", qadam: bool = False):
     return build
 
 
+def zero_step(which: str):
+    """DDP + ZeroRedundancyOptimizer(AdamW fused), torch's or functional_bagua.compat's."""
+
+    def build(args, data):
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+        from functional_bagua.compat.optim import ZeroRedundancyOptimizer as OurZero
+
+        model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
+        zero = TorchZero if which == "torch" else OurZero
+        opt = zero(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
+
+        def step(batch):
+            x, y = batch
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        return step, lambda: state_bytes(list(opt.optim.state.values()))
+
+    return build
+
+
+def post_local_sgd_step(which: str):
+    """DDP with post_localSGD_hook (local after the warm-up steps) + PostLocalSGDOptimizer(AdamW
+    fused, PeriodicModelAverager(4)), torch's or functional_bagua.compat's."""
+
+    def build(args, data):
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+            PostLocalSGDState,
+            post_localSGD_hook,
+        )
+        from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+        from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocal
+
+        from functional_bagua.compat import optim as ours
+
+        model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
+        alone, _ = dist.new_subgroups(group_size=1)
+        model.register_comm_hook(
+            PostLocalSGDState(process_group=None, subgroup=alone, start_localSGD_iter=args.warmup), post_localSGD_hook
+        )
+        local = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        if which == "torch":
+            opt = TorchPostLocal(local, torch_averagers.PeriodicModelAverager(period=4, warmup_steps=args.warmup))
+        else:
+            opt = ours.PostLocalSGDOptimizer(
+                local, ours.averagers.PeriodicModelAverager(period=4, warmup_steps=args.warmup)
+            )
+
+        def step(batch):
+            x, y = batch
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        return step, lambda: state_bytes(list(local.state.values()))
+
+    return build
+
+
 VARIANTS = {
     "torch DDP + AdamW(fused)": torch_ddp,
     "fb adamw, no communication (reference)": fb_chain(lambda a: fb.adamw(LR)),
@@ -204,6 +265,10 @@ VARIANTS = {
     "bagua AsyncModelAverage(50 ms) + AdamW(fused)": bagua_step(
         lambda: async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=50)
     ),
+    "torch ZeroRedundancyOptimizer(AdamW fused) + DDP": zero_step("torch"),
+    "compat ZeroRedundancyOptimizer(AdamW fused) + DDP": zero_step("ours"),
+    "torch PostLocalSGDOptimizer(AdamW fused, period 4) + DDP": post_local_sgd_step("torch"),
+    "compat PostLocalSGDOptimizer(AdamW fused, period 4) + DDP": post_local_sgd_step("ours"),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -130,3 +131,20 @@ def test_bagua_script_runs_under_torchrun_and_learns(flags, replicas_equal):
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], result.stdout
     spread = float(result.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
     assert (spread == 0) == replicas_equal, result.stdout
+
+
+def test_zero_example_keeps_a_shard_of_the_state_and_its_consolidated_state_loads_into_adamw():
+    result = run_distributed_example("--steps", "40", script="zero_postlocal.py")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    means = next(line for line in result.stdout.splitlines() if line.startswith("mean loss")).split()
+    assert float(means[-1]) < float(means[7].rstrip(",")), result.stdout
+    line = next(line for line in result.stdout.splitlines() if "kept" in line)
+    kept, whole, loaded = (int(n) for n in re.findall(r"kept (\d+) of the (\d+) .* with (\d+) elements", line)[0])
+    assert 0 < kept < whole == loaded, line
+    assert "the ranks' parameters differ by at most 0" in result.stdout
+
+
+def test_post_local_sgd_example_says_how_far_apart_the_ranks_are():
+    result = run_distributed_example("--steps", "40", "--post-local-sgd", script="zero_postlocal.py")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "right after each of the 5 averages the ranks agreed to within" in result.stdout, result.stdout
