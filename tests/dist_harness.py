@@ -96,3 +96,50 @@ def run_ranks(
             path = os.path.join(out_dir, f"rank{r}.pt")
             results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
         return results
+
+
+def _rpc_entry(rank: int, world_size: int, port: int, names: list, out_dir: str, module: str) -> None:
+    import torch.distributed.rpc as rpc
+
+    scenarios = importlib.import_module(module)
+    torch.set_num_threads(1)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=PROCESS_GROUP_TIMEOUT_S, _transports=["uv"]
+    )
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    results = {}
+    if rank == 0:  # the client; the other workers own parameters and serve its calls
+        for name in names:
+            start = time.monotonic()
+            try:
+                results[name] = getattr(scenarios, name)(world_size)
+            except Exception as e:  # reported to the test, which decides
+                results[name] = ScenarioError(type(e).__name__, str(e), time.monotonic() - start)
+        torch.save(results, os.path.join(out_dir, "worker0.pt"))
+    rpc.shutdown()
+
+
+def run_rpc(world_size: int, names: list, module: str, timeout_s: float = 300) -> dict:
+    """``results[name]`` of each scenario ``name(world_size)`` of ``module``, run on worker 0 of
+    ``world_size`` RPC workers (TensorPipe on loopback); the others serve."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [
+            ctx.Process(target=_rpc_entry, args=(r, world_size, port, names, out_dir, module))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise TimeoutError(f"workers {hung} still running after {timeout_s} s: {names}")
+        path = os.path.join(out_dir, "worker0.pt")
+        return torch.load(path, weights_only=False) if os.path.exists(path) else {}

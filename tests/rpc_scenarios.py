@@ -1,0 +1,152 @@
+"""Scenarios of functional_bagua.compat.optim.DistributedOptimizer, run on worker 0 of several RPC
+workers by dist_harness.run_rpc; the parameters live on workers 1 and 2."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
+from functional_bagua.compat.optim import DistributedOptimizer
+
+DTYPE = torch.float64
+SHAPES = {"w1": (3, 4), "b1": (4,), "w2": (4, 2)}
+OWNERS = {"w1": "worker1", "b1": "worker1", "w2": "worker2"}
+
+
+def make_param(seed: int, shape: tuple, requires_grad: bool = True) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=DTYPE).requires_grad_(requires_grad)
+
+
+def remote_params() -> dict:
+    return {
+        name: rpc.remote(OWNERS[name], make_param, args=(i, shape)) for i, (name, shape) in enumerate(SHAPES.items())
+    }
+
+
+def data(steps: int) -> list:
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(5, 3, generator=gen, dtype=DTYPE), torch.randn(5, 2, generator=gen, dtype=DTYPE))
+        for _ in range(steps)
+    ]
+
+
+def train(optimizer_cls: Any, which: str, steps: int = 5, **kwargs: Any) -> list:
+    """A two-layer model whose weights live on workers 1 and 2; on step 2 the bias is not used (no
+    gradient; it is not even fetched: distributed autograd waits for a gradient of every tensor
+    fetched in the context). The parameters after each step."""
+    rrefs = remote_params()
+    dist_optimizer = (DistributedOptimizer if which == "ours" else TorchDistributedOptimizer)(
+        optimizer_cls, list(rrefs.values()), **kwargs
+    )
+    trace = []
+    for t, (x, y) in enumerate(data(steps)):
+        with dist_autograd.context() as context_id:
+            w1, w2 = rrefs["w1"].to_here(), rrefs["w2"].to_here()
+            hidden = x @ w1 if t == 2 else x @ w1 + rrefs["b1"].to_here()  # step 2 does not fetch (use) b1
+            loss = ((torch.tanh(hidden) @ w2 - y) ** 2).mean()
+            dist_autograd.backward(context_id, [loss])
+            dist_optimizer.step(context_id)
+        trace.append({n: r.to_here().detach().clone() for n, r in rrefs.items()})
+    return trace
+
+
+def against_torch(world_size: int) -> dict:
+    out = {}
+    for name, (cls, kwargs) in {
+        "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+        "adam": (torch.optim.Adam, dict(lr=1e-2)),
+        "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    }.items():
+        out[name] = dict(ours=train(cls, "ours", **kwargs), torch=train(cls, "torch", **kwargs))
+    # torch's DistributedOptimizer refuses foreach=True (TorchScript); ours drops the flag
+    out["adamw-foreach"] = dict(
+        ours=train(torch.optim.AdamW, "ours", lr=1e-2, weight_decay=0.1, foreach=True), torch=out["adamw"]["torch"]
+    )
+    try:
+        train(torch.optim.AdamW, "torch", lr=1e-2, weight_decay=0.1, foreach=True)
+        out["torch refuses foreach"] = None
+    except RuntimeError as e:
+        out["torch refuses foreach"] = str(e)
+    return out
+
+
+class Scaled(torch.optim.Optimizer):
+    """A user's optimizer (no functional_bagua alias): p <- p - lr * grad."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def custom_class(world_size: int) -> dict:
+    """A class without an alias runs itself; the same as torch's DistributedOptimizer with it."""
+    return dict(ours=train(Scaled, "ours", lr=0.1), torch=train(Scaled, "torch", lr=0.1))
+
+
+def concurrent_clients(world_size: int) -> dict:
+    """Two threads step one DistributedOptimizer at once, 6 steps each, with gradients of ones:
+    every step lands (serialized per worker)."""
+    rrefs = remote_params()
+    start = {n: r.to_here().detach().clone() for n, r in rrefs.items()}
+    optimizer = DistributedOptimizer(torch.optim.SGD, list(rrefs.values()), lr=0.125)
+
+    def client() -> None:
+        for _ in range(6):
+            with dist_autograd.context() as context_id:
+                loss = sum(r.to_here().sum() for r in rrefs.values())
+                dist_autograd.backward(context_id, [loss])
+                optimizer.step(context_id)
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return dict(start=start, end={n: r.to_here().detach().clone() for n, r in rrefs.items()})
+
+
+class Failing(torch.optim.Optimizer):
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError("this optimizer fails on purpose")
+
+
+def errors(world_size: int) -> dict:
+    out: dict = {}
+    rrefs = remote_params()
+    for name, call in {
+        "remote step error": lambda: _one_step(DistributedOptimizer(Failing, list(rrefs.values())), rrefs),
+        "remote constructor error": lambda: DistributedOptimizer(torch.optim.SGD, list(rrefs.values()), lr=-1.0),
+        "tensor without grad": lambda: DistributedOptimizer(
+            torch.optim.SGD, [rpc.remote("worker1", make_param, args=(0, (2,), False))], lr=0.1
+        ),
+        "not an rref": lambda: DistributedOptimizer(torch.optim.SGD, [torch.ones(2, requires_grad=True)], lr=0.1),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # the test reads type and message
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def _one_step(optimizer: Any, rrefs: dict) -> None:
+    with dist_autograd.context() as context_id:
+        loss = sum(r.to_here().sum() for r in rrefs.values())
+        dist_autograd.backward(context_id, [loss])
+        optimizer.step(context_id)
