@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from helpers import errors_of
 from models import batches, loss_fn, make_model
 
 import functional_bagua.compat as bagua
@@ -241,24 +242,19 @@ def mismatched_algorithms(rank: int, world_size: int) -> str:
 def bad_arguments(rank: int, world_size: int) -> dict:
     """Mistakes found before any collective: the same on every rank."""
     model, other = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    out = {}
-    for name, call in {
-        "not an algorithm": lambda: model.with_bagua(
-            [torch.optim.SGD(model.parameters(), lr=0.1)], "gradient_allreduce"
-        ),
-        "optimizer of another model": lambda: model.with_bagua(
-            [torch.optim.SGD(other.parameters(), lr=0.1)], gradient_allreduce.GradientAllReduceAlgorithm()
-        ),
-        "not a process group": lambda: model.with_bagua(
-            [torch.optim.SGD(model.parameters(), lr=0.1)], gradient_allreduce.GradientAllReduceAlgorithm(), 42
-        ),
-    }.items():
-        try:
-            call()
-            out[name] = None
-        except Exception as e:  # the test reads type and message
-            out[name] = (type(e).__name__, str(e))
-    return out
+    return errors_of(
+        {
+            "not an algorithm": lambda: model.with_bagua(
+                [torch.optim.SGD(model.parameters(), lr=0.1)], "gradient_allreduce"
+            ),
+            "optimizer of another model": lambda: model.with_bagua(
+                [torch.optim.SGD(other.parameters(), lr=0.1)], gradient_allreduce.GradientAllReduceAlgorithm()
+            ),
+            "not a process group": lambda: model.with_bagua(
+                [torch.optim.SGD(model.parameters(), lr=0.1)], gradient_allreduce.GradientAllReduceAlgorithm(), 42
+            ),
+        }
+    )
 
 
 # ---- communication ---------------------------------------------------------------------------------

@@ -66,31 +66,36 @@ def _entry(rank: int, world_size: int, port: int, names: list, out_dir: str, mod
         dist.destroy_process_group()
 
 
+def _spawn_and_join(target, args_per_process: list, timeout_s: float, names: list) -> None:  # noqa: ANN001
+    """Start one spawned process per argument tuple and join them all by ``timeout_s``; a process
+    still running then is killed and reported as a TimeoutError (a hang fails fast)."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args) for args in args_per_process]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if hung:
+        raise TimeoutError(f"processes {hung} still running after {timeout_s} s: {names}")
+
+
 def run_ranks(
     world_size: int, names: list, timeout_s: float = 300, module: str = "dist_scenarios", init: bool = True
 ) -> list[dict]:
     """``results[rank][name]`` of each scenario of ``module`` run on ``world_size`` ranks, in order.
     With ``init=False`` the scenarios initialize torch.distributed themselves (torchrun's variables
     are set either way)."""
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        procs = [
-            ctx.Process(target=_entry, args=(r, world_size, port, names, out_dir, module, init))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if hung:
-            raise TimeoutError(f"ranks {hung} still running after {timeout_s} s: {names}")
+        _spawn_and_join(
+            _entry, [(r, world_size, port, names, out_dir, module, init) for r in range(world_size)], timeout_s, names
+        )
         results = []
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pt")
@@ -122,24 +127,10 @@ def _rpc_entry(rank: int, world_size: int, port: int, names: list, out_dir: str,
 def run_rpc(world_size: int, names: list, module: str, timeout_s: float = 300) -> dict:
     """``results[name]`` of each scenario ``name(world_size)`` of ``module``, run on worker 0 of
     ``world_size`` RPC workers (TensorPipe on loopback); the others serve."""
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        procs = [
-            ctx.Process(target=_rpc_entry, args=(r, world_size, port, names, out_dir, module))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if hung:
-            raise TimeoutError(f"workers {hung} still running after {timeout_s} s: {names}")
+        _spawn_and_join(
+            _rpc_entry, [(r, world_size, port, names, out_dir, module) for r in range(world_size)], timeout_s, names
+        )
         path = os.path.join(out_dir, "worker0.pt")
         return torch.load(path, weights_only=False) if os.path.exists(path) else {}

@@ -66,3 +66,16 @@ def assert_trees_equal(a, b):
             assert x.dtype == y.dtype and torch.equal(x, y)
         else:
             assert x == y
+
+
+def errors_of(calls: dict) -> dict:
+    """``{name: (exception type name, message)}`` of each call that raised (``None`` if it did not):
+    for scenarios that try bad input on a rank and hand the errors back to the test."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # the test reads type and message
+            out[name] = (type(e).__name__, str(e))
+    return out

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+from helpers import errors_of
 from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
 from functional_bagua.compat.optim import DistributedOptimizer
@@ -127,22 +128,17 @@ class Failing(torch.optim.Optimizer):
 
 
 def errors(world_size: int) -> dict:
-    out: dict = {}
     rrefs = remote_params()
-    for name, call in {
-        "remote step error": lambda: _one_step(DistributedOptimizer(Failing, list(rrefs.values())), rrefs),
-        "remote constructor error": lambda: DistributedOptimizer(torch.optim.SGD, list(rrefs.values()), lr=-1.0),
-        "tensor without grad": lambda: DistributedOptimizer(
-            torch.optim.SGD, [rpc.remote("worker1", make_param, args=(0, (2,), False))], lr=0.1
-        ),
-        "not an rref": lambda: DistributedOptimizer(torch.optim.SGD, [torch.ones(2, requires_grad=True)], lr=0.1),
-    }.items():
-        try:
-            call()
-            out[name] = None
-        except Exception as e:  # the test reads type and message
-            out[name] = (type(e).__name__, str(e))
-    return out
+    return errors_of(
+        {
+            "remote step error": lambda: _one_step(DistributedOptimizer(Failing, list(rrefs.values())), rrefs),
+            "remote constructor error": lambda: DistributedOptimizer(torch.optim.SGD, list(rrefs.values()), lr=-1.0),
+            "tensor without grad": lambda: DistributedOptimizer(
+                torch.optim.SGD, [rpc.remote("worker1", make_param, args=(0, (2,), False))], lr=0.1
+            ),
+            "not an rref": lambda: DistributedOptimizer(torch.optim.SGD, [torch.ones(2, requires_grad=True)], lr=0.1),
+        }
+    )
 
 
 def _one_step(optimizer: Any, rrefs: dict) -> None:

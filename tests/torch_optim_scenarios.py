@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers import errors_of
 from models import batches, loss_fn, make_model
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
@@ -129,20 +130,17 @@ def state_dict_round_trip(rank: int, world_size: int) -> dict:
 
 
 def bad_averagers(rank: int, world_size: int) -> dict:
-    out = {}
-    for name, make in {
-        "period 0": lambda: our_averagers.PeriodicModelAverager(period=0),
-        "negative warmup": lambda: our_averagers.PeriodicModelAverager(period=2, warmup_steps=-1),
-        "empty hierarchy": lambda: our_averagers.HierarchicalModelAverager({}),
-        "last size not the world": lambda: our_averagers.HierarchicalModelAverager(OrderedDict([(2, 1), (4, 1)])),
-        "not an optimizer": lambda: ours.PostLocalSGDOptimizer("sgd", our_averagers.PeriodicModelAverager(period=2)),
-    }.items():
-        try:
-            make()
-            out[name] = None
-        except Exception as e:  # the test reads type and message
-            out[name] = (type(e).__name__, str(e))
-    return out
+    return errors_of(
+        {
+            "period 0": lambda: our_averagers.PeriodicModelAverager(period=0),
+            "negative warmup": lambda: our_averagers.PeriodicModelAverager(period=2, warmup_steps=-1),
+            "empty hierarchy": lambda: our_averagers.HierarchicalModelAverager({}),
+            "last size not the world": lambda: our_averagers.HierarchicalModelAverager(OrderedDict([(2, 1), (4, 1)])),
+            "not an optimizer": lambda: ours.PostLocalSGDOptimizer(
+                "sgd", our_averagers.PeriodicModelAverager(period=2)
+            ),
+        }
+    )
 
 
 # ---- ZeroRedundancyOptimizer -------------------------------------------------------------------
@@ -282,20 +280,15 @@ def zero_load_from_other_world(rank: int, world_size: int) -> dict:
 
 def zero_bad_input(rank: int, world_size: int) -> dict:
     model = make_model("shapes", DTYPE, seed=0)
-    out = {}
-    for name, call in {
-        "state_dict before consolidating": lambda: zero_optimizer("ours", model.parameters(), "sgd").state_dict(),
-        "optimizer_class not a class": lambda: ours.ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=torch.optim.SGD(model.parameters(), lr=0.1), lr=0.1
-        ),
-        "empty parameters": lambda: zero_optimizer("ours", [], "sgd"),
-    }.items():
-        try:
-            call()
-            out[name] = None
-        except Exception as e:  # the test reads type and message
-            out[name] = (type(e).__name__, str(e))
-    return out
+    return errors_of(
+        {
+            "state_dict before consolidating": lambda: zero_optimizer("ours", model.parameters(), "sgd").state_dict(),
+            "optimizer_class not a class": lambda: ours.ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=torch.optim.SGD(model.parameters(), lr=0.1), lr=0.1
+            ),
+            "empty parameters": lambda: zero_optimizer("ours", [], "sgd"),
+        }
+    )
 
 
 def zero_join_uneven_inputs(rank: int, world_size: int) -> dict:
