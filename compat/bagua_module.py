@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
 from functional_bagua.compat.communication import BaguaProcessGroup, to_bagua_process_group
-from functional_bagua.distributed.process_group import Agreement, Group, group_src
+from functional_bagua.distributed.process_group import Agreement, Group, group_src, resolve
 
 ENGINE_ATTRIBUTE = "_bagua_engine"
 
@@ -174,8 +174,7 @@ class BaguaDistributedDataParallel:
     # ---- wrap time -----------------------------------------------------------------------------
 
     def _group(self) -> Group:
-        group = self.process_group.torch_group
-        return Group(group, dist.get_world_size(group), dist.get_rank(group))
+        return resolve(self.process_group.torch_group, "with_bagua")
 
     def _agree(self, algorithm: Algorithm) -> None:
         """Raise the same ValueError on every rank unless all wrap the same model the same way."""

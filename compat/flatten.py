@@ -72,7 +72,7 @@ class FlattenedGroup:
 
     def __init__(self, params: list, state: dict) -> None:
         self.params = flattenable(params)
-        self.layout, self.params_buffers = flatten_parameters(self.params)
+        self.layout = flatten_parameters(self.params)[0]  # the parameters view the buffers, which they keep alive
         self._pointers = list(map(torch.Tensor.data_ptr, self.params))
         self._segments: dict[int, tuple[str, Segment, int]] = {}  # id(p) -> (group key, segment, p's pointer)
         for key, group in self.layout.groups.items():

@@ -419,9 +419,9 @@ def _states_of(params: list, state: dict) -> list:
 def _runs_as_parameters(optimizer: torch.optim.Optimizer, fused: list) -> Iterator[None]:
     """Within the block, each ``(group, plan, grads)`` of ``fused`` lists its runs' chunks (and
     then the parameters stepped alone) as its ``params``, and ``optimizer.state`` holds the chunks'
-    state (the runs' gradients ``grads`` brought into their flat gradients first). On the way out, whatever happened inside, the
-    groups get their own parameter lists back and every member takes its part of the state the
-    optimizer left for the chunks."""
+    state (the runs' gradients ``grads`` brought into their flat gradients first). On the way out,
+    whatever happened inside, the groups get their own parameter lists back and every member takes
+    its part of the state the optimizer left for the chunks."""
     state, handed, own = optimizer.state, [], []
     try:
         for group, plan, grads in fused:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -244,13 +245,13 @@ class AsyncModelAverageAlgorithm(Algorithm):
             sync_interval_ms,
             warmup_steps,
         )
-        self._impls: list = []
+        self._impls: weakref.WeakSet = weakref.WeakSet()  # the running implementations, not kept alive by us
 
     def reify(self, process_group: BaguaProcessGroup) -> AsyncModelAverageAlgorithmImpl:
         impl = AsyncModelAverageAlgorithmImpl(
             process_group, self.peer_selection_mode, self.sync_interval_ms, self.warmup_steps
         )
-        self._impls.append(impl)
+        self._impls.add(impl)
         return impl
 
     def abort(self, bagua_module: Any) -> None:

@@ -43,11 +43,13 @@ from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.distributed import dequantize, quantize
 from functional_bagua.distributed.averaging import PEER_SELECTION_MODES, mean_over_ranks, mean_with_peer
-from functional_bagua.distributed.process_group import Group
+from functional_bagua.distributed.process_group import Group, group_src, resolve
 from functional_bagua.flat import FlatLayout
 
 if TYPE_CHECKING:
     from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+NAME = "DecentralizedAlgorithm"
 
 __all__ = [
     "DecentralizedAlgorithm",
@@ -59,11 +61,6 @@ __all__ = [
 
 def _is_communication_step(ddp: "BaguaDistributedDataParallel", interval: int) -> bool:
     return (ddp.bagua_train_step_counter - 1) % interval == 0
-
-
-def _group_of(process_group: BaguaProcessGroup) -> Group:
-    g = process_group.torch_group
-    return Group(g, dist.get_world_size(g), dist.get_rank(g))
 
 
 def _weights(ddp: "BaguaDistributedDataParallel") -> list[torch.Tensor]:
@@ -96,9 +93,11 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self.communications = 0
         self.peer_weight: Optional[list] = None  # the average launched before this step's forward
         self._peer_weight: Optional[torch.Tensor] = None  # the last average, flat (Bagua's bucket attribute)
+        self.weights: list[torch.Tensor] = []  # the synchronized parameters, as of init
 
     def init(self, ddp: "BaguaDistributedDataParallel") -> None:
-        g = _group_of(self.process_group)
+        self.weights = _weights(ddp)
+        g = resolve(self.process_group.torch_group, NAME)
         if self.mode == "shift_one" and g.world_size % 2:
             raise ValueError(f"peer_selection_mode='shift_one' needs an even number of ranks, got {g.world_size}")
 
@@ -106,8 +105,8 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         if not _is_communication_step(ddp, self.interval):
             self.peer_weight = None
             return
-        g = _group_of(self.process_group)
-        weights = [p.detach() for p in _weights(ddp)]
+        g = resolve(self.process_group.torch_group, NAME)
+        weights = [p.detach() for p in self.weights]
         if self.mode == "all":
             self.peer_weight = mean_over_ranks(weights, g)
         else:
@@ -118,7 +117,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
     def after_backward(self, ddp: "BaguaDistributedDataParallel") -> None:
         if self.peer_weight is None:
             return
-        for p, averaged in zip(_weights(ddp), self.peer_weight):
+        for p, averaged in zip(self.weights, self.peer_weight):
             p.copy_(averaged)
         self._peer_weight = torch.cat([w.reshape(-1) for w in self.peer_weight])
         self.peer_weight = None
@@ -127,7 +126,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         return [self]
 
     def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
-        total = sum(p.numel() * p.element_size() for p in _weights(ddp))
+        total = sum(p.numel() * p.element_size() for p in self.weights)
         return total // self.interval
 
 
@@ -171,9 +170,10 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         self.weight: dict = {}  # x_hat, by flat-buffer key
         self.left_peer_weight: dict = {}  # L
         self.right_peer_weight: dict = {}  # R
+        self.weights: list[torch.Tensor] = []  # the synchronized parameters, as of init
 
     def init(self, ddp: "BaguaDistributedDataParallel") -> None:
-        weights = _weights(ddp)
+        weights = self.weights = _weights(ddp)
         stepped = {id(p) for o in ddp.bagua_optimizers for g in o.param_groups for p in g["params"]}
         if any(id(p) not in stepped for p in weights):
             raise RuntimeError(
@@ -192,9 +192,9 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
             return  # once per training step, after the last optimizer
         if not _is_communication_step(ddp, self.interval):
             return
-        weights = [p.detach() for p in _weights(ddp)]
+        weights = [p.detach() for p in self.weights]
         x = self.layout.flatten(weights)
-        g = _group_of(self.process_group)
+        g = resolve(self.process_group.torch_group, NAME)
         new = {}
         for key in sorted(x):
             d = x[key] + self.left_peer_weight[key] / 3 + self.right_peer_weight[key] / 3 - 5 / 3 * self.weight[key]
@@ -208,7 +208,7 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
             p.copy_(value)
 
     def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
-        n = sum(p.numel() for p in _weights(ddp))
+        n = sum(p.numel() for p in self.weights)
         return 2 * (n + 8) // self.interval  # one byte per weight plus min and max, to two neighbours
 
     def buckets(self) -> list:
@@ -235,17 +235,12 @@ def _exchange_with_ring(message: torch.Tensor, g: Group) -> tuple[torch.Tensor, 
     if n == 1:
         return message.clone(), message.clone()
     left, right = (rank - 1) % n, (rank + 1) % n
-    to_global = (
-        (lambda r: r)
-        if g.group is None or g.group is dist.group.WORLD
-        else (lambda r: dist.get_global_rank(g.group, r))
-    )
     from_left, from_right = torch.empty_like(message), torch.empty_like(message)
     ops = [
-        dist.P2POp(dist.isend, message, to_global(right), g.group, tag=0),  # I am my right neighbour's left
-        dist.P2POp(dist.isend, message, to_global(left), g.group, tag=1),  # and my left neighbour's right
-        dist.P2POp(dist.irecv, from_left, to_global(left), g.group, tag=0),
-        dist.P2POp(dist.irecv, from_right, to_global(right), g.group, tag=1),
+        dist.P2POp(dist.isend, message, group_src(g, right), g.group, tag=0),  # I am my right neighbour's left
+        dist.P2POp(dist.isend, message, group_src(g, left), g.group, tag=1),  # and my left neighbour's right
+        dist.P2POp(dist.irecv, from_left, group_src(g, left), g.group, tag=0),
+        dist.P2POp(dist.irecv, from_right, group_src(g, right), g.group, tag=1),
     ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()

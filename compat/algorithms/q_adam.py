@@ -29,7 +29,7 @@ from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllRed
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.distributed import buckets as bucketing
 from functional_bagua.distributed import compression as codecs
-from functional_bagua.distributed.process_group import Group
+from functional_bagua.distributed.process_group import resolve
 
 if TYPE_CHECKING:
     from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
@@ -148,8 +148,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
     def after_backward(self, ddp: "BaguaDistributedDataParallel") -> None:
         if not self.compressing:
             return
-        group = self.process_group.torch_group
-        g = Group(group, torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
+        g = resolve(self.process_group.torch_group, "QAdamAlgorithm")
         moments = []
         for pg in self.optimizer.param_groups:
             beta1 = pg["betas"][0]

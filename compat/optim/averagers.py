@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from functional_bagua.distributed.averaging import mean_over_ranks, periodic_due
-from functional_bagua.distributed.process_group import Group
+from functional_bagua.distributed.process_group import resolve
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager", "average_parameters"]
 
@@ -63,7 +63,7 @@ def average_parameters(params: Iterable[Any], process_group: Optional[dist.Proce
     chosen = params_to_average(params)
     if not chosen:
         return
-    g = Group(group, dist.get_world_size(group), dist.get_rank(group))
+    g = resolve(group, "average_parameters")
     for p, mean in zip(chosen, mean_over_ranks([p.detach() for p in chosen], g)):
         p.copy_(mean)
 

@@ -123,7 +123,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.global_rank = dist.get_global_rank(self.process_group, self.rank)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._optimizer_class: Callable[..., torch.optim.Optimizer] = optimizer_class  # type: ignore[assignment]
-        self._defaults = defaults
         self._partition = partition(self.param_groups, self.world_size)
         self.optim: torch.optim.Optimizer = self._optimizer_class(self._partition[self.rank], **defaults)
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
@@ -137,10 +136,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def _all_params(self) -> list[torch.Tensor]:
         return list(chain.from_iterable(g["params"] for g in self.param_groups))
-
-    def _owner(self) -> dict[int, int]:
-        """``id(param) -> rank`` of the current partition."""
-        return {id(p): rank for rank, groups in enumerate(self._partition) for g in groups for p in g["params"]}
 
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._all_params()]
