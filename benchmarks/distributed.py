@@ -197,6 +197,31 @@ def zero_step(which: str):
     return build
 
 
+def zero_overlap_step():
+    """DDP + functional_bagua.compat's ZeroRedundancyOptimizer(AdamW fused, overlap_with_ddp=True)
+    stepped inside backward by hook_with_zero_step (torch's refuses gloo)."""
+
+    def build(args, data):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from functional_bagua.compat.optim import ZeroRedundancyOptimizer, hook_with_zero_step
+
+        model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, overlap_with_ddp=True, lr=LR, fused=True
+        )
+        model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, opt))
+
+        def step(batch):
+            x, y = batch
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+
+        return step, lambda: state_bytes(list(opt.optim.state.values()))
+
+    return build
+
+
 def post_local_sgd_step(which: str):
     """DDP with post_localSGD_hook (local after the warm-up steps) + PostLocalSGDOptimizer(AdamW
     fused, PeriodicModelAverager(4)), torch's or functional_bagua.compat's."""
@@ -267,6 +292,7 @@ VARIANTS = {
     ),
     "torch ZeroRedundancyOptimizer(AdamW fused) + DDP": zero_step("torch"),
     "compat ZeroRedundancyOptimizer(AdamW fused) + DDP": zero_step("ours"),
+    "compat ZeroRedundancyOptimizer(AdamW fused, overlap_with_ddp) + DDP hook": zero_overlap_step(),
     "torch PostLocalSGDOptimizer(AdamW fused, period 4) + DDP": post_local_sgd_step("torch"),
     "compat PostLocalSGDOptimizer(AdamW fused, period 4) + DDP": post_local_sgd_step("ours"),
 }

@@ -1,11 +1,15 @@
 """torch.distributed.optim's ZeRO and post-local SGD, on functional_bagua (only the imports change).
 
     torchrun --standalone --nproc-per-node 2 examples/zero_postlocal.py                  # DDP + ZeRO AdamW
+    torchrun --standalone --nproc-per-node 2 examples/zero_postlocal.py --overlap        # ZeRO stepped in backward
     torchrun --standalone --nproc-per-node 2 examples/zero_postlocal.py --post-local-sgd # DDP + post-local SGD
 
 ``--zero`` (the default): torch's DDP averages the gradients and a ``ZeroRedundancyOptimizer`` keeps
 AdamW's state for this rank's shard of the parameters only; the script prints rank 0's share of
-the optimizer state, consolidates the state at the end and loads it into a plain AdamW. ``--post-local-sgd``: DDP all-reduces gradients for the first ``--warmup`` steps, then
+the optimizer state, consolidates the state at the end and loads it into a plain AdamW. With
+``--overlap`` the ZeRO step runs inside DDP's backward (``overlap_with_ddp=True`` and the
+``hook_with_zero_step`` communication hook), on gloo too, and ``step()`` leaves the loop.
+``--post-local-sgd``: DDP all-reduces gradients for the first ``--warmup`` steps, then
 each rank steps alone and a ``PeriodicModelAverager`` averages the parameters every ``--period``
 steps; the script prints how far apart the ranks are right after an average and at the end.
 CPU (gloo) or CUDA (NCCL).
@@ -19,12 +23,14 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 
 from functional_bagua.compat.optim import (  # was: from torch.distributed.optim import ...
     PostLocalSGDOptimizer,
     ZeroRedundancyOptimizer,
     averagers,  # was: from torch.distributed.algorithms.model_averaging import averagers
+    hook_with_zero_step,  # was: from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import ...
 )
 
 
@@ -69,7 +75,11 @@ def main(args: argparse.Namespace) -> None:
             torch.optim.AdamW(model.parameters(), lr=args.lr), averager
         )
     else:
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, overlap_with_ddp=args.overlap, lr=args.lr
+        )
+        if args.overlap:  # backward reduces, steps this rank's shard and broadcasts it
+            ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, optimizer))
 
     x, y = make_data(args.batch_size * world * args.steps, device)
     after_average, losses = [], []
@@ -78,7 +88,8 @@ def main(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
         loss = F.mse_loss(ddp(x[start : start + args.batch_size]), y[start : start + args.batch_size])
         loss.backward()
-        optimizer.step()
+        if not args.overlap:
+            optimizer.step()
         losses.append(loss.item())
         if args.post_local_sgd and step >= args.warmup and (step - args.warmup) % args.period == 0:
             after_average.append(spread(model))
@@ -122,10 +133,14 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--post-local-sgd", action="store_true", help="post-local SGD instead of ZeRO")
+    parser.add_argument("--overlap", action="store_true", help="ZeRO's step inside DDP's backward")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--period", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--log-every", type=int, default=40)
-    main(parser.parse_args())
+    arguments = parser.parse_args()
+    if arguments.overlap and arguments.post_local_sgd:
+        parser.error("--overlap is ZeRO's; leave it out with --post-local-sgd")
+    main(arguments)

@@ -114,7 +114,18 @@ def _sgd(hyper: dict, moments: Optional[TraceState], keys: list, p: list, g: lis
     if hyper["momentum"] == 0 or moments is None:
         torch._fused_sgd_(p, g, [], is_first_step=False, **hyper)
         return
-    is_first_step = bool(moments.count[keys[0]] == 0)
-    torch._fused_sgd_(p, g, [_real(moments.trace[k]) for k in keys], is_first_step=is_first_step, **hyper)
+    # the kernel's first step copies the gradient into the momentum buffer: one call per kind of entry
+    first = (
+        torch.stack([moments.count[k] == 0 for k in keys]).tolist()
+        if len(keys) > 1
+        else [bool(moments.count[keys[0]] == 0)]
+    )
+    for is_first_step in (True, False):
+        chosen = [i for i, f in enumerate(first) if f == is_first_step]
+        if chosen:
+            traces = [_real(moments.trace[keys[i]]) for i in chosen]
+            torch._fused_sgd_(
+                [p[i] for i in chosen], [g[i] for i in chosen], traces, is_first_step=is_first_step, **hyper
+            )
     for k in keys:
         moments.count[k].add_(1)

@@ -38,10 +38,10 @@ def data(steps: int) -> list:
     ]
 
 
-def train(optimizer_cls: Any, which: str, steps: int = 5, **kwargs: Any) -> list:
-    """A two-layer model whose weights live on workers 1 and 2; on step 2 the bias is not used (no
-    gradient; it is not even fetched: distributed autograd waits for a gradient of every tensor
-    fetched in the context). The parameters after each step."""
+def train(optimizer_cls: Any, which: str, steps: int = 5, skip: int = 2, **kwargs: Any) -> list:
+    """A two-layer model whose weights live on workers 1 and 2; on step ``skip`` the bias is not
+    used (no gradient; it is not even fetched: distributed autograd waits for a gradient of every
+    tensor fetched in the context). The parameters after each step."""
     rrefs = remote_params()
     dist_optimizer = (DistributedOptimizer if which == "ours" else TorchDistributedOptimizer)(
         optimizer_cls, list(rrefs.values()), **kwargs
@@ -50,7 +50,7 @@ def train(optimizer_cls: Any, which: str, steps: int = 5, **kwargs: Any) -> list
     for t, (x, y) in enumerate(data(steps)):
         with dist_autograd.context() as context_id:
             w1, w2 = rrefs["w1"].to_here(), rrefs["w2"].to_here()
-            hidden = x @ w1 if t == 2 else x @ w1 + rrefs["b1"].to_here()  # step 2 does not fetch (use) b1
+            hidden = x @ w1 if t == skip else x @ w1 + rrefs["b1"].to_here()  # step `skip` does not fetch b1
             loss = ((torch.tanh(hidden) @ w2 - y) ** 2).mean()
             dist_autograd.backward(context_id, [loss])
             dist_optimizer.step(context_id)
@@ -66,6 +66,16 @@ def against_torch(world_size: int) -> dict:
         "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     }.items():
         out[name] = dict(ours=train(cls, "ours", **kwargs), torch=train(cls, "torch", **kwargs))
+    # the bias's first gradient comes a step after the weights' (torch's fused SGD kernel: two calls)
+    sgd = dict(lr=0.1, momentum=0.9, dampening=0.1)  # with dampening, a first step differs from a later one
+    out["sgd-late-bias"] = dict(
+        ours=train(torch.optim.SGD, "ours", skip=0, **sgd), torch=train(torch.optim.SGD, "torch", skip=0, **sgd)
+    )
+    # an alias without a torch kernel: the compiled pure update
+    adagrad = dict(lr=0.1, lr_decay=0.01)
+    out["adagrad"] = dict(
+        ours=train(torch.optim.Adagrad, "ours", **adagrad), torch=train(torch.optim.Adagrad, "torch", **adagrad)
+    )
     # torch's DistributedOptimizer refuses foreach=True (TorchScript); ours drops the flag
     out["adamw-foreach"] = dict(
         ours=train(torch.optim.AdamW, "ours", lr=1e-2, weight_decay=0.1, foreach=True), torch=out["adamw"]["torch"]

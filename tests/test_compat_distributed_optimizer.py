@@ -16,6 +16,12 @@ def results():
     return run_rpc(3, NAMES, module="rpc_scenarios")
 
 
+def remote_start() -> dict:
+    from rpc_scenarios import SHAPES, make_param
+
+    return {name: make_param(i, shape).detach() for i, (name, shape) in enumerate(SHAPES.items())}
+
+
 def ok(result):
     assert not isinstance(result, ScenarioError), result
     return result
@@ -33,15 +39,22 @@ def assert_traces_close(ours: list, theirs: list, exact: bool = False) -> None:
                 )
 
 
-@pytest.mark.parametrize("case", ["sgd", "adam", "adamw", "adamw-foreach"])
+@pytest.mark.parametrize("case", ["sgd", "adam", "adamw", "adamw-foreach", "adagrad"])
 def test_equals_torchs_distributed_optimizer_step_for_step(results, case):
-    """The owners step with functional_bagua's alias; torch's uses its TorchScript functional
-    optimizer: the same numbers up to float64 rounding, a skipped bias included (step 2). With
-    foreach=True, which torch's refuses, ours equals torch's run without it."""
+    """The owners step with functional_bagua's alias (torch's fused kernel for SGD/Adam/AdamW, the
+    compiled pure update for Adagrad); torch's uses its TorchScript functional optimizer: the same
+    numbers up to float64 rounding, a skipped bias included (step 2). With foreach=True, which
+    torch's refuses, ours equals torch's run without it."""
     got = ok(results["against_torch"])[case]
     assert_traces_close(got["ours"], got["torch"])
     assert torch.equal(got["ours"][2]["b1"], got["ours"][1]["b1"])  # no gradient on step 2: not moved
     assert not torch.equal(got["ours"][3]["b1"], got["ours"][2]["b1"])
+
+
+def test_a_parameter_whose_first_gradient_comes_late_starts_its_momentum_then(results):
+    got = ok(results["against_torch"])["sgd-late-bias"]
+    assert_traces_close(got["ours"], got["torch"])
+    assert torch.equal(got["ours"][0]["b1"], remote_start()["b1"])  # no gradient on step 0: not moved
 
 
 def test_torchs_refuses_foreach_where_ours_runs(results):

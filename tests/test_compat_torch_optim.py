@@ -93,7 +93,14 @@ def test_an_averager_without_a_process_group_says_so():
 
 # ---- ZeroRedundancyOptimizer -------------------------------------------------------------------
 
-ZERO_TWO = ["zero_all", "zero_resume", "zero_bad_input", "zero_join_uneven_inputs"]
+ZERO_TWO = [
+    "zero_all",
+    "zero_resume",
+    "zero_bad_input",
+    "zero_join_uneven_inputs",
+    "zero_overlap_all",
+    "zero_overlap_bad_input",
+]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +110,7 @@ def zero_two():
 
 @pytest.fixture(scope="module")
 def zero_four():
-    return run_ranks(4, ["zero_all"], module="torch_optim_scenarios")
+    return run_ranks(4, ["zero_all", "zero_overlap_all"], module="torch_optim_scenarios")
 
 
 def assert_traces_equal(ours: list, theirs: list) -> None:
@@ -179,3 +186,33 @@ def test_zero_without_a_process_group_says_so():
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         ZeroRedundancyOptimizer([torch.nn.Parameter(torch.ones(2))], optimizer_class=torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("setup", ["plain", "fp16", "view", "groups"])
+@pytest.mark.parametrize("case", ["sgd", "adam-for-loop", "adamw-foreach", "adamw-fused"])
+@pytest.mark.parametrize("world", ["zero_two", "zero_four"])
+def test_zero_overlapped_with_ddp_equals_the_plain_optimizer_class(world, case, setup, request):
+    """overlap_with_ddp=True with our hook_with_zero_step and hook_with_zero_step_interleaved on
+    gloo (DDP buckets of ~1 KB, so several per backward): 6 float64 steps give the parameters of the
+    optimizer class stepped after DDP's backward with the same comm hook, bit for bit, from the
+    first step on, and the consolidated state dict is that class's own."""
+    for rank, result in enumerate(request.getfixturevalue(world)):
+        got = ok(result["zero_overlap_all"])
+        reference = got[f"{case}/{setup}/none"]
+        for hook in ("step", "interleaved"):
+            mine = got[f"{case}/{setup}/{hook}"]
+            assert_traces_equal(mine["trace"], reference["trace"])
+            assert 0 < mine["local_entries"] < reference["local_entries"]
+            if rank == 0:
+                assert_state_dicts_equal(mine["state"], reference["state"])
+            assert not torch.equal(mine["start"]["fc.weight"], mine["trace"][0]["fc.weight"])  # stepped at once
+
+
+def test_zero_overlap_bad_input_is_named(zero_two):
+    got = ok(zero_two[0]["zero_overlap_bad_input"])
+    assert got["torch's hook"][0] == "TypeError" and "functional_bagua.compat.optim" in got["torch's hook"][1]
+    assert got["without overlap"][0] == "ValueError" and "overlap_with_ddp=True" in got["without overlap"][1]
+    assert got["torch's zero"][0] == "TypeError"
+    assert got["another model's zero"][0] == "ValueError" and "fc.weight" in got["another model's zero"][1]
+    assert got["step returns"] is None and got["unchanged"]
+    assert any("does nothing" in m for m in got["step warned"])

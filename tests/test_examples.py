@@ -133,8 +133,9 @@ def test_bagua_script_runs_under_torchrun_and_learns(flags, replicas_equal):
     assert (spread == 0) == replicas_equal, result.stdout
 
 
-def test_zero_example_keeps_a_shard_of_the_state_and_its_consolidated_state_loads_into_adamw():
-    result = run_distributed_example("--steps", "40", script="zero_postlocal.py")
+@pytest.mark.parametrize("flags", [(), ("--overlap",)], ids=["after-backward", "overlapped"])
+def test_zero_example_keeps_a_shard_of_the_state_and_its_consolidated_state_loads_into_adamw(flags):
+    result = run_distributed_example("--steps", "40", *flags, script="zero_postlocal.py")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     means = next(line for line in result.stdout.splitlines() if line.startswith("mean loss")).split()
     assert float(means[-1]) < float(means[7].rstrip(",")), result.stdout

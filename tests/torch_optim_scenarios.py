@@ -307,3 +307,99 @@ def zero_join_uneven_inputs(rank: int, world_size: int) -> dict:
                 opt.step()
         out[which] = params_of(model)
     return out
+
+
+def zero_overlap_train(rank: int, world_size: int, case: str, hook: str, setup: str, steps: int = 6) -> dict:
+    """DDP (buckets of ~1 KB: several per backward) with a comm hook, and either our ZeRO stepping
+    inside backward (``hook``: "step" or "interleaved") or, as the reference (``hook`` "none"), the
+    plain optimizer class stepped after backward. ``setup``: "plain", "fp16" (torch's
+    fp16_compress_hook instead of allreduce_hook), "view" (gradient_as_bucket_view) or "groups"
+    (two param groups)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
+
+    model = make_model("shapes", DTYPE, seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001, gradient_as_bucket_view=setup == "view")
+    comm = fp16_compress_hook if setup == "fp16" else allreduce_hook
+    params: Any = model.parameters()
+    if setup == "groups":
+        params = [
+            {"params": [model.conv.weight, model.fc.weight]},
+            {"params": [model.conv.bias, model.fc.bias, model.scale], "lr": 0.05},
+        ]
+    cls, defaults = ZERO_CASES[case]
+    if hook == "none":
+        opt = cls(params, **defaults)
+        ddp.register_comm_hook(None, comm)
+    else:
+        opt = ours.ZeroRedundancyOptimizer(params, optimizer_class=cls, overlap_with_ddp=True, **defaults)
+        wrap = ours.hook_with_zero_step if hook == "step" else ours.hook_with_zero_step_interleaved
+        ddp.register_comm_hook(None, wrap(comm, ddp, opt))
+    start, trace = params_of(model), []
+    for x, y in local_batches(rank, world_size, steps=steps):
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        if hook == "none":
+            opt.step()
+        trace.append(params_of(model))
+    if hook == "none":
+        state = opt.state_dict()
+    else:
+        opt.consolidate_state_dict(to=0)
+        state = opt.state_dict() if rank == 0 else None
+    local_entries = len(opt.state) if hook == "none" else len(opt.optim.state)
+    return dict(start=start, trace=trace, state=state, local_entries=local_entries)
+
+
+def zero_overlap_all(rank: int, world_size: int) -> dict:
+    out = {}
+    for case in ZERO_CASES:
+        for setup in ("plain", "fp16", "view", "groups"):
+            for hook in ("none", "step", "interleaved"):
+                out[f"{case}/{setup}/{hook}"] = zero_overlap_train(rank, world_size, case, hook, setup)
+    return out
+
+
+def zero_overlap_bad_input(rank: int, world_size: int) -> dict:
+    """torch's hook given our ZeRO; our hook given a ZeRO without overlap, or torch's ZeRO; step()
+    under overlap (a warning, nothing stepped)."""
+    import logging
+
+    from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as torch_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    model = make_model("shapes", DTYPE, seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    overlapping = ours.ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+    )
+    plain = ours.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    other = make_model("shapes", DTYPE, seed=1)
+    out = errors_of(
+        {
+            "torch's hook": lambda: torch_hooks.hook_with_zero_step(allreduce_hook, ddp, overlapping),
+            "without overlap": lambda: ours.hook_with_zero_step(allreduce_hook, ddp, plain),
+            "torch's zero": lambda: ours.hook_with_zero_step_interleaved(
+                allreduce_hook, ddp, TorchZero(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+            ),
+            "another model's zero": lambda: ours.hook_with_zero_step(
+                allreduce_hook,
+                ddp,
+                ours.ZeroRedundancyOptimizer(
+                    other.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+                ),
+            ),
+        }
+    )
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("functional_bagua.compat.optim.zero").addHandler(handler)
+    before = params_of(model)
+    loss_fn(
+        ddp(local_batches(rank, world_size, steps=1)[0][0]), local_batches(rank, world_size, steps=1)[0][1]
+    ).backward()
+    out["step returns"] = overlapping.step()
+    out["step warned"] = [r.getMessage() for r in records]
+    out["unchanged"] = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return out

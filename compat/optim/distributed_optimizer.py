@@ -14,9 +14,12 @@ owners have answered.
 
 The local optimizer is functional_bagua's alias of ``optimizer_class`` where one exists
 (``torch.optim.SGD`` -> :func:`functional_bagua.sgd`, ``Adam`` -> ``adam``, ...; torch's
-implementation flags ``foreach``/``fused``/``capturable``/``differentiable`` dropped), updating the
-parameters in place from a pure ``tx.update``; any other class (or arguments the alias does not
-take) runs as the class itself. No TorchScript (torch deprecates it for this class).
+implementation flags ``foreach``/``fused``/``capturable``/``differentiable`` dropped), run by the
+fastest kernel it has, as :func:`functional_bagua.fuse_inplace` picks it: torch's fused kernel
+(:mod:`functional_bagua.kernels`) for SGD, Adam and AdamW, over the parameters that have a
+gradient; for the other aliases, the pure ``tx.update`` compiled with ``torch.compile`` (one graph
+per pattern of missing gradients) and written back in place. Any other class (or arguments the
+alias does not take) runs as the class itself. No TorchScript (torch deprecates it for this class).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 import functional_bagua as fb
+from functional_bagua import kernels
 
 __all__ = ["DistributedOptimizer", "functional_alias"]
 
@@ -90,27 +94,43 @@ class _LocalOptimizer:
                 )
         self.tx = functional_alias(optimizer_class, args, kwargs)
         if self.tx is not None:
-            self.state = self.tx.init([p.detach() for p in self.params])
+            self.state = self.tx.init({i: p.detach() for i, p in enumerate(self.params)})
+            self.kernel = kernels.spec_of(self.tx)
+            self.compiled_step = None if self.kernel is not None else torch.compile(self._pure_step, fullgraph=True)
         else:
             self.optim = optimizer_class(self.params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
         with _WORKER_LOCK:
-            if self.tx is not None:
-                self._functional_step([grads.get(p) for p in self.params])
-            else:
+            if self.tx is None:
                 for p in self.params:
                     p.grad = grads.get(p)  # None: the class skips it
                 self.optim.step()
+            elif self.kernel is not None:
+                present = {i: p.detach() for i, p in enumerate(self.params) if p in grads}
+                if present:
+                    kernels.run(self.kernel, {i: grads[self.params[i]] for i in present}, self.state, present)
+            else:
+                assert self.compiled_step is not None
+                self.state = self.compiled_step(
+                    {i: grads.get(p) for i, p in enumerate(self.params)},
+                    self.state,
+                    {i: p.detach() for i, p in enumerate(self.params)},
+                )
 
-    @torch.no_grad()
-    def _functional_step(self, grads: list) -> None:
+    def _pure_step(self, grads: dict, state: Any, params: dict) -> Any:
+        """The alias's pure update, its result written into ``params``: the new state."""
         assert self.tx is not None
-        updates, self.state = self.tx.update(grads, self.state, [p.detach() for p in self.params])
-        for p, u in zip(self.params, updates):
-            if u is not None:
-                p.add_(u)
+        updates, new_state = self.tx.update(grads, state, params)
+        for i, u in updates.items():
+            if u is None:
+                continue
+            if params[i].dim() == 0:  # torch 2.13's compiled graphs drop in-place ops on 0-dim float64 inputs
+                params[i][()] = params[i] + u
+            else:
+                params[i].add_(u)
+        return new_state
 
 
 def _new_local_optimizer(optimizer_class: Any, param_rrefs: list, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

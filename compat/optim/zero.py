@@ -18,6 +18,14 @@ index in ``param_groups``, which ``optimizer_class`` itself can load. Beyond tor
 ``load_state_dict`` takes such a state saved at any world size (each rank keeps what it owns now),
 and loads through the local optimizer's own ``load_state_dict``, so a fused optimizer's ``step``
 tensors land where it needs them (torch moved every 0-dim state tensor to the CPU).
+
+With ``overlap_with_ddp=True`` the step runs inside DDP's backward, from the communication hook
+that :func:`~functional_bagua.compat.optim.hook_with_zero_step` (or its interleaved sibling) builds:
+as each DDP bucket's all-reduce completes, this rank steps the parameters of that bucket it owns,
+on the reduced gradients, and every owner broadcasts its updated parameters (module
+:mod:`~functional_bagua.compat.optim.ddp_zero_hook`). The partition stays the one above, so the
+numbers are ``optimizer_class``'s from the first step on (torch's version skips the first two or
+three steps while it learns DDP's buckets, and refuses gloo).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import threading
 from itertools import chain
 from typing import Any, Callable, Iterable, Optional
 
@@ -85,7 +94,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         process_group: the group; ``None`` for the default group.
         parameters_as_bucket_view: keep each rank's parameters in one flat buffer per device and
             broadcast those (fewer, larger broadcasts).
-        overlap_with_ddp: not supported yet (a NotImplementedError names the alternative).
+        overlap_with_ddp: step inside DDP's backward instead of in :meth:`step`, through a
+            communication hook from :mod:`~functional_bagua.compat.optim.ddp_zero_hook` (module
+            docstring); ``parameters_as_bucket_view`` is then ignored, as torch ignores it.
         defaults: ``optimizer_class``'s arguments (``lr=...``).
     """
 
@@ -103,11 +114,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 f"ZeroRedundancyOptimizer: optimizer_class must be an optimizer class such as torch.optim.AdamW, "
                 f"got {type(optimizer_class).__name__} {optimizer_class!r}"
             )
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not supported here yet; step it after DDP's "
-                "backward (overlap_with_ddp=False)"
-            )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ZeroRedundancyOptimizer: torch.distributed is not initialized; call "
@@ -121,10 +127,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.global_rank = dist.get_global_rank(self.process_group, self.rank)
-        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.overlapping = overlap_with_ddp
+        self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._optimizer_class: Callable[..., torch.optim.Optimizer] = optimizer_class  # type: ignore[assignment]
         self._partition = partition(self.param_groups, self.world_size)
-        self.optim: torch.optim.Optimizer = self._optimizer_class(self._partition[self.rank], **defaults)
+        self._owner = self._owners()
+        self._shadows: dict[int, torch.Tensor] = {}  # overlapping: parameter -> the tensor the local optimizer steps
+        self._step_lock = threading.Lock()
+        self.optim: torch.optim.Optimizer = self._optimizer_class(
+            [self._local_group(g) for g in self._partition[self.rank]], **defaults
+        )
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._trainable = self._trainable_mask()
         self._buckets: list[list[torch.Tensor]] = []  # per rank, its flat buffers
@@ -133,6 +145,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.initialized = True
 
     # ---- who owns what ---------------------------------------------------------------------------
+
+    def _owners(self) -> dict[int, int]:
+        """``id(parameter)`` -> the rank that owns it."""
+        return {id(p): rank for rank, groups in enumerate(self._partition) for g in groups for p in g["params"]}
+
+    def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The param group this rank's optimizer holds: ``group`` itself, or, when overlapping with
+        DDP, one over shadows of its parameters (``p.detach()``: the same storage, a ``.grad`` of
+        its own that the DDP hook sets to the reduced gradient without touching ``p.grad``)."""
+        if not self.overlapping:
+            return group
+        for p in group["params"]:
+            self._shadows[id(p)] = p.detach()
+        return {**group, "params": [self._shadows[id(p)] for p in group["params"]]}
+
+    @property
+    def _overlap_with_ddp(self) -> bool:
+        raise TypeError(
+            "functional_bagua's ZeroRedundancyOptimizer overlaps with DDP through "
+            "functional_bagua.compat.optim.hook_with_zero_step / hook_with_zero_step_interleaved; torch's hooks "
+            "read torch's private state. Import the hook from functional_bagua.compat.optim instead."
+        )
 
     def _all_params(self) -> list[torch.Tensor]:
         return list(chain.from_iterable(g["params"] for g in self.param_groups))
@@ -163,6 +197,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             closure: re-evaluates the model and returns the loss, for optimizers that need it.
             kwargs: passed to the local optimizer's ``step``.
         """
+        if self.overlapping:
+            logger.warning(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True).step() does nothing: DDP's communication hook steps "
+                "the parameters during backward; leave step() out of the training loop"
+            )
+            return None
         Join.notify_join_context(self)
         mask = self._trainable_mask()
         if mask != self._trainable:
@@ -190,6 +230,61 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for work in works:
             work.wait()
 
+    # ---- the step inside DDP's backward (overlap_with_ddp) ---------------------------------------------
+
+    def _step_owned(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Step the parameters among ``params`` that this rank owns, on ``grads`` (reduced), with the
+        local optimizer; the others are left alone. Thread-safe (interleaved hooks step from the
+        communication threads)."""
+        mine = [(p, self._shadows[id(p)], g) for p, g in zip(params, grads) if id(p) in self._shadows]
+        if not mine:
+            return
+        with self._step_lock:
+            _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+            if any(p.untyped_storage().data_ptr() != shadow.untyped_storage().data_ptr() for p, shadow, _ in mine):
+                raise RuntimeError(
+                    "ZeroRedundancyOptimizer(overlap_with_ddp=True): a parameter's storage was replaced after the "
+                    "optimizer was built (model.to(), p.data = ...); build the optimizer after moving the model"
+                )
+            for _, shadow, g in mine:
+                shadow.grad = g
+            try:
+                self.optim.step()
+            finally:
+                for _, shadow, _ in mine:
+                    shadow.grad = None
+
+    @torch.no_grad()
+    def _launch_broadcasts(self, params: list[torch.Tensor]) -> list[tuple[Any, torch.Tensor, list[torch.Tensor]]]:
+        """Broadcast ``params`` from their owners, one flat tensor per owner, in rank order (the same
+        on every rank): (work, the flat tensor, the parameters to unpack it into once it arrives)."""
+        launched = []
+        for rank in range(self.world_size):
+            unpack: list[torch.Tensor] = []
+            owned = [p for p in params if self._owner[id(p)] == rank]
+            if not owned:
+                continue
+            src = dist.get_global_rank(self.process_group, rank)
+            if len(owned) == 1 and owned[0].is_contiguous():
+                flat = owned[0].detach()
+            elif rank == self.rank:
+                flat = torch.cat([p.detach().reshape(-1) for p in owned])
+            else:
+                flat = owned[0].new_empty(sum(p.numel() for p in owned))
+                unpack = owned
+            launched.append((dist.broadcast(flat, src, group=self.process_group, async_op=True), flat, unpack))
+        return launched
+
+    @staticmethod
+    @torch.no_grad()
+    def _finish_broadcasts(launched: list[tuple[Any, torch.Tensor, list[torch.Tensor]]]) -> None:
+        for work, flat, unpack in launched:
+            work.wait()
+            offset = 0
+            for p in unpack:
+                p.copy_(flat[offset : offset + p.numel()].view(p.shape))
+                offset += p.numel()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) the gradients of all the parameters, owned or not.
 
@@ -209,7 +304,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         if not self.initialized:
             return
         self._partition = partition(self.param_groups, self.world_size)
-        self.optim.add_param_group(self._partition[self.rank][-1])
+        self._owner = self._owners()
+        self.optim.add_param_group(self._local_group(self._partition[self.rank][-1]))
         self._trainable = self._trainable_mask()
         self._build_buckets()
 
