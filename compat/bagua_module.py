@@ -28,6 +28,7 @@ import contextlib
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -195,11 +196,12 @@ class BaguaDistributedDataParallel:
         src = group_src(group, 0)
         for tensor in self._states().values():
             dist.broadcast(tensor.data, src, group=group.group)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group.group) == "nccl" else None
+        device = next((t.device for t in self._states().values() if t.is_cuda), None)  # NCCL needs it
         for optimizer in self.bagua_optimizers:
             if isinstance(optimizer, torch.optim.LBFGS):
                 raise ValueError("with_bagua: LBFGS is not supported (its state cannot be broadcast), as in Bagua")
-            payload = [optimizer.state_dict() if group.rank == 0 else None]
+            # on the CPU: a pickled CUDA tensor would unpickle on rank 0's GPU on every rank
+            payload = [_on_cpu(optimizer.state_dict()) if group.rank == 0 else None]
             dist.broadcast_object_list(payload, src, group=group.group, device=device)
             if group.rank != 0:
                 optimizer.load_state_dict(payload[0])
@@ -326,3 +328,8 @@ def patch_torch_module() -> None:
         setattr(torch.nn.Module, name, method)
     if not hasattr(torch.nn.Module, "no_sync"):
         torch.nn.Module.no_sync = no_sync  # type: ignore[attr-defined]
+
+
+def _on_cpu(state: Any) -> Any:
+    """``state`` with every tensor copied to the CPU (``load_state_dict`` moves them back)."""
+    return optree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, state, none_is_leaf=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import functools
 import gc
 import os
 from typing import Optional, Sequence, Union
@@ -90,6 +91,27 @@ _TORCH_OPS = {
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
     ReduceOp.AVG: dist.ReduceOp.SUM,  # then divided by the group size
 }
+
+
+_BITWISE = {ReduceOp.BOR: torch.bitwise_or, ReduceOp.BAND: torch.bitwise_and, ReduceOp.BXOR: torch.bitwise_xor}
+
+
+def _all_reduce(tensor: torch.Tensor, op: ReduceOp, group: "BaguaProcessGroup") -> None:
+    """``tensor`` reduced over ``group`` in place with Bagua's ``op``. NCCL has no bitwise
+    reductions: for tensors off the CPU, BOR/BAND/BXOR gather every rank's tensor and fold here."""
+    op = ReduceOp(op)
+    if op in _BITWISE and tensor.device.type != "cpu":
+        _all_reduce_by_gathering(tensor, op, group)
+    else:
+        dist.all_reduce(tensor, op=_TORCH_OPS[op], group=group.torch_group)
+    _reduced(tensor, op, group)
+
+
+def _all_reduce_by_gathering(tensor: torch.Tensor, op: ReduceOp, group: "BaguaProcessGroup") -> None:
+    """A bitwise ``op`` over ``group`` as an all-gather and a fold on every rank."""
+    pieces = [torch.empty_like(tensor) for _ in group.ranks]
+    dist.all_gather(pieces, tensor.contiguous(), group=group.torch_group)
+    tensor.copy_(functools.reduce(_BITWISE[op], pieces))
 
 
 class CommMember(enum.Enum):
@@ -195,8 +217,9 @@ _groups = _Registry()
 
 def init_process_group(store: Optional[dist.Store] = None) -> None:
     """Initialize torch.distributed from torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``,
-    ``RANK``, ``WORLD_SIZE``), with NCCL when CUDA is available and gloo otherwise, unless it is
-    initialized already, and make the default Bagua group over all ranks.
+    ``RANK``, ``WORLD_SIZE``), unless it is initialized already, and make the default Bagua group
+    over all ranks. With CUDA: NCCL for CUDA tensors (gloo for CPU ones), and this process's
+    current device is GPU ``LOCAL_RANK`` (Bagua's rule); without: gloo.
 
     The process group is destroyed when the process exits (gloo aborts a process that exits
     without it, and Bagua's scripts never destroy it themselves).
@@ -210,11 +233,18 @@ def init_process_group(store: Optional[dist.Store] = None) -> None:
     if _groups.default is not None:
         raise RuntimeError("init_process_group was called twice; the default Bagua group exists already")
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if store is None:
-            dist.init_process_group(backend)
+        if torch.cuda.is_available():  # this rank's GPU; gloo beside NCCL for CPU tensors and objects
+            device: Optional[torch.device] = torch.device("cuda", get_local_rank())
+            torch.cuda.set_device(device)
+            backend = "cpu:gloo,cuda:nccl"
         else:
-            dist.init_process_group(backend, store=store, rank=get_rank(), world_size=get_world_size())
+            device, backend = None, "gloo"
+        if store is None:
+            dist.init_process_group(backend, device_id=device)
+        else:
+            dist.init_process_group(
+                backend, store=store, rank=get_rank(), world_size=get_world_size(), device_id=device
+            )
         atexit.register(_destroy_at_exit)
     ranks = list(range(dist.get_world_size()))
     _groups.default = BaguaProcessGroup(ranks, dist.group.WORLD, _groups.name())
@@ -420,9 +450,12 @@ def reduce(
     if group is None:
         return
     work = send_tensor.detach().clone()
-    dist.reduce(work, _global(group, dst), op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group)
-    if dist.get_rank() == _global(group, dst):
+    if ReduceOp(op) in _BITWISE and work.device.type != "cpu":
+        _all_reduce(work, op, group)  # NCCL: no bitwise reduce (see _all_reduce)
+    else:
+        dist.reduce(work, _global(group, dst), op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group)
         _reduced(work, op, group)
+    if dist.get_rank() == _global(group, dst):
         recv_tensor.copy_(work)
 
 
@@ -436,8 +469,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: o
     """
     group = _resolve(comm)
     if group is not None:
-        dist.all_reduce(tensor, op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group)
-        _reduced(tensor, op, group)
+        _all_reduce(tensor, op, group)
 
 
 def allreduce(
@@ -583,11 +615,16 @@ def reduce_scatter(
     if group is None:
         return
     _rows(send_tensor, len(group.ranks), "reduce_scatter")
-    out = torch.empty(recv_tensor.numel(), dtype=recv_tensor.dtype, device=recv_tensor.device)
-    dist.reduce_scatter_single(
-        out, send_tensor.reshape(-1).contiguous(), op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group
-    )
-    _reduced(out, op, group)
+    if ReduceOp(op) in _BITWISE and send_tensor.device.type != "cpu":  # NCCL: see _all_reduce
+        whole = send_tensor.detach().reshape(-1).clone()
+        _all_reduce(whole, op, group)
+        out = whole.view(len(group.ranks), -1)[group.ranks.index(dist.get_rank())]
+    else:
+        out = torch.empty(recv_tensor.numel(), dtype=recv_tensor.dtype, device=recv_tensor.device)
+        dist.reduce_scatter_single(
+            out, send_tensor.reshape(-1).contiguous(), op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group
+        )
+        _reduced(out, op, group)
     recv_tensor.copy_(out.view(recv_tensor.shape))
 
 

@@ -54,9 +54,11 @@ def main(args) -> float:
             "    torchrun --standalone --nproc-per-node 2 examples/distributed_train.py"
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu")
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device)
     x, y = (t.to(device) for t in make_data(4096))

@@ -55,11 +55,13 @@ def main(args: argparse.Namespace) -> None:
             "run this example with torchrun, which starts the ranks and sets RANK and WORLD_SIZE:\n"
             "    torchrun --standalone --nproc-per-node 2 examples/zero_postlocal.py"
         )
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU, before NCCL starts
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)

@@ -324,6 +324,15 @@ def communication_api(rank: int, world_size: int) -> dict:
     received = torch.zeros(sum(counts), dtype=DTYPE)
     bagua.alltoall_v(x, mine, [0] * n, received, counts, [sum(counts[:r]) for r in range(n)])
     out["alltoall_v"] = received
+    bits = torch.tensor([0b1100, 0b1010, 0b0110 + rank, 1 << rank], dtype=torch.int64)
+    for op in ("BOR", "BAND", "BXOR"):  # gloo's own reduction, and the all-gather path NCCL takes
+        t = bits.clone()
+        bagua.allreduce_inplace(t, op=getattr(bagua.ReduceOp, op))
+        folded = bits.clone()
+        bagua.communication._all_reduce_by_gathering(
+            folded, getattr(bagua.ReduceOp, op), bagua.communication._resolve(None)
+        )
+        out[f"bitwise_{op}"] = (t, folded)
     message = torch.full((3,), float(rank), dtype=DTYPE)
     if rank == 0:
         bagua.send(message, dst=1)

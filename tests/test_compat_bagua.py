@@ -5,6 +5,7 @@ both orders, bad input, and the communication API."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -289,6 +290,11 @@ def test_communication_api_matches_torch_collectives():
         assert torch.equal(got["alltoall_inplace"], torch.cat([p[rank] for p in pieces]))
         assert torch.equal(got["alltoall_v"], torch.cat([xs[r][: r + 1] for r in range(n)]))
         assert torch.equal(got["recv"], torch.zeros(3, dtype=torch.float64))
+        bits = [torch.tensor([0b1100, 0b1010, 0b0110 + r, 1 << r]) for r in range(n)]
+        for op, fold in (("BOR", torch.bitwise_or), ("BAND", torch.bitwise_and), ("BXOR", torch.bitwise_xor)):
+            expected = functools.reduce(fold, bits)
+            native, gathered = got[f"bitwise_{op}"]
+            assert torch.equal(native, expected) and torch.equal(gathered, expected), op
         if rank == 0:
             assert got["from_torch_ranks"] == [0] and got["from_torch_nranks"] == 1
         else:

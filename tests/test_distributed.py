@@ -265,8 +265,8 @@ def test_parameters_that_differ_across_ranks_fail_at_init_on_every_rank(two):
         error = two[rank]["mismatched_shapes"]
         assert isinstance(error, ScenarioError) and error.type == "ValueError"
         assert (
-            "parameters differ across ranks: rank 0 has 'w' of shape (3, 4) float32, rank 1 has 'w' of shape (3, 5)"
-            in error.message
+            "parameters differ across ranks: rank 0 has 'w' of shape (3, 4) float32 on cpu, "
+            "rank 1 has 'w' of shape (3, 5) float32 on cpu" in error.message
         )
 
 

@@ -56,6 +56,9 @@ class _AveragingThread:
 
     def _run(self) -> None:
         try:
+            device = self.weights[0].device
+            if device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(device)
             while not self._agreed_to_stop():
                 self._average_once()
                 self.rounds += 1
@@ -64,7 +67,7 @@ class _AveragingThread:
             self.error = e
 
     def _agreed_to_stop(self) -> bool:
-        flag = torch.tensor([1 if self.stop.is_set() else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self.stop.is_set() else 0], dtype=torch.int32, device=self.weights[0].device)
         dist.broadcast(flag, dist.get_global_rank(self.group, 0), group=self.group)
         return bool(flag.item())
 
@@ -137,6 +140,8 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self.weights = [p for _, p in ddp.named_parameters_to_sync()]
         if self.thread_group is None:  # every rank makes it at the same point (wrap time)
             self.thread_group = dist.new_group(self.process_group.ranks)
+            # its communicator now, from this thread (NCCL makes one at first use: here, not in the averaging thread)
+            dist.all_reduce(torch.zeros(1, device=self.weights[0].device), group=self.thread_group)
         if self.step_id < self.warmup_steps:
             self.warmup.init(ddp)
 
@@ -144,6 +149,8 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self.warmup.set_gradient_sync(enabled)
 
     def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
+        if self.averager is not None and self.averager.error is not None:
+            raise RuntimeError(f"the averaging thread failed: {self.averager.error!r}") from self.averager.error
         if not self.averaging or self.sync_interval_ms == 0:
             return
         if not self._holding:

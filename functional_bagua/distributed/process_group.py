@@ -56,15 +56,17 @@ def resolve(group: Optional[dist.ProcessGroup], who: str) -> Group:
 
 
 def describe_leaves(params: PyTree) -> list:
-    """``(name, shape, dtype)`` of each leaf (``None`` leaves as ``(name, None, None)``).
+    """``(name, shape, dtype, device type)`` of each leaf (``None`` leaves as ``(name, None, None, None)``).
 
     Args:
-        params: a pytree of tensors; names are the leaves' paths and dtypes are strings such as
-            ``"float32"``.
+        params: a pytree of tensors; names are the leaves' paths, dtypes are strings such as
+            ``"float32"`` and device types strings such as ``"cuda"``.
     """
     leaves, spec = tree.flatten(params)
     return [
-        (name, None, None) if p is None else (name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+        (name, None, None, None)
+        if p is None
+        else (name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.device.type)
         for name, p in zip(tree.leaf_names(spec), leaves)
     ]
 
@@ -284,5 +286,5 @@ def _first_difference(reference: list, theirs: list, rank: int) -> str:
 
 
 def _leaf(desc: tuple) -> str:
-    name, shape, dtype = desc
-    return f"{name!r} with no tensor" if shape is None else f"{name!r} of shape {shape} {dtype}"
+    name, shape, dtype, device = desc
+    return f"{name!r} with no tensor" if shape is None else f"{name!r} of shape {shape} {dtype} on {device}"
