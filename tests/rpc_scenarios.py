@@ -102,6 +102,70 @@ class Scaled(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
+TORCH_TEST_CONFIGS = {  # the configurations torch's own DistributedOptimizer tests step
+    "adam-amsgrad": (torch.optim.Adam, dict(lr=0.05, amsgrad=True)),
+    "adamw-amsgrad": (torch.optim.AdamW, dict(lr=0.05, amsgrad=True)),
+    "sgd-nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=1, weight_decay=1, nesterov=True)),
+    "adadelta": (torch.optim.Adadelta, dict(rho=0.95)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=0.05)),
+    "adamax": (torch.optim.Adamax, dict(lr=0.05)),
+    "rprop": (torch.optim.Rprop, dict(lr=0.05)),
+}
+
+
+def train_locally(optimizer_cls: Any, steps: int = 5, skip: int = 2, **kwargs: Any) -> list:
+    """:func:`train`'s model and data with local parameters and the torch.optim class itself."""
+    params = {name: make_param(i, shape) for i, (name, shape) in enumerate(SHAPES.items())}
+    optimizer = optimizer_cls(list(params.values()), **kwargs)
+    trace = []
+    for t, (x, y) in enumerate(data(steps)):
+        optimizer.zero_grad()
+        hidden = x @ params["w1"] if t == skip else x @ params["w1"] + params["b1"]
+        ((torch.tanh(hidden) @ params["w2"] - y) ** 2).mean().backward()
+        optimizer.step()
+        trace.append({n: p.detach().clone() for n, p in params.items()})
+    return trace
+
+
+def torch_test_configs(world_size: int) -> dict:
+    """Each configuration of torch's own tests: ours, torch's DistributedOptimizer, and the
+    torch.optim class stepping local parameters (the reference torch's tests use)."""
+    return {
+        name: dict(
+            ours=train(cls, "ours", **kwargs), torch=train(cls, "torch", **kwargs), local=train_locally(cls, **kwargs)
+        )
+        for name, (cls, kwargs) in TORCH_TEST_CONFIGS.items()
+    }
+
+
+def frozen_parameters(world_size: int) -> dict:
+    """A parameter that does not require grad, used in the forward on another worker: accepted
+    (with a warning on the caller), never stepped; the others as torch's."""
+    import warnings
+
+    out = {}
+    for name, cls, kwargs in (("sgd", torch.optim.SGD, dict(lr=0.05)), ("rmsprop", torch.optim.RMSprop, dict(lr=0.05))):
+        trace = {}
+        for which in ("ours", "torch"):
+            w = rpc.remote("worker1", make_param, args=(0, (3, 2)))
+            frozen = rpc.remote("worker2", make_param, args=(1, (3, 2), False))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer = (DistributedOptimizer if which == "ours" else TorchDistributedOptimizer)(
+                    cls, [w, frozen], **kwargs
+                )
+            steps = []
+            for x, _ in data(3):
+                with dist_autograd.context() as context_id:
+                    loss = (x @ (w.to_here() * frozen.to_here())).pow(2).sum()
+                    dist_autograd.backward(context_id, [loss])
+                    optimizer.step(context_id)
+                steps.append(dict(w=w.to_here().clone(), frozen=frozen.to_here().clone()))
+            trace[which] = dict(steps=steps, warnings=[str(c.message) for c in caught])
+        out[name] = trace
+    return out
+
+
 def custom_class(world_size: int) -> dict:
     """A class without an alias runs itself; the same as torch's DistributedOptimizer with it."""
     return dict(ours=train(Scaled, "ours", lr=0.1), torch=train(Scaled, "torch", lr=0.1))
@@ -143,9 +207,6 @@ def errors(world_size: int) -> dict:
         {
             "remote step error": lambda: _one_step(DistributedOptimizer(Failing, list(rrefs.values())), rrefs),
             "remote constructor error": lambda: DistributedOptimizer(torch.optim.SGD, list(rrefs.values()), lr=-1.0),
-            "tensor without grad": lambda: DistributedOptimizer(
-                torch.optim.SGD, [rpc.remote("worker1", make_param, args=(0, (2,), False))], lr=0.1
-            ),
             "not an rref": lambda: DistributedOptimizer(torch.optim.SGD, [torch.ones(2, requires_grad=True)], lr=0.1),
         }
     )

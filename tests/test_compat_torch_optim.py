@@ -33,12 +33,16 @@ def ok(result):
     return result
 
 
-@pytest.mark.parametrize("averager", ["periodic", "hierarchical"])
+@pytest.mark.parametrize(
+    "world,averager",
+    [(w, a) for w in ("two", "four") for a in ("periodic", "periodic-view", "hierarchical")]
+    + [("four", "hierarchical-3")],
+)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("world", ["two", "four"])
 def test_post_local_sgd_equals_torchs_step_for_step(world, optimizer, averager, request):
     """torch DDP + post_localSGD_hook, 8 float64 steps: our PostLocalSGDOptimizer with our
-    averager gives torch's parameters bit for bit after every step."""
+    averager gives torch's parameters bit for bit after every step (also with DDP's gradients as
+    bucket views, and with three levels of averaging groups of 1, 2 and 4 ranks)."""
     for result in request.getfixturevalue(world):
         got = ok(result["post_local_sgd_all"])
         ours, theirs = got[f"ours/{optimizer}/{averager}"], got[f"torch/{optimizer}/{averager}"]
@@ -100,6 +104,8 @@ ZERO_TWO = [
     "zero_join_uneven_inputs",
     "zero_overlap_all",
     "zero_overlap_bad_input",
+    "zero_behaviours",
+    "zero_join_with_another_joinable",
 ]
 
 
@@ -110,7 +116,7 @@ def zero_two():
 
 @pytest.fixture(scope="module")
 def zero_four():
-    return run_ranks(4, ["zero_all", "zero_overlap_all"], module="torch_optim_scenarios")
+    return run_ranks(4, ["zero_all", "zero_overlap_all", "zero_on_a_subgroup"], module="torch_optim_scenarios")
 
 
 def assert_traces_equal(ours: list, theirs: list) -> None:
@@ -216,3 +222,67 @@ def test_zero_overlap_bad_input_is_named(zero_two):
     assert got["another model's zero"][0] == "ValueError" and "fc.weight" in got["another model's zero"][1]
     assert got["step returns"] is None and got["unchanged"]
     assert any("does nothing" in m for m in got["step warned"])
+
+
+def same(a, b) -> bool:
+    """Equal trees of tensors, numbers, strings and containers (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    [
+        "scheduler",
+        "zero_grad",
+        "kwargs",
+        "without closure",
+        "closure view=False",
+        "closure view=True",
+        "maximize",
+        "toggled requires_grad view=False",
+        "toggled requires_grad view=True",
+        "plain state loaded",
+        "constructor",
+    ],
+)
+def test_zero_behaves_as_torchs_where_torchs_own_cpu_tests_look(zero_two, behaviour):
+    """What torch's own ZeRO tests check on the CPU (an lr scheduler moving the lr, step keyword
+    arguments and keys the inner step adds, optimizers whose step takes no closure, a closure's
+    loss, maximize, parameters frozen and unfrozen mid-training, a plain optimizer's state loaded,
+    the constructor's errors), ours against torch's class on the same ranks and data."""
+    for result in zero_two:
+        got = ok(result["zero_behaviours"])
+        assert same(got["ours"][behaviour], got["torch"][behaviour]), behaviour
+    got = ok(zero_two[0]["zero_behaviours"])["ours"]
+    expected = {
+        "zero_grad": lambda v: all(g is None for g in v),
+        "kwargs": lambda v: v[0] == ["called"] and v[1] == 0.5,
+        "scheduler": lambda v: [lr for _, lr in v] == [0.05, 0.025, 0.0125, 0.00625],
+        "constructor": lambda v: (
+            v["empty"] == "ValueError"
+            and v["a tensor"] == v["a float"] == v["a list with an int"] == "TypeError"
+            and v["sparse"] == v["two dtypes"] == "ValueError"
+            and v["groups"] == 2
+        ),
+    }
+    if behaviour in expected:
+        assert expected[behaviour](got[behaviour]), got[behaviour]
+
+
+def test_zero_under_join_with_a_joinable_reading_its_parameters_equals_torchs(zero_two):
+    for result in zero_two:
+        got = ok(result["zero_join_with_another_joinable"])
+        assert same(got["ours"], got["torch"])
+
+
+def test_zero_on_a_subgroup_equals_torchs(zero_four):
+    for result in zero_four:
+        got = ok(result["zero_on_a_subgroup"])
+        assert same(got["ours"]["trace"], got["torch"]["trace"]) and got["ours"]["local"] == got["torch"]["local"]
+    assert not same(ok(zero_four[0]["zero_on_a_subgroup"])["ours"], ok(zero_four[1]["zero_on_a_subgroup"])["ours"])

@@ -40,20 +40,21 @@ def post_local_sgd(rank: int, world_size: int, which: str, optimizer: str, avera
     """torch DDP with post_localSGD_hook (gradients all-reduced for 2 steps, local after) and a
     PostLocalSGDOptimizer of torch's or ours: the parameters after each step."""
     model = make_model("shapes", DTYPE, seed=0)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=averager == "periodic-view")
     alone, _ = dist.new_subgroups(group_size=1)  # local SGD after the switch: no gradient all-reduce
     ddp.register_comm_hook(
         PostLocalSGDState(process_group=None, subgroup=alone, start_localSGD_iter=2), post_localSGD_hook
     )
     local = OPTIMIZERS[optimizer](model.parameters())
     module = our_averagers if which == "ours" else torch_averagers
-    if averager == "periodic":
+    if averager.startswith("periodic"):
         avg = module.PeriodicModelAverager(period=3, warmup_steps=2)
     else:
         cls = (
             our_averagers.HierarchicalModelAverager if which == "ours" else torch_hierarchical.HierarchicalModelAverager
         )
-        avg = cls(period_group_size_dict=OrderedDict([(2, 2), (4, world_size)]), warmup_steps=2)
+        levels = [(2, 2), (4, world_size)] if averager == "hierarchical" else [(2, 1), (3, 2), (5, world_size)]
+        avg = cls(period_group_size_dict=OrderedDict(levels), warmup_steps=2)
     opt = (ours.PostLocalSGDOptimizer if which == "ours" else TorchPostLocalSGDOptimizer)(optim=local, averager=avg)
     trace = []
     for x, y in local_batches(rank, world_size):
@@ -67,7 +68,9 @@ def post_local_sgd(rank: int, world_size: int, which: str, optimizer: str, avera
 def post_local_sgd_all(rank: int, world_size: int) -> dict:
     out = {}
     for optimizer in OPTIMIZERS:
-        for averager in ("periodic", "hierarchical"):
+        for averager in ("periodic", "periodic-view", "hierarchical") + (
+            ("hierarchical-3",) if world_size == 4 else ()
+        ):
             for which in ("torch", "ours"):
                 out[f"{which}/{optimizer}/{averager}"] = post_local_sgd(rank, world_size, which, optimizer, averager)
     return out
@@ -402,4 +405,213 @@ def zero_overlap_bad_input(rank: int, world_size: int) -> dict:
     out["step returns"] = overlapping.step()
     out["step warned"] = [r.getMessage() for r in records]
     out["unchanged"] = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return out
+
+
+# ---- the behaviours torch's own ZeRO tests check on the CPU, ours against torch's class ------------
+
+
+class _SGDWithKwargs(torch.optim.SGD):
+    """A step taking a keyword argument (it records it) and adding a key to its first param group."""
+
+    def step(self, closure: Any = None, record: Any = None) -> Any:  # type: ignore[override]
+        loss = super().step(closure)
+        record.append("called")
+        self.param_groups[0]["added_by_step"] = 0.5
+        return loss
+
+
+class _SGDWithoutClosure(torch.optim.SGD):
+    def step(self) -> Any:  # type: ignore[override]
+        return super().step()
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except Exception as e:  # compared by type with torch's
+        return type(e).__name__
+
+
+def _zero_behaviours(zero: Any, rank: int, world_size: int) -> dict:
+    out: dict = {}
+    data = local_batches(rank, world_size, steps=4)
+
+    def fresh(cls: Any = torch.optim.SGD, view: bool = False, **kwargs: Any) -> tuple:
+        model = make_model("shapes", DTYPE, seed=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return model, ddp, zero(model.parameters(), optimizer_class=cls, parameters_as_bucket_view=view, **kwargs)
+
+    model, ddp, opt = fresh(lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    out["scheduler"] = []
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        scheduler.step()
+        out["scheduler"].append((params_of(model), opt.param_groups[0]["lr"]))
+    opt.zero_grad()
+    out["zero_grad"] = [p.grad for p in model.parameters()]
+
+    model, ddp, opt = fresh(_SGDWithKwargs, lr=0.1)
+    record: list = []
+    loss_fn(ddp(data[0][0]), data[0][1]).backward()
+    opt.step(record=record)
+    out["kwargs"] = (record, opt.param_groups[0].get("added_by_step"), params_of(model))
+
+    model, ddp, opt = fresh(_SGDWithoutClosure, lr=0.1)
+    loss_fn(ddp(data[0][0]), data[0][1]).backward()
+    opt.step()
+    out["without closure"] = params_of(model)
+
+    for view in (False, True):
+        model, ddp, opt = fresh(view=view, lr=0.1)
+        loss_fn(ddp(data[0][0]), data[0][1]).backward()
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_fn(ddp(data[1][0]), data[1][1])
+            loss.backward()
+            return loss
+
+        out[f"closure view={view}"] = (opt.step(closure=closure).detach(), params_of(model))
+
+    model, ddp, opt = fresh(torch.optim.Adam, lr=1e-2, maximize=True, foreach=False)
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    out["maximize"] = params_of(model)
+
+    for view in (False, True):  # a parameter frozen after two steps, unfrozen after three
+        model, ddp, opt = fresh(view=view, lr=0.1, momentum=0.9)
+        trace = []
+        for t, (x, y) in enumerate(data):
+            model.fc.bias.requires_grad_(t != 2)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()  # no DDP: its buckets are fixed at construction
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+            opt.step()
+            trace.append(params_of(model))
+        out[f"toggled requires_grad view={view}"] = trace
+
+    model, ddp, opt = fresh(torch.optim.Adam, lr=1e-2, foreach=False)  # a plain optimizer's state, loaded
+    plain_model = make_model("shapes", DTYPE, seed=0)
+    plain = torch.optim.Adam(plain_model.parameters(), lr=1e-3, foreach=False)
+    loss_fn(plain_model(data[0][0]), data[0][1]).backward()
+    plain.step()
+    opt.load_state_dict(plain.state_dict())
+    loss_fn(ddp(data[1][0]), data[1][1]).backward()
+    opt.step()
+    opt.consolidate_state_dict(to=0)
+    out["plain state loaded"] = (params_of(model), opt.param_groups[0]["lr"], opt.state_dict() if rank == 0 else None)
+
+    linear = torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.Linear(10, 10))
+    out["constructor"] = {
+        "empty": _outcome(lambda: zero([], optimizer_class=torch.optim.SGD, lr=0.1)),
+        "a tensor": _outcome(lambda: zero(torch.randn(2), optimizer_class=torch.optim.SGD, lr=0.1)),
+        "a float": _outcome(lambda: zero(1.5, optimizer_class=torch.optim.SGD, lr=0.1)),
+        "a list with an int": _outcome(
+            lambda: zero([*linear.parameters(), 42], optimizer_class=torch.optim.SGD, lr=0.1)
+        ),
+        "groups": _outcome(
+            lambda: len(
+                zero(
+                    [{"params": [linear[0].weight, linear[1].weight]}, {"params": [linear[0].bias, linear[1].bias]}],
+                    optimizer_class=torch.optim.SGD,
+                    lr=0.1,
+                ).optim.param_groups
+            )
+        ),
+        "a generator": _outcome(
+            lambda: len(zero(linear.parameters(), optimizer_class=torch.optim.SGD, lr=0.1).param_groups)
+        ),
+        "sparse": _outcome(
+            lambda: zero([torch.sparse_coo_tensor(size=(2, 3))], optimizer_class=torch.optim.SGD, lr=0.1)
+        ),
+        "two dtypes": _outcome(
+            lambda: zero([torch.zeros(2), torch.zeros(2, dtype=torch.float64)], optimizer_class=torch.optim.SGD, lr=0.1)
+        ),
+    }
+    return out
+
+
+def zero_behaviours(rank: int, world_size: int) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    return {
+        which: _zero_behaviours(zero, rank, world_size)
+        for which, zero in (("ours", ours.ZeroRedundancyOptimizer), ("torch", TorchZero))
+    }
+
+
+def zero_join_with_another_joinable(rank: int, world_size: int) -> dict:
+    """Join with DDP, ZeRO and a Joinable of the user's whose hook reads ``zero._all_params`` (as
+    torch's test does) and gives a rank out of inputs gradients of its own; rank r has 2 + r batches."""
+    from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+    class ScaledGradients(JoinHook):
+        def __init__(self, zero: Any) -> None:
+            self.zero = zero
+
+        def main_hook(self) -> None:
+            for p in self.zero._all_params:
+                p.grad = torch.full_like(p, 0.5)
+
+    class GradientGiver(Joinable):
+        def __init__(self, zero: Any) -> None:
+            super().__init__()
+            self.zero = zero
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return ScaledGradients(self.zero)
+
+        @property
+        def join_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self) -> Any:
+            return dist.group.WORLD
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    out = {}
+    for which, zero in (("ours", ours.ZeroRedundancyOptimizer), ("torch", TorchZero)):
+        model = make_model("shapes", DTYPE, seed=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = zero(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        giver = GradientGiver(opt)
+        with Join([ddp, giver, opt]):  # DDP first: its notification drives Join's per-step all-reduce
+            for x, y in local_batches(rank, world_size, steps=5)[: 2 + rank]:
+                opt.zero_grad()
+                loss_fn(ddp(x), y).backward()
+                opt.step()
+        out[which] = params_of(model)
+    return out
+
+
+def zero_on_a_subgroup(rank: int, world_size: int) -> dict:
+    """ZeRO over the even and the odd ranks separately (4 ranks), gradients averaged within each."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    mine, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    out = {}
+    for which, zero in (("ours", ours.ZeroRedundancyOptimizer), ("torch", TorchZero)):
+        model = make_model("shapes", DTYPE, seed=0)
+        opt = zero(model.parameters(), optimizer_class=torch.optim.Adam, process_group=mine, lr=1e-2, foreach=False)
+        trace = []
+        for x, y in local_batches(rank, world_size, steps=3):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=mine)
+                p.grad /= 2
+            opt.step()
+            trace.append(params_of(model))
+        out[which] = dict(trace=trace, local=len(opt.optim.state))
     return out

@@ -8,7 +8,8 @@
 The parameters (``RRef`` s) are grouped by owner; each owner gets one local optimizer per
 ``DistributedOptimizer``. ``step(context_id)`` asks every owner, in parallel, to read the gradients
 of the distributed autograd context (``dist_autograd.get_gradients``) and step; a parameter without a
-gradient in that context is left as it is (its state too). Steps on one worker are serialized (one
+gradient in that context (a frozen one, ``requires_grad=False``, never has one) is left as it is
+(its state too). Steps on one worker are serialized (one
 lock per worker process, as torch's), and an error on any owner is raised to the caller after all
 owners have answered.
 
@@ -24,8 +25,10 @@ alias does not take) runs as the class itself. No TorchScript (torch deprecates 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
@@ -86,17 +89,18 @@ class _LocalOptimizer:
     def __init__(self, optimizer_class: Any, param_rrefs: list, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         self.params = [rref.local_value() for rref in param_rrefs]
         for i, p in enumerate(self.params):
-            if not isinstance(p, torch.Tensor) or not p.requires_grad:
-                raise ValueError(
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
                     f"DistributedOptimizer: parameter {i} on {rpc.get_worker_info().name} is "
-                    f"{'a tensor that does not require grad' if isinstance(p, torch.Tensor) else type(p).__name__}; "
-                    "pass RRefs of tensors with requires_grad=True"
+                    f"{type(p).__name__}; pass RRefs of tensors"
                 )
         self.tx = functional_alias(optimizer_class, args, kwargs)
         if self.tx is not None:
             self.state = self.tx.init({i: p.detach() for i, p in enumerate(self.params)})
             self.kernel = kernels.spec_of(self.tx)
-            self.compiled_step = None if self.kernel is not None else torch.compile(self._pure_step, fullgraph=True)
+            self.pure_step = (
+                _compiled_pure_step(self.tx, optimizer_class, args, kwargs) if self.kernel is None else None
+            )
         else:
             self.optim = optimizer_class(self.params, *args, **kwargs)
 
@@ -111,30 +115,58 @@ class _LocalOptimizer:
                 present = {i: p.detach() for i, p in enumerate(self.params) if p in grads}
                 if present:
                     kernels.run(self.kernel, {i: grads[self.params[i]] for i in present}, self.state, present)
-            else:
-                assert self.compiled_step is not None
-                self.state = self.compiled_step(
-                    {i: grads.get(p) for i, p in enumerate(self.params)},
-                    self.state,
-                    {i: p.detach() for i, p in enumerate(self.params)},
-                )
+            elif any(p in grads for p in self.params):
+                self._pure_step({i: grads.get(p) for i, p in enumerate(self.params)})
 
-    def _pure_step(self, grads: dict, state: Any, params: dict) -> Any:
-        """The alias's pure update, its result written into ``params``: the new state."""
-        assert self.tx is not None
-        updates, new_state = self.tx.update(grads, state, params)
-        for i, u in updates.items():
-            if u is None:
-                continue
-            if params[i].dim() == 0:  # torch 2.13's compiled graphs drop in-place ops on 0-dim float64 inputs
-                params[i][()] = params[i] + u
-            else:
-                params[i].add_(u)
-        return new_state
+    def _pure_step(self, grads: dict) -> None:
+        """The compiled pure update; eager (with a warning, once) where dynamo gives up on it."""
+        assert self.tx is not None and self.pure_step is not None
+        params = {i: p.detach() for i, p in enumerate(self.params)}
+        try:
+            self.state = self.pure_step(grads, self.state, params)
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+            warnings.warn(
+                f"DistributedOptimizer: the compiled update failed ({type(e).__name__}); stepping eagerly", stacklevel=2
+            )
+            self.pure_step = functools.partial(_update_in_place, self.tx)
+            self.state = self.pure_step(grads, self.state, params)
 
 
-def _new_local_optimizer(optimizer_class: Any, param_rrefs: list, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    return rpc.RRef(_LocalOptimizer(optimizer_class, param_rrefs, args, kwargs))
+def _update_in_place(tx: fb.GradientTransformation, grads: dict, state: Any, params: dict) -> Any:
+    """``tx``'s pure update, its result written into ``params``: the new state."""
+    updates, new_state = tx.update(grads, state, params)
+    for i, u in updates.items():
+        if u is None:
+            continue
+        if params[i].dim() == 0:  # torch 2.13's compiled graphs drop in-place ops on 0-dim float64 inputs
+            params[i][()] = params[i] + u
+        else:
+            params[i].add_(u)
+    return new_state
+
+
+# One compiled update per configuration and worker process: the graphs are shared by the local
+# optimizers of equal configuration (a fresh one per instance would recompile each time, and
+# dynamo stops compiling a function after a few recompilations).
+_COMPILED_STEPS: dict[tuple, Callable[..., Any]] = {}
+
+
+def _compiled_pure_step(
+    tx: fb.GradientTransformation, optimizer_class: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    key = (optimizer_class, repr(tuple(args)), repr(sorted(kwargs.items())))
+    with _WORKER_LOCK:
+        if key not in _COMPILED_STEPS:
+            _COMPILED_STEPS[key] = torch.compile(functools.partial(_update_in_place, tx), fullgraph=True)
+        return _COMPILED_STEPS[key]
+
+
+def _new_local_optimizer(
+    optimizer_class: Any, param_rrefs: list, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Any, list[int]]:
+    """The owner's local optimizer, and the positions of its parameters that do not require grad."""
+    local = _LocalOptimizer(optimizer_class, param_rrefs, args, kwargs)
+    return rpc.RRef(local), [i for i, p in enumerate(local.params) if not p.requires_grad]
 
 
 def _local_step(local_rref: Any, context_id: int) -> None:
@@ -176,15 +208,26 @@ class DistributedOptimizer:
                 f"DistributedOptimizer: optimizer_class must be an optimizer class, got {optimizer_class!r}"
             )
         per_owner: dict[Any, list] = defaultdict(list)
+        positions: dict[Any, list] = defaultdict(list)
         for i, rref in enumerate(params_rref):
             if not (callable(getattr(rref, "owner", None)) and callable(getattr(rref, "local_value", None))):
                 raise TypeError(f"DistributedOptimizer: params_rref[{i}] is {type(rref).__name__}, not an RRef")
             per_owner[rref.owner()].append(rref)
+            positions[rref.owner()].append(i)
+        owners = list(per_owner)
         futures = [
-            rpc.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
-            for owner, rrefs in per_owner.items()
+            rpc.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, per_owner[owner], args, kwargs))
+            for owner in owners
         ]
-        self.remote_optimizers = _wait_all(futures)
+        built = _wait_all(futures)
+        self.remote_optimizers = [rref for rref, _ in built]
+        frozen = sorted(positions[owner][j] for owner, (_, local) in zip(owners, built) for j in local)
+        if frozen:
+            warnings.warn(
+                f"DistributedOptimizer: params_rref{frozen} hold tensors that do not require grad; they never get a "
+                "gradient and are never stepped (as with torch's)",
+                stacklevel=2,
+            )
 
     def step(self, context_id: int) -> None:
         """Step every owner's parameters with the gradients of the distributed autograd context.

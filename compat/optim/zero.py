@@ -120,6 +120,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 "torch.distributed.init_process_group() first"
             )
         params = _checked_params(params)
+        _check_same_dense_type(params)
         self.initialized = False
         torch.optim.Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
@@ -168,11 +169,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             "read torch's private state. Import the hook from functional_bagua.compat.optim instead."
         )
 
+    @property
     def _all_params(self) -> list[torch.Tensor]:
+        """Every parameter, in param-group order (a list attribute in torch's class, which join hooks read)."""
         return list(chain.from_iterable(g["params"] for g in self.param_groups))
 
     def _trainable_mask(self) -> list[bool]:
-        return [p.requires_grad for p in self._all_params()]
+        return [p.requires_grad for p in self._all_params]
 
     def _build_buckets(self) -> None:
         """With ``parameters_as_bucket_view``, each rank's trainable parameters move into flat
@@ -339,7 +342,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 "Optimizer state has not been consolidated on this rank. Please call "
                 f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant to save the global state."
             )
-        index = {id(p): i for i, p in enumerate(self._all_params())}
+        index = {id(p): i for i, p in enumerate(self._all_params)}
         packed = torch.optim.Optimizer.state_dict(self)
         state: dict[int, Any] = {}
         for rank, local in enumerate(self._all_state_dicts):
@@ -365,7 +368,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 "ZeroRedundancyOptimizer.load_state_dict: the state dict's param groups do not match this "
                 f"optimizer's ({[len(g['params']) for g in groups]} vs {[len(g['params']) for g in self.param_groups]} parameters)"
             )
-        index = {id(p): i for i, p in enumerate(self._all_params())}
+        index = {id(p): i for i, p in enumerate(self._all_params)}
         local_state, local_index = {}, 0
         local_groups = []
         for group, mine in zip(groups, self._partition[self.rank]):
@@ -392,7 +395,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self._all_params()[0].device
+        return self._all_params[0].device
 
     @property
     def join_process_group(self) -> Any:
@@ -413,7 +416,24 @@ def _checked_params(params: Iterable[Any]) -> list[Any]:
         raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
     if not (all(isinstance(p, torch.Tensor) for p in listed) or all(isinstance(p, dict) for p in listed)):
         raise TypeError("`params` argument should be an iterable of Tensors or dicts")
-    for group in listed:
-        if isinstance(group, dict) and "params" not in group:
-            raise ValueError("each parameter group passed in `params` needs a 'params' key")
+    for i, group in enumerate(listed):
+        if isinstance(group, dict):
+            if "params" not in group:
+                raise ValueError("each parameter group passed in `params` needs a 'params' key")
+            group_params = group["params"]
+            listed[i] = {
+                **group,
+                "params": [group_params] if isinstance(group_params, torch.Tensor) else list(group_params),
+            }
     return listed
+
+
+def _check_same_dense_type(params: list[Any]) -> None:
+    """torch's rule: every parameter dense, of one type (dtype and device)."""
+    listed = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    tensors = [t for t in listed if isinstance(t, torch.Tensor)]  # torch.optim names anything else
+    if any(t.layout != torch.strided for t in tensors) or len({(t.dtype, t.device) for t in tensors}) > 1:
+        raise ValueError(
+            "ZeroRedundancyOptimizer only supports using the same dense type for all parameters; got "
+            f"{sorted({f'{t.layout} {t.dtype} on {t.device}' for t in tensors})}"
+        )
