@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import optree
 import torch
 
-from functional_bagua import checks, layout_context, tree
+from functional_bagua import checks, foreach, layout_context, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.flat import Segment
 from functional_bagua.tree import PyTree
@@ -125,20 +125,25 @@ def leafwise(
         keys = _segmented_keys(spec, per_tensor)
         state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
 
-        updates: list[Optional[torch.Tensor]] = []
-        new_state_leaves: list[NamedTuple] = []
-        for i, (g, p) in enumerate(zip(grad_leaves, param_leaves)):
-            s = state_type(*(leaves[i] for leaves in state_leaves))
-            if g is None:
-                updates.append(None)
-                new_state_leaves.append(s)
-                continue
+        n = len(grad_leaves)
+        old_states = [state_type(*(leaves[i] for leaves in state_leaves)) for i in range(n)]
+        updates: list[Optional[torch.Tensor]] = [None] * n
+        new_state_leaves: list[NamedTuple] = list(old_states)  # a None gradient keeps its state
+        pending = [i for i, g in enumerate(grad_leaves) if g is not None]
+        if keys is None and not sparse_gradients and foreach.grouped_enabled():
+            grouped = _run_groups(update_leaf, state_type, grad_leaves, param_leaves, state_leaves, pending)
+            for i, (u, new_s) in grouped.items():
+                updates[i] = u.to(grad_leaves[i].dtype)
+                new_state_leaves[i] = _with_dtypes_of(new_s, old_states[i])
+            pending = [i for i in pending if i not in grouped]
+        for i in pending:
+            g, p, s = grad_leaves[i], param_leaves[i], old_states[i]
             if keys is None:
                 u, new_s = rule(g, s, p)
             else:
                 u, new_s = _update_segments(update_leaf, state_type, g, s, p, _segments_of(keys[i]))
-            updates.append(u.to(g.dtype))
-            new_state_leaves.append(_with_dtypes_of(new_s, s))
+            updates[i] = u.to(g.dtype)
+            new_state_leaves[i] = _with_dtypes_of(new_s, s)
         new_state = state_type(*(spec.unflatten([s[i] for s in new_state_leaves]) for i in range(len(fields))))
         return spec.unflatten(updates), new_state
 
@@ -197,19 +202,57 @@ def stateless(
             update_leaves, param_leaves, functools.partial(tree.leaf_name, spec), name, complex_ok=not per_tensor
         )
         keys = _segmented_keys(spec, per_tensor)
-        new = [
-            None
-            if u is None
-            else rule(u, p).to(u.dtype)
-            if keys is None
-            else per_buffer(u, p, [seg.numel for seg in _segments_of(keys[i])]).to(u.dtype)
-            if per_buffer
-            else _map_segments(update_leaf, u, p, _segments_of(keys[i]))
-            for i, (u, p) in enumerate(zip(update_leaves, param_leaves))
-        ]
+        new: list[Optional[torch.Tensor]] = [None] * len(update_leaves)
+        pending = [i for i, u in enumerate(update_leaves) if u is not None]
+        if not per_tensor and foreach.grouped_enabled():
+            grouped = _run_groups(update_leaf, None, update_leaves, param_leaves, [], pending)
+            for i, u in grouped.items():
+                new[i] = u.to(update_leaves[i].dtype)
+            pending = [i for i in pending if i not in grouped]
+        for i in pending:
+            u, p = update_leaves[i], param_leaves[i]
+            new[i] = (
+                rule(u, p).to(u.dtype)
+                if keys is None
+                else per_buffer(u, p, [seg.numel for seg in _segments_of(keys[i])]).to(u.dtype)
+                if per_buffer
+                else _map_segments(update_leaf, u, p, _segments_of(keys[i]))
+            )
         return spec.unflatten(new), state
 
     return GradientTransformation(init, update)
+
+
+def _run_groups(
+    update_leaf: Callable[..., Any],
+    state_type: Any,
+    grads: list,
+    params: list,
+    state_fields: list,
+    indices: list[int],
+) -> dict[int, Any]:
+    """The rule run once per group of real tensors of one device and dtype (and parameters given
+    or not), with :class:`~functional_bagua.foreach.Leaves`: ``{index: result}`` for the indices it
+    ran (a group whose rule needs single tensors is left out, to run per tensor). ``state_type``
+    ``None``: a stateless rule ``update_leaf(u, p)``."""
+    groups: dict[tuple, list[int]] = {}
+    for i in indices:
+        g = grads[i]
+        if not g.is_complex():
+            groups.setdefault((g.device, g.dtype, params[i] is None), []).append(i)
+    if state_type is None:
+        rule = update_leaf
+    else:
+
+        def rule(g: Any, p: Any, *fields: Any) -> Any:
+            return update_leaf(g, state_type(*fields), p)
+
+    done: dict[int, Any] = {}
+    for members in groups.values():
+        results = foreach.run_grouped(rule, [grads, params, *state_fields], members)
+        if results is not None:
+            done.update(zip(members, results))
+    return done
 
 
 def _segmented_keys(spec: optree.PyTreeSpec, per_tensor: bool) -> Optional[list]:

@@ -1,0 +1,145 @@
+"""The ceiling of a pure (out-of-place) optimizer update on this machine, next to torch's own.
+
+    python benchmarks/pure_update_ceiling.py [--configs a,b,c] [--rounds 3]
+
+For AdamW and SGD with momentum on the optimizer_step.py configs, in one run: torch's foreach
+and fused steps (in place), the pure update functional_bagua's tree path runs today
+(``tx.update`` + ``apply_updates``), and hand-written pure updates that no design of the tree
+path can beat: one out-of-place ``torch._foreach_*`` op per line of the update rule (the fewest
+Python calls a pure update can make), and the same math over one flat buffer, whole or in
+cache-sized pieces (what a pure ``fuse`` update could reach). Medians of ``--rounds`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine, median_ms, steady_malloc, table  # noqa: E402
+from optimizer_step import CONFIGS  # noqa: E402
+
+import functional_bagua as fb  # noqa: E402
+
+LR, B1, B2, EPS, WD, MOMENTUM = 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.9
+
+
+def pure_foreach_adamw(ps: list, gs: list, ms: list, vs: list, step: int) -> tuple:
+    """AdamW out of place, one foreach op per term: the new (params, m, v)."""
+    bc1, bc2 = 1 - B1**step, 1 - B2**step
+    m = torch._foreach_lerp(ms, gs, 1 - B1)
+    v = torch._foreach_mul(vs, B2)
+    torch._foreach_addcmul_(v, gs, gs, 1 - B2)  # in place on a fresh temporary: still pure
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2**0.5)
+    torch._foreach_add_(denom, EPS)
+    new_p = torch._foreach_mul(ps, 1 - LR * WD)
+    torch._foreach_addcdiv_(new_p, m, denom, -LR / bc1)
+    return new_p, m, v
+
+
+def pure_foreach_sgd(ps: list, gs: list, bufs: list) -> tuple:
+    buf = torch._foreach_mul(bufs, MOMENTUM)
+    torch._foreach_add_(buf, gs)
+    return torch._foreach_add(ps, buf, alpha=-LR), buf
+
+
+def pure_flat_adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, piece: int) -> tuple:
+    """AdamW out of place over one flat buffer, ``piece`` elements at a time (0: whole)."""
+    bc1, bc2 = 1 - B1**step, 1 - B2**step
+    new_p, new_m, new_v = torch.empty_like(p), torch.empty_like(m), torch.empty_like(v)
+    n = p.numel()
+    size = piece or n
+    for start in range(0, n, size):
+        sl = slice(start, min(n, start + size))
+        mm = torch.lerp(m[sl], g[sl], 1 - B1, out=new_m[sl])
+        vv = torch.mul(v[sl], B2, out=new_v[sl]).addcmul_(g[sl], g[sl], value=1 - B2)
+        denom = vv.sqrt().div_(bc2**0.5).add_(EPS)
+        torch.mul(p[sl], 1 - LR * WD, out=new_p[sl]).addcdiv_(mm, denom, value=-LR / bc1)
+    return new_p, new_m, new_v
+
+
+def run(key: str) -> list[dict]:
+    label, shapes_fn = CONFIGS[key]
+    shapes = shapes_fn()
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=gen) for s in shapes]
+    gs = [torch.randn(s, generator=gen) for s in shapes]
+    rows = []
+
+    def row(opt: str, variant: str, fn) -> None:  # noqa: ANN001
+        rows.append(dict(config=label, optimizer=opt, variant=variant, ms=median_ms(fn, "cpu", steps=20)))
+
+    for opt, torch_cls, fb_tx in (
+        ("adamw", lambda p, **kw: torch.optim.AdamW(p, lr=LR, weight_decay=WD, **kw), fb.adamw(LR, weight_decay=WD)),
+        ("sgd", lambda p, **kw: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM, **kw), fb.sgd(LR, momentum=MOMENTUM)),
+    ):
+        for variant, kw in (("torch foreach", dict(foreach=True)), ("torch fused", dict(fused=True))):
+            tp = [p.clone().requires_grad_() for p in ps]
+            for p, g in zip(tp, gs):
+                p.grad = g
+            o = torch_cls(tp, **kw)
+            row(opt, variant, o.step)
+        params = {str(i): p for i, p in enumerate(ps)}
+        grads = {str(i): g for i, g in enumerate(gs)}
+        state = [fb_tx.init(params)]
+
+        def fb_tree() -> None:
+            updates, state[0] = fb_tx.update(grads, state[0], params)
+            fb.apply_updates(params, updates)
+
+        row(opt, "fb tree eager (today)", fb_tree)
+        if opt == "adamw":
+            ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+            row(opt, "pure foreach (ceiling of the tree path)", lambda: pure_foreach_adamw(ps, gs, ms, vs, 3))
+            flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (ps, gs)] + [
+                torch.zeros(sum(p.numel() for p in ps))
+            ] * 2
+            row(opt, "pure flat, whole buffer", lambda: pure_flat_adamw(*flat, 3, 0))
+            for piece in (1 << 14, 1 << 16):
+                row(opt, f"pure flat, pieces of {piece}", lambda piece=piece: pure_flat_adamw(*flat, 3, piece))
+        else:
+            bufs = [torch.zeros_like(p) for p in ps]
+            row(opt, "pure foreach (ceiling of the tree path)", lambda: pure_foreach_sgd(ps, gs, bufs))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="a,b,c")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# {machine()}; {steady_malloc()}; medians of {args.rounds} rounds (range)\n")
+    for key in args.configs.split(","):
+        rounds = [run(key) for _ in range(args.rounds)]
+        rows = []
+        for i, r in enumerate(rounds[0]):
+            times = [rd[i]["ms"] for rd in rounds]
+            foreach = [
+                rd[j]["ms"]
+                for rd in rounds
+                for j, x in enumerate(rd)
+                if x["optimizer"] == r["optimizer"] and x["variant"] == "torch foreach"
+            ]
+            ratios = [t / f for t, f in zip(times, foreach)]
+            rows.append(
+                dict(
+                    config=r["config"],
+                    optimizer=r["optimizer"],
+                    variant=r["variant"],
+                    ms=f"{statistics.median(times):.3g} ({min(times):.3g}-{max(times):.3g})",
+                    vs_torch_foreach=f"{statistics.median(ratios):.2f}x",
+                )
+            )
+        print(table(rows, ["config", "optimizer", "variant", "ms", "vs_torch_foreach"]))
+        print()
+
+
+if __name__ == "__main__":
+    main()

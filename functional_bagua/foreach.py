@@ -1,0 +1,344 @@
+"""Run a rule written for one tensor over many tensors at once, with torch's multi-tensor ops.
+
+A transform's rule is written for one parameter tensor (:func:`~functional_bagua.leafwise`)::
+
+    mu = lerp(s.mu, g, 1 - b1)                   # one tensor
+
+Called with :class:`Leaves` instead of tensors, the same lines run over every tensor of a group
+(one device and dtype) at once: ``Leaves`` maps each operation to one ``torch._foreach_*`` call
+(out of place, so the update stays pure) where torch has one, and to a loop over the tensors
+otherwise::
+
+    mu = lerp(Leaves(mus), Leaves(gs), 1 - b1)   # torch._foreach_lerp(mus, gs, 1 - b1)
+
+This is how torch's ``foreach`` optimizers reach their speed: one call per operation and group
+instead of one per operation and tensor. On the CPU, a ``_foreach_*`` op runs the same kernel
+on each tensor as the single-tensor op, so both paths give the same bits (tested for every
+alias). A rule that needs something only one tensor has (its shape, a Python number from its
+values) raises a :class:`PerTensorOnly` error here, and :func:`run_grouped` runs it one tensor at
+a time instead.
+
+:func:`per_tensor` turns the grouped path off in this thread (the reference in the tests, and
+what torch.compile traces: inductor fuses the per-tensor ops itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+__all__ = ["Leaves", "PerTensorOnly", "grouped_enabled", "per_tensor", "run_grouped", "strict"]
+
+
+class PerTensorOnly(TypeError):
+    """A rule asked :class:`Leaves` for something only a single tensor has."""
+
+
+class _Switch(threading.local):
+    def __init__(self) -> None:
+        self.per_tensor = 0
+        self.strict = 0
+
+
+_SWITCH = _Switch()
+
+
+@contextlib.contextmanager
+def per_tensor() -> Iterator[None]:
+    """Within the block, in this thread, rules run one tensor at a time (the grouped path off).
+
+    Example::
+
+        with fb.foreach.per_tensor():
+            updates, state = tx.update(grads, state, params)
+    """
+    _SWITCH.per_tensor += 1
+    try:
+        yield
+    finally:
+        _SWITCH.per_tensor -= 1
+
+
+@contextlib.contextmanager
+def strict() -> Iterator[None]:
+    """Within the block, in this thread, a rule that cannot run grouped raises instead of running
+    one tensor at a time (to check that a rule runs grouped)."""
+    _SWITCH.strict += 1
+    try:
+        yield
+    finally:
+        _SWITCH.strict -= 1
+
+
+def grouped_enabled() -> bool:
+    """Whether rules may run grouped: not under :func:`per_tensor`, nor while torch.compile traces."""
+    return not _SWITCH.per_tensor and not torch.compiler.is_compiling()
+
+
+def _items(x: Any, n: int) -> list:
+    """``x``'s tensors if it is a :class:`Leaves` (of ``n``), else ``x`` for each of the ``n``."""
+    if isinstance(x, Leaves):
+        if len(x.items) != n:
+            raise ValueError(f"Leaves of {len(x.items)} and {n} tensors in one operation")
+        return x.items
+    return [x] * n
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``fn`` on each tensor of the :class:`Leaves` among ``args`` / ``kwargs`` (the others as they are)."""
+    n = next(len(a.items) for a in (*args, *kwargs.values()) if isinstance(a, Leaves))
+    columns = [_items(a, n) for a in args]
+    named = {k: _items(v, n) for k, v in kwargs.items()}
+    results = [fn(*(c[i] for c in columns), **{k: v[i] for k, v in named.items()}) for i in range(n)]
+    if all(isinstance(r, torch.Tensor) for r in results):
+        return Leaves(results)
+    if all(isinstance(r, tuple) for r in results):
+        return tuple(Leaves(list(parts)) for parts in zip(*results))
+    raise PerTensorOnly(f"{getattr(fn, '__name__', fn)} gives per-tensor values that are not tensors")
+
+
+def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leaves", b: Any, **kwargs: Any) -> "Leaves":
+    """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors, a number or a
+    0-dim tensor of ``a``'s device), else ``fallback`` on each pair."""
+    if isinstance(b, Leaves) or _is_scalar(b):
+        return Leaves(foreach(a.items, _items(b, len(a.items)) if isinstance(b, Leaves) else b, **kwargs))
+    return _map(fallback, (a, b), kwargs)
+
+
+class Leaves:
+    """Tensors of one device and dtype, operated on together (module docstring).
+
+    Args:
+        items: the tensors.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Sequence[torch.Tensor]) -> None:
+        self.items = list(items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    # ---- what the tensors share ---------------------------------------------------------------
+
+    def _common(self, name: str) -> Any:
+        values = {getattr(t, name) for t in self.items}
+        if len(values) != 1:
+            raise PerTensorOnly(f"the tensors differ in {name}")
+        return values.pop()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._common("dtype")
+
+    @property
+    def device(self) -> torch.device:
+        return self._common("device")
+
+    def is_complex(self) -> bool:
+        return any(t.is_complex() for t in self.items)
+
+    def is_floating_point(self) -> bool:
+        return all(t.is_floating_point() for t in self.items)
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other tensor method, on each tensor; attributes (``shape``, ``ndim``) are per tensor."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        attribute = getattr(torch.Tensor, name, None)
+        if not callable(attribute):
+            raise PerTensorOnly(f"{name} is a property of each tensor")
+        return lambda *args, **kwargs: _map(attribute, (self, *args), kwargs)
+
+    def __bool__(self) -> bool:
+        raise PerTensorOnly("the truth value of several tensors")
+
+    # ---- arithmetic -----------------------------------------------------------------------------
+
+    def add(self, other: Any, alpha: Any = 1) -> "Leaves":
+        if _is_scalar(alpha) and alpha == 1:
+            return _binary(torch._foreach_add, torch.add, self, other)
+        if _is_scalar(alpha) and isinstance(other, Leaves):
+            return Leaves(torch._foreach_add(self.items, other.items, alpha=alpha))
+        return _map(torch.add, (self, other), {"alpha": alpha})
+
+    def sub(self, other: Any, alpha: Any = 1) -> "Leaves":
+        if _is_scalar(alpha) and alpha == 1:
+            return _binary(torch._foreach_sub, torch.sub, self, other)
+        if _is_scalar(alpha) and isinstance(other, Leaves):
+            return Leaves(torch._foreach_sub(self.items, other.items, alpha=alpha))
+        return _map(torch.sub, (self, other), {"alpha": alpha})
+
+    def mul(self, other: Any) -> "Leaves":
+        return _binary(torch._foreach_mul, torch.mul, self, other)
+
+    def div(self, other: Any) -> "Leaves":
+        return _binary(torch._foreach_div, torch.div, self, other)
+
+    def maximum(self, other: Any) -> "Leaves":
+        return _binary(torch._foreach_maximum, torch.maximum, self, other)
+
+    def minimum(self, other: Any) -> "Leaves":
+        return _binary(torch._foreach_minimum, torch.minimum, self, other)
+
+    def pow(self, exponent: Any) -> "Leaves":
+        return _binary(torch._foreach_pow, torch.pow, self, exponent)
+
+    def lerp(self, end: Any, weight: Any) -> "Leaves":
+        if isinstance(end, Leaves) and (_is_scalar(weight) or isinstance(weight, Leaves)):
+            return Leaves(
+                torch._foreach_lerp(
+                    self.items, end.items, _items(weight, len(self)) if isinstance(weight, Leaves) else weight
+                )
+            )
+        return _map(torch.lerp, (self, end, weight), {})
+
+    def addcmul(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
+        if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
+            return Leaves(torch._foreach_addcmul(self.items, t1.items, t2.items, value))
+        return _map(torch.addcmul, (self, t1, t2), {"value": value})
+
+    def addcdiv(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
+        if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
+            return Leaves(torch._foreach_addcdiv(self.items, t1.items, t2.items, value))
+        return _map(torch.addcdiv, (self, t1, t2), {"value": value})
+
+    def clamp_min(self, minimum: Any) -> "Leaves":
+        return _binary(torch._foreach_clamp_min, torch.clamp_min, self, minimum)
+
+    def clamp_max(self, maximum: Any) -> "Leaves":
+        return _binary(torch._foreach_clamp_max, torch.clamp_max, self, maximum)
+
+    def sqrt(self) -> "Leaves":
+        return Leaves(torch._foreach_sqrt(self.items))
+
+    def abs(self) -> "Leaves":
+        return Leaves(torch._foreach_abs(self.items))
+
+    def neg(self) -> "Leaves":
+        return Leaves(torch._foreach_neg(self.items))
+
+    def sign(self) -> "Leaves":
+        return Leaves(torch._foreach_sign(self.items))
+
+    def exp(self) -> "Leaves":
+        return Leaves(torch._foreach_exp(self.items))
+
+    def reciprocal(self) -> "Leaves":
+        return Leaves(torch._foreach_reciprocal(self.items))
+
+    def to(self, *args: Any, **kwargs: Any) -> "Leaves":
+        return Leaves([t.to(*args, **kwargs) for t in self.items])
+
+    __add__ = add
+    __sub__ = sub
+    __mul__ = mul
+    __truediv__ = div
+    __pow__ = pow
+    __neg__ = neg
+    __abs__ = abs
+
+    def __radd__(self, other: Any) -> "Leaves":
+        return self.add(other)
+
+    def __rmul__(self, other: Any) -> "Leaves":
+        return self.mul(other)
+
+    def __rsub__(self, other: Any) -> "Leaves":
+        if _is_scalar(other):
+            return Leaves(torch._foreach_add(torch._foreach_neg(self.items), other))
+        return _map(torch.sub, (other, self), {})
+
+    def __rtruediv__(self, other: Any) -> "Leaves":
+        return _map(torch.div, (other, self), {})
+
+    def __rpow__(self, other: Any) -> "Leaves":
+        if _is_scalar(other):
+            return Leaves(torch._foreach_pow(other, self.items))
+        return _map(torch.pow, (other, self), {})
+
+    def __gt__(self, other: Any) -> "Leaves":
+        return _map(torch.gt, (self, other), {})
+
+    def __lt__(self, other: Any) -> "Leaves":
+        return _map(torch.lt, (self, other), {})
+
+    def __ge__(self, other: Any) -> "Leaves":
+        return _map(torch.ge, (self, other), {})
+
+    def __le__(self, other: Any) -> "Leaves":
+        return _map(torch.le, (self, other), {})
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # ---- torch functions called with Leaves ------------------------------------------------------
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        fast = _FAST.get(func)
+        if fast is not None and isinstance(args[0], Leaves):
+            return fast(*args, **kwargs)
+        return _map(func, args, kwargs)
+
+
+_FAST: dict = {
+    torch.maximum: Leaves.maximum,
+    torch.minimum: Leaves.minimum,
+    torch.sqrt: Leaves.sqrt,
+    torch.abs: Leaves.abs,
+    torch.sign: Leaves.sign,
+    torch.lerp: Leaves.lerp,
+    torch.addcmul: Leaves.addcmul,
+    torch.addcdiv: Leaves.addcdiv,
+    torch.add: Leaves.add,
+    torch.mul: Leaves.mul,
+    torch.div: Leaves.div,
+}
+
+
+def run_grouped(
+    rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int]
+) -> Optional[list[Any]]:
+    """``rule`` once over the tensors at ``indices`` of each column, as :class:`Leaves`: its
+    results, one per index (a tuple per index when the rule returns a tuple), or ``None`` when the
+    rule needs one tensor at a time (:class:`PerTensorOnly`).
+
+    Args:
+        rule: a rule written for single tensors (its arguments: one per column).
+        columns: per argument of the rule, a sequence with one value per tensor (``None`` entries
+            stay ``None``); a column of ``None`` s is passed as ``None``.
+        indices: which tensors form the group.
+    """
+    args = []
+    for column in columns:
+        picked = [column[i] for i in indices]
+        nones = sum(v is None for v in picked)
+        if 0 < nones < len(picked):
+            return None
+        args.append(None if nones else Leaves(picked))
+    try:
+        result = rule(*args)
+    except Exception:  # anything a rule cannot do grouped (PerTensorOnly, ...): it runs per tensor,
+        if _SWITCH.strict:  # where a genuine error raises again
+            raise
+        return None
+    return _split(result, len(indices))
+
+
+def _split(result: Any, n: int) -> list[Any]:
+    if isinstance(result, Leaves):
+        return result.items
+    if isinstance(result, tuple):
+        parts = [_split(r, n) for r in result]
+        fields = getattr(type(result), "_fields", None)
+        return [type(result)(*(p[i] for p in parts)) if fields else tuple(p[i] for p in parts) for i in range(n)]
+    return [result] * n  # a value the rule shares between the tensors (a None, a constant)
