@@ -252,18 +252,19 @@ class Leaves:
     def __rmul__(self, other: Any) -> "Leaves":
         return self.mul(other)
 
+    # reflected operators run as torch.Tensor's own (``2 / t`` is ``t.reciprocal() * 2`` there)
     def __rsub__(self, other: Any) -> "Leaves":
-        if _is_scalar(other):
+        if _is_scalar(other):  # -t + other: the same rounding as other - t
             return Leaves(torch._foreach_add(torch._foreach_neg(self.items), other))
-        return _map(torch.sub, (other, self), {})
+        return _map(torch.Tensor.__rsub__, (self, other), {})
 
     def __rtruediv__(self, other: Any) -> "Leaves":
-        return _map(torch.div, (other, self), {})
+        return _map(torch.Tensor.__rtruediv__, (self, other), {})
 
     def __rpow__(self, other: Any) -> "Leaves":
         if _is_scalar(other):
             return Leaves(torch._foreach_pow(other, self.items))
-        return _map(torch.pow, (other, self), {})
+        return _map(torch.Tensor.__rpow__, (self, other), {})
 
     def __gt__(self, other: Any) -> "Leaves":
         return _map(torch.gt, (self, other), {})
@@ -276,6 +277,12 @@ class Leaves:
 
     def __le__(self, other: Any) -> "Leaves":
         return _map(torch.le, (self, other), {})
+
+    def __eq__(self, other: Any) -> "Leaves":  # type: ignore[override]
+        return _map(torch.eq, (self, other), {})
+
+    def __ne__(self, other: Any) -> "Leaves":  # type: ignore[override]
+        return _map(torch.ne, (self, other), {})
 
     __hash__ = None  # type: ignore[assignment]
 

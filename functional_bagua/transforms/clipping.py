@@ -93,8 +93,9 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
 
 def _scaled(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """``u * factor`` in ``u``'s dtype: a 0-dim factor of a wider dtype does not promote ``u``, and
-    the product is rounded once (as ``torch._foreach_mul_`` in clip_grad_norm_ does)."""
-    return u * factor
+    the product is rounded once (as ``torch._foreach_mul_`` in clip_grad_norm_ does; a 0-dim ``u``
+    multiplies in the factor's wider dtype, then rounds to its own)."""
+    return (u * factor).to(u.dtype)
 
 
 def _check_threshold(value: object, who: str, name: str) -> None:

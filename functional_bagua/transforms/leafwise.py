@@ -54,6 +54,11 @@ def leafwise(
     parameter's segment of the flat buffer, and its state holds a tuple of per-segment states
     per buffer; an elementwise rule runs once on the whole buffer.
 
+    Outside a fused update, the rule runs once per group of tensors of one device and dtype, on
+    :class:`~functional_bagua.foreach.Leaves` (each operation one multi-tensor op over the
+    group; norms and means stay per tensor); a rule that reads what only one tensor has (its
+    shape, a Python number from its values) runs one tensor at a time instead.
+
     Args:
         state_type: the NamedTuple class of one tensor's state.
         init_leaf: ``init_leaf(p) -> state_leaf``, called on each parameter that is not ``None``.
@@ -133,7 +138,7 @@ def leafwise(
         if keys is None and not sparse_gradients and foreach.grouped_enabled():
             grouped = _run_groups(update_leaf, state_type, grad_leaves, param_leaves, state_leaves, pending)
             for i, (u, new_s) in grouped.items():
-                updates[i] = u.to(grad_leaves[i].dtype)
+                updates[i] = _in_dtype(u, grad_leaves[i].dtype)
                 new_state_leaves[i] = _with_dtypes_of(new_s, old_states[i])
             pending = [i for i in pending if i not in grouped]
         for i in pending:
@@ -207,7 +212,7 @@ def stateless(
         if not per_tensor and foreach.grouped_enabled():
             grouped = _run_groups(update_leaf, None, update_leaves, param_leaves, [], pending)
             for i, u in grouped.items():
-                new[i] = u.to(update_leaves[i].dtype)
+                new[i] = _in_dtype(u, update_leaves[i].dtype)
             pending = [i for i in pending if i not in grouped]
         for i in pending:
             u, p = update_leaves[i], param_leaves[i]
@@ -326,8 +331,16 @@ def _with_dtypes_of(new: Any, old: Any) -> Any:
     tensor's own dtype (a no-op for every other tensor).
     """
     return type(new)(
-        *(n.to(o.dtype) if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) else n for n, o in zip(new, old))
+        *(
+            _in_dtype(n, o.dtype) if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) else n
+            for n, o in zip(new, old)
+        )
     )
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (``t`` itself when it is already)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _on_real_views(update_leaf: Callable[..., tuple]) -> Callable[..., tuple]:

@@ -1,0 +1,142 @@
+"""The grouped path (functional_bagua.foreach: one multi-tensor op per device/dtype group) against
+the per-tensor path, bit for bit, for every alias and the wrappers, with None gradients, several
+dtypes in one tree and complex parameters; and the built-in elementwise rules run grouped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree
+
+import functional_bagua as fb
+from functional_bagua import foreach
+
+STEPS = 4
+PER_TENSOR_ONLY = {fb.muon}  # its orthogonalization needs matrices of one shape at a time; its tree is 2-D
+REFUSE_COMPLEX = {fb.muon, fb.adafactor, fb.lamb, fb.lars}  # per-tensor rules refuse complex parameters
+READS_SHAPES = {fb.adafactor, fb.muon}  # rules that read their tensor's shape run one tensor at a time
+
+
+def mixed_problem(alias, seed=0):
+    """Parameters of three dtypes, several per dtype (so groups have several tensors), and
+    gradients for STEPS steps, some of them None."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = (
+        {"w": (4, 3), "v": (3, 5), "u": (5, 3)}
+        if alias is fb.muon
+        else {"w": (4, 3), "b": (3,), "s": (), "k": (2, 1, 3, 3), "h": (6,), "d": (3, 2), "e": (2,)}
+    )
+    dtypes = {"h": torch.bfloat16, "d": torch.float64, "e": torch.float64}
+    params = {k: torch.randn(s, generator=gen).to(dtypes.get(k, torch.float32)) for k, s in shapes.items()}
+    steps = []
+    for t in range(STEPS):
+        grads = {k: torch.randn(p.shape, generator=gen).to(p.dtype) for k, p in params.items()}
+        if t % 2 == 1:
+            grads[next(iter(grads))] = None  # a parameter without a gradient this step
+        steps.append(grads)
+    return params, steps
+
+
+def run(tx, params, steps):
+    params = clone_tree(params)
+    state = tx.init(params)
+    trace = []
+    for grads in steps:
+        updates, state = tx.update(grads, state, params)
+        params = fb.apply_updates(params, updates)
+        trace.append((clone_tree(updates), clone_tree(params), clone_tree(state)))
+    return trace
+
+
+def both_paths(tx, params, steps):
+    grouped = run(tx, params, steps)
+    with foreach.per_tensor():
+        single = run(tx, params, steps)
+    return grouped, single
+
+
+@pytest.mark.parametrize("alias", ALL_ALIASES, ids=lambda a: a.__name__)
+def test_every_alias_gives_the_same_bits_grouped_and_per_tensor(alias):
+    params, steps = mixed_problem(alias)
+    grouped, single = both_paths(alias(**RICH_SETTINGS.get(alias, {})), params, steps)
+    assert_trees_equal(grouped, single)
+
+
+@pytest.mark.parametrize(
+    "alias", sorted(set(ALL_ALIASES) - REFUSE_COMPLEX, key=lambda a: a.__name__), ids=lambda a: a.__name__
+)
+def test_complex_parameters_give_the_same_bits(alias):
+    gen = torch.Generator().manual_seed(3)
+    params = {k: torch.randn(4, 3, dtype=torch.complex64, generator=gen) for k in "ab"} | {
+        "r": torch.randn(4, generator=gen)
+    }
+    steps = [{k: torch.randn(p.shape, dtype=p.dtype, generator=gen) for k, p in params.items()} for _ in range(3)]
+    grouped, single = both_paths(alias(**RICH_SETTINGS.get(alias, {})), params, steps)
+    assert_trees_equal(grouped, single)
+
+
+WRAPPERS = {
+    "inject_hyperparams": lambda: fb.inject_hyperparams(fb.adamw)(lr=1e-2, weight_decay=0.1),
+    "schedule": lambda: fb.adam(fb.schedules.cosine_decay(1e-2, 10)),
+    "chain with clip_by_global_norm": lambda: fb.chain(fb.clip_by_global_norm(0.5), fb.sgd(0.1, momentum=0.9)),
+    "clip": lambda: fb.chain(fb.clip(0.3), fb.adam(1e-2)),
+    "masked": lambda: fb.masked(fb.add_decayed_weights(0.1), lambda p: {k: v.dim() > 1 for k, v in p.items()}),
+    "partition": lambda: fb.partition(
+        {"decay": fb.adamw(1e-2, weight_decay=0.1), "plain": fb.sgd(0.1)},
+        lambda p: {k: "decay" if v.dim() > 1 else "plain" for k, v in p.items()},
+    ),
+    "multi_steps": lambda: fb.multi_steps(fb.adam(1e-2), every_k_schedule=2),
+    "apply_if_finite": lambda: fb.apply_if_finite(fb.adam(1e-2), max_consecutive_errors=2),
+    "lookahead": lambda: fb.lookahead(fb.adam(1e-2), sync_period=2, alpha=0.5),
+    "ema": lambda: fb.chain(fb.adam(1e-2), fb.ema(0.9)),
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_wrappers_give_the_same_bits_grouped_and_per_tensor(name):
+    params, steps = mixed_problem(fb.adam)
+    grouped, single = both_paths(WRAPPERS[name](), params, steps)
+    assert_trees_equal(grouped, single)
+
+
+@pytest.mark.parametrize(
+    "alias", sorted(set(ALL_ALIASES) - READS_SHAPES, key=lambda a: a.__name__), ids=lambda a: a.__name__
+)
+def test_builtin_rules_run_grouped(alias, monkeypatch):
+    """Every elementwise rule of the aliases runs as one group per dtype: strict() raises where a
+    rule would fall back to one tensor at a time, and each group's rule is called once."""
+    calls = []
+    original = foreach.run_grouped
+
+    def counting(rule, columns, indices):
+        calls.append(len(indices))
+        return original(rule, columns, indices)
+
+    monkeypatch.setattr(foreach, "run_grouped", counting)
+    params, steps = mixed_problem(alias)
+    tx = alias(**RICH_SETTINGS.get(alias, {}))
+    state = tx.init(params)
+    with foreach.strict():
+        tx.update(steps[0], state, params)
+    assert calls and max(calls) > 1, calls
+
+
+def test_leaves_refuse_what_only_one_tensor_has():
+    leaves = foreach.Leaves([torch.ones(2), torch.ones(3)])
+    with pytest.raises(foreach.PerTensorOnly):
+        leaves.shape  # noqa: B018
+    with pytest.raises(foreach.PerTensorOnly):
+        bool(leaves)
+    assert [t.tolist() for t in (leaves * 2 + 1).items] == [[3.0, 3.0], [3.0, 3.0, 3.0]]
+
+
+def test_a_users_rule_that_reads_shapes_still_works():
+    """A rule the grouped path cannot run (it reads its tensor's shape) runs per tensor."""
+
+    def update_leaf(g, s, p):
+        return g * g.shape[0], s
+
+    tx = fb.leafwise(fb.EmptyState, lambda p: fb.EmptyState(), update_leaf, name="by_rows")
+    params = {"a": torch.ones(2, 3), "b": torch.ones(4)}
+    updates, _ = tx.update(params, tx.init(params), params)
+    assert torch.equal(updates["a"], torch.full((2, 3), 2.0)) and torch.equal(updates["b"], torch.full((4,), 4.0))
