@@ -120,6 +120,39 @@ def fb_chain(tx_of):
     return build
 
 
+def fb_train_step(overlap: bool, communicate: bool = True):
+    """make_train_step(compile=False) with chain(allreduce_gradients, adamw): the all-reduce during
+    backward (``overlap``) or after it; without ``communicate``, adamw alone (the step's own cost)."""
+
+    def build(args, data):
+        model = make_model(args.hidden, args.layers)
+        params = fb.params_of(model)
+        tx = fb.chain(fbd.allreduce_gradients(args.bucket_cap_mb), fb.adamw(LR)) if communicate else fb.adamw(LR)
+        train_step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap)
+        holder = {"params": params, "state": tx.init(params)}
+
+        def step(batch):
+            holder["params"], holder["state"], _ = train_step(holder["params"], holder["state"], batch)
+
+        return step, lambda: state_bytes(holder["state"])
+
+    return build
+
+
+def torch_eager_no_communication(args, data):
+    """torch.optim AdamW(fused) on the plain model: the step without any communication."""
+    model = make_model(args.hidden, args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+
+    def step(batch):
+        x, y = batch
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step, lambda: state_bytes(list(opt.state.values()))
+
+
 def fb_compiled_flat(args, data):
     """forward + backward + allreduce + AdamW as one compiled step on the flat buffer."""
     model = make_model(args.hidden, args.layers)
@@ -276,6 +309,10 @@ VARIANTS = {
     "fb shard(adamw)": fb_chain(lambda a: fbd.shard(fb.adamw(LR))),
     "fb adamw + periodic_average(4)": fb_chain(lambda a: fb.chain(fb.adamw(LR), fbd.periodic_average(4))),
     "fb compiled flat step (allreduce + adamw)": fb_compiled_flat,
+    "fb train step eager, allreduce after backward + adamw": fb_train_step(overlap=False),
+    "fb train step eager, allreduce during backward + adamw": fb_train_step(overlap=True),
+    "torch eager AdamW(fused), no communication (reference)": torch_eager_no_communication,
+    "fb train step eager, adamw, no communication (reference)": fb_train_step(overlap=False, communicate=False),
     "bagua with_bagua GradientAllReduce + AdamW(fused)": bagua_step(gradient_allreduce.GradientAllReduceAlgorithm),
     "bagua DistributedDataParallel GradientAllReduce + AdamW(fused)": bagua_step(
         gradient_allreduce.GradientAllReduceAlgorithm, wrap="ddp"

@@ -93,6 +93,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    update.transforms = transforms  # type: ignore[attr-defined]  # what it chains, for make_train_step
     return GradientTransformation(init, update)
 
 

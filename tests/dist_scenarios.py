@@ -269,3 +269,39 @@ def averaging_wrong_update(rank, world_size):
     params = {"w": torch.zeros(3, 4)}
     tx = fbd.periodic_average(1)
     return tx.update({"w": torch.ones(4)}, tx.init(params), params)
+
+
+# --- make_train_step with the all-reduce during backward -------------------------------------------
+
+
+def train_step_overlapped(rank, world_size):
+    """make_train_step (eager) with chain(allreduce_gradients, adamw) and with the ByteGrad-like
+    minmax_uint8 codec: parameters after each step with the all-reduce run during backward and
+    after it; and whether the first buckets were launched before backward ended."""
+    from functional_bagua.distributed import reducer as reducer_module
+
+    out = {}
+    for name, compression in (("plain", None), ("minmax_uint8", "minmax_uint8")):
+        for overlap in (True, False):
+            model = make_model("norm", DTYPE, seed=0)  # with BatchNorm buffers
+            tx = fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression=compression), TXS["adamw"]())
+            step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap)
+            params = fb.params_of(model)
+            state = tx.init(params)
+            launches: list = []
+            original = reducer_module.GradientReducer._launch
+
+            def spy(self, bucket, launches=launches, original=original):
+                launches.append(self._in_backward)
+                return original(self, bucket)
+
+            reducer_module.GradientReducer._launch = spy
+            try:
+                trace = []
+                for batch in local_batches(rank, world_size):
+                    params, state, loss = step(params, state, batch)
+                    trace.append(({k: v.clone() for k, v in params.items()}, loss, dict(model.named_buffers())))
+            finally:
+                reducer_module.GradientReducer._launch = original
+            out[f"{name}/{'overlap' if overlap else 'after'}"] = dict(trace=trace, launched_in_backward=launches)
+    return out

@@ -33,8 +33,9 @@ TWO_RANKS = [
     "different_values_broadcast_first",
     "shard_checkpoint_of_another_rank",
     "averaging_wrong_update",
+    "train_step_overlapped",
 ]
-FOUR_RANKS = ["allreduce_sgd", "decentralized_shift_one", "decentralized_all_every_2"]
+FOUR_RANKS = ["allreduce_sgd", "decentralized_shift_one", "decentralized_all_every_2", "train_step_overlapped"]
 COMPILED = [
     "compiled_allreduce_adamw",
     "compiled_allreduce_minmax_uint8",
@@ -375,3 +376,23 @@ def test_destroy_process_group_stops_gloo_threads_after_torch_func():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gloo threads after destroy_process_group: []" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("world", ["two", "four"])
+@pytest.mark.parametrize("compression", ["plain", "minmax_uint8"])
+def test_train_step_all_reduces_during_backward_with_the_same_bits(world, compression, request):
+    """make_train_step(compile=False) with chain(allreduce_gradients, adamw): with the all-reduce
+    run during backward (buckets launched while backward goes on) the parameters, losses and
+    BatchNorm buffers are those of the all-reduce after backward, bit for bit (float64)."""
+    for result in request.getfixturevalue(world):
+        got = ok(result["train_step_overlapped"])
+        overlapped, after = got[f"{compression}/overlap"], got[f"{compression}/after"]
+        assert len(overlapped["trace"]) == len(after["trace"]) == sc.STEPS
+        for (p1, l1, b1), (p2, l2, b2) in zip(overlapped["trace"], after["trace"]):
+            assert torch.equal(l1, l2)
+            for name in p2:
+                assert torch.equal(p1[name], p2[name]), name
+            for name in b2:
+                assert torch.equal(b1[name], b2[name]), name
+        assert any(overlapped["launched_in_backward"]), "no bucket was launched during backward"
+        assert after["launched_in_backward"] == []

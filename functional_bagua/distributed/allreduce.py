@@ -92,6 +92,10 @@ def allreduce_gradients(
                 out[i] = piece
         return spec.unflatten(out), state
 
+    # what make_train_step needs to run this reduction during backward instead (GradientReducer)
+    update.reducer_settings = dict(  # type: ignore[attr-defined]
+        bucket_cap_mb=bucket_cap_mb, average=average, compression=compression, group=group
+    )
     return GradientTransformation(init, update)
 
 

@@ -143,6 +143,26 @@ class GradientReducer:
         finally:
             self.enabled = before
 
+    def bind(self, params: Sequence[torch.Tensor]) -> None:
+        """Average the gradients of ``params`` from now on: new tensors in place of the ones the
+        reducer was built with (the same shapes and dtypes, in the same order), such as the fresh
+        leaves a functional training step differentiates each step. The buckets stay.
+
+        Args:
+            params: one tensor per parameter the reducer averages, each requiring a gradient.
+        """
+        params = list(params)
+        if len(params) != len(self.params) or any(
+            p.shape != q.shape or p.dtype != q.dtype or p.device != q.device for p, q in zip(params, self.params)
+        ):
+            raise ValueError(
+                f"{NAME}.bind: the tensors must match the parameters the reducer was built with "
+                f"({len(self.params)} tensors of the same shapes, dtypes and devices, in order)"
+            )
+        self.remove()
+        self.params = params
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
     def remove(self) -> None:
         """Remove the gradient hooks: backward no longer averages anything."""
         for handle in self._hooks:
