@@ -3,11 +3,12 @@
     python benchmarks/pure_update_ceiling.py [--configs a,b,c] [--rounds 3]
 
 For AdamW and SGD with momentum on the optimizer_step.py configs, in one run: torch's foreach
-and fused steps (in place), the pure update functional_bagua's tree path runs today
-(``tx.update`` + ``apply_updates``), and hand-written pure updates that no design of the tree
-path can beat: one out-of-place ``torch._foreach_*`` op per line of the update rule (the fewest
-Python calls a pure update can make), and the same math over one flat buffer, whole or in
-cache-sized pieces (what a pure ``fuse`` update could reach). Medians of ``--rounds`` rounds.
+and fused steps (in place), functional_bagua's pure update on the tree (``tx.update`` +
+``apply_updates``), and hand-written pure updates: one out-of-place ``torch._foreach_*`` op per
+line of the update rule (the fewest Python calls a multi-op pure update can make), torch's fused
+AdamW kernel in its functional form (one pass, new tensors out), and the multi-op math over one
+flat buffer, whole or in cache-sized pieces (what a pure ``fuse`` update could reach). Medians
+of ``--rounds`` rounds with their range; ratios to torch's foreach step of the same round.
 """
 
 from __future__ import annotations
@@ -63,6 +64,62 @@ def pure_flat_adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.
     return new_p, new_m, new_v
 
 
+def torch_step(make, ps: list, gs: list, **kwargs):  # noqa: ANN001, ANN201
+    tensors = [p.clone().requires_grad_() for p in ps]
+    for p, g in zip(tensors, gs):
+        p.grad = g
+    return make(tensors, **kwargs).step
+
+
+def fb_tree_step(tx: fb.GradientTransformation, ps: list, gs: list):  # noqa: ANN201
+    params = {str(i): p for i, p in enumerate(ps)}
+    grads = {str(i): g for i, g in enumerate(gs)}
+    holder = [tx.init(params)]
+
+    def step() -> None:
+        updates, holder[0] = tx.update(grads, holder[0], params)
+        fb.apply_updates(params, updates)
+
+    return step
+
+
+def pure_fused_adamw(ps: list, gs: list):  # noqa: ANN201
+    """torch's fused AdamW kernel in its functional form (``aten::_fused_adamw``: new tensors out)."""
+    ms, vs, steps = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], [torch.tensor(3.0)] * len(ps)
+    kw = dict(lr=LR, beta1=B1, beta2=B2, weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
+    return lambda: torch.ops.aten._fused_adamw(ps, gs, ms, vs, [], steps, **kw)
+
+
+def adamw_ceilings(ps: list, gs: list) -> dict:
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (ps, gs)] + [torch.zeros(sum(p.numel() for p in ps))] * 2
+    return {
+        "pure foreach (ceiling of the tree path)": lambda: pure_foreach_adamw(ps, gs, ms, vs, 3),
+        "pure fused kernel (aten::_fused_adamw)": pure_fused_adamw(ps, gs),
+        "pure flat, whole buffer": lambda: pure_flat_adamw(*flat, 3, 0),
+        "pure flat, pieces of 65536": lambda: pure_flat_adamw(*flat, 3, 1 << 16),
+    }
+
+
+def sgd_ceilings(ps: list, gs: list) -> dict:
+    bufs = [torch.zeros_like(p) for p in ps]
+    return {"pure foreach (ceiling of the tree path)": lambda: pure_foreach_sgd(ps, gs, bufs)}
+
+
+OPTIMIZERS = {
+    "adamw": (
+        lambda p, **kw: torch.optim.AdamW(p, lr=LR, weight_decay=WD, **kw),
+        lambda: fb.adamw(LR, weight_decay=WD),
+        adamw_ceilings,
+    ),
+    "sgd": (
+        lambda p, **kw: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM, **kw),
+        lambda: fb.sgd(LR, momentum=MOMENTUM),
+        sgd_ceilings,
+    ),
+}
+
+
 def run(key: str) -> list[dict]:
     label, shapes_fn = CONFIGS[key]
     shapes = shapes_fn()
@@ -70,41 +127,15 @@ def run(key: str) -> list[dict]:
     ps = [torch.randn(s, generator=gen) for s in shapes]
     gs = [torch.randn(s, generator=gen) for s in shapes]
     rows = []
-
-    def row(opt: str, variant: str, fn) -> None:  # noqa: ANN001
-        rows.append(dict(config=label, optimizer=opt, variant=variant, ms=median_ms(fn, "cpu", steps=20)))
-
-    for opt, torch_cls, fb_tx in (
-        ("adamw", lambda p, **kw: torch.optim.AdamW(p, lr=LR, weight_decay=WD, **kw), fb.adamw(LR, weight_decay=WD)),
-        ("sgd", lambda p, **kw: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM, **kw), fb.sgd(LR, momentum=MOMENTUM)),
-    ):
-        for variant, kw in (("torch foreach", dict(foreach=True)), ("torch fused", dict(fused=True))):
-            tp = [p.clone().requires_grad_() for p in ps]
-            for p, g in zip(tp, gs):
-                p.grad = g
-            o = torch_cls(tp, **kw)
-            row(opt, variant, o.step)
-        params = {str(i): p for i, p in enumerate(ps)}
-        grads = {str(i): g for i, g in enumerate(gs)}
-        state = [fb_tx.init(params)]
-
-        def fb_tree() -> None:
-            updates, state[0] = fb_tx.update(grads, state[0], params)
-            fb.apply_updates(params, updates)
-
-        row(opt, "fb tree eager (today)", fb_tree)
-        if opt == "adamw":
-            ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
-            row(opt, "pure foreach (ceiling of the tree path)", lambda: pure_foreach_adamw(ps, gs, ms, vs, 3))
-            flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (ps, gs)] + [
-                torch.zeros(sum(p.numel() for p in ps))
-            ] * 2
-            row(opt, "pure flat, whole buffer", lambda: pure_flat_adamw(*flat, 3, 0))
-            for piece in (1 << 14, 1 << 16):
-                row(opt, f"pure flat, pieces of {piece}", lambda piece=piece: pure_flat_adamw(*flat, 3, piece))
-        else:
-            bufs = [torch.zeros_like(p) for p in ps]
-            row(opt, "pure foreach (ceiling of the tree path)", lambda: pure_foreach_sgd(ps, gs, bufs))
+    for opt, (torch_cls, fb_tx, ceilings) in OPTIMIZERS.items():
+        variants = {
+            "torch foreach": torch_step(torch_cls, ps, gs, foreach=True),
+            "torch fused": torch_step(torch_cls, ps, gs, fused=True),
+            "fb tree eager": fb_tree_step(fb_tx(), ps, gs),
+            **ceilings(ps, gs),
+        }
+        for variant, fn in variants.items():
+            rows.append(dict(config=label, optimizer=opt, variant=variant, ms=median_ms(fn, "cpu", steps=20)))
     return rows
 
 

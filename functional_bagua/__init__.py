@@ -11,7 +11,7 @@ params = fb.apply_updates(params, updates)
 
 import types as _types
 
-from functional_bagua import schedules
+from functional_bagua import foreach, schedules
 from functional_bagua.aliases import (
     adabelief,
     adadelta,
@@ -87,6 +87,7 @@ __all__ = [
     "state_dict",
     "load_state_dict",
     "schedules",
+    "foreach",
     "inject_hyperparams",
     "accepts_schedules",
     "InjectHyperparamsState",
