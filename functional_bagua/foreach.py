@@ -312,17 +312,16 @@ _FAST: dict = {
 }
 
 
-def run_grouped(
-    rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int]
-) -> Optional[list[Any]]:
-    """``rule`` once over the tensors at ``indices`` of each column, as :class:`Leaves`: its
-    results, one per index (a tuple per index when the rule returns a tuple), or ``None`` when the
-    rule needs one tensor at a time (:class:`PerTensorOnly`).
+def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int]) -> Optional[Any]:
+    """``rule`` once over the tensors at ``indices`` of each column, as :class:`Leaves`: its result
+    with each ``Leaves`` replaced by its list of tensors (one per index; a value the rule shares
+    between the tensors, such as ``None``, repeated), or ``None`` when the rule needs one tensor at
+    a time (:class:`PerTensorOnly`, or any error, which the per-tensor path then raises again).
 
     Args:
         rule: a rule written for single tensors (its arguments: one per column).
-        columns: per argument of the rule, a sequence with one value per tensor (``None`` entries
-            stay ``None``); a column of ``None`` s is passed as ``None``.
+        columns: per argument of the rule, a sequence with one value per tensor; a column of
+            ``None`` s is passed as ``None``, one with some ``None`` s makes the group run per tensor.
         indices: which tensors form the group.
     """
     args = []
@@ -338,14 +337,13 @@ def run_grouped(
         if _SWITCH.strict:  # where a genuine error raises again
             raise
         return None
-    return _split(result, len(indices))
+    return _as_lists(result, len(indices))
 
 
-def _split(result: Any, n: int) -> list[Any]:
+def _as_lists(result: Any, n: int) -> Any:
     if isinstance(result, Leaves):
         return result.items
     if isinstance(result, tuple):
-        parts = [_split(r, n) for r in result]
-        fields = getattr(type(result), "_fields", None)
-        return [type(result)(*(p[i] for p in parts)) if fields else tuple(p[i] for p in parts) for i in range(n)]
+        parts = [_as_lists(r, n) for r in result]
+        return type(result)(*parts) if hasattr(type(result), "_fields") else tuple(parts)
     return [result] * n  # a value the rule shares between the tensors (a None, a constant)

@@ -22,7 +22,7 @@ parameter that skipped steps bias-corrects with its own count.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import optree
 import torch
@@ -130,26 +130,31 @@ def leafwise(
         keys = _segmented_keys(spec, per_tensor)
         state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
 
-        n = len(grad_leaves)
-        old_states = [state_type(*(leaves[i] for leaves in state_leaves)) for i in range(n)]
-        updates: list[Optional[torch.Tensor]] = [None] * n
-        new_state_leaves: list[NamedTuple] = list(old_states)  # a None gradient keeps its state
+        updates: list[Optional[torch.Tensor]] = [None] * len(grad_leaves)
+        new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state
         pending = [i for i, g in enumerate(grad_leaves) if g is not None]
         if keys is None and not sparse_gradients and foreach.grouped_enabled():
-            grouped = _run_groups(update_leaf, state_type, grad_leaves, param_leaves, state_leaves, pending)
-            for i, (u, new_s) in grouped.items():
-                updates[i] = _in_dtype(u, grad_leaves[i].dtype)
-                new_state_leaves[i] = _with_dtypes_of(new_s, old_states[i])
-            pending = [i for i in pending if i not in grouped]
+            for members, (us, new_s) in _run_groups(
+                update_leaf, state_type, grad_leaves, param_leaves, state_leaves, pending
+            ):
+                for j, i in enumerate(members):
+                    updates[i] = _in_dtype(us[j], grad_leaves[i].dtype)
+                for f, column in enumerate(new_s):
+                    old_column, new_column = state_leaves[f], new_fields[f]
+                    for j, i in enumerate(members):
+                        new_column[i] = _like(column[j], old_column[i])
+                done = set(members)
+                pending = [i for i in pending if i not in done]
         for i in pending:
-            g, p, s = grad_leaves[i], param_leaves[i], old_states[i]
+            g, p, s = grad_leaves[i], param_leaves[i], state_type(*(leaves[i] for leaves in state_leaves))
             if keys is None:
                 u, new_s = rule(g, s, p)
             else:
                 u, new_s = _update_segments(update_leaf, state_type, g, s, p, _segments_of(keys[i]))
             updates[i] = u.to(g.dtype)
-            new_state_leaves[i] = _with_dtypes_of(new_s, s)
-        new_state = state_type(*(spec.unflatten([s[i] for s in new_state_leaves]) for i in range(len(fields))))
+            for f, value in enumerate(_with_dtypes_of(new_s, s)):
+                new_fields[f][i] = value
+        new_state = state_type(*(spec.unflatten(column) for column in new_fields))
         return spec.unflatten(updates), new_state
 
     return GradientTransformation(init, update)
@@ -210,10 +215,11 @@ def stateless(
         new: list[Optional[torch.Tensor]] = [None] * len(update_leaves)
         pending = [i for i, u in enumerate(update_leaves) if u is not None]
         if not per_tensor and foreach.grouped_enabled():
-            grouped = _run_groups(update_leaf, None, update_leaves, param_leaves, [], pending)
-            for i, u in grouped.items():
-                new[i] = _in_dtype(u, update_leaves[i].dtype)
-            pending = [i for i in pending if i not in grouped]
+            for members, us in _run_groups(update_leaf, None, update_leaves, param_leaves, [], pending):
+                for j, i in enumerate(members):
+                    new[i] = _in_dtype(us[j], update_leaves[i].dtype)
+                done = set(members)
+                pending = [i for i in pending if i not in done]
         for i in pending:
             u, p = update_leaves[i], param_leaves[i]
             new[i] = (
@@ -235,11 +241,12 @@ def _run_groups(
     params: list,
     state_fields: list,
     indices: list[int],
-) -> dict[int, Any]:
+) -> Iterator[tuple[list[int], Any]]:
     """The rule run once per group of real tensors of one device and dtype (and parameters given
-    or not), with :class:`~functional_bagua.foreach.Leaves`: ``{index: result}`` for the indices it
-    ran (a group whose rule needs single tensors is left out, to run per tensor). ``state_type``
-    ``None``: a stateless rule ``update_leaf(u, p)``."""
+    or not), with :class:`~functional_bagua.foreach.Leaves`: ``(members, result)`` for each group
+    it ran, the result's tensors as lists over the members (a group whose rule needs single
+    tensors is left out, to run per tensor). ``state_type`` ``None``: a stateless rule
+    ``update_leaf(u, p)``."""
     groups: dict[tuple, list[int]] = {}
     for i in indices:
         g = grads[i]
@@ -252,12 +259,10 @@ def _run_groups(
         def rule(g: Any, p: Any, *fields: Any) -> Any:
             return update_leaf(g, state_type(*fields), p)
 
-    done: dict[int, Any] = {}
     for members in groups.values():
-        results = foreach.run_grouped(rule, [grads, params, *state_fields], members)
-        if results is not None:
-            done.update(zip(members, results))
-    return done
+        result = foreach.run_grouped(rule, [grads, params, *state_fields], members)
+        if result is not None:
+            yield members, result
 
 
 def _segmented_keys(spec: optree.PyTreeSpec, per_tensor: bool) -> Optional[list]:
@@ -336,6 +341,11 @@ def _with_dtypes_of(new: Any, old: Any) -> Any:
             for n, o in zip(new, old)
         )
     )
+
+
+def _like(new: Any, old: Any) -> Any:
+    """``new`` in ``old``'s dtype when both are tensors (:func:`_with_dtypes_of` for one field)."""
+    return _in_dtype(new, old.dtype) if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) else new
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -52,11 +52,10 @@ def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False)
         return TraceState(count=zero_count(p), trace=torch.zeros_like(p))
 
     def update_leaf(g: torch.Tensor, s: TraceState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, TraceState]:
-        first = s.count == 0
         if is_number(dampening) and dampening == 0:
             b = s.trace.mul(momentum).add(g)  # from b_0 = 0 this gives b_1 = g exactly
         else:
-            b = torch.where(first, g, add_scaled(s.trace.mul(momentum), g, 1 - dampening))
+            b = torch.where(s.count == 0, g, add_scaled(s.trace.mul(momentum), g, 1 - dampening))
         u = add_scaled(g, b, momentum) if nesterov else b
         return u, TraceState(count=s.count + 1, trace=b)
 
