@@ -87,6 +87,9 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
       ``fuse(tx, layout)``, bit for bit.
     - ``"compiled"``: the same function through ``torch.compile(fullgraph=True)``; inductor turns
       the copies into in-place writes of one generated kernel (numbers within float rounding).
+      For ``sgd``, ``adam`` and ``adamw`` with number hyperparameters the graph calls torch's
+      fused kernel in its functional form instead (:func:`functional_bagua.kernels.run_pure`:
+      the numbers of ``"torch"``, bit for bit).
     - ``"torch"``: torch's own fused kernel (:mod:`functional_bagua.kernels`), for ``sgd``,
       ``adam`` and ``adamw`` built with number hyperparameters: the numbers of
       ``torch.optim.*(fused=True)``. The fastest on CPU (benchmarks/RESULTS.md).
@@ -128,6 +131,15 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
             kernels.run(spec, grads, state, params)
 
         return torch_kernel_step
+    if kernel == "compiled" and kernels.runs_pure(spec):
+
+        def kernel_into_buffers(
+            grads: dict[str, torch.Tensor], state: OptState, params: dict[str, torch.Tensor]
+        ) -> None:
+            assert spec is not None
+            _copy_into((params, state), kernels.run_pure(spec, grads, state, params))
+
+        return torch.compile(kernel_into_buffers, fullgraph=True)
     if kernel == "compiled":
         return torch.compile(pure_into_buffers, fullgraph=True)
     return pure_into_buffers

@@ -83,6 +83,82 @@ def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
     )
 
 
+FUNCTIONAL = {"adam": "_fused_adam", "adamw": "_fused_adamw", "sgd": "_fused_sgd"}
+
+
+def runs_pure(spec: Optional[KernelSpec]) -> bool:
+    """Whether :func:`run_pure` computes ``spec``'s alias: torch has a functional form of every
+    kernel; SGD's first step with dampening needs a Python decision per step, so not that one."""
+    return spec is not None and not (
+        spec.kind == "sgd" and spec.hyper["momentum"] != 0 and spec.hyper["dampening"] != 0
+    )
+
+
+def run_pure(spec: KernelSpec, grads: dict, state: PyTree, params: dict) -> tuple[dict, PyTree]:
+    """One optimizer step with the functional form of torch's kernel (``aten::_fused_adamw`` and
+    its siblings: new tensors out, nothing overwritten), so it can run inside a traced, pure step:
+    ``(new params, new state)``; the numbers of :func:`run` (``torch.optim``'s fused optimizers).
+
+    Args:
+        spec: the kernel of the alias (:func:`spec_of`); :func:`runs_pure` must hold.
+        grads: the gradients, a dict of the buffers of ``params``.
+        state: the alias's state (from its ``init`` over the same buffers).
+        params: the parameters (not changed).
+    """
+    keys = list(params)
+    moments: Any = moments_of(spec.kind, state)  # its fields are trees over the buffers
+    p, g = [_real(params[k]) for k in keys], [_real(grads[k]) for k in keys]
+    op = getattr(torch.ops.aten, FUNCTIONAL[spec.kind])
+    if spec.kind == "sgd":
+        traces = [] if moments is None or spec.hyper["momentum"] == 0 else [_real(moments.trace[k]) for k in keys]
+        # without dampening a first step from a zero buffer is exactly a later one: b = m * 0 + g
+        new_p, _, new_traces = op(p, g, traces, is_first_step=False, **spec.hyper)
+        new_moments = None
+        if moments is not None:
+            count = {k: moments.count[k] + 1 for k in keys}
+            trace = (
+                dict(zip(keys, (_back(t, moments.trace[k]) for t, k in zip(new_traces, keys))))
+                if traces
+                else moments.trace
+            )
+            new_moments = moments._replace(count=count, trace=trace)
+    else:
+        assert moments is not None  # moments_of raised if there were none
+        count = {k: moments.count[k] + 1 for k in keys}
+        steps = [count[k].to(STEP_DTYPE) for k in keys]
+        amsgrad = spec.hyper["amsgrad"]
+        max_nu = [_real(moments.nu_max[k]) for k in keys] if amsgrad else []
+        mu, nu = [_real(moments.mu[k]) for k in keys], [_real(moments.nu[k]) for k in keys]
+        new_p, _, new_mu, new_nu, new_max = op(p, g, mu, nu, max_nu, steps, **spec.hyper)
+        fields = dict(
+            count=count,
+            mu={k: _back(t, moments.mu[k]) for t, k in zip(new_mu, keys)},
+            nu={k: _back(t, moments.nu[k]) for t, k in zip(new_nu, keys)},
+        )
+        if amsgrad:
+            fields["nu_max"] = {
+                k: _back(t, cast(ScaleByAmsgradState, moments).nu_max[k]) for t, k in zip(new_max, keys)
+            }
+        new_moments = moments._replace(**fields)
+    new_state = _replacing(state, moments, new_moments)
+    return {k: _back(t, params[k]) for t, k in zip(new_p, keys)}, new_state
+
+
+def _replacing(state: PyTree, old: Any, new: Any) -> PyTree:
+    """``state`` with its moments ``old`` replaced by ``new``."""
+    if old is None:
+        return state
+    types = (type(old),)
+    return optree.tree_map(
+        lambda s: new if s is old else s, state, is_leaf=lambda s: isinstance(s, types), none_is_leaf=True
+    )
+
+
+def _back(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A kernel output as ``like``'s kind of tensor (complex buffers went in as real views)."""
+    return torch.view_as_complex(t) if like.is_complex() else t
+
+
 def moments_of(kind: str, state: PyTree) -> Optional[Union[ScaleByAdamState, ScaleByAmsgradState, TraceState]]:
     """The one state of ``kind``'s moment type in ``state`` (a sgd without momentum has none:
     ``None``); a ValueError if there are several, or none where the kernel needs them.

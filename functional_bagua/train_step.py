@@ -18,7 +18,10 @@ hyperparameters and schedules are tensors in ``state``, so changing them never r
 
 Buffers (BatchNorm running statistics) are read from ``model`` and written back into it after
 each step, as eager training would leave them. With ``layout`` (a :class:`~functional_bagua.FlatLayout`)
-``params`` are flat buffers and ``tx`` runs fused over them (:func:`~functional_bagua.fuse`).
+``params`` are flat buffers and ``tx`` runs fused over them (:func:`~functional_bagua.fuse`);
+compiled, ``sgd``, ``adam`` and ``adamw`` built with number hyperparameters then update with
+torch's fused kernel in its functional form (:func:`~functional_bagua.kernels.run_pure`: the
+numbers of ``torch.optim``'s ``fused=True``, one op in the graph).
 
 Data parallel: when ``tx`` is ``chain(allreduce_gradients(...), ...)`` and the step is eager on a
 parameter tree, the all-reduce runs during backward, as torch's DDP runs it: the parameters are
@@ -35,7 +38,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates, chain, identity
 from functional_bagua.flat import FlatLayout
 from functional_bagua.fusion import fuse
@@ -83,6 +86,8 @@ def make_train_step(
         return _overlapped_train_step(model, loss_fn, tx, settings)
     update = (fuse(tx, layout) if layout is not None else tx).update
     to_tree = layout.unflatten if layout is not None else (lambda params: params)
+    spec = kernels.spec_of(tx)
+    kernel = spec if compile and layout is not None and kernels.runs_pure(spec) else None
 
     def loss_of(
         params: PyTree, buffers: dict[str, torch.Tensor], inputs: Any, targets: Any
@@ -99,6 +104,9 @@ def make_train_step(
     ) -> tuple[PyTree, OptState, torch.Tensor, dict[str, torch.Tensor]]:
         inputs, targets = batch
         grads, (loss, new_buffers) = value_and_grad(params, buffers, inputs, targets)
+        if kernel is not None:  # torch's fused kernel, functional form, inside the graph
+            params, state = kernels.run_pure(kernel, grads, state, params)
+            return params, state, loss.detach(), new_buffers
         updates, state = update(grads, state, params)
         return apply_updates(params, updates), state, loss.detach(), new_buffers
 

@@ -385,3 +385,20 @@ def test_flat_layout_of_a_nested_tree_round_trips():
     assert back["heads"][1].shape == (2, 3) and torch.equal(back["heads"][1], params["heads"][1])
     assert torch.equal(back["enc"]["w"], params["enc"]["w"])
     assert [s.name for s in layout.segments("float32@cpu")] == ["enc/b", "enc/w", "heads/0", "heads/1"]
+
+
+PURE_KERNEL_CASES = {  # SGD with momentum and dampening: the compiled rule (its first step is a Python decision)
+    name: make_tx for name, (make_tx, _) in KERNEL_CASES.items() if name != "sgd-momentum"
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_tx", PURE_KERNEL_CASES.values(), ids=PURE_KERNEL_CASES.keys())
+def test_compiled_in_place_of_a_kernel_alias_runs_torchs_kernel_bitwise(make_tx):
+    """kernel="compiled" for sgd/adam/adamw: the graph calls torch's fused kernel (its functional
+    form), so parameters and state are kernel="torch"'s, bit for bit."""
+    expected, expected_state = _inplace_run(make_tx, "torch")
+    actual, state = _inplace_run(make_tx, "compiled")
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **EXACT)
+    torch.testing.assert_close(fb.state_dict(state), fb.state_dict(expected_state), **EXACT)

@@ -89,3 +89,25 @@ def test_inductor_compiled_train_step_equals_eager():
     for name in eager_params:
         torch.testing.assert_close(params[name], eager_params[name], rtol=1e-9, atol=1e-9)
     assert losses == pytest.approx(eager_losses, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_compiled_flat_train_step_updates_with_torchs_fused_kernel():
+    """make_train_step(compile=True) on flat buffers with adamw: the graph calls torch's fused
+    AdamW (functional form) and the run is torch.optim.AdamW(fused=True)'s on the module."""
+    ops = []
+
+    def recording(gm, example_inputs):
+        ops.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model, params, losses, _ = train_step_fn(compile={"backend": recording}, fused=True, kind="shapes")
+    assert "aten._fused_adamw" in ops, sorted(set(ops))
+    reference = make_model("shapes", DTYPE)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for x, y in batches(STEPS, DTYPE):
+        opt.zero_grad()
+        loss_fn(reference(x), y).backward()
+        opt.step()
+    assert_model_matches(model, params, reference)
