@@ -89,17 +89,25 @@ def state_bytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor))
 
 
-def torch_ddp(args, data):
-    model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+def torch_adamw(ddp: bool):
+    """torch.optim AdamW(fused) on the model, wrapped in torch's DDP or (the step without any
+    communication) not."""
 
-    def step(batch):
-        x, y = batch
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
+    def build(args, data):
+        model = make_model(args.hidden, args.layers)
+        if ddp:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 
-    return step, lambda: state_bytes(list(opt.state.values()))
+        def step(batch):
+            x, y = batch
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        return step, lambda: state_bytes(list(opt.state.values()))
+
+    return build
 
 
 def fb_chain(tx_of):
@@ -137,20 +145,6 @@ def fb_train_step(overlap: bool, communicate: bool = True):
         return step, lambda: state_bytes(holder["state"])
 
     return build
-
-
-def torch_eager_no_communication(args, data):
-    """torch.optim AdamW(fused) on the plain model: the step without any communication."""
-    model = make_model(args.hidden, args.layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-
-    def step(batch):
-        x, y = batch
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-    return step, lambda: state_bytes(list(opt.state.values()))
 
 
 def fb_compiled_flat(args, data):
@@ -294,7 +288,7 @@ def post_local_sgd_step(which: str):
 
 
 VARIANTS = {
-    "torch DDP + AdamW(fused)": torch_ddp,
+    "torch DDP + AdamW(fused)": torch_adamw(ddp=True),
     "fb adamw, no communication (reference)": fb_chain(lambda a: fb.adamw(LR)),
     "fb allreduce + adamw": fb_chain(lambda a: fb.chain(fbd.allreduce_gradients(a.bucket_cap_mb), fb.adamw(LR))),
     "fb allreduce fp16 + adamw": fb_chain(
@@ -311,7 +305,7 @@ VARIANTS = {
     "fb compiled flat step (allreduce + adamw)": fb_compiled_flat,
     "fb train step eager, allreduce after backward + adamw": fb_train_step(overlap=False),
     "fb train step eager, allreduce during backward + adamw": fb_train_step(overlap=True),
-    "torch eager AdamW(fused), no communication (reference)": torch_eager_no_communication,
+    "torch eager AdamW(fused), no communication (reference)": torch_adamw(ddp=False),
     "fb train step eager, adamw, no communication (reference)": fb_train_step(overlap=False, communicate=False),
     "bagua with_bagua GradientAllReduce + AdamW(fused)": bagua_step(gradient_allreduce.GradientAllReduceAlgorithm),
     "bagua DistributedDataParallel GradientAllReduce + AdamW(fused)": bagua_step(

@@ -23,7 +23,12 @@ from optimizer_step import disable_compile_caches  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
 
-VOCAB, SEQ, BATCH, D_MODEL = 1000, 32, 16, 128
+SEQ, BATCH = 32, 16
+SIZES = {  # vocabulary, model width, layers
+    "tiny": (1000, 128, 2),  # 0.65M parameters
+    "10m": (8192, 320, 4),  # 10.2M parameters
+}
+VOCAB, D_MODEL, LAYERS = SIZES["tiny"]
 
 
 class TinyLM(torch.nn.Module):
@@ -33,7 +38,7 @@ class TinyLM(torch.nn.Module):
         layer = torch.nn.TransformerEncoderLayer(
             D_MODEL, nhead=4, dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True
         )
-        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=LAYERS, enable_nested_tensor=False)
         self.head = torch.nn.Linear(D_MODEL, VOCAB)
 
     def forward(self, tokens):
@@ -91,7 +96,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="the language model's size")
     args = parser.parse_args(argv)
+    global VOCAB, D_MODEL, LAYERS  # the model and loss read them  # noqa: PLW0603
+    VOCAB, D_MODEL, LAYERS = SIZES[args.size]
     disable_compile_caches()
     batches = make_batches(args.steps + 4, args.device)
     variants = {
@@ -115,7 +123,7 @@ def main(argv=None):
     for r in rows:
         r["vs_torch_eager"] = f"{r['ms'] / base:.2f}x"
     n_params = sum(p.numel() for p in new_model("cpu").parameters())
-    print(f"# end to end: TinyLM ({n_params / 1e6:.2f}M params, batch {BATCH} x {SEQ}), {machine()}\n")
+    print(f"# end to end: {args.size} LM ({n_params / 1e6:.2f}M params, batch {BATCH} x {SEQ}), {machine()}\n")
     print(table(rows, ["variant", "ms", "vs_torch_eager", "first_step_s", "final_loss"]))
 
 
