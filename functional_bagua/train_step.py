@@ -18,10 +18,14 @@ hyperparameters and schedules are tensors in ``state``, so changing them never r
 
 Buffers (BatchNorm running statistics) are read from ``model`` and written back into it after
 each step, as eager training would leave them. With ``layout`` (a :class:`~functional_bagua.FlatLayout`)
-``params`` are flat buffers and ``tx`` runs fused over them (:func:`~functional_bagua.fuse`);
-compiled, ``sgd``, ``adam`` and ``adamw`` built with number hyperparameters then update with
-torch's fused kernel in its functional form (:func:`~functional_bagua.kernels.run_pure`: the
-numbers of ``torch.optim``'s ``fused=True``, one op in the graph).
+``params`` are flat buffers and ``tx`` runs fused over them (:func:`~functional_bagua.fuse`).
+
+The fastest update kernel: for ``sgd``, ``adam`` and ``adamw`` built with number hyperparameters,
+the step updates with torch's fused kernel in its functional form
+(:func:`~functional_bagua.kernels.run_pure`: one pass, new tensors out; one op in a compiled
+graph): eager on a ``{name: tensor}`` parameter dict or flat buffers, compiled on flat buffers.
+The numbers are then those of ``torch.optim``'s ``fused=True`` (within float rounding of
+``tx.update``'s).
 
 Data parallel: when ``tx`` is ``chain(allreduce_gradients(...), ...)`` and the step is eager on a
 parameter tree, the all-reduce runs during backward, as torch's DDP runs it: the parameters are
@@ -87,7 +91,9 @@ def make_train_step(
     update = (fuse(tx, layout) if layout is not None else tx).update
     to_tree = layout.unflatten if layout is not None else (lambda params: params)
     spec = kernels.spec_of(tx)
-    kernel = spec if compile and layout is not None and kernels.runs_pure(spec) else None
+    # compiled, only on flat buffers: inside a compiled step on a parameter tree torch 2.13 gives
+    # the kernel's results wrong (a 4-D convolution weight moved by 2 lr in one step)
+    kernel = spec if kernels.runs_pure(spec) and (not compile or layout is not None) else None
 
     def loss_of(
         params: PyTree, buffers: dict[str, torch.Tensor], inputs: Any, targets: Any
@@ -104,7 +110,7 @@ def make_train_step(
     ) -> tuple[PyTree, OptState, torch.Tensor, dict[str, torch.Tensor]]:
         inputs, targets = batch
         grads, (loss, new_buffers) = value_and_grad(params, buffers, inputs, targets)
-        if kernel is not None:  # torch's fused kernel, functional form, inside the graph
+        if kernel is not None and _is_tensor_dict(params):  # torch's fused kernel, functional form
             params, state = kernels.run_pure(kernel, grads, state, params)
             return params, state, loss.detach(), new_buffers
         updates, state = update(grads, state, params)
@@ -123,6 +129,11 @@ def make_train_step(
         return params, state, loss
 
     return step
+
+
+def _is_tensor_dict(params: PyTree) -> bool:
+    """A flat ``{name: tensor}`` dict (parameters or flat buffers), what the fused kernel steps."""
+    return isinstance(params, dict) and all(isinstance(p, torch.Tensor) for p in params.values())
 
 
 def _leading_allreduce(tx: GradientTransformation) -> Optional[dict]:

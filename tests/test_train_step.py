@@ -111,3 +111,24 @@ def test_compiled_flat_train_step_updates_with_torchs_fused_kernel():
         loss_fn(reference(x), y).backward()
         opt.step()
     assert_model_matches(model, params, reference)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["tree", "flat"])
+def test_eager_train_step_updates_with_torchs_fused_kernel_bitwise(fused, monkeypatch):
+    """Eager, adamw: the step runs torch's fused kernel (functional form), so the run is
+    torch.optim.AdamW(fused=True)'s on the module: bit for bit on the parameter dict; on flat
+    buffers within an ulp (the kernel's vector lanes meet the elements at other offsets)."""
+    from functional_bagua import kernels
+
+    calls = []
+    original = kernels.run_pure
+    monkeypatch.setattr(kernels, "run_pure", lambda *args: calls.append(1) or original(*args))
+    model, params, _, _ = train_step_fn(compile=False, fused=fused)
+    assert len(calls) == STEPS
+    reference = make_model("norm", DTYPE)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for x, y in batches(STEPS, DTYPE):
+        opt.zero_grad()
+        loss_fn(reference(x), y).backward()
+        opt.step()
+    assert_model_matches(model, params, reference, tol=1e-15 if fused else 0)
