@@ -90,10 +90,10 @@ def make_train_step(
         return _overlapped_train_step(model, loss_fn, tx, settings)
     update = (fuse(tx, layout) if layout is not None else tx).update
     to_tree = layout.unflatten if layout is not None else (lambda params: params)
-    spec = kernels.spec_of(tx)
+    spec, reduce_first = _update_kernel(tx)
     # compiled, only on flat buffers: inside a compiled step on a parameter tree torch 2.13 gives
     # the kernel's results wrong (a 4-D convolution weight moved by 2 lr in one step)
-    kernel = spec if kernels.runs_pure(spec) and (not compile or layout is not None) else None
+    kernel = spec if spec is not None and (not compile or layout is not None) else None
 
     def loss_of(
         params: PyTree, buffers: dict[str, torch.Tensor], inputs: Any, targets: Any
@@ -111,6 +111,10 @@ def make_train_step(
         inputs, targets = batch
         grads, (loss, new_buffers) = value_and_grad(params, buffers, inputs, targets)
         if kernel is not None and _is_tensor_dict(params):  # torch's fused kernel, functional form
+            if reduce_first:  # chain(allreduce_gradients(...), alias): reduce, then the kernel
+                grads, reduced_state = tx.update.transforms[0].update(grads, state[0], params)  # type: ignore[attr-defined]
+                params, inner = kernels.run_pure(kernel, grads, state[1], params)
+                return params, (reduced_state, inner), loss.detach(), new_buffers
             params, state = kernels.run_pure(kernel, grads, state, params)
             return params, state, loss.detach(), new_buffers
         updates, state = update(grads, state, params)
@@ -136,6 +140,21 @@ def _is_tensor_dict(params: PyTree) -> bool:
     return isinstance(params, dict) and all(isinstance(p, torch.Tensor) for p in params.values())
 
 
+def _update_kernel(tx: GradientTransformation) -> tuple[Optional[kernels.KernelSpec], bool]:
+    """The fused kernel that computes ``tx``'s update, and whether the gradients are all-reduced
+    first: ``(spec, False)`` for an alias with one, ``(spec, True)`` for
+    ``chain(allreduce_gradients(...), alias)``, else ``(None, False)``."""
+    spec = kernels.spec_of(tx)
+    if kernels.runs_pure(spec):
+        return spec, False
+    transforms: tuple = getattr(tx.update, "transforms", ())
+    if len(transforms) == 2 and _leading_allreduce(tx) is not None:
+        inner = kernels.spec_of(transforms[1])
+        if kernels.runs_pure(inner):
+            return inner, True
+    return None, False
+
+
 def _leading_allreduce(tx: GradientTransformation) -> Optional[dict]:
     """The settings of the ``allreduce_gradients`` that starts ``tx`` (a ``chain``), else ``None``."""
     transforms = getattr(tx.update, "transforms", ())
@@ -154,6 +173,7 @@ def _overlapped_train_step(
 
     transforms = tx.update.transforms  # type: ignore[attr-defined]
     rest = chain(_already_reduced(), *transforms[1:])
+    kernel, _ = _update_kernel(tx)
     reducers: list[GradientReducer] = []  # built at the first step, on every rank at once
 
     def step(params: PyTree, state: OptState, batch: Any) -> tuple[PyTree, OptState, torch.Tensor]:
@@ -174,10 +194,13 @@ def _overlapped_train_step(
             loss = loss_fn(out, targets)
             loss.backward()  # the reducer all-reduces the buckets as they fill
         grads = spec.unflatten([leaf.grad for leaf in fresh])
-        updates, state = rest.update(grads, state, params)
         with torch.no_grad():
             for name, value in copies.items():
                 buffers[name].copy_(value)
+        if kernel is not None and _is_tensor_dict(params):  # the alias's fused kernel, functional form
+            new_params, inner = kernels.run_pure(kernel, dict(grads), state[1], params)
+            return new_params, (state[0], inner), loss.detach()
+        updates, state = rest.update(grads, state, params)
         return apply_updates(params, updates), state, loss.detach()
 
     return step

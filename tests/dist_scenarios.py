@@ -278,13 +278,19 @@ def train_step_overlapped(rank, world_size):
     """make_train_step (eager) with chain(allreduce_gradients, adamw) and with the ByteGrad-like
     minmax_uint8 codec: parameters after each step with the all-reduce run during backward and
     after it; and whether the first buckets were launched before backward ended."""
+    from functional_bagua import kernels
     from functional_bagua.distributed import reducer as reducer_module
 
     out = {}
-    for name, compression in (("plain", None), ("minmax_uint8", "minmax_uint8")):
+    rule = fb.adamw(fb.schedules.constant(1e-2), weight_decay=0.1)  # a schedule: the update's own rule
+    for name, compression, inner in (
+        ("plain", None, TXS["adamw"]),  # torch's fused kernel (functional form) after the reduction
+        ("minmax_uint8", "minmax_uint8", TXS["adamw"]),
+        ("rule", None, lambda: rule),
+    ):
         for overlap in (True, False):
             model = make_model("norm", DTYPE, seed=0)  # with BatchNorm buffers
-            tx = fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression=compression), TXS["adamw"]())
+            tx = fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression=compression), inner())
             step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap)
             params = fb.params_of(model)
             state = tx.init(params)
@@ -296,6 +302,9 @@ def train_step_overlapped(rank, world_size):
                 return original(self, bucket)
 
             reducer_module.GradientReducer._launch = spy
+            kernel_calls: list = []
+            run_pure = kernels.run_pure
+            kernels.run_pure = lambda *args, calls=kernel_calls, run_pure=run_pure: calls.append(1) or run_pure(*args)
             try:
                 trace = []
                 for batch in local_batches(rank, world_size):
@@ -303,5 +312,8 @@ def train_step_overlapped(rank, world_size):
                     trace.append(({k: v.clone() for k, v in params.items()}, loss, dict(model.named_buffers())))
             finally:
                 reducer_module.GradientReducer._launch = original
-            out[f"{name}/{'overlap' if overlap else 'after'}"] = dict(trace=trace, launched_in_backward=launches)
+                kernels.run_pure = run_pure
+            out[f"{name}/{'overlap' if overlap else 'after'}"] = dict(
+                trace=trace, launched_in_backward=launches, kernel_steps=len(kernel_calls)
+            )
     return out

@@ -379,7 +379,7 @@ def test_destroy_process_group_stops_gloo_threads_after_torch_func():
 
 
 @pytest.mark.parametrize("world", ["two", "four"])
-@pytest.mark.parametrize("compression", ["plain", "minmax_uint8"])
+@pytest.mark.parametrize("compression", ["plain", "minmax_uint8", "rule"])
 def test_train_step_all_reduces_during_backward_with_the_same_bits(world, compression, request):
     """make_train_step(compile=False) with chain(allreduce_gradients, adamw): with the all-reduce
     run during backward (buckets launched while backward goes on) the parameters, losses and
@@ -396,3 +396,15 @@ def test_train_step_all_reduces_during_backward_with_the_same_bits(world, compre
                 assert torch.equal(b1[name], b2[name]), name
         assert any(overlapped["launched_in_backward"]), "no bucket was launched during backward"
         assert after["launched_in_backward"] == []
+
+
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_train_step_with_torchs_kernel_after_the_reduction_equals_the_update_rule(world, request):
+    """chain(allreduce_gradients, adamw): the step runs torch's fused AdamW after the reduction;
+    within float64 rounding of the same chain run by its rule (adamw with a schedule)."""
+    for result in request.getfixturevalue(world):
+        got = ok(result["train_step_overlapped"])
+        for (kernel, _, _), (rule, _, _) in zip(got["plain/overlap"]["trace"], got["rule/overlap"]["trace"]):
+            assert_trees_close(kernel, rule, rtol=1e-12, atol=1e-14)
+        assert got["plain/overlap"]["kernel_steps"] == got["plain/after"]["kernel_steps"] == sc.STEPS
+        assert got["rule/overlap"]["kernel_steps"] == got["rule/after"]["kernel_steps"] == 0
