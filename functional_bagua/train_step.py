@@ -20,8 +20,8 @@ Buffers (BatchNorm running statistics) are read from ``model`` and written back 
 each step, as eager training would leave them. With ``layout`` (a :class:`~functional_bagua.FlatLayout`)
 ``params`` are flat buffers and ``tx`` runs fused over them (:func:`~functional_bagua.fuse`).
 
-The fastest update kernel: for ``sgd``, ``adam`` and ``adamw`` built with number hyperparameters,
-the step updates with torch's fused kernel in its functional form
+The fastest update kernel: for ``sgd``, ``adam`` and ``adamw`` built with number hyperparameters
+(alone, or as ``chain(allreduce_gradients(...), alias)``, after the reduction), the step updates with torch's fused kernel in its functional form
 (:func:`~functional_bagua.kernels.run_pure`: one pass, new tensors out; one op in a compiled
 graph): eager on a ``{name: tensor}`` parameter dict or flat buffers, compiled on flat buffers.
 The numbers are then those of ``torch.optim``'s ``fused=True`` (within float rounding of
