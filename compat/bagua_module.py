@@ -194,9 +194,10 @@ class BaguaDistributedDataParallel:
         """Rank 0's parameters, buffers and optimizer states on every rank."""
         group = self._group()
         src = group_src(group, 0)
-        for tensor in self._states().values():
+        states = list(self._states().values())
+        for tensor in states:
             dist.broadcast(tensor.data, src, group=group.group)
-        device = next((t.device for t in self._states().values() if t.is_cuda), None)  # NCCL needs it
+        device = next((t.device for t in states if t.is_cuda), None)  # NCCL needs it
         for optimizer in self.bagua_optimizers:
             if isinstance(optimizer, torch.optim.LBFGS):
                 raise ValueError("with_bagua: LBFGS is not supported (its state cannot be broadcast), as in Bagua")

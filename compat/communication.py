@@ -246,8 +246,7 @@ def init_process_group(store: Optional[dist.Store] = None) -> None:
                 backend, store=store, rank=get_rank(), world_size=get_world_size(), device_id=device
             )
         atexit.register(_destroy_at_exit)
-    ranks = list(range(dist.get_world_size()))
-    _groups.default = BaguaProcessGroup(ranks, dist.group.WORLD, _groups.name())
+    default_group()  # made here, over the world
 
 
 def _destroy_at_exit() -> None:
@@ -336,11 +335,6 @@ def to_bagua_process_group(process_group: object = None) -> BaguaProcessGroup:
     raise TypeError(
         f"expected None, a torch.distributed process group or a BaguaProcessGroup, got {type(process_group).__name__}"
     )
-
-
-def _rank_not_in_group(group: BaguaProcessGroup) -> bool:
-    """Whether this process is outside ``group`` (Bagua's helper of the same name)."""
-    return not group.is_member()
 
 
 # ---- collectives ---------------------------------------------------------------------------------

@@ -133,19 +133,18 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     param_leaves, spec = tree.flatten(params)
     update_leaves = tree.leaves_matching(spec, updates, "updates", "params")
     checks.check_updates(update_leaves, param_leaves, functools.partial(tree.leaf_name, spec), "apply_updates")
-    new_leaves = [p if u is None else None for p, u in zip(param_leaves, update_leaves)]
-    groups: dict[tuple, list[int]] = {}
-    for i, (p, u) in enumerate(zip(param_leaves, update_leaves)):
-        if u is not None:
-            grouped = foreach.grouped_enabled() and p.dtype == u.dtype and not p.is_complex()
-            groups.setdefault((p.device, p.dtype, u.dtype) if grouped else (i,), []).append(i)
-    for key, members in groups.items():
-        if len(key) == 1:  # one tensor: its own dtype rules
-            new_leaves[members[0]] = _add_keeping_dtype(param_leaves[members[0]], update_leaves[members[0]])
-        else:  # one multi-tensor add per device and dtype
-            sums = torch._foreach_add([param_leaves[i] for i in members], [update_leaves[i] for i in members])
-            for i, total in zip(members, sums):
-                new_leaves[i] = total
+    new_leaves = list(param_leaves)  # a None update leaves its parameter
+    pending = [i for i, u in enumerate(update_leaves) if u is not None]
+    if foreach.grouped_enabled():  # one multi-tensor add per device and dtypes
+        for members in foreach.groups(param_leaves, pending, key=lambda i: update_leaves[i].dtype):
+            sums = foreach.run_grouped(_add_keeping_dtype, [param_leaves, update_leaves], members)
+            if sums is not None:
+                for i, total in zip(members, sums):
+                    new_leaves[i] = total
+                done = set(members)
+                pending = [i for i in pending if i not in done]
+    for i in pending:
+        new_leaves[i] = _add_keeping_dtype(param_leaves[i], update_leaves[i])
     return spec.unflatten(new_leaves)
 
 

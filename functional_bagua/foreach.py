@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["Leaves", "PerTensorOnly", "grouped_enabled", "per_tensor", "run_grouped", "strict"]
+__all__ = ["Leaves", "PerTensorOnly", "grouped_enabled", "groups", "per_tensor", "run_grouped", "strict"]
 
 
 class PerTensorOnly(TypeError):
@@ -236,6 +236,8 @@ class Leaves:
         return Leaves(torch._foreach_reciprocal(self.items))
 
     def to(self, *args: Any, **kwargs: Any) -> "Leaves":
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.dtype):  # a cast: as Tensor.to,
+            return Leaves([t if t.dtype == args[0] else t.to(args[0]) for t in self.items])  # itself if there
         return Leaves([t.to(*args, **kwargs) for t in self.items])
 
     __add__ = add
@@ -310,6 +312,25 @@ _FAST: dict = {
     torch.mul: Leaves.mul,
     torch.div: Leaves.div,
 }
+
+
+def groups(
+    tensors: Sequence[Any], indices: Iterable[int], key: Callable[[int], Any] = lambda i: None
+) -> list[list[int]]:
+    """The ``indices`` of ``tensors`` grouped by device, dtype and ``key(index)``, in order; complex
+    tensors are left out (their rules run on real views, one tensor at a time).
+
+    Args:
+        tensors: tensors (or ``None``) by index; only those at ``indices`` are looked at.
+        indices: which tensors to group.
+        key: anything else that must be equal within a group (say, whether a parameter is given).
+    """
+    found: dict[tuple, list[int]] = {}
+    for i in indices:
+        t = tensors[i]
+        if not t.is_complex():
+            found.setdefault((t.device, t.dtype, key(i)), []).append(i)
+    return list(found.values())
 
 
 def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int]) -> Optional[Any]:

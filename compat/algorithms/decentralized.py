@@ -92,25 +92,26 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self.hierarchical, self.mode, self.interval = hierarchical, peer_selection_mode, communication_interval
         self.communications = 0
         self.peer_weight: Optional[list] = None  # the average launched before this step's forward
-        self._peer_weight: Optional[torch.Tensor] = None  # the last average, flat (Bagua's bucket attribute)
+        self.last_average: Optional[list] = None  # the last average applied
         self.weights: list[torch.Tensor] = []  # the synchronized parameters, as of init
 
     def init(self, ddp: "BaguaDistributedDataParallel") -> None:
         self.weights = _weights(ddp)
-        g = resolve(self.process_group.torch_group, NAME)
-        if self.mode == "shift_one" and g.world_size % 2:
-            raise ValueError(f"peer_selection_mode='shift_one' needs an even number of ranks, got {g.world_size}")
+        self.group = resolve(self.process_group.torch_group, NAME)
+        if self.mode == "shift_one" and self.group.world_size % 2:
+            raise ValueError(
+                f"peer_selection_mode='shift_one' needs an even number of ranks, got {self.group.world_size}"
+            )
 
     def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
         if not _is_communication_step(ddp, self.interval):
             self.peer_weight = None
             return
-        g = resolve(self.process_group.torch_group, NAME)
         weights = [p.detach() for p in self.weights]
         if self.mode == "all":
-            self.peer_weight = mean_over_ranks(weights, g)
+            self.peer_weight = mean_over_ranks(weights, self.group)
         else:
-            self.peer_weight = mean_with_peer(weights, g, self.communications)
+            self.peer_weight = mean_with_peer(weights, self.group, self.communications)
         self.communications += 1
 
     @torch.no_grad()
@@ -119,11 +120,15 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
             return
         for p, averaged in zip(self.weights, self.peer_weight):
             p.copy_(averaged)
-        self._peer_weight = torch.cat([w.reshape(-1) for w in self.peer_weight])
-        self.peer_weight = None
+        self.last_average, self.peer_weight = self.peer_weight, None
 
     def buckets(self) -> list:
         return [self]
+
+    @property
+    def _peer_weight(self) -> Optional[torch.Tensor]:
+        """Bagua's bucket attribute: the last average, flat."""
+        return None if self.last_average is None else torch.cat([w.reshape(-1) for w in self.last_average])
 
     def bytes_per_step(self, ddp: "BaguaDistributedDataParallel") -> int:
         total = sum(p.numel() * p.element_size() for p in self.weights)
@@ -180,6 +185,7 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
                 "LowPrecisionDecentralizedAlgorithm: every synchronized parameter must be stepped by one of the "
                 "optimizers passed to with_bagua (it communicates after their step)"
             )
+        self.group = resolve(self.process_group.torch_group, NAME)
         detached = [p.detach() for p in weights]
         self.layout = FlatLayout.of(detached)
         self.weight = self.layout.flatten(detached)
@@ -194,16 +200,15 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
             return
         weights = [p.detach() for p in self.weights]
         x = self.layout.flatten(weights)
-        g = resolve(self.process_group.torch_group, NAME)
         new = {}
         for key in sorted(x):
             d = x[key] + self.left_peer_weight[key] / 3 + self.right_peer_weight[key] / 3 - 5 / 3 * self.weight[key]
             mine = quantize(d.unsqueeze(0))
-            from_left, from_right = _exchange_with_ring(mine, g)
+            from_left, from_right = _exchange_with_ring(mine, self.group)
             self.left_peer_weight[key] += dequantize(from_left, d.dtype)[0]
             self.right_peer_weight[key] += dequantize(from_right, d.dtype)[0]
             new[key] = self.weight[key] + dequantize(mine, d.dtype)[0]
-            self.weight[key] = new[key].clone()
+            self.weight[key] = new[key]  # a fresh tensor; the parameters only read it below
         for p, value in zip(weights, self.layout.unflatten(new)):
             p.copy_(value)
 
@@ -217,15 +222,20 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
     # Bagua's bucket attributes: x_hat, L and R over all the weights, flat
     @property
     def _weight(self) -> torch.Tensor:
-        return torch.cat([self.weight[k] for k in sorted(self.weight)])
+        return _flat(self.weight)
 
     @property
     def _left_peer_weight(self) -> torch.Tensor:
-        return torch.cat([self.left_peer_weight[k] for k in sorted(self.left_peer_weight)])
+        return _flat(self.left_peer_weight)
 
     @property
     def _right_peer_weight(self) -> torch.Tensor:
-        return torch.cat([self.right_peer_weight[k] for k in sorted(self.right_peer_weight)])
+        return _flat(self.right_peer_weight)
+
+
+def _flat(buffers: dict) -> torch.Tensor:
+    """The flat buffers of a layout, one after the other in key order."""
+    return torch.cat([buffers[k] for k in sorted(buffers)])
 
 
 def _exchange_with_ring(message: torch.Tensor, g: Group) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllRed
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.distributed import buckets as bucketing
 from functional_bagua.distributed import compression as codecs
+from functional_bagua.distributed.allreduce import reduce_in_buckets
 from functional_bagua.distributed.process_group import resolve
 
 if TYPE_CHECKING:
@@ -158,11 +159,9 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
                 m = self.optimizer.state[p]["exp_avg"]
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 moments.append(m)
-        for indices in bucketing.assign_buckets(moments, int(ddp.bucket_cap_mb * bucketing.MIB)):
-            flat = bucketing.pack(moments, indices)
-            averaged = codecs.all_reduce([flat], g, True, "minmax_uint8")[0]
-            for i, piece in zip(indices, bucketing.unpack(averaged, moments, indices)):
-                moments[i].copy_(piece)
+        cap = int(ddp.bucket_cap_mb * bucketing.MIB)
+        for m, averaged in zip(moments, reduce_in_buckets(moments, cap, g, True, "minmax_uint8")):
+            m.copy_(averaged)
 
     def buckets(self) -> list:
         return self.warmup.buckets()

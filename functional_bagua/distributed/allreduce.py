@@ -27,7 +27,7 @@ from functional_bagua import checks, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.distributed import buckets as bucketing
 from functional_bagua.distributed import compression as codecs
-from functional_bagua.distributed.process_group import Agreement, resolve
+from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.tree import PyTree
 
 NAME = "allreduce_gradients"
@@ -83,14 +83,7 @@ def allreduce_gradients(
         leaves, spec = tree.flatten(grads)
         leaves = _dense_leaves(leaves, spec, params, complex_ok=compression is None)
         agreement.check(leaves)
-        assignment = bucketing.assign_buckets(leaves, cap_bytes)
-        flat = [bucketing.pack(leaves, bucket) for bucket in assignment]
-        reduced = codecs.all_reduce(flat, g, average, compression)
-        out: list[Optional[torch.Tensor]] = [None] * len(leaves)
-        for bucket, buffer in zip(assignment, reduced):
-            for i, piece in zip(bucket, bucketing.unpack(buffer, leaves, bucket)):
-                out[i] = piece
-        return spec.unflatten(out), state
+        return spec.unflatten(reduce_in_buckets(leaves, cap_bytes, g, average, compression)), state
 
     # what make_train_step needs to run this reduction during backward instead (GradientReducer)
     update.reducer_settings = dict(  # type: ignore[attr-defined]
@@ -115,3 +108,27 @@ def _dense_leaves(leaves: list, spec: optree.PyTreeSpec, params: Optional[PyTree
         checks.check_grad(g, p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=complex_ok)
         dense.append(g)
     return dense
+
+
+def reduce_in_buckets(
+    tensors: list[torch.Tensor], cap_bytes: int, group: Group, average: bool, compression: Optional[str]
+) -> list[torch.Tensor]:
+    """Each tensor reduced over the ranks (:func:`~functional_bagua.distributed.compression.all_reduce`),
+    through DDP's buckets of ``cap_bytes``, every bucket launched before any is awaited: one result
+    per tensor, in its shape.
+
+    Args:
+        tensors: dense tensors, every rank holding the same shapes and dtypes in the same order.
+        cap_bytes: the bucket size in bytes.
+        group: the resolved process group.
+        average: the mean over the ranks (``True``) or the sum.
+        compression: as for :func:`~functional_bagua.distributed.compression.all_reduce`.
+    """
+    assignment = bucketing.assign_buckets(tensors, cap_bytes)
+    flat = [bucketing.pack(tensors, bucket) for bucket in assignment]
+    reduced = codecs.all_reduce(flat, group, average, compression)
+    out: list[torch.Tensor] = list(tensors)
+    for bucket, buffer in zip(assignment, reduced):
+        for i, piece in zip(bucket, bucketing.unpack(buffer, tensors, bucket)):
+            out[i] = piece
+    return out

@@ -111,16 +111,16 @@ class GradientReducer:
             compression=compression,
             find_unused_parameters=find_unused_parameters,
         )
-        Agreement(NAME, settings).init(dict(zip(self.names, (p.detach() for p in self.params))), self.group)
         detached = [p.detach() for p in self.params]
+        Agreement(NAME, settings).init(dict(zip(self.names, detached)), self.group)
         self.buckets = [
             _Bucket(indices, detached)
             for indices in bucketing.assign_buckets(detached, int(bucket_cap_mb * bucketing.MIB))
         ]
         self._slot: dict[int, tuple[_Bucket, torch.Tensor]] = {}  # parameter index -> its bucket and view
         for bucket in self.buckets:
-            for i, view in zip(bucket.indices, bucket.views):
-                self._slot[i] = (bucket, view.view(self.params[i].shape))
+            for i, view in zip(bucket.indices, bucket.views):  # views in each parameter's shape
+                self._slot[i] = (bucket, view)
         self.enabled = True
         self._in_backward = False
         self._received: list[bool] = [False] * len(self.params)
@@ -269,8 +269,10 @@ class GradientReducer:
             _, view = self._slot[i]
             if p.grad is view:
                 continue
-            if self.gradient_as_bucket_view or p.grad is None:
-                p.grad = view if self.gradient_as_bucket_view else view.clone()
+            if self.gradient_as_bucket_view:
+                p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
             else:
                 p.grad.copy_(view)
         self._pending = []

@@ -247,11 +247,6 @@ def _run_groups(
     it ran, the result's tensors as lists over the members (a group whose rule needs single
     tensors is left out, to run per tensor). ``state_type`` ``None``: a stateless rule
     ``update_leaf(u, p)``."""
-    groups: dict[tuple, list[int]] = {}
-    for i in indices:
-        g = grads[i]
-        if not g.is_complex():
-            groups.setdefault((g.device, g.dtype, params[i] is None), []).append(i)
     if state_type is None:
         rule = update_leaf
     else:
@@ -259,7 +254,7 @@ def _run_groups(
         def rule(g: Any, p: Any, *fields: Any) -> Any:
             return update_leaf(g, state_type(*fields), p)
 
-    for members in groups.values():
+    for members in foreach.groups(grads, indices, key=lambda i: params[i] is None):
         result = foreach.run_grouped(rule, [grads, params, *state_fields], members)
         if result is not None:
             yield members, result
@@ -335,12 +330,7 @@ def _with_dtypes_of(new: Any, old: Any) -> Any:
     float32 parameter's math runs in float64; the cast brings state and updates back to the
     tensor's own dtype (a no-op for every other tensor).
     """
-    return type(new)(
-        *(
-            _in_dtype(n, o.dtype) if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) else n
-            for n, o in zip(new, old)
-        )
-    )
+    return type(new)(*(_like(n, o) for n, o in zip(new, old)))
 
 
 def _like(new: Any, old: Any) -> Any:
