@@ -136,13 +136,12 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     new_leaves = list(param_leaves)  # a None update leaves its parameter
     pending = [i for i, u in enumerate(update_leaves) if u is not None]
     if foreach.grouped_enabled():  # one multi-tensor add per device and dtypes
-        for members in foreach.groups(param_leaves, pending, key=lambda i: update_leaves[i].dtype):
-            sums = foreach.run_grouped(_add_keeping_dtype, [param_leaves, update_leaves], members)
-            if sums is not None:
-                for i, total in zip(members, sums):
-                    new_leaves[i] = total
-                done = set(members)
-                pending = [i for i in pending if i not in done]
+        ran, pending = foreach.run_groups(
+            _add_keeping_dtype, [param_leaves, update_leaves], pending, key=lambda i: update_leaves[i].dtype
+        )
+        for members, sums in ran:
+            for i, total in zip(members, sums):
+                new_leaves[i] = total
     for i in pending:
         new_leaves[i] = _add_keeping_dtype(param_leaves[i], update_leaves[i])
     return spec.unflatten(new_leaves)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["Leaves", "PerTensorOnly", "grouped_enabled", "groups", "per_tensor", "run_grouped", "strict"]
+__all__ = ["Leaves", "PerTensorOnly", "grouped_enabled", "groups", "per_tensor", "run_grouped", "run_groups", "strict"]
 
 
 class PerTensorOnly(TypeError):
@@ -105,8 +105,8 @@ def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) ->
 
 
 def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leaves", b: Any, **kwargs: Any) -> "Leaves":
-    """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors, a number or a
-    0-dim tensor of ``a``'s device), else ``fallback`` on each pair."""
+    """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors or a number),
+    else ``fallback`` on each pair (a shared 0-dim tensor, say)."""
     if isinstance(b, Leaves) or _is_scalar(b):
         return Leaves(foreach(a.items, _items(b, len(a.items)) if isinstance(b, Leaves) else b, **kwargs))
     return _map(fallback, (a, b), kwargs)
@@ -216,6 +216,13 @@ class Leaves:
 
     def clamp_max(self, maximum: Any) -> "Leaves":
         return _binary(torch._foreach_clamp_max, torch.clamp_max, self, maximum)
+
+    def clamp(self, min: Any = None, max: Any = None) -> "Leaves":  # noqa: A002  (torch's names)
+        """``min(max(t, min), max)``, as ``torch.clamp``: the two multi-tensor clamps for numbers."""
+        if min is None and max is None or not all(v is None or _is_scalar(v) for v in (min, max)):
+            return _map(torch.clamp, (self,), {"min": min, "max": max})
+        low = self if min is None else self.clamp_min(min)
+        return low if max is None else low.clamp_max(max)
 
     def sqrt(self) -> "Leaves":
         return Leaves(torch._foreach_sqrt(self.items))
@@ -331,6 +338,31 @@ def groups(
         if not t.is_complex():
             found.setdefault((t.device, t.dtype, key(i)), []).append(i)
     return list(found.values())
+
+
+def run_groups(
+    rule: Callable[..., Any],
+    columns: Sequence[Sequence[Any]],
+    indices: Sequence[int],
+    key: Callable[[int], Any] = lambda i: None,
+) -> tuple[list[tuple[list[int], Any]], list[int]]:
+    """``rule`` once per group of the tensors at ``indices`` of the first column (:func:`groups`),
+    with :func:`run_grouped`: the ``(members, result)`` of each group that ran, and the indices
+    left to run one tensor at a time (complex tensors, groups whose rule needs single tensors).
+
+    Args:
+        rule: a rule written for single tensors (its arguments: one per column).
+        columns: per argument of the rule, one value per tensor; the first column is grouped.
+        indices: which tensors to run.
+        key: as for :func:`groups`.
+    """
+    ran, done = [], set()
+    for members in groups(columns[0], indices, key):
+        result = run_grouped(rule, columns, members)
+        if result is not None:
+            ran.append((members, result))
+            done.update(members)
+    return ran, [i for i in indices if i not in done]
 
 
 def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int]) -> Optional[Any]:

@@ -172,7 +172,7 @@ def _overlapped_train_step(
     from functional_bagua.distributed.reducer import GradientReducer
 
     transforms = tx.update.transforms  # type: ignore[attr-defined]
-    rest = chain(_already_reduced(), *transforms[1:])
+    rest = chain(identity(), *transforms[1:])  # identity: in the leading all-reduce's place (same state)
     kernel, _ = _update_kernel(tx)
     reducers: list[GradientReducer] = []  # built at the first step, on every rank at once
 
@@ -204,12 +204,6 @@ def _overlapped_train_step(
         return apply_updates(params, updates), state, loss.detach()
 
     return step
-
-
-def _already_reduced() -> GradientTransformation:
-    """Stands in for the leading ``allreduce_gradients`` (same state) once backward reduced the
-    gradients: ``u = g``."""
-    return identity()
 
 
 def model_arguments(inputs: Any) -> tuple[tuple, dict]:

@@ -16,12 +16,11 @@ import contextlib
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from functional_bagua.compat.algorithms.base import Algorithm
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from functional_bagua.compat.bagua_module import ENGINE_ATTRIBUTE, BaguaDistributedDataParallel
-from functional_bagua.distributed.process_group import group_src
+from functional_bagua.distributed.process_group import broadcast_params
 
 __all__ = ["DistributedDataParallel", "DistributedDataParallel_V1_9_0"]
 
@@ -75,11 +74,12 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):  # noqa: N801 - Bagua's n
 
     @torch.no_grad()
     def _broadcast_buffers(self) -> None:
-        group = self.inner._group()
-        src = group_src(group, 0)
-        for name, buffer in self.module.named_buffers():
-            if not self.inner.ignored(name, name):
-                dist.broadcast(buffer, src, group=group.group)
+        """Rank 0's buffers on every rank, one broadcast per dtype (as DDP coalesces them)."""
+        buffers = [b for name, b in self.module.named_buffers() if not self.inner.ignored(name, name)]
+        if buffers:
+            received = broadcast_params([b.detach() for b in buffers], self.inner._group().group)
+            for buffer, value in zip(buffers, received):
+                buffer.copy_(value)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

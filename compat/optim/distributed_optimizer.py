@@ -38,6 +38,7 @@ import torch.distributed.rpc as rpc
 
 import functional_bagua as fb
 from functional_bagua import kernels
+from functional_bagua.fusion import _copy_into
 
 __all__ = ["DistributedOptimizer", "functional_alias"]
 
@@ -135,13 +136,7 @@ class _LocalOptimizer:
 def _update_in_place(tx: fb.GradientTransformation, grads: dict, state: Any, params: dict) -> Any:
     """``tx``'s pure update, its result written into ``params``: the new state."""
     updates, new_state = tx.update(grads, state, params)
-    for i, u in updates.items():
-        if u is None:
-            continue
-        if params[i].dim() == 0:  # torch 2.13's compiled graphs drop in-place ops on 0-dim float64 inputs
-            params[i][()] = params[i] + u
-        else:
-            params[i].add_(u)
+    _copy_into(params, fb.apply_updates(params, updates))
     return new_state
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from functional_bagua.flat import flatten_parameters
+from functional_bagua.flat import flatten_parameters, split_like
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -283,10 +283,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def _finish_broadcasts(launched: list[tuple[Any, torch.Tensor, list[torch.Tensor]]]) -> None:
         for work, flat, unpack in launched:
             work.wait()
-            offset = 0
-            for p in unpack:
-                p.copy_(flat[offset : offset + p.numel()].view(p.shape))
-                offset += p.numel()
+            for p, piece in zip(unpack, split_like(flat, unpack) if unpack else []):  # receivers of a packed flat
+                p.copy_(piece)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) the gradients of all the parameters, owned or not.

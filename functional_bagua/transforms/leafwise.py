@@ -22,7 +22,7 @@ parameter that skipped steps bias-corrects with its own count.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import optree
 import torch
@@ -134,17 +134,23 @@ def leafwise(
         new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state
         pending = [i for i, g in enumerate(grad_leaves) if g is not None]
         if keys is None and not sparse_gradients and foreach.grouped_enabled():
-            for members, (us, new_s) in _run_groups(
-                update_leaf, state_type, grad_leaves, param_leaves, state_leaves, pending
-            ):
+
+            def rule_of_fields(g: Any, p: Any, *fields: Any) -> Any:
+                return update_leaf(g, state_type(*fields), p)
+
+            ran, pending = foreach.run_groups(
+                rule_of_fields,
+                [grad_leaves, param_leaves, *state_leaves],
+                pending,
+                key=lambda i: param_leaves[i] is None,
+            )
+            for members, (us, new_s) in ran:
                 for j, i in enumerate(members):
                     updates[i] = _in_dtype(us[j], grad_leaves[i].dtype)
                 for f, column in enumerate(new_s):
                     old_column, new_column = state_leaves[f], new_fields[f]
                     for j, i in enumerate(members):
                         new_column[i] = _like(column[j], old_column[i])
-                done = set(members)
-                pending = [i for i in pending if i not in done]
         for i in pending:
             g, p, s = grad_leaves[i], param_leaves[i], state_type(*(leaves[i] for leaves in state_leaves))
             if keys is None:
@@ -215,11 +221,12 @@ def stateless(
         new: list[Optional[torch.Tensor]] = [None] * len(update_leaves)
         pending = [i for i, u in enumerate(update_leaves) if u is not None]
         if not per_tensor and foreach.grouped_enabled():
-            for members, us in _run_groups(update_leaf, None, update_leaves, param_leaves, [], pending):
+            ran, pending = foreach.run_groups(
+                update_leaf, [update_leaves, param_leaves], pending, key=lambda i: param_leaves[i] is None
+            )
+            for members, us in ran:
                 for j, i in enumerate(members):
                     new[i] = _in_dtype(us[j], update_leaves[i].dtype)
-                done = set(members)
-                pending = [i for i in pending if i not in done]
         for i in pending:
             u, p = update_leaves[i], param_leaves[i]
             new[i] = (
@@ -232,32 +239,6 @@ def stateless(
         return spec.unflatten(new), state
 
     return GradientTransformation(init, update)
-
-
-def _run_groups(
-    update_leaf: Callable[..., Any],
-    state_type: Any,
-    grads: list,
-    params: list,
-    state_fields: list,
-    indices: list[int],
-) -> Iterator[tuple[list[int], Any]]:
-    """The rule run once per group of real tensors of one device and dtype (and parameters given
-    or not), with :class:`~functional_bagua.foreach.Leaves`: ``(members, result)`` for each group
-    it ran, the result's tensors as lists over the members (a group whose rule needs single
-    tensors is left out, to run per tensor). ``state_type`` ``None``: a stateless rule
-    ``update_leaf(u, p)``."""
-    if state_type is None:
-        rule = update_leaf
-    else:
-
-        def rule(g: Any, p: Any, *fields: Any) -> Any:
-            return update_leaf(g, state_type(*fields), p)
-
-    for members in foreach.groups(grads, indices, key=lambda i: params[i] is None):
-        result = foreach.run_grouped(rule, [grads, params, *state_fields], members)
-        if result is not None:
-            yield members, result
 
 
 def _segmented_keys(spec: optree.PyTreeSpec, per_tensor: bool) -> Optional[list]:
