@@ -96,7 +96,7 @@ def torch_adamw(ddp: bool):
     def build(args, data):
         model = make_model(args.hidden, args.layers)
         if ddp:
-            model = torch.nn.parallel.DistributedDataParallel(model)
+            model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 
         def step(batch):
@@ -137,6 +137,25 @@ def fb_train_step(overlap: bool, communicate: bool = True):
         params = fb.params_of(model)
         tx = fb.chain(fbd.allreduce_gradients(args.bucket_cap_mb), fb.adamw(LR)) if communicate else fb.adamw(LR)
         train_step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap)
+        holder = {"params": params, "state": tx.init(params)}
+
+        def step(batch):
+            holder["params"], holder["state"], _ = train_step(holder["params"], holder["state"], batch)
+
+        return step, lambda: state_bytes(holder["state"])
+
+    return build
+
+
+def fb_compiled_tree(overlap: bool):
+    """make_train_step(compile=True) on the parameter tree with chain(allreduce_gradients, adamw):
+    with ``overlap`` inductor launches each bucket's all-reduce as soon as its gradients exist."""
+
+    def build(args, data):
+        model = make_model(args.hidden, args.layers)
+        params = fb.params_of(model)
+        tx = fb.chain(fbd.allreduce_gradients(args.bucket_cap_mb), fb.adamw(LR))
+        train_step = fb.make_train_step(model, loss_fn, tx, compile=True, overlap=overlap)
         holder = {"params": params, "state": tx.init(params)}
 
         def step(batch):
@@ -209,7 +228,9 @@ def zero_step(which: str):
 
         from functional_bagua.compat.optim import ZeroRedundancyOptimizer as OurZero
 
-        model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
+        model = torch.nn.parallel.DistributedDataParallel(
+            make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_cap_mb
+        )
         zero = TorchZero if which == "torch" else OurZero
         opt = zero(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
 
@@ -233,7 +254,9 @@ def zero_overlap_step():
 
         from functional_bagua.compat.optim import ZeroRedundancyOptimizer, hook_with_zero_step
 
-        model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
+        model = torch.nn.parallel.DistributedDataParallel(
+            make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_cap_mb
+        )
         opt = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, overlap_with_ddp=True, lr=LR, fused=True
         )
@@ -263,7 +286,9 @@ def post_local_sgd_step(which: str):
 
         from functional_bagua.compat import optim as ours
 
-        model = torch.nn.parallel.DistributedDataParallel(make_model(args.hidden, args.layers))
+        model = torch.nn.parallel.DistributedDataParallel(
+            make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_cap_mb
+        )
         alone, _ = dist.new_subgroups(group_size=1)
         model.register_comm_hook(
             PostLocalSGDState(process_group=None, subgroup=alone, start_localSGD_iter=args.warmup), post_localSGD_hook
@@ -303,6 +328,8 @@ VARIANTS = {
     "fb shard(adamw)": fb_chain(lambda a: fbd.shard(fb.adamw(LR))),
     "fb adamw + periodic_average(4)": fb_chain(lambda a: fb.chain(fb.adamw(LR), fbd.periodic_average(4))),
     "fb compiled flat step (allreduce + adamw)": fb_compiled_flat,
+    "fb compiled tree step, allreduce after backward + adamw": fb_compiled_tree(overlap=False),
+    "fb compiled tree step, allreduce during backward + adamw": fb_compiled_tree(overlap=True),
     "fb train step eager, allreduce after backward + adamw": fb_train_step(overlap=False),
     "fb train step eager, allreduce during backward + adamw": fb_train_step(overlap=True),
     "torch eager AdamW(fused), no communication (reference)": torch_adamw(ddp=False),
@@ -372,7 +399,9 @@ def main(argv=None):
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="every variant's bucket size (default: DDP's, 1 MiB then 25)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument(
         "--only", default="", help="comma-separated parts of the variant names to run (torch DDP always)"

@@ -132,7 +132,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="default: DDP's sizes, 1 MiB then 25")
     parser.add_argument("--compression", choices=["fp16", "bf16", "minmax_uint8"], default=None)
     parser.add_argument("--shard", action="store_true", help="ZeRO: shard the AdamW state across ranks")
     parser.add_argument(

@@ -33,7 +33,11 @@ differentiated as autograd leaves, and a :class:`~functional_bagua.distributed.G
 (hooks on those leaves, DDP's buckets) launches each bucket as soon as its gradients exist; the
 rest of the chain then updates with the averaged gradients. The numbers are those of the chain
 run after backward (bit for bit with 2 and 4 ranks; the reducer divides before summing, as DDP
-does, the transform after). ``overlap=False`` keeps the all-reduce after backward.
+does, the transform after). Compiled on a parameter tree, the step is one graph in which each
+bucket's all-reduce depends only on its own gradients; inductor's communication reordering
+(:data:`COMM_OVERLAP_OPTIONS`) then launches it as soon as they are computed and waits for it
+only where the update reads it, so the rest of backward runs meanwhile (same numbers, a
+different order). ``overlap=False`` keeps the all-reduce after backward.
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ from functional_bagua.base import GradientTransformation, OptState, apply_update
 from functional_bagua.flat import FlatLayout
 from functional_bagua.fusion import fuse
 from functional_bagua.tree import PyTree
+
+# inductor's passes that move each collective up to where its input is ready and its wait down to
+# its first reader (torch._inductor.config's recommended set for compute/communication overlap)
+COMM_OVERLAP_OPTIONS = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
 
 
 def make_train_step(
@@ -81,9 +96,11 @@ def make_train_step(
         compile: ``True``, ``False`` or a dict of ``torch.compile`` keyword arguments (above).
         layout: a :class:`~functional_bagua.FlatLayout`: ``params`` are then its flat buffers and ``tx``
             runs as ``fuse(tx, layout)``; ``None`` (default) for a parameter tree.
-        overlap: for an eager step on a parameter tree whose ``tx`` is a ``chain`` starting with
+        overlap: for a step on a parameter tree whose ``tx`` is a ``chain`` starting with
             :func:`~functional_bagua.distributed.allreduce_gradients`, run that all-reduce during
-            backward (module docstring); ``False`` runs it after backward, as the chain says.
+            backward (module docstring): eager through gradient hooks; compiled with inductor
+            (the default backend, no ``mode``) through :data:`COMM_OVERLAP_OPTIONS`, added to the
+            ``options`` given in ``compile``. ``False`` runs it after backward, as the chain says.
     """
     settings = _leading_allreduce(tx)
     if overlap and settings is not None and not compile and layout is None:
@@ -121,7 +138,10 @@ def make_train_step(
         return apply_updates(params, updates), state, loss.detach(), new_buffers
 
     if compile:
-        pure_step = torch.compile(pure_step, fullgraph=True, **(compile if isinstance(compile, dict) else {}))
+        compile_kwargs = dict(compile) if isinstance(compile, dict) else {}
+        if overlap and settings is not None and layout is None:
+            compile_kwargs = _with_comm_overlap(compile_kwargs)
+        pure_step = torch.compile(pure_step, fullgraph=True, **compile_kwargs)
 
     def step(params: PyTree, state: OptState, batch: Any) -> tuple[PyTree, OptState, torch.Tensor]:
         check_batch(batch)
@@ -133,6 +153,15 @@ def make_train_step(
         return params, state, loss
 
     return step
+
+
+def _with_comm_overlap(compile_kwargs: dict) -> dict:
+    """``torch.compile`` keyword arguments with :data:`COMM_OVERLAP_OPTIONS` added to inductor's
+    ``options`` (those given win); unchanged for another backend or a ``mode`` (which torch
+    does not take together with ``options``)."""
+    if compile_kwargs.get("backend", "inductor") != "inductor" or compile_kwargs.get("mode") is not None:
+        return compile_kwargs
+    return {**compile_kwargs, "options": {**COMM_OVERLAP_OPTIONS, **compile_kwargs.get("options", {})}}
 
 
 def _is_tensor_dict(params: PyTree) -> bool:

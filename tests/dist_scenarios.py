@@ -317,3 +317,34 @@ def train_step_overlapped(rank, world_size):
                 trace=trace, launched_in_backward=launches, kernel_steps=len(kernel_calls)
             )
     return out
+
+
+def compiled_train_step_overlapped(rank, world_size):
+    """make_train_step(compile=True) on a parameter tree with chain(allreduce_gradients, adamw),
+    with and without the communication reordering: parameters and losses per step, and how many
+    matrix products of backward the generated code runs between launching the first all-reduce
+    and waiting for it."""
+    from torch._inductor.utils import run_and_get_code
+
+    out = {}
+    for overlap in (True, False):
+        model = make_model("deep", DTYPE, seed=0)
+        tx = fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), TXS["adamw"]())
+        step = fb.make_train_step(model, loss_fn, tx, compile=True, overlap=overlap)
+        params = fb.params_of(model)
+        state = tx.init(params)
+        trace, code = [], ""
+        for i, batch in enumerate(local_batches(rank, world_size)):
+            if i == 0:
+                (params, state, loss), sources = run_and_get_code(step, params, state, batch)
+                code = "".join(sources)
+                code = code[code.index("def call(") :]
+            else:
+                params, state, loss = step(params, state, batch)
+            trace.append(({k: v.clone() for k, v in params.items()}, loss))
+        launched = code.find("_c10d_functional.all_reduce")
+        awaited = code.find("_c10d_functional.wait_tensor")
+        out["overlap" if overlap else "after"] = dict(
+            trace=trace, mm_while_reducing=code[launched:awaited].count("extern_kernels.mm(") if launched >= 0 else -1
+        )
+    return out

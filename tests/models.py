@@ -45,9 +45,27 @@ class NormNet(torch.nn.Module):
         return self.fc(torch.relu(self.norm(self.conv(x))).flatten(1))
 
 
+class DeepNet(torch.nn.Module):
+    """Three linear layers: a backward long enough for communication to overlap with."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(2 * 6 * 6, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 4),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
 def make_model(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = {"shapes": ShapesNet, "matrix": MatrixNet, "norm": NormNet}[kind]()
+    model = {"shapes": ShapesNet, "matrix": MatrixNet, "norm": NormNet, "deep": DeepNet}[kind]()
     return model.to(dtype)
 
 

@@ -35,13 +35,20 @@ TWO_RANKS = [
     "averaging_wrong_update",
     "train_step_overlapped",
 ]
-FOUR_RANKS = ["allreduce_sgd", "decentralized_shift_one", "decentralized_all_every_2", "train_step_overlapped"]
+FOUR_RANKS = [
+    "allreduce_sgd",
+    "decentralized_shift_one",
+    "decentralized_all_every_2",
+    "train_step_overlapped",
+    "compiled_train_step_overlapped",
+]
 COMPILED = [
     "compiled_allreduce_adamw",
     "compiled_allreduce_minmax_uint8",
     "compiled_shard_adamw",
     "compiled_periodic_average",
     "compiled_shift_one",
+    "compiled_train_step_overlapped",
 ]
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64: only the summation order differs
 
@@ -212,6 +219,24 @@ def test_buckets_are_ddps(cap):
     assert ours == [[len(sizes) - 1 - i for i in bucket] for bucket in theirs]
 
 
+@pytest.mark.parametrize("first_cap", [1, 500, 2000])
+def test_first_bucket_cap_is_ddps(first_cap):
+    sizes = [10, 300, 20, 400, 5, 1, 77, 250, 3, 900]
+    leaves = [torch.empty(n) for n in sizes] + [torch.empty(n, dtype=torch.float64) for n in sizes[:4]]
+    ours = fbd.assign_buckets(leaves, 1200, first_cap)
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(leaves)), [first_cap, 1200], [False] * len(leaves), list(range(len(leaves)))
+    )
+    assert sorted(ours) == sorted([len(leaves) - 1 - i for i in bucket] for bucket in theirs)
+
+
+def test_default_bucket_caps_are_ddps():
+    assert fbd.buckets.bucket_caps(None) == (dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20)
+    assert fbd.buckets.bucket_caps(2.0) == (2 * 2**20, 2 * 2**20)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        fbd.buckets.bucket_caps(-1.0)
+
+
 def test_buckets_keep_dtypes_apart():
     leaves = [torch.empty(100), torch.empty(100, dtype=torch.float64), torch.empty(100)]
     buckets = fbd.assign_buckets(leaves, 1 << 20)
@@ -226,8 +251,31 @@ def test_compiled_transforms_equal_eager_on_two_ranks():
     results = run_ranks(2, COMPILED)
     for rank in range(2):
         for name in COMPILED:
-            eager, compiled = ok(results[rank][name])
-            assert_trees_close(compiled, eager, rtol=1e-9, atol=1e-10)
+            if name != "compiled_train_step_overlapped":
+                eager, compiled = ok(results[rank][name])
+                assert_trees_close(compiled, eager, rtol=1e-9, atol=1e-10)
+    check_compiled_overlap([result["compiled_train_step_overlapped"] for result in results])
+
+
+@pytest.mark.slow
+def test_compiled_overlap_on_four_ranks(four):
+    check_compiled_overlap([result["compiled_train_step_overlapped"] for result in four])
+
+
+def check_compiled_overlap(per_rank):
+    """make_train_step(compile=True) with chain(allreduce_gradients, adamw) on a tree: with the
+    communication reordering, backward's matrix products run between launching the first
+    bucket's all-reduce and waiting for it; the parameters and losses are those of the step
+    compiled without it, bit for bit (float64)."""
+    for result in per_rank:
+        got = ok(result)
+        overlapped, after = got["overlap"], got["after"]
+        assert overlapped["mm_while_reducing"] > 0, "no backward compute between the first all-reduce and its wait"
+        assert len(overlapped["trace"]) == len(after["trace"]) == sc.STEPS
+        for (p1, l1), (p2, l2) in zip(overlapped["trace"], after["trace"]):
+            assert torch.equal(l1, l2)
+            for name in p2:
+                assert torch.equal(p1[name], p2[name]), name
 
 
 # --- bad input ------------------------------------------------------------------------------------

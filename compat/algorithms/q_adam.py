@@ -159,8 +159,8 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
                 m = self.optimizer.state[p]["exp_avg"]
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 moments.append(m)
-        cap = int(ddp.bucket_cap_mb * bucketing.MIB)
-        for m, averaged in zip(moments, reduce_in_buckets(moments, cap, g, True, "minmax_uint8")):
+        caps = bucketing.bucket_caps(ddp.bucket_cap_mb, "QAdamAlgorithm")
+        for m, averaged in zip(moments, reduce_in_buckets(moments, caps, g, True, "minmax_uint8")):
             m.copy_(averaged)
 
     def buckets(self) -> list:

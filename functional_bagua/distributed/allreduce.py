@@ -6,8 +6,8 @@ With ``n`` ranks, each computing ``g_r`` on its own part of the batch::
 
 which, for a loss that is a mean over the batch, is the gradient of the whole global batch.
 Gradients travel in DDP's buckets (:mod:`~functional_bagua.distributed.buckets`): reverse
-parameter order, ``bucket_cap_mb`` MiB each, one flat buffer per bucket, all launched before the
-first is awaited; ``compression`` as in :mod:`~functional_bagua.distributed.compression`.
+parameter order, DDP's sizes (1 MiB first, 25 MiB after) or ``bucket_cap_mb`` MiB each, one flat
+buffer per bucket, all launched before the first is awaited; ``compression`` as in :mod:`~functional_bagua.distributed.compression`.
 
 Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -34,7 +34,7 @@ NAME = "allreduce_gradients"
 
 
 def allreduce_gradients(
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: Optional[float] = None,
     average: bool = True,
     compression: Optional[str] = None,
     group: Optional[dist.ProcessGroup] = None,
@@ -50,7 +50,7 @@ def allreduce_gradients(
 
     Args:
         bucket_cap_mb: the bucket size in MiB (a bucket closes once it reaches it, as in DDP); must
-            be positive.
+            be positive. ``None`` (default) for DDP's defaults: the first bucket 1 MiB, the others 25.
         average: ``True`` for the mean over the ranks, ``False`` for the sum.
         compression: one of :data:`~functional_bagua.distributed.COMPRESSIONS`: ``None``, ``"fp16"``,
             ``"bf16"`` or ``"minmax_uint8"``; with one, complex gradients are refused.
@@ -66,10 +66,8 @@ def allreduce_gradients(
         params = fbd.broadcast_params(fb.params_of(model))
         state = tx.init(params)
     """
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"{NAME}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    caps = bucketing.bucket_caps(bucket_cap_mb, NAME)
     codecs.check_compression(compression)
-    cap_bytes = int(bucket_cap_mb * bucketing.MIB)
     agreement = Agreement(
         NAME, dict(bucket_cap_mb=bucket_cap_mb, average=average, compression=compression), same_values=True
     )
@@ -83,7 +81,7 @@ def allreduce_gradients(
         leaves, spec = tree.flatten(grads)
         leaves = _dense_leaves(leaves, spec, params, complex_ok=compression is None)
         agreement.check(leaves)
-        return spec.unflatten(reduce_in_buckets(leaves, cap_bytes, g, average, compression)), state
+        return spec.unflatten(reduce_in_buckets(leaves, caps, g, average, compression)), state
 
     # what make_train_step needs to run this reduction during backward instead (GradientReducer)
     update.reducer_settings = dict(  # type: ignore[attr-defined]
@@ -111,20 +109,25 @@ def _dense_leaves(leaves: list, spec: optree.PyTreeSpec, params: Optional[PyTree
 
 
 def reduce_in_buckets(
-    tensors: list[torch.Tensor], cap_bytes: int, group: Group, average: bool, compression: Optional[str]
+    tensors: list[torch.Tensor],
+    caps: tuple[int, int],
+    group: Group,
+    average: bool,
+    compression: Optional[str],
 ) -> list[torch.Tensor]:
     """Each tensor reduced over the ranks (:func:`~functional_bagua.distributed.compression.all_reduce`),
-    through DDP's buckets of ``cap_bytes``, every bucket launched before any is awaited: one result
+    through DDP's buckets, every bucket launched before any is awaited: one result
     per tensor, in its shape.
 
     Args:
         tensors: dense tensors, every rank holding the same shapes and dtypes in the same order.
-        cap_bytes: the bucket size in bytes.
+        caps: ``(first, rest)``, the bucket sizes in bytes
+            (:func:`~functional_bagua.distributed.buckets.bucket_caps`).
         group: the resolved process group.
         average: the mean over the ranks (``True``) or the sum.
         compression: as for :func:`~functional_bagua.distributed.compression.all_reduce`.
     """
-    assignment = bucketing.assign_buckets(tensors, cap_bytes)
+    assignment = bucketing.assign_buckets(tensors, caps[1], caps[0])
     flat = [bucketing.pack(tensors, bucket) for bucket in assignment]
     reduced = codecs.all_reduce(flat, group, average, compression)
     out: list[torch.Tensor] = list(tensors)

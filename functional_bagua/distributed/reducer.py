@@ -2,7 +2,7 @@
 :mod:`functional_bagua.distributed`.
 
 The parameters are cut into DDP's buckets (:func:`~functional_bagua.distributed.assign_buckets`:
-reverse order, ``bucket_cap_mb`` each), and each bucket gets one flat gradient buffer. During
+reverse order, DDP's sizes or ``bucket_cap_mb`` each), and each bucket gets one flat gradient buffer. During
 ``backward()`` a hook on every parameter copies its gradient into its slot (with
 ``gradient_as_bucket_view`` the ``.grad`` becomes that slot, so later backward passes accumulate
 there without a copy) and marks it ready; a bucket whose gradients are all ready is launched at
@@ -70,7 +70,8 @@ class GradientReducer:
         named_params: ``(name, parameter)`` pairs in the model's order (``model.named_parameters()``);
             parameters that do not require a gradient are left out.
         group: the process group; ``None`` for the default group.
-        bucket_cap_mb: the bucket size in MiB, as DDP's; must be positive.
+        bucket_cap_mb: the bucket size in MiB, as DDP's; must be positive. ``None`` (default) for
+            DDP's defaults: the first bucket 1 MiB, the others 25.
         average: the mean over the ranks (``True``) or the sum.
         compression: ``None``, ``"fp16"``, ``"bf16"`` or ``"minmax_uint8"``
             (:data:`~functional_bagua.distributed.COMPRESSIONS`).
@@ -84,14 +85,13 @@ class GradientReducer:
         self,
         named_params: Sequence[tuple[str, torch.Tensor]],
         group: Optional[dist.ProcessGroup] = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = None,
         average: bool = True,
         compression: Optional[str] = None,
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
     ) -> None:
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"{NAME}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        first_cap, cap = bucketing.bucket_caps(bucket_cap_mb, NAME)
         codecs.check_compression(compression)
         named = [(name, p) for name, p in named_params if p.requires_grad]
         if not named:
@@ -113,10 +113,7 @@ class GradientReducer:
         )
         detached = [p.detach() for p in self.params]
         Agreement(NAME, settings).init(dict(zip(self.names, detached)), self.group)
-        self.buckets = [
-            _Bucket(indices, detached)
-            for indices in bucketing.assign_buckets(detached, int(bucket_cap_mb * bucketing.MIB))
-        ]
+        self.buckets = [_Bucket(indices, detached) for indices in bucketing.assign_buckets(detached, cap, first_cap)]
         self._slot: dict[int, tuple[_Bucket, torch.Tensor]] = {}  # parameter index -> its bucket and view
         for bucket in self.buckets:
             for i, view in zip(bucket.indices, bucket.views):  # views in each parameter's shape
