@@ -128,15 +128,16 @@ def fb_chain(tx_of):
     return build
 
 
-def fb_train_step(overlap: bool, communicate: bool = True):
+def fb_train_step(overlap: bool, communicate: bool = True, donate: bool = False):
     """make_train_step(compile=False) with chain(allreduce_gradients, adamw): the all-reduce during
-    backward (``overlap``) or after it; without ``communicate``, adamw alone (the step's own cost)."""
+    backward (``overlap``) or after it; without ``communicate``, adamw alone (the step's own cost);
+    ``donate``: torch's kernel in place on the step's own parameters and state."""
 
     def build(args, data):
         model = make_model(args.hidden, args.layers)
         params = fb.params_of(model)
         tx = fb.chain(fbd.allreduce_gradients(args.bucket_cap_mb), fb.adamw(LR)) if communicate else fb.adamw(LR)
-        train_step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap)
+        train_step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap, donate=donate)
         holder = {"params": params, "state": tx.init(params)}
 
         def step(batch):
@@ -332,8 +333,12 @@ VARIANTS = {
     "fb compiled tree step, allreduce during backward + adamw": fb_compiled_tree(overlap=True),
     "fb train step eager, allreduce after backward + adamw": fb_train_step(overlap=False),
     "fb train step eager, allreduce during backward + adamw": fb_train_step(overlap=True),
+    "fb train step eager donated, allreduce during backward + adamw": fb_train_step(overlap=True, donate=True),
     "torch eager AdamW(fused), no communication (reference)": torch_adamw(ddp=False),
     "fb train step eager, adamw, no communication (reference)": fb_train_step(overlap=False, communicate=False),
+    "fb train step eager donated, adamw, no communication (reference)": fb_train_step(
+        overlap=False, communicate=False, donate=True
+    ),
     "bagua with_bagua GradientAllReduce + AdamW(fused)": bagua_step(gradient_allreduce.GradientAllReduceAlgorithm),
     "bagua DistributedDataParallel GradientAllReduce + AdamW(fused)": bagua_step(
         gradient_allreduce.GradientAllReduceAlgorithm, wrap="ddp"

@@ -25,7 +25,10 @@ The fastest update kernel: for ``sgd``, ``adam`` and ``adamw`` built with number
 (:func:`~functional_bagua.kernels.run_pure`: one pass, new tensors out; one op in a compiled
 graph): eager on a ``{name: tensor}`` parameter dict or flat buffers, compiled on flat buffers.
 The numbers are then those of ``torch.optim``'s ``fused=True`` (within float rounding of
-``tx.update``'s).
+``tx.update``'s). The functional form writes every result to fresh memory; an eager step built
+with ``donate=True`` may instead overwrite the ``params`` and ``state`` it is given (as JAX's
+``donate_argnums``) and runs the kernel in place, as ``torch.optim`` does: the same numbers,
+without the fresh tensors' allocation and page faults.
 
 Data parallel: when ``tx`` is ``chain(allreduce_gradients(...), ...)`` and the step is eager on a
 parameter tree, the all-reduce runs during backward, as torch's DDP runs it: the parameters are
@@ -72,6 +75,7 @@ def make_train_step(
     compile: Union[bool, dict] = True,
     layout: Optional[FlatLayout] = None,
     overlap: bool = True,
+    donate: bool = False,
 ) -> Callable:
     """``step(params, state, batch) -> (params, state, loss)`` (module docstring).
 
@@ -101,10 +105,19 @@ def make_train_step(
             backward (module docstring): eager through gradient hooks; compiled with inductor
             (the default backend, no ``mode``) through :data:`COMM_OVERLAP_OPTIONS`, added to the
             ``options`` given in ``compile``. ``False`` runs it after backward, as the chain says.
+        donate: let the step overwrite the ``params`` and ``state`` it is given and return them
+            (eager only): where torch's fused kernel runs (module docstring), it runs in place.
+            What you pass holds the new values after the call, and so does memory it shares
+            (``fb.params_of(model)`` aliases the module's parameters, which then train along).
     """
+    if donate and compile:
+        raise ValueError(
+            "make_train_step: donate=True runs torch's fused kernel in place, which torch.compile cannot trace; "
+            "pass compile=False (or donate=False for a compiled step)"
+        )
     settings = _leading_allreduce(tx)
     if overlap and settings is not None and not compile and layout is None:
-        return _overlapped_train_step(model, loss_fn, tx, settings)
+        return _overlapped_train_step(model, loss_fn, tx, settings, donate)
     update = (fuse(tx, layout) if layout is not None else tx).update
     to_tree = layout.unflatten if layout is not None else (lambda params: params)
     spec, reduce_first = _update_kernel(tx)
@@ -127,12 +140,12 @@ def make_train_step(
     ) -> tuple[PyTree, OptState, torch.Tensor, dict[str, torch.Tensor]]:
         inputs, targets = batch
         grads, (loss, new_buffers) = value_and_grad(params, buffers, inputs, targets)
-        if kernel is not None and _is_tensor_dict(params):  # torch's fused kernel, functional form
+        if kernel is not None and _is_tensor_dict(params):  # torch's fused kernel
             if reduce_first:  # chain(allreduce_gradients(...), alias): reduce, then the kernel
                 grads, reduced_state = tx.update.transforms[0].update(grads, state[0], params)  # type: ignore[attr-defined]
-                params, inner = kernels.run_pure(kernel, grads, state[1], params)
+                params, inner = _run_kernel(kernel, grads, state[1], params, donate)
                 return params, (reduced_state, inner), loss.detach(), new_buffers
-            params, state = kernels.run_pure(kernel, grads, state, params)
+            params, state = _run_kernel(kernel, grads, state, params, donate)
             return params, state, loss.detach(), new_buffers
         updates, state = update(grads, state, params)
         return apply_updates(params, updates), state, loss.detach(), new_buffers
@@ -153,6 +166,18 @@ def make_train_step(
         return params, state, loss
 
     return step
+
+
+def _run_kernel(
+    kernel: kernels.KernelSpec, grads: dict, state: OptState, params: dict, donate: bool
+) -> tuple[dict, OptState]:
+    """The kernel's step: in place on the donated ``params`` and ``state`` (returned), else its
+    functional form (new tensors)."""
+    if donate:
+        with torch.no_grad():
+            kernels.run(kernel, grads, state, params)
+        return params, state
+    return kernels.run_pure(kernel, grads, state, params)
 
 
 def _with_comm_overlap(compile_kwargs: dict) -> dict:
@@ -191,7 +216,11 @@ def _leading_allreduce(tx: GradientTransformation) -> Optional[dict]:
 
 
 def _overlapped_train_step(
-    model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], tx: GradientTransformation, settings: dict
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    tx: GradientTransformation,
+    settings: dict,
+    donate: bool,
 ) -> Callable:
     """The eager step with the leading all-reduce run during backward: the parameters are
     differentiated as fresh autograd leaves (sharing their storage), a
@@ -226,8 +255,8 @@ def _overlapped_train_step(
         with torch.no_grad():
             for name, value in copies.items():
                 buffers[name].copy_(value)
-        if kernel is not None and _is_tensor_dict(params):  # the alias's fused kernel, functional form
-            new_params, inner = kernels.run_pure(kernel, dict(grads), state[1], params)
+        if kernel is not None and _is_tensor_dict(params):  # the alias's fused kernel
+            new_params, inner = _run_kernel(kernel, dict(grads), state[1], params, donate)
             return new_params, (state[0], inner), loss.detach()
         updates, state = rest.update(grads, state, params)
         return apply_updates(params, updates), state, loss.detach()

@@ -283,15 +283,16 @@ def train_step_overlapped(rank, world_size):
 
     out = {}
     rule = fb.adamw(fb.schedules.constant(1e-2), weight_decay=0.1)  # a schedule: the update's own rule
-    for name, compression, inner in (
-        ("plain", None, TXS["adamw"]),  # torch's fused kernel (functional form) after the reduction
-        ("minmax_uint8", "minmax_uint8", TXS["adamw"]),
-        ("rule", None, lambda: rule),
+    for name, compression, inner, donate in (
+        ("plain", None, TXS["adamw"], False),  # torch's fused kernel (functional form) after the reduction
+        ("donated", None, TXS["adamw"], True),  # the kernel in place
+        ("minmax_uint8", "minmax_uint8", TXS["adamw"], False),
+        ("rule", None, lambda: rule, False),
     ):
         for overlap in (True, False):
             model = make_model("norm", DTYPE, seed=0)  # with BatchNorm buffers
             tx = fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression=compression), inner())
-            step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap)
+            step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap, donate=donate)
             params = fb.params_of(model)
             state = tx.init(params)
             launches: list = []
@@ -309,7 +310,13 @@ def train_step_overlapped(rank, world_size):
                 trace = []
                 for batch in local_batches(rank, world_size):
                     params, state, loss = step(params, state, batch)
-                    trace.append(({k: v.clone() for k, v in params.items()}, loss, dict(model.named_buffers())))
+                    trace.append(
+                        (
+                            {k: v.clone() for k, v in params.items()},
+                            loss,
+                            {k: b.clone() for k, b in model.named_buffers()},
+                        )
+                    )
             finally:
                 reducer_module.GradientReducer._launch = original
                 kernels.run_pure = run_pure

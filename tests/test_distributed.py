@@ -447,6 +447,23 @@ def test_train_step_all_reduces_during_backward_with_the_same_bits(world, compre
 
 
 @pytest.mark.parametrize("world", ["two", "four"])
+def test_donated_data_parallel_step_equals_the_pure_one(world, request):
+    """chain(allreduce_gradients, adamw) with donate=True (torch's kernel in place), all-reduce
+    during backward and after it: the parameters, losses and buffers of the pure step, bit for bit."""
+    for result in request.getfixturevalue(world):
+        got = ok(result["train_step_overlapped"])
+        for when in ("overlap", "after"):
+            donated, pure = got[f"donated/{when}"]["trace"], got[f"plain/{when}"]["trace"]
+            assert len(donated) == len(pure) == sc.STEPS
+            for (p1, l1, b1), (p2, l2, b2) in zip(donated, pure):
+                assert torch.equal(l1, l2)
+                for name in p2:
+                    assert torch.equal(p1[name], p2[name]), name
+                for name in b2:
+                    assert torch.equal(b1[name], b2[name]), name
+
+
+@pytest.mark.parametrize("world", ["two", "four"])
 def test_train_step_with_torchs_kernel_after_the_reduction_equals_the_update_rule(world, request):
     """chain(allreduce_gradients, adamw): the step runs torch's fused AdamW after the reduction;
     within float64 rounding of the same chain run by its rule (adamw with a schedule)."""

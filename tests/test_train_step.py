@@ -132,3 +132,45 @@ def test_eager_train_step_updates_with_torchs_fused_kernel_bitwise(fused, monkey
         loss_fn(reference(x), y).backward()
         opt.step()
     assert_model_matches(model, params, reference, tol=1e-15 if fused else 0)
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: fb.adamw(1e-2, weight_decay=0.1),
+        lambda: fb.adam(1e-2, amsgrad=True),
+        lambda: fb.sgd(0.1, momentum=0.9, nesterov=True),
+        lambda: fb.sgd(0.1),
+    ],
+    ids=["adamw", "adam_amsgrad", "sgd_nesterov", "sgd"],
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["tree", "flat"])
+def test_donated_eager_step_runs_in_place_with_the_same_bits(make_tx, fused):
+    """donate=True: the eager step overwrites the parameters and state it is given (the same
+    tensors come back) and its numbers are the functional kernel's, bit for bit, every step."""
+    runs = {}
+    for donate in (False, True):
+        model = make_model("norm", DTYPE)
+        tx = make_tx()
+        params = fb.params_of(model)
+        layout = fb.FlatLayout.of(params) if fused else None
+        if fused:
+            params = layout.flatten(params)
+        state = (fb.fuse(tx, layout) if fused else tx).init(params)
+        step = fb.make_train_step(model, loss_fn, tx, compile=False, layout=layout, donate=donate)
+        trace = []
+        for batch in batches(STEPS, DTYPE):
+            given = {k: v.data_ptr() for k, v in params.items()}
+            params, state, loss = step(params, state, batch)
+            trace.append(({k: v.clone() for k, v in params.items()}, loss))
+            assert ({k: v.data_ptr() for k, v in params.items()} == given) == donate
+        runs[donate] = trace
+    for (p1, l1), (p2, l2) in zip(runs[True], runs[False]):
+        assert torch.equal(l1, l2)
+        for name in p2:
+            assert torch.equal(p1[name], p2[name]), name
+
+
+def test_donate_with_compile_is_refused():
+    with pytest.raises(ValueError, match="compile=False"):
+        fb.make_train_step(make_model("norm", DTYPE), loss_fn, fb.adamw(), donate=True)
