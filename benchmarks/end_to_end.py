@@ -4,8 +4,9 @@
 
 Compares, from the same initial weights on the same batches: eager torch.optim AdamW
 (fused=True) with ``loss.backward()``; torch.compile'd model with the same fused AdamW; and
-functional_bagua's compiled whole step (``make_train_step``: forward, backward and AdamW in
-one graph) on a parameter tree and on flat buffers. Prints median step time, ratio to the
+functional_bagua's whole step (``make_train_step``): compiled (forward, backward and AdamW in
+one graph) on a parameter tree and on flat buffers, and eager on the tree, pure and donated
+(torch's fused kernel in place). Prints median step time, ratio to the
 eager torch baseline, compile time and the final loss.
 """
 
@@ -75,7 +76,7 @@ def torch_loop(device, compiled):
     return step
 
 
-def fb_loop(device, flat):
+def fb_loop(device, flat, compile=True, donate=False):
     model = new_model(device)
     tx = fb.adamw(lr=1e-3)
     params = fb.params_of(model)
@@ -83,7 +84,7 @@ def fb_loop(device, flat):
     if flat:
         params = layout.flatten(params)
     carry = {"params": params, "state": (fb.fuse(tx, layout) if flat else tx).init(params)}
-    train_step = fb.make_train_step(model, lm_loss, tx, compile=True, layout=layout)
+    train_step = fb.make_train_step(model, lm_loss, tx, compile=compile, layout=layout, donate=donate)
 
     def step(batch):
         carry["params"], carry["state"], loss = train_step(carry["params"], carry["state"], batch)
@@ -107,6 +108,8 @@ def main(argv=None):
         "torch.compile(model) + fused AdamW": lambda: torch_loop(args.device, compiled=True),
         "fb compiled step (tree)": lambda: fb_loop(args.device, flat=False),
         "fb compiled step (flat)": lambda: fb_loop(args.device, flat=True),
+        "fb eager step (tree)": lambda: fb_loop(args.device, flat=False, compile=False),
+        "fb eager step (tree, donated)": lambda: fb_loop(args.device, flat=False, compile=False, donate=True),
     }
     rows = []
     for name, make in variants.items():
