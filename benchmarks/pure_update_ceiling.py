@@ -4,7 +4,7 @@
 
 For AdamW and SGD with momentum on the optimizer_step.py configs, in one run: torch's foreach
 and fused steps (in place), functional_bagua's pure update on the tree (``tx.update`` +
-``apply_updates``), and hand-written pure updates: one out-of-place ``torch._foreach_*`` op per
+``apply_updates``), torchopt's (when installed: an optional peer, not a dependency), and hand-written pure updates: one out-of-place ``torch._foreach_*`` op per
 line of the update rule (the fewest Python calls a multi-op pure update can make), torch's fused
 AdamW kernel in its functional form (one pass, new tensors out), and the multi-op math over one
 flat buffer, whole or in cache-sized pieces (what a pure ``fuse`` update could reach). Medians
@@ -83,6 +83,21 @@ def fb_tree_step(tx: fb.GradientTransformation, ps: list, gs: list):  # noqa: AN
     return step
 
 
+def torchopt_step(make, ps: list, gs: list):  # noqa: ANN001, ANN201
+    """torchopt's functional update (``update`` + ``apply_updates``, out of place), if installed."""
+    import torchopt
+
+    params = tuple(ps)
+    holder = [make(torchopt).init(params)]
+    tx = make(torchopt)
+
+    def step() -> None:
+        updates, holder[0] = tx.update(tuple(gs), holder[0], params=params, inplace=False)
+        torchopt.apply_updates(params, updates, inplace=False)
+
+    return step
+
+
 def pure_fused_adamw(ps: list, gs: list):  # noqa: ANN201
     """torch's fused AdamW kernel in its functional form (``aten::_fused_adamw``: new tensors out)."""
     ms, vs, steps = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], [torch.tensor(3.0)] * len(ps)
@@ -106,18 +121,28 @@ def sgd_ceilings(ps: list, gs: list) -> dict:
     return {"pure foreach (ceiling of the tree path)": lambda: pure_foreach_sgd(ps, gs, bufs)}
 
 
-OPTIMIZERS = {
+OPTIMIZERS = {  # torch's class, functional_bagua's transform, the ceilings, torchopt's transform
     "adamw": (
         lambda p, **kw: torch.optim.AdamW(p, lr=LR, weight_decay=WD, **kw),
         lambda: fb.adamw(LR, weight_decay=WD),
         adamw_ceilings,
+        lambda torchopt: torchopt.adamw(LR, weight_decay=WD),
     ),
     "sgd": (
         lambda p, **kw: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM, **kw),
         lambda: fb.sgd(LR, momentum=MOMENTUM),
         sgd_ceilings,
+        lambda torchopt: torchopt.sgd(LR, momentum=MOMENTUM),
     ),
 }
+
+
+def has_torchopt() -> bool:
+    try:
+        import torchopt  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def run(key: str) -> list[dict]:
@@ -127,11 +152,12 @@ def run(key: str) -> list[dict]:
     ps = [torch.randn(s, generator=gen) for s in shapes]
     gs = [torch.randn(s, generator=gen) for s in shapes]
     rows = []
-    for opt, (torch_cls, fb_tx, ceilings) in OPTIMIZERS.items():
+    for opt, (torch_cls, fb_tx, ceilings, torchopt_tx) in OPTIMIZERS.items():
         variants = {
             "torch foreach": torch_step(torch_cls, ps, gs, foreach=True),
             "torch fused": torch_step(torch_cls, ps, gs, fused=True),
             "fb tree eager": fb_tree_step(fb_tx(), ps, gs),
+            **({"torchopt (pure)": torchopt_step(torchopt_tx, ps, gs)} if has_torchopt() else {}),
             **ceilings(ps, gs),
         }
         for variant, fn in variants.items():

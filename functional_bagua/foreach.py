@@ -16,7 +16,9 @@ instead of one per operation and tensor. On the CPU, a ``_foreach_*`` op runs th
 on each tensor as the single-tensor op, so both paths give the same bits (tested for every
 alias). A rule that needs something only one tensor has (its shape, a Python number from its
 values) raises a :class:`PerTensorOnly` error here, and :func:`run_grouped` runs it one tensor at
-a time instead.
+a time instead. Step counts that every tensor of a group shares (the usual case: all stepped as
+often) enter the rule as one tensor, so its scalar arithmetic (bias corrections) runs once per
+group; each tensor still gets its own count back.
 
 :func:`per_tensor` turns the grouped path off in this thread (the reference in the tests, and
 what torch.compile traces: inductor fuses the per-tensor ops itself).
@@ -104,12 +106,29 @@ def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) ->
     raise PerTensorOnly(f"{getattr(fn, '__name__', fn)} gives per-tensor values that are not tensors")
 
 
+_TENSOR_OVERLOAD = {torch._foreach_add, torch._foreach_mul, torch._foreach_div}  # (tensors, 0-dim tensor)
+
+
 def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leaves", b: Any, **kwargs: Any) -> "Leaves":
-    """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors or a number),
-    else ``fallback`` on each pair (a shared 0-dim tensor, say)."""
+    """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors, a number, or,
+    for add/mul/div, a 0-dim tensor on the tensors' device), else ``fallback`` on each pair."""
     if isinstance(b, Leaves) or _is_scalar(b):
         return Leaves(foreach(a.items, _items(b, len(a.items)) if isinstance(b, Leaves) else b, **kwargs))
+    if foreach in _TENSOR_OVERLOAD and _is_shared_scalar(b, a):
+        return Leaves(foreach(a.items, b, **kwargs))
     return _map(fallback, (a, b), kwargs)
+
+
+def _is_shared_scalar(b: Any, a: "Leaves") -> bool:
+    """Whether ``b`` is a 0-dim real tensor on the device of ``a``'s tensors (each op then treats
+    it as the single-tensor op does: no promotion of ``a``'s dtype by a wider ``b``)."""
+    return (
+        isinstance(b, torch.Tensor)
+        and b.dim() == 0
+        and not b.is_complex()
+        and bool(a.items)
+        and b.device == a.items[0].device
+    )
 
 
 class Leaves:
@@ -383,7 +402,7 @@ def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indi
         nones = sum(v is None for v in picked)
         if 0 < nones < len(picked):
             return None
-        args.append(None if nones else Leaves(picked))
+        args.append(None if nones else _shared_or_leaves(picked))
     try:
         result = rule(*args)
     except Exception:  # anything a rule cannot do grouped (PerTensorOnly, ...): it runs per tensor,
@@ -393,10 +412,30 @@ def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indi
     return _as_lists(result, len(indices))
 
 
+def _shared_or_leaves(picked: list) -> Any:
+    """The column's one value when it holds equal integer 0-dim CPU tensors (step counts, where
+    every tensor of the group stepped as often): the rule's scalar arithmetic on it then runs once
+    for the group, with the values (so the bits) each tensor would have; else ``Leaves``."""
+    first = picked[0]
+    uniform = (
+        len(picked) > 1
+        and isinstance(first, torch.Tensor)
+        and first.dim() == 0
+        and first.device.type == "cpu"
+        and not (first.is_floating_point() or first.is_complex())
+        and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype for t in picked)
+    )
+    if uniform and bool((torch.stack(picked) == first).all()):
+        return first
+    return Leaves(picked)
+
+
 def _as_lists(result: Any, n: int) -> Any:
     if isinstance(result, Leaves):
         return result.items
     if isinstance(result, tuple):
         parts = [_as_lists(r, n) for r in result]
         return type(result)(*parts) if hasattr(type(result), "_fields") else tuple(parts)
+    if isinstance(result, torch.Tensor):  # one copy per tensor: none aliases another's (in-place
+        return [result.clone() for _ in range(n)]  # kernels step counts one by one)
     return [result] * n  # a value the rule shares between the tensors (a None, a constant)

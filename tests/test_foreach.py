@@ -140,3 +140,20 @@ def test_a_users_rule_that_reads_shapes_still_works():
     params = {"a": torch.ones(2, 3), "b": torch.ones(4)}
     updates, _ = tx.update(params, tx.init(params), params)
     assert torch.equal(updates["a"], torch.full((2, 3), 2.0)) and torch.equal(updates["b"], torch.full((4,), 4.0))
+
+
+def test_shared_step_counts_come_back_one_per_tensor():
+    """A group whose tensors share their step count runs the count's arithmetic once, and each
+    tensor gets its own new count (no aliases): torch's in-place kernel, stepping the counts one
+    by one after a grouped update, moves each by one."""
+    from functional_bagua import kernels
+
+    params = {k: torch.randn(5) for k in "abc"}
+    grads = {k: torch.randn(5) for k in "abc"}
+    tx = fb.adam(1e-2)
+    _, state = tx.update(grads, tx.init(params), params)
+    counts = [kernels.moments_of("adam", state).count[k] for k in "abc"]
+    assert [c.item() for c in counts] == [1, 1, 1]
+    assert len({c.data_ptr() for c in counts}) == 3
+    kernels.run(kernels.spec_of(tx), grads, state, clone_tree(params))
+    assert [kernels.moments_of("adam", state).count[k].item() for k in "abc"] == [2, 2, 2]
