@@ -119,6 +119,19 @@ def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leave
     return _map(fallback, (a, b), kwargs)
 
 
+def _binary_in_place(
+    foreach: Optional[Callable[..., Any]], method: str, a: "Leaves", b: Any, **kwargs: Any
+) -> "Leaves":
+    """``a``'s tensors overwritten with ``a <op> b``: ``foreach`` (torch's in-place multi-tensor
+    op) for tensors, a number or a shared 0-dim tensor, else the tensor method on each pair."""
+    if foreach is not None and (isinstance(b, Leaves) or _is_scalar(b) or _is_shared_scalar(b, a)):
+        foreach(a.items, _items(b, len(a.items)) if isinstance(b, Leaves) else b, **kwargs)
+    else:
+        for t, x in zip(a.items, _items(b, len(a.items))):
+            getattr(t, method)(x, **kwargs)
+    return a
+
+
 def _is_shared_scalar(b: Any, a: "Leaves") -> bool:
     """Whether ``b`` is a 0-dim real tensor on the device of ``a``'s tensors (each op then treats
     it as the single-tensor op does: no promotion of ``a``'s dtype by a wider ``b``)."""
@@ -229,6 +242,22 @@ class Leaves:
         if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
             return Leaves(torch._foreach_addcdiv(self.items, t1.items, t2.items, value))
         return _map(torch.addcdiv, (self, t1, t2), {"value": value})
+
+    # ---- in place: only on a rule's own temporaries (tensors it made and has not returned) ------
+
+    def add_(self, other: Any, alpha: Any = 1) -> "Leaves":
+        if _is_scalar(alpha) and alpha == 1:
+            return _binary_in_place(torch._foreach_add_, "add_", self, other)
+        if _is_scalar(alpha) and isinstance(other, Leaves):
+            torch._foreach_add_(self.items, other.items, alpha=alpha)
+            return self
+        return _binary_in_place(None, "add_", self, other, alpha=alpha)
+
+    def mul_(self, other: Any) -> "Leaves":
+        return _binary_in_place(torch._foreach_mul_, "mul_", self, other)
+
+    def div_(self, other: Any) -> "Leaves":
+        return _binary_in_place(torch._foreach_div_, "div_", self, other)
 
     def clamp_min(self, minimum: Any) -> "Leaves":
         return _binary(torch._foreach_clamp_min, torch.clamp_min, self, minimum)

@@ -157,3 +157,24 @@ def test_shared_step_counts_come_back_one_per_tensor():
     assert len({c.data_ptr() for c in counts}) == 3
     kernels.run(kernels.spec_of(tx), grads, state, clone_tree(params))
     assert [kernels.moments_of("adam", state).count[k].item() for k in "abc"] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("method", ["add_", "mul_", "div_"])
+def test_in_place_ops_on_leaves_are_the_tensor_methods(method):
+    """Leaves' in-place ops (for a rule's own temporaries) overwrite each tensor as the tensor
+    method does, with another Leaves, a number, a shared 0-dim tensor or a 0-dim tensor per item."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, generator=gen) for n in (3, 5)]
+    ys = [torch.randn(n, generator=gen) for n in (3, 5)]
+    for other in (foreach.Leaves(ys), 0.7, torch.tensor(1.3, dtype=torch.float64)):
+        leaves = foreach.Leaves([x.clone() for x in xs])
+        result = getattr(leaves, method)(other)
+        assert result is leaves
+        others = other.items if isinstance(other, foreach.Leaves) else [other] * 2
+        for got, x, y in zip(leaves.items, xs, others):
+            assert torch.equal(got, getattr(x.clone(), method)(y))
+    per_item = foreach.Leaves([torch.tensor(2.0), torch.tensor(3.0)])
+    leaves = foreach.Leaves([x.clone() for x in xs])
+    getattr(leaves, method)(per_item)
+    for got, x, y in zip(leaves.items, xs, per_item.items):
+        assert torch.equal(got, getattr(x.clone(), method)(y))

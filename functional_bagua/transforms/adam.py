@@ -125,8 +125,8 @@ def scale_by_adam(
             new_state = ScaleByAmsgradState(count, mu, nu, nu_max)
         else:
             nu_max, new_state = nu, ScaleByAdamState(count, mu, nu)
-        denom = (nu_max.sqrt() / bias_correction(b2, t).sqrt()).add(eps)
-        return mu / bias_correction(b1, t) / denom, new_state
+        denom = (nu_max.sqrt() / bias_correction(b2, t).sqrt()).add_(eps)  # in place: our own temporaries
+        return (mu / bias_correction(b1, t)).div_(denom), new_state
 
     return leafwise(state_type, init_leaf, update_leaf, name="scale_by_adam")
 

@@ -53,7 +53,7 @@ def trace(momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False)
 
     def update_leaf(g: torch.Tensor, s: TraceState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, TraceState]:
         if is_number(dampening) and dampening == 0:
-            b = s.trace.mul(momentum).add(g)  # from b_0 = 0 this gives b_1 = g exactly
+            b = s.trace.mul(momentum).add_(g)  # from b_0 = 0 this gives b_1 = g exactly (add_: on our temporary)
         else:
             b = torch.where(s.count == 0, g, add_scaled(s.trace.mul(momentum), g, 1 - dampening))
         u = add_scaled(g, b, momentum) if nesterov else b
