@@ -4,7 +4,8 @@
 
 For AdamW and SGD with momentum on the optimizer_step.py configs, in one run: torch's foreach
 and fused steps (in place), functional_bagua's pure update on the tree (``tx.update`` +
-``apply_updates``), torchopt's (when installed: an optional peer, not a dependency), and hand-written pure updates: one out-of-place ``torch._foreach_*`` op per
+``apply_updates``) and on flat buffers (``fuse``: one buffer per dtype, or buffers of 16 MiB),
+torchopt's (when installed: an optional peer, not a dependency), and hand-written pure updates: one out-of-place ``torch._foreach_*`` op per
 line of the update rule (the fewest Python calls a multi-op pure update can make), torch's fused
 AdamW kernel in its functional form (one pass, new tensors out), and the multi-op math over one
 flat buffer, whole or in cache-sized pieces (what a pure ``fuse`` update could reach). Medians
@@ -83,6 +84,22 @@ def fb_tree_step(tx: fb.GradientTransformation, ps: list, gs: list):  # noqa: AN
     return step
 
 
+def fb_flat_step(tx: fb.GradientTransformation, ps: list, gs: list, max_buffer_mb=None):  # noqa: ANN001, ANN201
+    """``fuse(tx, layout)``'s pure update + ``apply_updates`` on flat buffers (``max_buffer_mb``
+    cuts each dtype into buffers of at most that size)."""
+    params = {str(i): p for i, p in enumerate(ps)}
+    layout = fb.FlatLayout.of(params, max_buffer_mb=max_buffer_mb)
+    flat, grads = layout.flatten(params), layout.flatten({str(i): g for i, g in enumerate(gs)})
+    fused = fb.fuse(tx, layout)
+    holder = [fused.init(flat)]
+
+    def step() -> None:
+        updates, holder[0] = fused.update(grads, holder[0], flat)
+        fb.apply_updates(flat, updates)
+
+    return step
+
+
 def torchopt_step(make, ps: list, gs: list):  # noqa: ANN001, ANN201
     """torchopt's functional update (``update`` + ``apply_updates``, out of place), if installed."""
     import torchopt
@@ -157,6 +174,8 @@ def run(key: str) -> list[dict]:
             "torch foreach": torch_step(torch_cls, ps, gs, foreach=True),
             "torch fused": torch_step(torch_cls, ps, gs, fused=True),
             "fb tree eager": fb_tree_step(fb_tx(), ps, gs),
+            "fb flat eager (fuse), one buffer": fb_flat_step(fb_tx(), ps, gs),
+            "fb flat eager (fuse), buffers of 16 MiB": fb_flat_step(fb_tx(), ps, gs, max_buffer_mb=16),
             **({"torchopt (pure)": torchopt_step(torchopt_tx, ps, gs)} if has_torchopt() else {}),
             **ceilings(ps, gs),
         }

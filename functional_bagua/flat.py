@@ -6,6 +6,13 @@ A :class:`FlatLayout` records, once, where each named tensor lives::
     flat = layout.flatten(params)            # {"float32@cpu": 1-D buffer, ...}: one copy, once
     views = layout.unflatten(flat)           # the params tree again, each leaf a view (no copy)
 
+``FlatLayout.of(params, max_buffer_mb=16)`` cuts a (dtype, device) group into several buffers of
+at most that size (``"float32@cpu"``, ``"float32@cpu/1"``, ...; a tensor larger than the cap gets
+a buffer of its own). A pure update writes new buffers every step; glibc's malloc maps blocks of
+32 MiB and more afresh each time, so they fault in page by page, while smaller ones can be reused
+when the process keeps its freed memory (``MALLOC_MMAP_THRESHOLD_=33554432`` and
+``MALLOC_TRIM_THRESHOLD_=-1`` in the environment, or jemalloc/tcmalloc): benchmarks/RESULTS.md.
+
 Flat buffers are a pytree too (a dict by group key), so any transform runs over them: elementwise
 math becomes one kernel per group whatever the number of tensors (see :mod:`functional_bagua.fusion`).
 :func:`flatten_parameters` re-points parameters into flat buffers, as Bagua's ``do_flatten`` does,
@@ -56,14 +63,17 @@ class FlatGroup(NamedTuple):
     numel: int
 
 
-def group_key(dtype: torch.dtype, device: torch.device) -> str:
-    """The key of the flat buffer that holds the tensors of ``dtype`` on ``device``, e.g. ``"float32@cpu"``.
+def group_key(dtype: torch.dtype, device: torch.device, part: int = 0) -> str:
+    """The key of the flat buffer that holds the tensors of ``dtype`` on ``device``, e.g. ``"float32@cpu"``;
+    ``"float32@cpu/1"`` for the second buffer of a group cut by a size cap.
 
     Args:
         dtype: the tensors' dtype (written without its ``torch.`` prefix).
         device: the tensors' device (written as ``str(device)``, e.g. ``cpu`` or ``cuda:0``).
+        part: which buffer of the group (0 for the first, whose key has no suffix).
     """
-    return f"{str(dtype).removeprefix('torch.')}@{device}"
+    base = f"{str(dtype).removeprefix('torch.')}@{device}"
+    return f"{base}/{part}" if part else base
 
 
 class FlatLayout:
@@ -79,16 +89,38 @@ class FlatLayout:
         metas: ``(shape, dtype, device)`` per leaf, in leaf order.
         dict_keys: the tree's keys in leaf order when the tree is a flat dict (then :meth:`unflatten`
             builds the dict directly), else ``None``. :meth:`of` computes all four from a tree.
+        max_bytes: the largest buffer, in bytes: a group that would grow past it continues in a
+            new buffer (module docstring); ``None`` (default) for one buffer per group.
     """
 
-    def __init__(self, spec: optree.PyTreeSpec, names: list, metas: list, dict_keys: Optional[list] = None) -> None:
+    def __init__(
+        self,
+        spec: optree.PyTreeSpec,
+        names: list,
+        metas: list,
+        dict_keys: Optional[list] = None,
+        max_bytes: Optional[int] = None,
+    ) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"FlatLayout: the buffer cap must be positive, got {max_bytes} bytes")
         self.spec = spec
+        self.max_bytes = max_bytes
         self._dict_keys = dict_keys  # the keys, in leaf order, when the tree is a flat dict
         segments: dict[str, list] = {}
         kinds: dict[str, tuple] = {}
+        parts: dict[tuple, int] = {}  # (dtype, device) -> the buffer being filled
         self._slots = []  # per leaf: (group key, index of its segment)
         for name, (shape, dtype, device) in zip(names, metas):
-            key = group_key(dtype, device)
+            part = parts.setdefault((dtype, device), 0)
+            members = segments.get(group_key(dtype, device, part), [])
+            size = math.prod(shape) * dtype.itemsize
+            if (
+                members
+                and max_bytes is not None
+                and (members[-1].offset + members[-1].numel) * dtype.itemsize + size > max_bytes
+            ):
+                part = parts[(dtype, device)] = part + 1
+            key = group_key(dtype, device, part)
             kinds.setdefault(key, (dtype, device))
             members = segments.setdefault(key, [])
             offset = members[-1].offset + members[-1].numel if members else 0
@@ -100,15 +132,18 @@ class FlatLayout:
         }
 
     @classmethod
-    def of(cls, params: Any) -> "FlatLayout":
+    def of(cls, params: Any, max_buffer_mb: Optional[float] = None) -> "FlatLayout":
         """The layout of a tree of tensors (no ``None`` leaves).
 
         Args:
             params: a pytree of dense tensors, such as :func:`~functional_bagua.params_of` gives; a
                 leaf that is not a tensor or not dense raises a TypeError naming it.
+            max_buffer_mb: the largest flat buffer in MiB (module docstring); ``None`` (default)
+                for one buffer per (dtype, device).
 
         Returns:
-            A :class:`FlatLayout` with one group per (dtype, device), in the tree's leaf order.
+            A :class:`FlatLayout` with one group per (dtype, device) (or several, with
+            ``max_buffer_mb``), in the tree's leaf order.
         """
         leaves, spec = tree.flatten(params)
         names = tree.leaf_names(spec)
@@ -124,6 +159,7 @@ class FlatLayout:
             names,
             [(tuple(p.shape), p.dtype, p.device) for p in leaves],
             [path[0] for path in paths] if flat_dict else None,
+            None if max_buffer_mb is None else int(max_buffer_mb * 2**20),
         )
 
     @property

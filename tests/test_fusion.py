@@ -67,10 +67,10 @@ BEYOND_TORCH = {
 }
 
 
-def _train_both(tx_fn, params, steps=5, dtype_of_grads=None):
+def _train_both(tx_fn, params, steps=5, dtype_of_grads=None, max_buffer_mb=None):
     """The same random gradients through ``tx`` unfused and fused; both final params trees."""
     gen = torch.Generator().manual_seed(1)
-    layout = fb.FlatLayout.of(params)
+    layout = fb.FlatLayout.of(params, max_buffer_mb=max_buffer_mb)
     tx, fused = tx_fn(), fb.fuse(tx_fn(), layout)
     plain, flat = params, layout.flatten(params)
     state, fused_state = tx.init(plain), fused.init(flat)
@@ -89,6 +89,40 @@ def test_fused_equals_unfused_beyond_torch_and_for_wrappers_with_mixed_dtypes(ma
     for name in expected:
         assert actual[name].dtype == expected[name].dtype
         torch.testing.assert_close(actual[name], expected[name], **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("make", BEYOND_TORCH.values(), ids=BEYOND_TORCH.keys())
+def test_fused_over_capped_buffers_equals_unfused(make):
+    """With ``max_buffer_mb`` each dtype's tensors spread over several flat buffers; the fused
+    update is still the unfused one."""
+    params = _mixed_params()
+    cap_mb = 20 * 8 / 2**20  # 20 float64 elements
+    layout = fb.FlatLayout.of(params, max_buffer_mb=cap_mb)
+    assert len(layout.keys) > len(fb.FlatLayout.of(params).keys)
+    expected, actual = _train_both(make, params, max_buffer_mb=cap_mb)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype
+        torch.testing.assert_close(actual[name], expected[name], **EXACT, msg=lambda m: f"{name}: {m}")
+
+
+def test_capped_layout_keeps_each_buffer_under_the_cap_and_round_trips():
+    """Buffers of one dtype fill in leaf order up to the cap, a tensor larger than the cap alone;
+    flatten and unflatten round-trip; the keys name dtype, device and part."""
+    params = {n: torch.randn(k) for n, k in (("a", 10), ("b", 30), ("c", 5), ("d", 100), ("e", 1))}
+    params["h"] = torch.randn(7, dtype=torch.float64)
+    layout = fb.FlatLayout.of(params, max_buffer_mb=40 * 4 / 2**20)  # 40 float32 elements
+    sizes = {key: [s.name for s in layout.segments(key)] for key in layout.keys}
+    assert sizes == {
+        "float32@cpu": ["a", "b"],
+        "float32@cpu/1": ["c"],
+        "float32@cpu/2": ["d"],
+        "float32@cpu/3": ["e"],
+        "float64@cpu": ["h"],
+    }
+    views = layout.unflatten(layout.flatten(params))
+    assert all(torch.equal(views[name], p) for name, p in params.items())
+    with pytest.raises(ValueError, match="must be positive"):
+        fb.FlatLayout.of(params, max_buffer_mb=0)
 
 
 def test_fused_global_norm_clipping_equals_unfused_up_to_summation_order():
