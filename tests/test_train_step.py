@@ -43,6 +43,17 @@ def train_step_fn(compile, fused=False, tx=None, kind="norm", max_buffer_mb=None
     return model, (layout.unflatten(params) if fused else params), losses, state
 
 
+def trained_with_torch_fused_adamw(kind):
+    """The ``kind`` model after STEPS steps of torch.optim.AdamW(fused=True) on the test batches."""
+    reference = make_model(kind, DTYPE)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for x, y in batches(STEPS, DTYPE):
+        opt.zero_grad()
+        loss_fn(reference(x), y).backward()
+        opt.step()
+    return reference
+
+
 def assert_model_matches(model, params, reference, tol=1e-12):
     for name, p in reference.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
@@ -104,12 +115,7 @@ def test_compiled_flat_train_step_updates_with_torchs_fused_kernel():
     torch._dynamo.reset()
     model, params, losses, _ = train_step_fn(compile={"backend": recording}, fused=True, kind="shapes")
     assert "aten._fused_adamw" in ops, sorted(set(ops))
-    reference = make_model("shapes", DTYPE)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    for x, y in batches(STEPS, DTYPE):
-        opt.zero_grad()
-        loss_fn(reference(x), y).backward()
-        opt.step()
+    reference = trained_with_torch_fused_adamw("shapes")
     assert_model_matches(model, params, reference)
 
 
@@ -125,12 +131,7 @@ def test_eager_train_step_updates_with_torchs_fused_kernel_bitwise(fused, monkey
     monkeypatch.setattr(kernels, "run_pure", lambda *args: calls.append(1) or original(*args))
     model, params, _, _ = train_step_fn(compile=False, fused=fused)
     assert len(calls) == STEPS
-    reference = make_model("norm", DTYPE)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    for x, y in batches(STEPS, DTYPE):
-        opt.zero_grad()
-        loss_fn(reference(x), y).backward()
-        opt.step()
+    reference = trained_with_torch_fused_adamw("norm")
     assert_model_matches(model, params, reference, tol=1e-15 if fused else 0)
 
 
@@ -179,12 +180,7 @@ def test_donate_with_compile_is_refused():
 def test_eager_train_step_over_capped_flat_buffers_equals_torch_optim():
     """A layout cut into buffers of at most 64 float64 elements: the step (torch's fused kernel
     over every buffer) is torch.optim.AdamW(fused=True)'s on the module, within an ulp."""
-    model, params, _, state = train_step_fn(compile=False, fused=True, max_buffer_mb=64 * 8 / 2**20)
+    model, params, _, _ = train_step_fn(compile=False, fused=True, max_buffer_mb=64 * 8 / 2**20)
     assert len(fb.FlatLayout.of(fb.params_of(make_model("norm", DTYPE)), max_buffer_mb=64 * 8 / 2**20).keys) > 1
-    reference = make_model("norm", DTYPE)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    for x, y in batches(STEPS, DTYPE):
-        opt.zero_grad()
-        loss_fn(reference(x), y).backward()
-        opt.step()
+    reference = trained_with_torch_fused_adamw("norm")
     assert_model_matches(model, params, reference, tol=1e-15)
