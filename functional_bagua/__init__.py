@@ -49,6 +49,7 @@ from functional_bagua.hyperparams import (
 )
 from functional_bagua.lbfgs import LbfgsState, lbfgs
 from functional_bagua.modules import buffers_of, load_params, params_of
+from functional_bagua.optimizer import Optimizer
 from functional_bagua.train_step import make_train_step
 from functional_bagua.transforms import *  # noqa: F401,F403  (the building blocks)
 from functional_bagua.transforms import __all__ as _transforms_all
@@ -84,6 +85,7 @@ __all__ = [
     "fuse",
     "fuse_inplace",
     "make_train_step",
+    "Optimizer",
     "state_dict",
     "load_state_dict",
     "schedules",

@@ -1,0 +1,200 @@
+"""fb.Optimizer: a torch.optim.Optimizer over a chain, against the torch.optim classes (with lr
+schedulers, param groups and GradScaler), the functional loop it wraps, and its own resumed run."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from models import batches, default_dtype, loss_fn, make_model
+
+import functional_bagua as fb
+
+DTYPE = torch.float64
+STEPS = 8
+TOL = dict(rtol=1e-12, atol=1e-14)  # the injected hyperparameters are float64 tensors, torch's Python floats
+
+CLASSES = {
+    "adamw": (torch.optim.AdamW, fb.adamw, dict(lr=1e-2, weight_decay=0.1)),
+    "adam": (torch.optim.Adam, fb.adam, dict(lr=1e-2, betas=(0.8, 0.99), amsgrad=True)),
+    "sgd": (torch.optim.SGD, fb.sgd, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    "rmsprop": (torch.optim.RMSprop, fb.rmsprop, dict(lr=1e-2, momentum=0.5)),
+}
+
+
+def train(make_optimizer, steps=STEPS, scheduler=True, model=None, optimizer=None, start=0):
+    """``steps`` steps of the usual loop (zero_grad, backward, step, scheduler step) on the test
+    model; the model and optimizer at the end."""
+    model = model or make_model("shapes", DTYPE)
+    optimizer = optimizer or make_optimizer(model)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5) if scheduler else None
+    for x, y in batches(start + steps, DTYPE)[start:]:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        if sched is not None:
+            sched.step()
+    return model, optimizer
+
+
+def assert_models_close(a, b, **tol):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, **(tol or TOL), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_equals_the_torch_class_with_a_scheduler(name):
+    torch_cls, factory, hyper = CLASSES[name]
+    with default_dtype(DTYPE):
+        expected, _ = train(lambda m: torch_cls(m.parameters(), **hyper))
+        actual, opt = train(lambda m: fb.Optimizer(m.parameters(), factory, **hyper))
+    assert_models_close(expected, actual)
+    assert opt.param_groups[0]["lr"] == pytest.approx(hyper["lr"] * 0.5 ** (STEPS // 3))
+
+
+def test_param_groups_override_hyperparameters_as_torchs_do():
+    def groups(m):
+        return [{"params": [m.conv.weight, m.conv.bias], "lr": 0.05}, {"params": [m.fc.weight, m.fc.bias, m.scale]}]
+
+    with default_dtype(DTYPE):
+        expected, _ = train(lambda m: torch.optim.SGD(groups(m), lr=0.1, momentum=0.9))
+        actual, opt = train(lambda m: fb.Optimizer(groups(m), fb.sgd, lr=0.1, momentum=0.9))
+    assert_models_close(expected, actual)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.05 * 0.5**2, 0.1 * 0.5**2])
+
+
+def test_a_transform_runs_as_the_functional_loop_bit_for_bit():
+    """fb.Optimizer(params, chain) steps exactly as tx.update + apply_updates by hand."""
+    make_tx = lambda: fb.chain(fb.clip_by_global_norm(0.5), fb.adamw(1e-2))  # noqa: E731
+    model, _ = train(lambda m: fb.Optimizer(m.parameters(), make_tx()), scheduler=False)
+    reference = make_model("shapes", DTYPE)
+    names = [name for name, _ in reference.named_parameters()]
+    params = dict(enumerate(fb.params_of(reference).values()))  # keyed by position, as the optimizer's
+    tx = make_tx()
+    state = tx.init(params)
+    for x, y in batches(STEPS, DTYPE):
+
+        def loss_of(ps, x=x, y=y):
+            return loss_fn(torch.func.functional_call(reference, dict(zip(names, ps.values())), (x,)), y)
+
+        updates, state = tx.update(torch.func.grad(loss_of)(params), state, params)
+        params = fb.apply_updates(params, updates)
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(p.detach(), params[i]), names[i]
+
+
+def test_grad_scaler_steps_as_with_the_torch_class():
+    """torch.amp.GradScaler on the CPU: unscale_, the skipped step on an inf, the scale update."""
+
+    def run(make_optimizer):
+        torch.manual_seed(0)
+        model = make_model("shapes", torch.float32)
+        opt = make_optimizer(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        for i, (x, y) in enumerate(batches(STEPS, torch.float32)):
+            opt.zero_grad()
+            loss = loss_fn(model(x), y) * (float("inf") if i == 3 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        return model, scaler.get_scale()
+
+    expected, expected_scale = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    actual, scale = run(lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2))
+    assert scale == expected_scale
+    assert_models_close(expected, actual, rtol=1e-6, atol=1e-7)
+
+
+def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit():
+    make = lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    whole, _ = train(make, steps=STEPS, scheduler=False)
+    first, opt = train(make, steps=STEPS // 2, scheduler=False)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = make_model("shapes", DTYPE, seed=3)  # other weights: all come from the checkpoint
+    resumed.load_state_dict(saved["model"])
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved["opt"])
+    train(make, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_state_dict_is_in_torchs_format():
+    _, opt = train(lambda m: fb.Optimizer(m.parameters(), fb.adam, lr=1e-2), steps=2, scheduler=False)
+    sd = opt.state_dict()
+    n = len(opt.param_groups[0]["params"])
+    assert sorted(sd["state"]) == list(range(n)) and sd["param_groups"][0]["params"] == list(range(n))
+    assert {"mu", "nu", "count"} <= {key.split("/")[-1] for key in sd["state"][0]}
+    assert sd["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+def test_closure_and_a_group_without_gradients():
+    model = make_model("shapes", DTYPE)
+    frozen = torch.nn.Linear(2, 2).double()
+    opt = fb.Optimizer([{"params": model.parameters()}, {"params": frozen.parameters()}], fb.sgd, lr=0.1)
+    before = [p.clone() for p in frozen.parameters()]
+    x, y = batches(1, DTYPE)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss is not None and loss.requires_grad
+    assert all(torch.equal(p, b) for p, b in zip(frozen.parameters(), before))
+
+
+def test_bad_input_is_named():
+    params = list(make_model("shapes", DTYPE).parameters())
+    with pytest.raises(TypeError, match="factory instead"):
+        fb.Optimizer(params, fb.adamw(1e-3), lr=1e-3)
+    with pytest.raises(TypeError, match="takes no \\['learning_rate'\\]"):
+        fb.Optimizer(params, fb.adamw, learning_rate=1e-3)
+    with pytest.raises(ValueError, match="built from a transform"):
+        fb.Optimizer([{"params": params, "tx": fb.sgd(0.1)}], fb.sgd, lr=0.1)
+    with pytest.raises(TypeError, match="GradientTransformation or a factory"):
+        fb.Optimizer(params, 0.1)
+    torch_opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = fb.Optimizer(params, fb.adamw, lr=1e-3)
+    with pytest.raises(ValueError, match="not saved by fb.Optimizer"):
+        opt.load_state_dict(torch_opt.state_dict())
+    other = fb.Optimizer(params[:2], fb.adamw, lr=1e-3)
+    with pytest.raises(ValueError, match="groups of"):
+        opt.load_state_dict(other.state_dict())
+    sgd = fb.Optimizer(params, fb.sgd, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="another chain"):
+        opt.load_state_dict(sgd.state_dict())
+
+
+def test_compiled_step_follows_the_scheduler_without_recompiling():
+    """torch.compile(opt.step): the lr a scheduler writes reaches the graph as data (no number
+    baked in, no new graph after the first step), and the run is the eager one."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    runs = []
+    for compiled in (False, True):
+        model = make_model("shapes", DTYPE)
+        opt = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        step = torch.compile(opt.step, backend=counter) if compiled else opt.step
+        for i, (x, y) in enumerate(batches(STEPS, DTYPE)):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            step()
+            sched.step()
+            if compiled and i == 0:
+                graphs_after_first_step = counter.frame_count
+        runs.append(model)
+    assert graphs_after_first_step > 0 and counter.frame_count == graphs_after_first_step
+    for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
+        assert torch.equal(p, q), name
