@@ -83,6 +83,8 @@ class Optimizer(torch.optim.Optimizer):
         else:
             raise TypeError(f"{NAME}: tx must be a GradientTransformation or a factory of one, got {type(tx).__name__}")
         self._tx = tx
+        # eager even inside a compiled step (made here: torch.compiler imports dynamo, too heavy for import time)
+        self._write_hyperparameters = torch.compiler.disable(_write_hyperparameters)
         self._txs: list[GradientTransformation] = []  # one per param group
         self._states: list[OptState] = []
         super().__init__(params, hyperparameters)
@@ -132,7 +134,7 @@ class Optimizer(torch.optim.Optimizer):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
             state = self._states[i]
             if isinstance(state, InjectHyperparamsState):
-                _write_hyperparameters(state, group)
+                self._write_hyperparameters(state, group)
             updates, self._states[i] = self._txs[i].update(grads, state, params)
             _copy_into(params, apply_updates(params, updates))
         return loss
@@ -223,7 +225,6 @@ def _detached(group: dict[str, Any]) -> dict[int, torch.Tensor]:
     return {k: p.detach() for k, p in enumerate(group["params"])}
 
 
-@torch.compiler.disable
 def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any]) -> None:
     """The group's numbers (what a scheduler wrote) into the state's hyperparameter tensors; run
     eagerly inside a compiled ``step``, so that the graph reads the tensors, never the numbers
