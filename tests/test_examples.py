@@ -149,3 +149,20 @@ def test_post_local_sgd_example_says_how_far_apart_the_ranks_are():
     result = run_distributed_example("--steps", "40", "--post-local-sgd", script="zero_postlocal.py")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     assert "right after each of the 5 averages the ranks agreed to within" in result.stdout, result.stdout
+
+
+def test_lightning_example_trains_with_fb_optimizer(capsys):
+    pytest.importorskip("lightning", reason="Lightning is an optional test dependency: .[integrations]")
+    losses = load_example("lightning_train").main(steps=30)
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.3 * sum(losses[:5]) / 5
+    assert "functional_bagua.optimizer.Optimizer" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_hugging_face_example_learns_the_task():
+    pytest.importorskip(
+        "transformers", reason="Hugging Face transformers is an optional test dependency: .[integrations]"
+    )
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate: .[integrations]")
+    before, after = load_example("hf_trainer").main(steps=40)
+    assert before < 0.7 and after > 0.9
