@@ -355,3 +355,48 @@ def compiled_train_step_overlapped(rank, world_size):
             trace=trace, mm_while_reducing=code[launched:awaited].count("extern_kernels.mm(") if launched >= 0 else -1
         )
     return out
+
+
+# --- torch.distributed.checkpoint: a shard() state saved on some ranks, loaded on others -----------
+
+DCP_STEPS = 3
+
+
+def dcp_tx():
+    return fbd.shard(TXS["adamw"]())
+
+
+def dcp_train(params, state, tx, data, model):
+    for x, y in data:
+        updates, state = tx.update(grads_of(model, params, x, y), state, params)
+        params = fb.apply_updates(params, updates)
+    return params, state
+
+
+def dcp_save_sharded(rank, world_size):
+    """DCP_STEPS steps of shard(adamw), then params and state saved with DCP to $FB_DCP_DIR."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model("shapes", DTYPE, seed=0)
+    params, tx = fb.params_of(model), dcp_tx()
+    params, state = dcp_train(params, tx.init(params), tx, local_batches(rank, world_size)[:DCP_STEPS], model)
+    dcp.save(
+        {"params": params, "opt": fbd.distributed_state_dict(state, params)}, checkpoint_id=os.environ["FB_DCP_DIR"]
+    )
+    return {k: v.clone() for k, v in params.items()}
+
+
+def dcp_resume_sharded(rank, world_size):
+    """Params and shard(adamw) state loaded with DCP from $FB_DCP_DIR (saved on another number of
+    ranks), then the remaining steps: the final params."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model("shapes", DTYPE, seed=5)  # other values: everything comes from the checkpoint
+    params, tx = fb.params_of(model), dcp_tx()
+    params = {k: torch.zeros_like(v) for k, v in params.items()}
+    state = tx.init(params)
+    dcp.load(
+        {"params": params, "opt": fbd.distributed_state_dict(state, params)}, checkpoint_id=os.environ["FB_DCP_DIR"]
+    )
+    params, state = dcp_train(params, state, tx, local_batches(rank, world_size)[DCP_STEPS:], model)
+    return {k: v.clone() for k, v in params.items()}

@@ -69,3 +69,22 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
         resumed = torch.load(tmp_path / f"{i}.resumed.pt")
         for name, value in straight[i].items():
             assert torch.equal(resumed[name], value), f"{case_id}: {name} differs after resume"
+
+
+def test_state_dict_saves_and_loads_with_torch_distributed_checkpoint(tmp_path):
+    """fb.state_dict's tensors are the state's own, so DCP (one process, no process group) loads
+    into a fresh state in place: the same tensors as the saved state's."""
+    import torch.distributed.checkpoint as dcp
+
+    params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    tx = fb.chain(fb.clip_by_global_norm(1.0), fb.adamw(1e-2))
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update({k: torch.randn_like(v) for k, v in params.items()}, state, params)
+    dcp.save(fb.state_dict(state), checkpoint_id=str(tmp_path))
+    fresh = tx.init(params)
+    dcp.load(fb.state_dict(fresh), checkpoint_id=str(tmp_path))
+    saved, loaded = fb.state_dict(state), fb.state_dict(fresh)
+    assert saved.keys() == loaded.keys()
+    for key in saved:
+        assert torch.equal(saved[key], loaded[key]), key

@@ -473,3 +473,21 @@ def test_train_step_with_torchs_kernel_after_the_reduction_equals_the_update_rul
             assert_trees_close(kernel, rule, rtol=1e-12, atol=1e-14)
         assert got["plain/overlap"]["kernel_steps"] == got["plain/after"]["kernel_steps"] == sc.STEPS
         assert got["rule/overlap"]["kernel_steps"] == got["rule/after"]["kernel_steps"] == 0
+
+
+# --- torch.distributed.checkpoint ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_on, resumed_on", [(4, 2), (2, 4)])
+def test_sharded_state_saved_with_dcp_resumes_on_another_number_of_ranks(saved_on, resumed_on, tmp_path, monkeypatch):
+    """shard(adamw) for some steps on ``saved_on`` ranks, saved with DCP, loaded on ``resumed_on``
+    ranks (the moments resharded) and trained on: the run of one process on the global batch."""
+    monkeypatch.setenv("FB_DCP_DIR", str(tmp_path))
+    expected, _ = sc.train(sc.TXS["adamw"](), sc.global_batches())
+    saved = run_ranks(saved_on, ["dcp_save_sharded"])
+    for result in saved:
+        ok(result["dcp_save_sharded"])
+    resumed = run_ranks(resumed_on, ["dcp_resume_sharded"])
+    for result in resumed:
+        assert_trees_close(ok(result["dcp_resume_sharded"]), expected)

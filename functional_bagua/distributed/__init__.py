@@ -22,6 +22,7 @@ from functional_bagua.distributed.averaging import (
     periodic_average,
 )
 from functional_bagua.distributed.buckets import assign_buckets
+from functional_bagua.distributed.checkpoint import distributed_state_dict
 from functional_bagua.distributed.compression import COMPRESSIONS, dequantize, quantize
 from functional_bagua.distributed.process_group import broadcast_params
 from functional_bagua.distributed.reducer import GradientReducer
@@ -41,4 +42,5 @@ __all__ = [
     "dequantize",
     "broadcast_params",
     "GradientReducer",
+    "distributed_state_dict",
 ]
