@@ -400,3 +400,26 @@ def dcp_resume_sharded(rank, world_size):
     )
     params, state = dcp_train(params, state, tx, local_batches(rank, world_size)[DCP_STEPS:], model)
     return {k: v.clone() for k, v in params.items()}
+
+
+def optimizer_under_ddp(rank, world_size):
+    """torch DDP with fb.Optimizer(fb.adamw) and with torch.optim.AdamW, the same steps and a
+    scheduler: the parameters of each at the end."""
+    from models import default_dtype
+
+    out = {}
+    for name in ("fb", "torch"):
+        with default_dtype(DTYPE):
+            model = torch.nn.parallel.DistributedDataParallel(make_model("shapes", DTYPE, seed=0))
+            if name == "fb":
+                opt = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2, weight_decay=0.1)
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            for x, y in local_batches(rank, world_size):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                sched.step()
+        out[name] = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    return out

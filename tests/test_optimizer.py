@@ -198,3 +198,16 @@ def test_compiled_step_follows_the_scheduler_without_recompiling():
     assert graphs_after_first_step > 0 and counter.frame_count == graphs_after_first_step
     for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.slow
+def test_under_torch_ddp_it_steps_as_the_torch_class():
+    """2 gloo ranks, torch's DDP averaging the gradients: fb.Optimizer(fb.adamw) with a scheduler
+    gives torch.optim.AdamW's parameters on every rank."""
+    from dist_harness import ScenarioError, run_ranks
+
+    for result in run_ranks(2, ["optimizer_under_ddp"]):
+        got = result["optimizer_under_ddp"]
+        assert not isinstance(got, ScenarioError), f"scenario raised {got}"
+        for name, expected in got["torch"].items():
+            torch.testing.assert_close(got["fb"][name], expected, **TOL, msg=lambda m: f"{name}: {m}")
