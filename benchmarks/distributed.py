@@ -128,35 +128,17 @@ def fb_chain(tx_of):
     return build
 
 
-def fb_train_step(overlap: bool, communicate: bool = True, donate: bool = False):
-    """make_train_step(compile=False) with chain(allreduce_gradients, adamw): the all-reduce during
-    backward (``overlap``) or after it; without ``communicate``, adamw alone (the step's own cost);
-    ``donate``: torch's kernel in place on the step's own parameters and state."""
+def fb_train_step(overlap: bool, compile: bool = False, communicate: bool = True, donate: bool = False):
+    """make_train_step on the parameter tree with chain(allreduce_gradients, adamw): the all-reduce
+    during backward (``overlap``: gradient hooks eager, inductor's reordering compiled) or after it;
+    without ``communicate``, adamw alone (the step's own cost); ``donate``: torch's kernel in place
+    on the step's own parameters and state (eager)."""
 
     def build(args, data):
         model = make_model(args.hidden, args.layers)
         params = fb.params_of(model)
         tx = fb.chain(fbd.allreduce_gradients(args.bucket_cap_mb), fb.adamw(LR)) if communicate else fb.adamw(LR)
-        train_step = fb.make_train_step(model, loss_fn, tx, compile=False, overlap=overlap, donate=donate)
-        holder = {"params": params, "state": tx.init(params)}
-
-        def step(batch):
-            holder["params"], holder["state"], _ = train_step(holder["params"], holder["state"], batch)
-
-        return step, lambda: state_bytes(holder["state"])
-
-    return build
-
-
-def fb_compiled_tree(overlap: bool):
-    """make_train_step(compile=True) on the parameter tree with chain(allreduce_gradients, adamw):
-    with ``overlap`` inductor launches each bucket's all-reduce as soon as its gradients exist."""
-
-    def build(args, data):
-        model = make_model(args.hidden, args.layers)
-        params = fb.params_of(model)
-        tx = fb.chain(fbd.allreduce_gradients(args.bucket_cap_mb), fb.adamw(LR))
-        train_step = fb.make_train_step(model, loss_fn, tx, compile=True, overlap=overlap)
+        train_step = fb.make_train_step(model, loss_fn, tx, compile=compile, overlap=overlap, donate=donate)
         holder = {"params": params, "state": tx.init(params)}
 
         def step(batch):
@@ -329,8 +311,8 @@ VARIANTS = {
     "fb shard(adamw)": fb_chain(lambda a: fbd.shard(fb.adamw(LR))),
     "fb adamw + periodic_average(4)": fb_chain(lambda a: fb.chain(fb.adamw(LR), fbd.periodic_average(4))),
     "fb compiled flat step (allreduce + adamw)": fb_compiled_flat,
-    "fb compiled tree step, allreduce after backward + adamw": fb_compiled_tree(overlap=False),
-    "fb compiled tree step, allreduce during backward + adamw": fb_compiled_tree(overlap=True),
+    "fb compiled tree step, allreduce after backward + adamw": fb_train_step(overlap=False, compile=True),
+    "fb compiled tree step, allreduce during backward + adamw": fb_train_step(overlap=True, compile=True),
     "fb train step eager, allreduce after backward + adamw": fb_train_step(overlap=False),
     "fb train step eager, allreduce during backward + adamw": fb_train_step(overlap=True),
     "fb train step eager donated, allreduce during backward + adamw": fb_train_step(overlap=True, donate=True),

@@ -28,7 +28,7 @@ the template's, and a checkpoint whose values differ is refused.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import optree
 import torch
@@ -40,8 +40,9 @@ def _escaped(entry: object) -> str:
     return str(entry).replace("%", "%25").replace("/", "%2F")
 
 
-def _key(accessor: optree.PyTreeAccessor) -> str:
-    return "/".join(_escaped(getattr(entry, "field", None) or entry.entry) for entry in accessor)
+def _key(accessor: optree.PyTreeAccessor, skip: Callable[[Any], bool] = lambda entry: False) -> str:
+    """The leaf's key: the entries of its path joined by ``/`` (those ``skip`` picks left out)."""
+    return "/".join(_escaped(getattr(entry, "field", None) or entry.entry) for entry in accessor if not skip(entry))
 
 
 def _keyed_leaves(state: Any) -> tuple[list[str], list[optree.PyTreeAccessor], list, optree.PyTreeSpec]:

@@ -11,7 +11,7 @@ at most that size (``"float32@cpu"``, ``"float32@cpu/1"``, ...; a tensor larger 
 a buffer of its own). A pure update writes new buffers every step; glibc's malloc maps blocks of
 32 MiB and more afresh each time, so they fault in page by page, while smaller ones can be reused
 when the process keeps its freed memory (``MALLOC_MMAP_THRESHOLD_=33554432`` and
-``MALLOC_TRIM_THRESHOLD_=-1`` in the environment, or jemalloc/tcmalloc): benchmarks/RESULTS.md.
+``MALLOC_TRIM_THRESHOLD_=2147483647`` in the environment, or jemalloc/tcmalloc): benchmarks/RESULTS.md.
 
 Flat buffers are a pytree too (a dict by group key), so any transform runs over them: elementwise
 math becomes one kernel per group whatever the number of tensors (see :mod:`functional_bagua.fusion`).
@@ -104,7 +104,6 @@ class FlatLayout:
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"FlatLayout: the buffer cap must be positive, got {max_bytes} bytes")
         self.spec = spec
-        self.max_bytes = max_bytes
         self._dict_keys = dict_keys  # the keys, in leaf order, when the tree is a flat dict
         segments: dict[str, list] = {}
         kinds: dict[str, tuple] = {}
@@ -113,18 +112,14 @@ class FlatLayout:
         for name, (shape, dtype, device) in zip(names, metas):
             part = parts.setdefault((dtype, device), 0)
             members = segments.get(group_key(dtype, device, part), [])
-            size = math.prod(shape) * dtype.itemsize
-            if (
-                members
-                and max_bytes is not None
-                and (members[-1].offset + members[-1].numel) * dtype.itemsize + size > max_bytes
-            ):
+            filled = members[-1].offset + members[-1].numel if members else 0  # elements
+            if members and max_bytes is not None and (filled + math.prod(shape)) * dtype.itemsize > max_bytes:
                 part = parts[(dtype, device)] = part + 1
+                filled = 0
             key = group_key(dtype, device, part)
             kinds.setdefault(key, (dtype, device))
             members = segments.setdefault(key, [])
-            offset = members[-1].offset + members[-1].numel if members else 0
-            members.append(Segment(name, offset, tuple(shape)))
+            members.append(Segment(name, filled, tuple(shape)))
             self._slots.append((key, len(members) - 1))
         self.groups = {
             key: FlatGroup(key, kinds[key][0], kinds[key][1], tuple(segs), sum(s.numel for s in segs))

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Union
 import optree
 import torch
 
-from functional_bagua import tree
+from functional_bagua import checkpoint, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.fusion import _copy_into
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
@@ -148,12 +148,11 @@ class Optimizer(torch.optim.Optimizer):
         start = 0
         for group, state in zip(self.param_groups, self._states):
             shared: dict[str, Any] = {}
-            for path, leaf in _paths_and_leaves(state):
-                position = _parameter_position(path)
+            for _, position, name, leaf in _named_leaves(state):
                 if position is None:
-                    shared[_name(path)] = leaf
+                    shared[name] = leaf
                 else:
-                    per_param.setdefault(start + position, {})[_name(path)] = leaf
+                    per_param.setdefault(start + position, {})[name] = leaf
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(group["params"])))
             packed["shared_state"] = shared
@@ -162,7 +161,7 @@ class Optimizer(torch.optim.Optimizer):
         return {"state": per_param, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (values copied into this optimizer's tensors).
+        """Restore what :meth:`state_dict` saved (copies of its tensors, on this state's devices).
 
         Args:
             state_dict: a state dict of an :class:`Optimizer` over the same groups and chains;
@@ -183,20 +182,15 @@ class Optimizer(torch.optim.Optimizer):
             )
         per_param = state_dict["state"]
         for i, (saved, group) in enumerate(zip(groups, self.param_groups)):
-            paths_leaves = _paths_and_leaves(self._states[i])
-            values = []
-            for path, leaf in paths_leaves:
-                position = _parameter_position(path)
-                if position is None:
-                    source, name = saved["shared_state"], _name(path)
-                else:
-                    source, name = per_param.get(saved["params"][position], {}), _name(path)
+            flat = {}  # this state's keys (fb.state_dict's), the saved tensors
+            for key, position, name, _ in _named_leaves(self._states[i]):
+                source = saved["shared_state"] if position is None else per_param.get(saved["params"][position], {})
                 if name not in source:
                     raise ValueError(
                         f"{NAME}: the state dict has no {name!r} for group {i}; it was saved from another chain"
                     )
-                values.append(_like(source[name], leaf, name))
-            self._states[i] = optree.tree_unflatten(_spec(self._states[i]), values)
+                flat[key] = source[name]
+            self._states[i] = checkpoint.load_state_dict(self._states[i], flat)
             group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state")})
 
 
@@ -237,37 +231,23 @@ def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any])
             tensor.fill_(number)
 
 
-def _paths_and_leaves(state: OptState) -> list[tuple[Any, Any]]:
-    """Each leaf of ``state`` with its path (an optree accessor: the entries leading to it)."""
-    accessors, leaves, _ = optree.tree_flatten_with_accessor(state, none_is_leaf=True)
-    return list(zip(accessors, leaves))
-
-
-def _spec(state: OptState) -> optree.PyTreeSpec:
-    return optree.tree_structure(state, none_is_leaf=True)
-
-
 def _is_parameter_key(entry: Any) -> bool:
     """A dict entry keyed by an int: the state trees are keyed by each parameter's position."""
     return isinstance(entry, optree.MappingEntry) and isinstance(entry.entry, int)
 
 
-def _parameter_position(path: Any) -> Optional[int]:
-    """The position of the parameter a state leaf belongs to, or ``None`` for shared state."""
-    return next((entry.entry for entry in path if _is_parameter_key(entry)), None)
-
-
-def _name(path: Any) -> str:
-    """The leaf's name in the state dict: its path without the parameter's key (``"1/mu"``)."""
-    parts = [entry.field if isinstance(entry, optree.NamedTupleEntry) else entry.entry for entry in path]
-    return "/".join(str(part) for entry, part in zip(path, parts) if not _is_parameter_key(entry))
-
-
-def _like(saved: Any, current: Any, name: str) -> Any:
-    """The saved value as the current leaf's kind: tensors copied to its dtype and device."""
-    if isinstance(current, torch.Tensor):
-        if not isinstance(saved, torch.Tensor) or saved.shape != current.shape:
-            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-            raise ValueError(f"{NAME}: state {name!r} should be shaped {tuple(current.shape)}, got {got}")
-        return saved.to(dtype=current.dtype, device=current.device, copy=True)
-    return saved
+def _named_leaves(state: OptState) -> list[tuple[str, Optional[int], str, torch.Tensor]]:
+    """Per tensor of ``state``: its key (:func:`~functional_bagua.state_dict`'s), the position of
+    the parameter it belongs to (``None`` for shared state), and its name without that position
+    (``"inner_state/1/mu"``)."""
+    keys, accessors, leaves, _ = checkpoint._keyed_leaves(state)
+    return [
+        (
+            key,
+            next((entry.entry for entry in accessor if _is_parameter_key(entry)), None),
+            checkpoint._key(accessor, skip=_is_parameter_key),
+            leaf,
+        )
+        for key, accessor, leaf in zip(keys, accessors, leaves)
+        if leaf is not None
+    ]

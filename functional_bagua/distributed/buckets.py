@@ -54,16 +54,16 @@ def assign_buckets(leaves: list, cap_bytes: int, first_cap_bytes: Optional[int] 
         raise ValueError(f"bucket caps must be positive, got {first_cap_bytes} and {cap_bytes} bytes")
     closed: list = []
     open_buckets: dict = {}  # (dtype, device) -> [indices, bytes]
-    closed_per_key: dict = {}  # (dtype, device) -> how many of its buckets have closed
+    first_closed: set = set()  # the (dtype, device) keys whose first bucket has closed
     for i in reversed(range(len(leaves))):
         leaf = leaves[i]
         key = (leaf.dtype, leaf.device)
         indices_and_size = open_buckets.setdefault(key, [[], 0])
         indices_and_size[0].append(i)
         indices_and_size[1] += leaf.numel() * leaf.element_size()
-        if indices_and_size[1] >= (cap_bytes if closed_per_key.get(key) else first_cap_bytes):
+        if indices_and_size[1] >= (cap_bytes if key in first_closed else first_cap_bytes):
             closed.append(indices_and_size[0])
-            closed_per_key[key] = closed_per_key.get(key, 0) + 1
+            first_closed.add(key)
             del open_buckets[key]
     return closed + [indices for indices, _ in open_buckets.values()]
 
