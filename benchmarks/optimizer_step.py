@@ -1,5 +1,6 @@
 """One optimizer step: torch.optim (for-loop, foreach, fused, torch.compile) vs functional_bagua
-(tree eager, flat fused eager, flat fused in-place with the fastest kernel, flat fused compiled).
+(fb.Optimizer with torch's kernel and with the pure update, tree eager, flat fused eager, flat
+fused in-place with the fastest kernel, flat fused compiled).
 
     python benchmarks/optimizer_step.py                       # CPU, all configs, chart to benchmarks/
     python benchmarks/optimizer_step.py --device cuda --configs a,b,c
@@ -87,6 +88,26 @@ def torch_variants(name, params, grads, device, with_compile):
     return out
 
 
+FB_OPTIMIZER = {  # fb.Optimizer's factory and hyperparameters, those of TORCH
+    "adamw": (fb.adamw, dict(lr=1e-3, weight_decay=0.01)),
+    "adam": (fb.adam, dict(lr=1e-3)),
+    "sgd": (fb.sgd, dict(lr=1e-2, momentum=0.9)),
+}
+
+
+def fb_optimizer_variants(name, params, grads):
+    """(variant, step function, None) for fb.Optimizer.step on parameters with a .grad: torch's
+    fused kernel (its default for these aliases) and the pure update (fused=False)."""
+    factory, hyper = FB_OPTIMIZER[name]
+    out = []
+    for variant, fused in (("fb.Optimizer kernel", None), ("fb.Optimizer pure", False)):
+        tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
+        for t, g in zip(tensors, grads.values()):
+            t.grad = g.clone()
+        out.append((variant, fb.Optimizer(tensors, factory, fused=fused, **hyper).step, None))
+    return out
+
+
 def fb_variants(name, params, grads, device):
     """(variant, step function, compile seconds or None) for functional_bagua."""
     tx = FB[name]()
@@ -121,7 +142,10 @@ def fb_variants(name, params, grads, device):
     return out
 
 
-def bench_config(key, names, device, steps, copy_gbs, torch_compile_for):
+FAMILIES = ("torch", "fb.Optimizer", "fb")  # torch.optim, fb.Optimizer, the functional updates
+
+
+def bench_config(key, names, device, steps, copy_gbs, torch_compile_for, families=FAMILIES):
     label, shapes_fn = CONFIGS[key]
     shapes = shapes_fn()
     params, grads = make_params(shapes, device)
@@ -129,9 +153,12 @@ def bench_config(key, names, device, steps, copy_gbs, torch_compile_for):
     rows = []
     for name in names:
         variants = []
-        if name in TORCH:
+        if name in TORCH and "torch" in families:
             variants += torch_variants(name, params, grads, device, f"{name}:{key}" in torch_compile_for)
-        variants += fb_variants(name, params, grads, device)
+        if name in TORCH and "fb.Optimizer" in families:
+            variants += fb_optimizer_variants(name, params, grads)
+        if "fb" in families:
+            variants += fb_variants(name, params, grads, device)
         for variant, step, compile_s in variants:
             with PeakMemory(device) as mem:
                 ms = median_ms(step, device, steps)
@@ -199,6 +226,9 @@ def main(argv=None):
     )
     parser.add_argument("--chart", default=os.path.join(os.path.dirname(__file__), "optimizer_step.png"))
     parser.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling run")
+    parser.add_argument(
+        "--families", default=",".join(FAMILIES), help=f"which kinds of variants to time, of {', '.join(FAMILIES)}"
+    )
     args = parser.parse_args(argv)
     disable_compile_caches()
     copy_gbs = copy_bandwidth_gbs(args.device)
@@ -207,7 +237,13 @@ def main(argv=None):
     columns = ["optimizer", "variant", "ms", "vs_torch_fused", "compile_s", "peak_mib", "gbs", "bw_share"]
     for key in args.configs.split(","):
         label, count, numel, rows = bench_config(
-            key, args.optimizers.split(","), args.device, args.steps, copy_gbs, set(args.torch_compile.split(","))
+            key,
+            args.optimizers.split(","),
+            args.device,
+            args.steps,
+            copy_gbs,
+            set(args.torch_compile.split(",")),
+            args.families.split(","),
         )
         print(f"## {label}: {count} tensors, {numel / 1e6:.2f}M elements\n\n{table(rows, columns)}\n", flush=True)
         for r in rows:

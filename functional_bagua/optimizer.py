@@ -2,7 +2,7 @@
 
 Most training hands an optimizer object to a loop someone else wrote (torch's lr schedulers,
 ``GradScaler``, DDP, trainers). :class:`Optimizer` gives any chain that reach; inside, each step is
-the pure update of the chain::
+the pure update of the chain (or torch's fused kernel where one computes it, below)::
 
     grads = {i: p.grad for i, p in enumerate(group["params"])}     # None where there is no .grad
     updates, state = tx.update(grads, state, params)
@@ -21,8 +21,25 @@ Groups may override hyperparameters, as torch's do. Built from a transform
 (``fb.Optimizer(params, fb.chain(...))``), every group runs that transform, or the one its
 ``"tx"`` entry names; its hyperparameters are fixed, and the groups hold no ``"lr"``.
 
+Built from a :func:`~functional_bagua.partition`, it has one param group per label (``group["label"]``),
+each running that label's transform; the labels' function receives ``{name: tensor}`` when the
+parameters come with names (``model.named_parameters()``), else the list of tensors. Groups may
+also each bring their own transform and no default be given: ``fb.Optimizer([{"params": ...,
+"tx": fb.adam(1e-3)}, ...])``.
+
+Where torch has a fused kernel for a group's transform (``fb.adamw``, ``fb.adam``, ``fb.sgd``
+with Python-number hyperparameters: :mod:`functional_bagua.kernels`), ``step`` runs it in place
+(the numbers of ``torch.optim.AdamW(fused=True)``, bit for bit), unless ``fused=False``; the
+kernel runs eagerly also inside ``torch.compile(opt.step)``, where the pure updates of the other
+groups are compiled.
+
+``optimizer.state[p]`` is, as in torch.optim, a dict of the parameter's tensors in the chain's
+state (``fb.adamw``'s first moment is ``"inner_state/1/mu"`` in a factory's optimizer, whose
+chain sits in an injected-hyperparameters state); assigning an entry (``opt.state[p][name] =
+t.to(device)``, what trainers do to move the state) replaces that tensor in the chain's state.
+
 ``state_dict()`` is in torch's format: ``{"state": {index: {name: tensor}}, "param_groups": [...]}``,
-each parameter's entries named by their path in the chain's state (``"0/mu"``); state that belongs
+each parameter's entries named by their path in the chain's state, as in ``optimizer.state``; state that belongs
 to no single parameter (step counters of schedules, injected hyperparameters) is kept in its
 group under ``"shared_state"``. ``load_state_dict`` restores it exactly, so a resumed run is the
 uninterrupted one bit for bit.
@@ -31,16 +48,17 @@ uninterrupted one bit for bit.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any, Callable, Optional, Union
 
 import optree
 import torch
 
-from functional_bagua import checkpoint, tree
+from functional_bagua import checkpoint, kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.fusion import _copy_into
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
+from functional_bagua.transforms.wrappers import Partitioned, partitioned
 
 NAME = "fb.Optimizer"
 Factory = Callable[..., GradientTransformation]
@@ -50,10 +68,14 @@ class Optimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` over a GradientTransformation (module docstring).
 
     Args:
-        params: the parameters, or param groups (dicts with ``"params"`` and hyperparameters to
-            override, or a ``"tx"`` of their own when ``tx`` is a transform), as torch.optim takes them.
+        params: the parameters (or ``named_parameters()``), or param groups (dicts with
+            ``"params"`` and hyperparameters to override, or a ``"tx"`` of their own when ``tx`` is
+            a transform or ``None``), as torch.optim takes them.
         tx: a factory of transforms (``fb.adamw``, ``fb.sgd``, any function of hyperparameters
-            returning one), or a GradientTransformation.
+            returning one), a GradientTransformation (a :func:`~functional_bagua.partition` gives a
+            group per label), or ``None`` when every group brings its ``"tx"``.
+        fused: ``None`` runs torch's fused kernel in place where one computes a group's transform,
+            ``False`` never (the pure update), ``True`` always (a ValueError for a group without).
         **hyperparameters: the factory's arguments (``lr=1e-3, weight_decay=0.01``); none with a
             transform.
 
@@ -69,47 +91,84 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        tx: Union[Factory, GradientTransformation],
+        tx: Union[Factory, GradientTransformation, None] = None,
+        *,
+        fused: Optional[bool] = None,
         **hyperparameters: Any,
     ) -> None:
-        if isinstance(tx, GradientTransformation):
+        if tx is None or isinstance(tx, GradientTransformation):
             if hyperparameters:
                 raise TypeError(
-                    f"{NAME}: hyperparameters {sorted(hyperparameters)} given with a built transform; pass the "
-                    "factory instead (fb.Optimizer(params, fb.adamw, lr=1e-3)) or build them into the transform"
+                    f"{NAME}: hyperparameters {sorted(hyperparameters)} given without a factory; pass the "
+                    "factory (fb.Optimizer(params, fb.adamw, lr=1e-3)) or build them into the transform"
                 )
         elif callable(tx):
             hyperparameters = {**_defaults_of(tx, hyperparameters), **hyperparameters}
         else:
             raise TypeError(f"{NAME}: tx must be a GradientTransformation or a factory of one, got {type(tx).__name__}")
         self._tx = tx
-        # eager even inside a compiled step (made here: torch.compiler imports dynamo, too heavy for import time)
+        self.fused = fused
+        # eager even inside a compiled step, so that no graph reads the group's numbers (made here:
+        # torch.compiler imports dynamo, too heavy for import time)
         self._write_hyperparameters = torch.compiler.disable(_write_hyperparameters)
+        self._run_kernel = torch.compiler.disable(_run_kernel)
         self._txs: list[GradientTransformation] = []  # one per param group
         self._states: list[OptState] = []
         super().__init__(params, hyperparameters)
+        self.state = ParameterStates(self)  # type: ignore[assignment]
+
+    @property
+    def _from_factory(self) -> bool:
+        return self._tx is not None and not isinstance(self._tx, GradientTransformation)
 
     # ---- groups ---------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, as torch.optim does; its transform is built (and its state initialized) here.
+        """Add a group, as torch.optim does; its transform is built (and its state initialized)
+        here. A group run by a :func:`~functional_bagua.partition` becomes one group per label.
 
         Args:
-            param_group: ``{"params": ..., **hyperparameters}`` (or ``"tx"`` with a transform).
+            param_group: ``{"params": ..., **hyperparameters}`` (or ``"tx"``: the group's transform).
         """
+        param_group = dict(param_group)
         group_tx = param_group.pop("tx", None)
-        if group_tx is not None and not isinstance(self._tx, GradientTransformation):
+        index = len(self.param_groups)
+        if group_tx is not None and self._from_factory:
             raise ValueError(f"{NAME}: a param group's 'tx' needs the optimizer built from a transform, not a factory")
+        if group_tx is not None and not isinstance(group_tx, GradientTransformation):
+            raise TypeError(
+                f"{NAME}: param group {index}'s 'tx' must be a GradientTransformation, got {type(group_tx).__name__}"
+            )
+        tx = group_tx if group_tx is not None else self._tx
+        if tx is None:
+            raise ValueError(
+                f"{NAME}: param group {index} has no 'tx' and the optimizer no transform to run; give every group "
+                "its own ({'params': ..., 'tx': fb.adamw(1e-3)}) or pass one for all: fb.Optimizer(params, tx)"
+            )
+        parts = partitioned(tx) if isinstance(tx, GradientTransformation) else None
+        if parts is None:
+            self._add_group(param_group, tx)
+            return
+        for label_group, label_tx in _split_by_label(param_group, parts):
+            self._add_group(label_group, label_tx)
+
+    def _add_group(self, param_group: dict[str, Any], tx: Union[Factory, GradientTransformation]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if isinstance(self._tx, GradientTransformation):
-            tx = group_tx if group_tx is not None else self._tx
-            if not isinstance(tx, GradientTransformation):
-                raise TypeError(f"{NAME}: param group 'tx' must be a GradientTransformation, got {type(tx).__name__}")
-        else:
-            tx = inject_hyperparams(self._tx)(**_hyperparameters_of(group))
+        if not isinstance(tx, GradientTransformation):
+            tx = inject_hyperparams(tx)(**self._factory_arguments(group))
         self._txs.append(tx)
         self._states.append(tx.init(_detached(group)))
+        if self.fused and self._kernel(len(self._txs) - 1) is None:
+            raise ValueError(
+                f"{NAME}: fused=True, but torch has no fused kernel for param group {len(self._txs) - 1}'s transform "
+                "(only fb.adamw, fb.adam and fb.sgd with number hyperparameters have one); pass fused=None"
+            )
+
+    def _factory_arguments(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The group's entries that the factory takes (torch's groups may hold others)."""
+        accepted = self.defaults.keys()
+        return {k: v for k, v in group.items() if k in accepted}
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -135,9 +194,27 @@ class Optimizer(torch.optim.Optimizer):
             state = self._states[i]
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
+            kernel = self._kernel(i)
+            if kernel is not None:
+                self._states[i] = self._run_kernel(kernel, grads, state, params)
+                continue
             updates, self._states[i] = self._txs[i].update(grads, state, params)
             _copy_into(params, apply_updates(params, updates))
         return loss
+
+    def _kernel(self, i: int) -> Optional[kernels.KernelSpec]:
+        """torch's fused kernel for group ``i`` with its numbers now, if one computes its transform
+        and ``fused`` allows it."""
+        if self.fused is False:
+            return None
+        if self._from_factory:
+            assert self._tx is not None and not isinstance(self._tx, GradientTransformation)
+            return kernels.spec_of(self._tx(**self._factory_arguments(self.param_groups[i])))
+        return kernels.spec_of(self._txs[i])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim keeps only defaults, state and param_groups; the chains and their states too
+        return dict(self.__dict__)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -194,6 +271,92 @@ class Optimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state")})
 
 
+class ParameterStates(MutableMapping):
+    """``optimizer.state`` as torch.optim has it: parameter -> :class:`ParameterState`, a dict of
+    its tensors in its group's chain state, named as in ``state_dict()``. Read from the chain's
+    state at each access; an assignment (of an entry, or of a parameter's whole dict) replaces the
+    tensors there. Parameters without entries of their own (a plain SGD) are not listed."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def _where(self, param: Any) -> tuple[int, int]:
+        for i, group in enumerate(self._optimizer.param_groups):
+            for position, p in enumerate(group["params"]):
+                if p is param:
+                    return i, position
+        raise KeyError(param)
+
+    def __getitem__(self, param: Any) -> ParameterState:
+        i, position = self._where(param)
+        entries = {name: leaf for _, at, name, leaf in _named_leaves(self._optimizer._states[i]) if at == position}
+        return self._view(i, position, entries)
+
+    def items(self) -> list[tuple[torch.Tensor, ParameterState]]:  # type: ignore[override]
+        """Every parameter's state, each group's state read once (``Mapping.items`` would read
+        it once per parameter)."""
+        out = []
+        for i, group in enumerate(self._optimizer.param_groups):
+            by_position: dict[int, dict[str, torch.Tensor]] = {}
+            for _, at, name, leaf in _named_leaves(self._optimizer._states[i]):
+                if at is not None:
+                    by_position.setdefault(at, {})[name] = leaf
+            out += [(group["params"][at], self._view(i, at, entries)) for at, entries in sorted(by_position.items())]
+        return out
+
+    def _view(self, i: int, position: int, entries: dict[str, torch.Tensor]) -> ParameterState:
+        return ParameterState(entries, lambda changed: self._replace(i, position, changed))
+
+    def __setitem__(self, param: Any, entries: Any) -> None:
+        i, position = self._where(param)
+        self._replace(i, position, dict(entries))
+
+    def __delitem__(self, param: Any) -> None:
+        raise TypeError(f"{NAME}: a parameter's state cannot be deleted: the chain's state has a fixed structure")
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for p, _ in self.items())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def _replace(self, i: int, position: int, changed: dict[str, Any]) -> None:
+        """Group ``i``'s state with the named tensors of the parameter at ``position`` replaced."""
+        keys, accessors, leaves, spec = checkpoint._keyed_leaves(self._optimizer._states[i])
+        index = {
+            checkpoint._key(accessor, skip=_is_parameter_key): j
+            for j, (accessor, leaf) in enumerate(zip(accessors, leaves))
+            if leaf is not None and _position(accessor) == position
+        }
+        for name, value in changed.items():
+            if name not in index:
+                raise KeyError(f"{NAME}: the parameter's state has no {name!r}; it has {sorted(index)}")
+            old = leaves[index[name]]
+            if not isinstance(value, torch.Tensor) or value.shape != old.shape:
+                raise ValueError(
+                    f"{NAME}: state entry {name!r} must stay a tensor of shape {tuple(old.shape)}, got "
+                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+                )
+            leaves[index[name]] = value
+        self._optimizer._states[i] = spec.unflatten(leaves)
+
+
+class ParameterState(dict):
+    """One parameter's tensors in its chain's state (``optimizer.state[p]``); assigning an entry
+    replaces that tensor in the chain's state as well."""
+
+    def __init__(self, entries: dict[str, torch.Tensor], replace: Callable[[dict[str, Any]], None]) -> None:
+        super().__init__(entries)
+        self._replace = replace
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._replace({name: value})
+        super().__setitem__(name, value)
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)  # a copy (deepcopy, pickle) is a plain dict, tied to no optimizer
+
+
 def _defaults_of(factory: Factory, given: dict[str, Any]) -> dict[str, Any]:
     """The factory's keyword defaults (so that each group shows every hyperparameter, as torch's
     groups do: ``betas`` for a scheduler that cycles momentum); a TypeError for a name it lacks."""
@@ -211,8 +374,32 @@ def _defaults_of(factory: Factory, given: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _hyperparameters_of(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+def _split_by_label(
+    param_group: dict[str, Any], parts: Partitioned
+) -> Iterator[tuple[dict[str, Any], GradientTransformation]]:
+    """One group per label of ``parts`` (those with parameters), with the label's transform; the
+    labels come from ``{name: tensor}`` for named parameters, else from the list of tensors."""
+    given = param_group["params"]
+    entries = [given] if isinstance(given, torch.Tensor) else list(given)
+    named = bool(entries) and all(isinstance(e, tuple) for e in entries)
+    tensors = [e[1] if named else e for e in entries]
+    params: Any = {e[0]: e[1] for e in entries} if named else tensors
+    labels = parts.leaf_labels(params)
+    leaves = tree.flatten(params)[0]
+    label_of = {id(leaf): label for leaf, label in zip(leaves, labels)}
+    for label, tx in parts.transforms.items():
+        chosen = [e for e, t in zip(entries, tensors) if label_of[id(t)] == label]
+        if chosen:
+            yield {**param_group, "params": chosen, "label": label}, tx
+
+
+def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params: dict) -> OptState:
+    """torch's fused kernel, in place, on the parameters with a gradient; the state after it (an
+    injected-hyperparameters wrapper counts the update)."""
+    stepped = {k: p for k, p in params.items() if grads[k] is not None}
+    inner = state.inner_state if isinstance(state, InjectHyperparamsState) else state
+    kernels.run(kernel, {k: grads[k] for k in stepped}, inner, stepped)
+    return state._replace(count=state.count + 1) if isinstance(state, InjectHyperparamsState) else state
 
 
 def _detached(group: dict[str, Any]) -> dict[int, torch.Tensor]:
@@ -244,10 +431,15 @@ def _named_leaves(state: OptState) -> list[tuple[str, Optional[int], str, torch.
     return [
         (
             key,
-            next((entry.entry for entry in accessor if _is_parameter_key(entry)), None),
+            _position(accessor),
             checkpoint._key(accessor, skip=_is_parameter_key),
             leaf,
         )
         for key, accessor, leaf in zip(keys, accessors, leaves)
         if leaf is not None
     ]
+
+
+def _position(accessor: optree.PyTreeAccessor) -> Optional[int]:
+    """The position of the parameter a state tensor belongs to; ``None`` for shared state."""
+    return next((entry.entry for entry in accessor if _is_parameter_key(entry)), None)

@@ -3,6 +3,7 @@ schedulers, param groups and GradScaler), the functional loop it wraps, and its 
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -21,6 +22,7 @@ CLASSES = {
     "sgd": (torch.optim.SGD, fb.sgd, dict(lr=0.1, momentum=0.9, nesterov=True)),
     "rmsprop": (torch.optim.RMSprop, fb.rmsprop, dict(lr=1e-2, momentum=0.5)),
 }
+WITH_KERNEL = ("adamw", "adam", "sgd")  # torch has a fused kernel for these
 
 
 def train(make_optimizer, steps=STEPS, scheduler=True, model=None, optimizer=None, start=0):
@@ -38,6 +40,11 @@ def train(make_optimizer, steps=STEPS, scheduler=True, model=None, optimizer=Non
     return model, optimizer
 
 
+def assert_models_equal(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{name}: largest difference {(p - q).abs().max().item()}"
+
+
 def assert_models_close(a, b, **tol):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(q, p, **(tol or TOL), msg=lambda m: f"{name}: {m}")
@@ -45,12 +52,27 @@ def assert_models_close(a, b, **tol):
 
 @pytest.mark.parametrize("name", CLASSES)
 def test_equals_the_torch_class_with_a_scheduler(name):
+    """The pure update (fused=False) against the torch class's default (for-loop) step."""
     torch_cls, factory, hyper = CLASSES[name]
     with default_dtype(DTYPE):
         expected, _ = train(lambda m: torch_cls(m.parameters(), **hyper))
-        actual, opt = train(lambda m: fb.Optimizer(m.parameters(), factory, **hyper))
+        actual, opt = train(lambda m: fb.Optimizer(m.parameters(), factory, fused=False, **hyper))
     assert_models_close(expected, actual)
     assert opt.param_groups[0]["lr"] == pytest.approx(hyper["lr"] * 0.5 ** (STEPS // 3))
+
+
+@pytest.mark.parametrize("name", WITH_KERNEL)
+def test_runs_torchs_fused_kernel_bit_for_bit(name):
+    """By default an alias with a kernel runs it: the torch class with fused=True, bit for bit,
+    the scheduler's lr included (read from the group at every step)."""
+    torch_cls, factory, hyper = CLASSES[name]
+    with default_dtype(DTYPE):
+        expected, _ = train(lambda m: torch_cls(m.parameters(), fused=True, **hyper))
+        actual, _ = train(lambda m: fb.Optimizer(m.parameters(), factory, **hyper))
+        from_transform, _ = train(lambda m: fb.Optimizer(m.parameters(), factory(**hyper)), scheduler=False)
+        expected_fixed_lr, _ = train(lambda m: torch_cls(m.parameters(), fused=True, **hyper), scheduler=False)
+    assert_models_equal(expected, actual)
+    assert_models_equal(expected_fixed_lr, from_transform)
 
 
 def test_param_groups_override_hyperparameters_as_torchs_do():
@@ -82,6 +104,95 @@ def test_a_transform_runs_as_the_functional_loop_bit_for_bit():
         params = fb.apply_updates(params, updates)
     for i, p in enumerate(model.parameters()):
         assert torch.equal(p.detach(), params[i]), names[i]
+
+
+def decay_labels(params):
+    """AdamW's usual groups: no weight decay on biases and 0-dim scales."""
+    return {name: "decay" if p.dim() > 1 else "no_decay" for name, p in params.items()}
+
+
+def make_partition():
+    return fb.partition(
+        {"decay": fb.adamw(1e-2, weight_decay=0.1), "no_decay": fb.adamw(1e-2, weight_decay=0.0)}, decay_labels
+    )
+
+
+def test_a_partition_makes_one_group_per_label():
+    """Over named_parameters(), a partition's labels name the groups: torch.optim.AdamW(fused=True)
+    with the same two groups, bit for bit; and, pure, the partition's own functional loop."""
+
+    def torch_groups(m):
+        decay = [p for p in m.parameters() if p.dim() > 1]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in m.parameters() if p.dim() <= 1]}]
+
+    with default_dtype(DTYPE):
+        expected, _ = train(
+            lambda m: torch.optim.AdamW(torch_groups(m), lr=1e-2, weight_decay=0.0, fused=True), scheduler=False
+        )
+        actual, opt = train(lambda m: fb.Optimizer(m.named_parameters(), make_partition()), scheduler=False)
+        pure, _ = train(lambda m: fb.Optimizer(m.named_parameters(), make_partition(), fused=False), scheduler=False)
+    assert_models_equal(expected, actual)
+    assert [g["label"] for g in opt.param_groups] == ["decay", "no_decay"]
+    assert opt.param_groups[0]["param_names"] == ["conv.weight", "fc.weight"]
+
+    with default_dtype(DTYPE):  # the initial weights of the runs above
+        reference = make_model("shapes", DTYPE)
+    names = [name for name, _ in reference.named_parameters()]
+    params = fb.params_of(reference)
+    tx = make_partition()
+    state = tx.init(params)
+    for x, y in batches(STEPS, DTYPE):
+
+        def loss_of(ps, x=x, y=y):
+            return loss_fn(torch.func.functional_call(reference, ps, (x,)), y)
+
+        updates, state = tx.update(torch.func.grad(loss_of)(params), state, params)
+        params = fb.apply_updates(params, updates)
+    for name, p in zip(names, pure.parameters()):
+        assert torch.equal(p.detach(), params[name]), name
+
+
+def test_groups_with_their_own_transforms_and_no_default():
+    """Each group runs its "tx": Adam on the convolution, SGD on the rest, as two torch optimizers."""
+
+    def split(m):
+        return [p for n, p in m.named_parameters() if n.startswith("conv")], [
+            p for n, p in m.named_parameters() if not n.startswith("conv")
+        ]
+
+    class Both:  # two torch optimizers stepped as one
+        def __init__(self, m):
+            conv, rest = split(m)
+            self.opts = [
+                torch.optim.Adam(conv, lr=1e-2, fused=True),
+                torch.optim.SGD(rest, lr=0.1, momentum=0.9, fused=True),
+            ]
+
+        def zero_grad(self):
+            [o.zero_grad() for o in self.opts]
+
+        def step(self):
+            [o.step() for o in self.opts]
+
+    def ours(m):
+        conv, rest = split(m)
+        return fb.Optimizer([{"params": conv, "tx": fb.adam(1e-2)}, {"params": rest, "tx": fb.sgd(0.1, momentum=0.9)}])
+
+    with default_dtype(DTYPE):
+        expected, _ = train(Both, scheduler=False)
+        actual, _ = train(ours, scheduler=False)
+    assert_models_equal(expected, actual)
+
+
+def test_named_parameters_and_keys_of_their_own_in_groups():
+    """torch's groups may carry names and keys no optimizer reads; the factory gets neither."""
+    with default_dtype(DTYPE):
+        expected, _ = train(lambda m: torch.optim.AdamW([{"params": m.parameters(), "name": "all"}], lr=1e-2))
+        actual, opt = train(
+            lambda m: fb.Optimizer([{"params": m.named_parameters(), "name": "all"}], fb.adamw, lr=1e-2, fused=False)
+        )
+    assert_models_close(expected, actual)
+    assert opt.param_groups[0]["name"] == "all" and opt.param_groups[0]["param_names"][0] == "scale"
 
 
 def test_grad_scaler_steps_as_with_the_torch_class():
@@ -134,6 +245,70 @@ def test_state_dict_is_in_torchs_format():
     assert sd["param_groups"][0]["betas"] == (0.9, 0.999)
 
 
+def test_state_holds_each_parameters_tensors_as_torchs_does():
+    """opt.state[p]: torch's fused AdamW's exp_avg and exp_avg_sq under the chain's names; an
+    entry assigned there (what trainers do to move the state to a device) is the one the next
+    step reads, and the run goes on as if nothing happened."""
+    with default_dtype(DTYPE):
+        expected, torch_opt = train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), steps=3)
+        actual, opt = train(lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2), steps=3)
+    assert len(opt.state) == len(list(actual.parameters()))
+    for p, q in zip(expected.parameters(), actual.parameters()):
+        mine = opt.state[q]
+        mu, nu = (mine[name] for name in sorted(mine) if name.endswith(("/mu", "/nu")))
+        assert torch.equal(mu, torch_opt.state[p]["exp_avg"]) and torch.equal(nu, torch_opt.state[p]["exp_avg_sq"])
+
+    moved = {}
+    for p, entries in opt.state.items():  # Lightning's _optimizer_to_device, to the same device
+        for name, value in entries.items():
+            entries[name] = moved[(p, name)] = value.clone()
+    with default_dtype(DTYPE):
+        train(None, steps=2, model=expected, optimizer=torch_opt, start=3)
+        train(None, steps=2, model=actual, optimizer=opt, start=3)
+    assert_models_equal(expected, actual)
+    assert all(opt.state[p][name] is value for (p, name), value in moved.items())  # stepped in place
+
+    p = next(actual.parameters())
+    name = next(iter(opt.state[p]))
+    with pytest.raises(ValueError, match=f"state entry '{name}' must stay a tensor of shape"):
+        opt.state[p][name] = torch.zeros(1, 2, 3)
+    with pytest.raises(KeyError, match="has no 'exp_avg'"):
+        opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    with pytest.raises(TypeError, match="cannot be deleted"):
+        del opt.state[p]
+
+
+def test_a_deep_copy_is_an_independent_optimizer():
+    model = make_model("shapes", DTYPE)
+    twin = copy.deepcopy(model)
+    opt = fb.Optimizer(model.parameters(), fb.adam, lr=1e-2)
+    train(None, steps=2, scheduler=False, model=model, optimizer=opt)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = copy.deepcopy(opt)  # of the chain's state too, not only torch's "state" and "param_groups"
+    twin_opt.param_groups[0]["params"] = list(twin.parameters())
+    train(None, steps=3, scheduler=False, model=model, optimizer=opt, start=2)
+    train(None, steps=3, scheduler=False, model=twin, optimizer=twin_opt, start=2)
+    assert_models_equal(model, twin)
+
+
+def test_torchs_distributed_state_dict_api_saves_and_resumes_it():
+    """torch.distributed.checkpoint.state_dict's get/set_optimizer_state_dict (parameters by
+    their names, as DCP saves them) resume the run bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    make = lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    whole, _ = train(make, scheduler=False)
+    first, opt = train(make, steps=STEPS // 2, scheduler=False)
+    saved = copy.deepcopy(get_optimizer_state_dict(first, opt))
+    assert "conv.weight" in saved["state"]
+    resumed = make_model("shapes", DTYPE, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = make(resumed)
+    set_optimizer_state_dict(resumed, opt2, saved)
+    train(None, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
+    assert_models_equal(whole, resumed)
+
+
 def test_closure_and_a_group_without_gradients():
     model = make_model("shapes", DTYPE)
     frozen = torch.nn.Linear(2, 2).double()
@@ -154,8 +329,16 @@ def test_closure_and_a_group_without_gradients():
 
 def test_bad_input_is_named():
     params = list(make_model("shapes", DTYPE).parameters())
-    with pytest.raises(TypeError, match="factory instead"):
+    with pytest.raises(TypeError, match="given without a factory"):
         fb.Optimizer(params, fb.adamw(1e-3), lr=1e-3)
+    with pytest.raises(ValueError, match="param group 1 has no 'tx'.*give every group its own"):
+        fb.Optimizer([{"params": params[:1], "tx": fb.sgd(0.1)}, {"params": params[1:]}])
+    with pytest.raises(TypeError, match="param group 0's 'tx' must be a GradientTransformation"):
+        fb.Optimizer([{"params": params, "tx": fb.sgd}])
+    with pytest.raises(ValueError, match="fused=True, but torch has no fused kernel for param group 0"):
+        fb.Optimizer(params, fb.rmsprop, lr=1e-2, fused=True)
+    with pytest.raises(ValueError, match="labels without a transform: \\['head'\\]"):
+        fb.Optimizer(params, fb.partition({"body": fb.sgd(0.1)}, ["body"] * (len(params) - 1) + ["head"]))
     with pytest.raises(TypeError, match="takes no \\['learning_rate'\\]"):
         fb.Optimizer(params, fb.adamw, learning_rate=1e-3)
     with pytest.raises(ValueError, match="built from a transform"):
@@ -174,9 +357,11 @@ def test_bad_input_is_named():
         opt.load_state_dict(sgd.state_dict())
 
 
-def test_compiled_step_follows_the_scheduler_without_recompiling():
+@pytest.mark.parametrize("fused", [False, None], ids=["pure", "kernel"])
+def test_compiled_step_follows_the_scheduler_without_recompiling(fused):
     """torch.compile(opt.step): the lr a scheduler writes reaches the graph as data (no number
-    baked in, no new graph after the first step), and the run is the eager one."""
+    baked in, no new graph after the first step), and the run is the eager one (torch's fused
+    kernel runs eagerly inside the compiled step)."""
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -184,7 +369,7 @@ def test_compiled_step_follows_the_scheduler_without_recompiling():
     runs = []
     for compiled in (False, True):
         model = make_model("shapes", DTYPE)
-        opt = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2)
+        opt = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2, fused=fused)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         step = torch.compile(opt.step, backend=counter) if compiled else opt.step
         for i, (x, y) in enumerate(batches(STEPS, DTYPE)):
@@ -196,8 +381,7 @@ def test_compiled_step_follows_the_scheduler_without_recompiling():
                 graphs_after_first_step = counter.frame_count
         runs.append(model)
     assert graphs_after_first_step > 0 and counter.frame_count == graphs_after_first_step
-    for (name, p), q in zip(runs[0].named_parameters(), runs[1].parameters()):
-        assert torch.equal(p, q), name
+    assert_models_equal(runs[0], runs[1])
 
 
 @pytest.mark.slow

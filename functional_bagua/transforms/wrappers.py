@@ -110,17 +110,11 @@ def partition(
         the parameters, and it cannot run inside a fused update.
     """
 
-    def label_leaves(params: PyTree) -> list:
-        layout_context.refuse_inside_fuse("partition", "a flat buffer has no parameter names to label")
-        _, spec = tree.flatten(params)
-        found = tree.leaves_up_to(spec, _resolve(labels, params), "labels", "params")
-        unknown = sorted({str(label) for label in found if label not in transforms})
-        if unknown:
-            raise ValueError(f"partition: labels without a transform: {unknown}; transforms are for {list(transforms)}")
-        return found
+    groups = Partitioned(transforms, labels)
 
     def masks(params: PyTree) -> dict[Any, list[bool]]:
-        found = label_leaves(params)
+        layout_context.refuse_inside_fuse("partition", "a flat buffer has no parameter names to label")
+        found = groups.leaf_labels(params)
         return {name: [label == name for label in found] for name in transforms}
 
     def init(params: PyTree) -> PartitionState:
@@ -145,7 +139,34 @@ def partition(
                     merged[i] = u
         return spec.unflatten(merged), PartitionState(new_states)
 
+    update.partitioned = groups  # type: ignore[attr-defined]  # read by partitioned()
     return GradientTransformation(init, update)
+
+
+class Partitioned(NamedTuple):
+    """What a :func:`partition` routes: ``transforms`` (label -> transform) and ``labels`` (a tree
+    of labels, or a function of the params returning one)."""
+
+    transforms: Mapping[Any, GradientTransformation]
+    labels: Any
+
+    def leaf_labels(self, params: PyTree) -> list:
+        """The label of each leaf of ``params`` (in ``tree.flatten`` order); a ValueError for a
+        label without a transform."""
+        _, spec = tree.flatten(params)
+        found = tree.leaves_up_to(spec, _resolve(self.labels, params), "labels", "params")
+        unknown = sorted({str(label) for label in found if label not in self.transforms})
+        if unknown:
+            raise ValueError(
+                f"partition: labels without a transform: {unknown}; transforms are for {list(self.transforms)}"
+            )
+        return found
+
+
+def partitioned(tx: GradientTransformation) -> Optional[Partitioned]:
+    """The transforms and labels of ``tx`` if :func:`partition` built it, else ``None``
+    (``fb.Optimizer`` makes one param group per label from them)."""
+    return getattr(tx.update, "partitioned", None)
 
 
 def set_to_zero() -> GradientTransformation:
