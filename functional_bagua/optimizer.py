@@ -187,7 +187,6 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            params = _detached(group)
             grads = {k: p.grad for k, p in enumerate(group["params"])}
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
@@ -195,9 +194,10 @@ class Optimizer(torch.optim.Optimizer):
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
             kernel = self._kernel(i)
-            if kernel is not None:
-                self._states[i] = self._run_kernel(kernel, grads, state, params)
+            if kernel is not None:  # on the parameters themselves, as torch.optim's fused step
+                self._states[i] = self._run_kernel(kernel, grads, state, group["params"])
                 continue
+            params = _detached(group)
             updates, self._states[i] = self._txs[i].update(grads, state, params)
             _copy_into(params, apply_updates(params, updates))
         return loss
@@ -393,10 +393,10 @@ def _split_by_label(
             yield {**param_group, "params": chosen, "label": label}, tx
 
 
-def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params: dict) -> OptState:
+def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params: list) -> OptState:
     """torch's fused kernel, in place, on the parameters with a gradient; the state after it (an
     injected-hyperparameters wrapper counts the update)."""
-    stepped = {k: p for k, p in params.items() if grads[k] is not None}
+    stepped = {k: p for k, p in enumerate(params) if grads[k] is not None}
     inner = state.inner_state if isinstance(state, InjectHyperparamsState) else state
     kernels.run(kernel, {k: grads[k] for k in stepped}, inner, stepped)
     return state._replace(count=state.count + 1) if isinstance(state, InjectHyperparamsState) else state
