@@ -157,6 +157,12 @@ class Optimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         if not isinstance(tx, GradientTransformation):
             tx = inject_hyperparams(tx)(**self._factory_arguments(group))
+        if "value_fn" in inspect.signature(tx.update).parameters:
+            raise TypeError(
+                f"{NAME}: param group {len(self._txs)}'s transform evaluates the loss at other parameters "
+                "(update(..., value_fn=...): fb.lbfgs), which a step from .grad cannot give; run it in a functional "
+                "loop, tx.update(grads, state, params, value_fn=loss_of), or use torch.optim.LBFGS with a closure"
+            )
         self._txs.append(tx)
         self._states.append(tx.init(_detached(group)))
         if self.fused and self._kernel(len(self._txs) - 1) is None:

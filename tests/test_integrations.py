@@ -57,16 +57,34 @@ def assert_trained_with(optimizer):
     assert group["lr"] == pytest.approx(1e-2 * 0.5 ** (STEPS // 2))
 
 
-def assert_same_weights(expected, actual):
+def assert_same_weights(expected, actual, **tol):
     for (name, p), q in zip(expected.named_parameters(), actual.parameters()):
-        torch.testing.assert_close(q, p, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(q, p, **tol, msg=lambda m: f"{name}: {m}")
 
 
-def test_lightning_trains_as_with_the_torch_class():
-    expected, _ = lightning_run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
-    actual, optimizer = lightning_run(lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2, weight_decay=0.1))
+@pytest.mark.parametrize("fused", [None, False], ids=["kernel", "pure"])
+def test_lightning_trains_as_with_the_torch_class(fused):
+    """By default (torch's kernel) the weights of torch.optim.AdamW(fused=True), bit for bit;
+    the pure update gives those of its default step, within float64 rounding."""
+    torch_kind = dict(fused=True) if fused is None else {}
+    expected, _ = lightning_run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **torch_kind))
+    actual, optimizer = lightning_run(lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2, weight_decay=0.1, fused=fused))
     assert_trained_with(optimizer)
-    assert_same_weights(expected, actual)
+    assert_same_weights(expected, actual, **(dict(rtol=0, atol=0) if fused is None else TOL))
+
+
+def test_lightnings_device_move_moves_the_chains_state():
+    """Lightning moves an optimizer's state with _optimizer_to_device (on a resume, to the model's
+    device); here to the meta device: every per-parameter tensor of the chain's state goes."""
+    pytest.importorskip("lightning", reason="Lightning is an optional test dependency: .[integrations]")
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2)
+    _optimizer_to_device(optimizer, torch.device("meta"))
+    per_parameter = optimizer.state_dict()["state"]
+    assert len(per_parameter) == 2
+    assert {t.device.type for entries in per_parameter.values() for t in entries.values()} == {"meta"}
 
 
 def hf_run(make_optimizer, tmp_path):
@@ -110,7 +128,8 @@ def hf_run(make_optimizer, tmp_path):
 
 
 def test_hugging_face_trainer_trains_as_with_the_torch_class(tmp_path):
-    expected, _ = hf_run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), tmp_path / "torch")
+    """torch's kernel by default: the weights of torch.optim.AdamW(fused=True), bit for bit."""
+    expected, _ = hf_run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True), tmp_path / "torch")
     actual, optimizer = hf_run(lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2, weight_decay=0.1), tmp_path / "fb")
     assert_trained_with(optimizer)
-    assert_same_weights(expected, actual)
+    assert_same_weights(expected, actual, rtol=0, atol=0)

@@ -332,6 +332,10 @@ def test_closure_and_a_group_without_gradients():
 
 def test_bad_input_is_named():
     params = list(make_model("shapes", DTYPE).parameters())
+    with pytest.raises(TypeError, match="evaluates the loss at other parameters.*functional loop"):
+        fb.Optimizer(params, fb.lbfgs())
+    with pytest.raises(ValueError, match="empty parameter list"):  # torch's own check
+        fb.Optimizer([], fb.adamw, lr=1e-3)
     with pytest.raises(TypeError, match="given without a factory"):
         fb.Optimizer(params, fb.adamw(1e-3), lr=1e-3)
     with pytest.raises(ValueError, match="param group 1 has no 'tx'.*give every group its own"):
