@@ -68,8 +68,19 @@ def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
     over these parameters or flat buffers) are overwritten; ``grads`` are read only. Only the
     keys of ``params`` are stepped (a state may hold more). The per-tensor bookkeeping (step
     counts) is one multi-tensor op, so the step costs about what ``torch.optim``'s fused one does."""
-    keys = list(params)
     moments = moments_of(spec.kind, state)
+    for keys in _by_device_and_dtype(params):  # what one kernel call takes (torch.optim groups so too)
+        _run_on(spec, moments, keys, grads, params)
+
+
+def _by_device_and_dtype(params: dict) -> list[list]:
+    groups: dict[tuple, list] = {}
+    for k, p in params.items():
+        groups.setdefault((p.device, p.dtype), []).append(k)
+    return list(groups.values())
+
+
+def _run_on(spec: KernelSpec, moments: Any, keys: list, grads: dict, params: dict) -> None:
     as_real = _reals if any(params[k].is_complex() for k in keys) else lambda tensors: tensors
     p, g = as_real([params[k] for k in keys]), as_real([grads[k] for k in keys])
     if spec.kind == "sgd":

@@ -153,23 +153,33 @@ class Optimizer(torch.optim.Optimizer):
             self._add_group(label_group, label_tx)
 
     def _add_group(self, param_group: dict[str, Any], tx: Union[Factory, GradientTransformation]) -> None:
+        """torch's checks and defaults, then the group's transform and state; on an error the
+        optimizer is left as it was."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._set_up_group(len(self.param_groups) - 1, tx)
+        except BaseException:
+            del self.param_groups[len(self._states) :]
+            del self._txs[len(self._states) :]
+            raise
+
+    def _set_up_group(self, index: int, tx: Union[Factory, GradientTransformation]) -> None:
+        group = self.param_groups[index]
         if not isinstance(tx, GradientTransformation):
             tx = inject_hyperparams(tx)(**self._factory_arguments(group))
         if "value_fn" in inspect.signature(tx.update).parameters:
             raise TypeError(
-                f"{NAME}: param group {len(self._txs)}'s transform evaluates the loss at other parameters "
+                f"{NAME}: param group {index}'s transform evaluates the loss at other parameters "
                 "(update(..., value_fn=...): fb.lbfgs), which a step from .grad cannot give; run it in a functional "
                 "loop, tx.update(grads, state, params, value_fn=loss_of), or use torch.optim.LBFGS with a closure"
             )
         self._txs.append(tx)
-        self._states.append(tx.init(_detached(group)))
-        if self.fused and self._kernel(len(self._txs) - 1) is None:
+        if self.fused and self._kernel(index) is None:
             raise ValueError(
-                f"{NAME}: fused=True, but torch has no fused kernel for param group {len(self._txs) - 1}'s transform "
+                f"{NAME}: fused=True, but torch has no fused kernel for param group {index}'s transform "
                 "(only fb.adamw, fb.adam and fb.sgd with number hyperparameters have one); pass fused=None"
             )
+        self._states.append(tx.init(_detached(group)))
 
     def _factory_arguments(self, group: dict[str, Any]) -> dict[str, Any]:
         """The group's entries that the factory takes (torch's groups may hold others)."""

@@ -195,6 +195,32 @@ def test_named_parameters_and_keys_of_their_own_in_groups():
     assert opt.param_groups[0]["name"] == "all" and opt.param_groups[0]["param_names"][0] == "scale"
 
 
+@pytest.mark.parametrize("name", WITH_KERNEL)
+def test_a_group_of_mixed_dtypes_runs_the_kernel_per_dtype(name):
+    """float32, float64 and bfloat16 parameters in one group: the torch class with fused=True."""
+    torch_cls, factory, hyper = CLASSES[name]
+    gen = torch.Generator().manual_seed(0)
+    shapes_and_dtypes = [
+        ((3, 4), torch.float32),
+        ((5,), torch.float64),
+        ((2, 2), torch.bfloat16),
+        ((6,), torch.float32),
+    ]
+    start = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in shapes_and_dtypes]
+    grads = [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in start] for _ in range(3)]
+    runs = []
+    for make in (lambda ps: torch_cls(ps, fused=True, **hyper), lambda ps: fb.Optimizer(ps, factory, **hyper)):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = make(params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(params)
+    for expected, actual in zip(*runs):
+        assert torch.equal(expected, actual), expected.dtype
+
+
 def test_grad_scaler_steps_as_with_the_torch_class():
     """torch.amp.GradScaler on the CPU: unscale_, the skipped step on an inf, the scale update."""
 
@@ -359,6 +385,10 @@ def test_bad_input_is_named():
     other = fb.Optimizer(params[:2], fb.adamw, lr=1e-3)
     with pytest.raises(ValueError, match="groups of"):
         opt.load_state_dict(other.state_dict())
+    kept = fb.Optimizer([{"params": params[:2], "tx": fb.adamw(1e-3)}], fused=True)
+    with pytest.raises(ValueError, match="fused=True, but torch has no fused kernel for param group 1"):
+        kept.add_param_group({"params": params[2:], "tx": fb.rmsprop(1e-2)})
+    assert len(kept.param_groups) == 1 and len(kept.state_dict()["param_groups"]) == 1  # left as it was
     sgd = fb.Optimizer(params, fb.sgd, lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="another chain"):
         opt.load_state_dict(sgd.state_dict())
