@@ -206,6 +206,9 @@ def inject_hyperparams(
             updates, inner_state = rebuilt(hyperparams).update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
+        # the hyperparameters whose value the state holds and no schedule drives (fb.Optimizer
+        # shows them in its param groups, for torch's schedulers to write)
+        update.adjustable = tuple(k for k, v in dynamic.items() if not _holds_schedule(v))  # type: ignore[attr-defined]
         return GradientTransformation(init, update)
 
     return build

@@ -19,7 +19,9 @@ next step uses: it is copied into the state's tensors before the update, outside
 ``torch.compile(opt.step)`` reads it as data and never recompiles for a new lr.
 Groups may override hyperparameters, as torch's do. Built from a transform
 (``fb.Optimizer(params, fb.chain(...))``), every group runs that transform, or the one its
-``"tx"`` entry names; its hyperparameters are fixed, and the groups hold no ``"lr"``.
+``"tx"`` entry names; its hyperparameters are fixed, and the group holds no ``"lr"``, unless the
+transform is made by :func:`~functional_bagua.inject_hyperparams`: then those no schedule
+drives are in the group, as numbers a scheduler may write.
 
 Built from a :func:`~functional_bagua.partition`, it has one param group per label (``group["label"]``),
 each running that label's transform; the labels' function receives ``{name: tensor}`` when the
@@ -179,7 +181,11 @@ class Optimizer(torch.optim.Optimizer):
                 f"{NAME}: fused=True, but torch has no fused kernel for param group {index}'s transform "
                 "(only fb.adamw, fb.adam and fb.sgd with number hyperparameters have one); pass fused=None"
             )
-        self._states.append(tx.init(_detached(group)))
+        state = tx.init(_detached(group))
+        if isinstance(state, InjectHyperparamsState):
+            for name in getattr(tx.update, "adjustable", ()):
+                group.setdefault(name, _numbers(state.hyperparams[name]))
+        self._states.append(state)
 
     def _factory_arguments(self, group: dict[str, Any]) -> dict[str, Any]:
         """The group's entries that the factory takes (torch's groups may hold others)."""
@@ -420,6 +426,13 @@ def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params
 
 def _detached(group: dict[str, Any]) -> dict[int, torch.Tensor]:
     return {k: p.detach() for k, p in enumerate(group["params"])}
+
+
+def _numbers(held: Any) -> Any:
+    """An injected hyperparameter's value (a 0-dim tensor, or a tuple of them) as Python numbers."""
+    if isinstance(held, tuple):
+        return tuple(_numbers(h) for h in held)
+    return held.item() if isinstance(held, torch.Tensor) else held
 
 
 def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any]) -> None:

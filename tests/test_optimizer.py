@@ -152,6 +152,26 @@ def test_a_partition_makes_one_group_per_label():
         assert torch.equal(p.detach(), params[name]), name
 
 
+def test_a_scheduler_drives_a_partitions_injected_hyperparameters():
+    """Label transforms made by inject_hyperparams show their numbers in their groups, so a torch
+    scheduler drives them: torch.optim.AdamW with the same two groups and StepLR."""
+
+    def torch_groups(m):
+        decay = [p for p in m.parameters() if p.dim() > 1]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in m.parameters() if p.dim() <= 1]}]
+
+    adamw = fb.inject_hyperparams(fb.adamw)
+    schedule_free = fb.partition(
+        {"decay": adamw(lr=1e-2, weight_decay=0.1), "no_decay": adamw(lr=1e-2, weight_decay=0.0)}, decay_labels
+    )
+    with default_dtype(DTYPE):
+        expected, _ = train(lambda m: torch.optim.AdamW(torch_groups(m), lr=1e-2, weight_decay=0.0))
+        actual, opt = train(lambda m: fb.Optimizer(m.named_parameters(), schedule_free))
+    assert_models_close(expected, actual)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 * 0.5 ** (STEPS // 3)] * 2)
+    assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx([0.1, 0.0])
+
+
 def test_groups_with_their_own_transforms_and_no_default():
     """Each group runs its "tx": Adam on the convolution, SGD on the rest, as two torch optimizers."""
 
@@ -222,12 +242,14 @@ def test_a_group_of_mixed_dtypes_runs_the_kernel_per_dtype(name):
 
 
 def test_grad_scaler_steps_as_with_the_torch_class():
-    """torch.amp.GradScaler on the CPU: unscale_, the skipped step on an inf, the scale update."""
+    """torch.amp.GradScaler on the CPU: unscale_, the skipped step on an inf, the scale update,
+    with clip_grad_norm_ and an lr scheduler in the loop."""
 
     def run(make_optimizer):
         torch.manual_seed(0)
         model = make_model("shapes", torch.float32)
         opt = make_optimizer(model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
         for i, (x, y) in enumerate(batches(STEPS, torch.float32)):
             opt.zero_grad()
@@ -237,6 +259,7 @@ def test_grad_scaler_steps_as_with_the_torch_class():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
+            sched.step()
         return model, scaler.get_scale()
 
     expected, expected_scale = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
