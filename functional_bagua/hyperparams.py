@@ -208,7 +208,7 @@ def inject_hyperparams(
 
         # the hyperparameters whose value the state holds and no schedule drives (fb.Optimizer
         # shows them in its param groups, for torch's schedulers to write)
-        update.adjustable = tuple(k for k, v in dynamic.items() if not _holds_schedule(v))  # type: ignore[attr-defined]
+        update.adjustable = {k: v for k, v in dynamic.items() if not _holds_schedule(v)}  # type: ignore[attr-defined]
         return GradientTransformation(init, update)
 
     return build

@@ -35,6 +35,11 @@ with Python-number hyperparameters: :mod:`functional_bagua.kernels`), ``step`` r
 kernel runs eagerly also inside ``torch.compile(opt.step)``, where the pure updates of the other
 groups are compiled.
 
+A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
+moved after the optimizer is built steps on its new dtype and device; parameters that do not
+require gradients then get no state (one that gets a gradient later raises a ValueError naming
+the fix).
+
 ``optimizer.state[p]`` is, as in torch.optim, a dict of the parameter's tensors in the chain's
 state (``fb.adamw``'s first moment is ``"inner_state/1/mu"`` in a factory's optimizer, whose
 chain sits in an injected-hyperparameters state); assigning an entry (``opt.state[p][name] =
@@ -50,19 +55,18 @@ uninterrupted one bit for bit.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
 
-import optree
 import torch
 
 from functional_bagua import checkpoint, kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.fusion import _copy_into
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
+from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, flatten
 from functional_bagua.transforms.wrappers import Partitioned, partitioned
 
-NAME = "fb.Optimizer"
 Factory = Callable[..., GradientTransformation]
 
 
@@ -109,13 +113,20 @@ class Optimizer(torch.optim.Optimizer):
         else:
             raise TypeError(f"{NAME}: tx must be a GradientTransformation or a factory of one, got {type(tx).__name__}")
         self._tx = tx
+        self._factory_defaults = (
+            _defaults_of(tx, {}) if not (tx is None or isinstance(tx, GradientTransformation)) else {}
+        )
         self.fused = fused
         # eager even inside a compiled step, so that no graph reads the group's numbers (made here:
         # torch.compiler imports dynamo, too heavy for import time)
         self._write_hyperparameters = torch.compiler.disable(_write_hyperparameters)
         self._run_kernel = torch.compiler.disable(_run_kernel)
-        self._txs: list[GradientTransformation] = []  # one per param group
-        self._states: list[OptState] = []
+        self._make_state = torch.compiler.disable(_make_state)
+        self._txs: list[GradientTransformation] = []  # per param group: its transform,
+        self._states: list[Optional[OptState]] = []  # its state (None until its first use),
+        self._tracked: list[frozenset[int]] = []  # the positions the state holds parameters for,
+        self._layouts: list[Optional[GroupLayout]] = []  # where each tensor of the state belongs,
+        self._written: list[dict[int, torch.Tensor]] = []  # and tensors assigned to it through self.state
         super().__init__(params, hyperparameters)
         self.state = ParameterStates(self)  # type: ignore[assignment]
 
@@ -126,13 +137,22 @@ class Optimizer(torch.optim.Optimizer):
     # ---- groups ---------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, as torch.optim does; its transform is built (and its state initialized)
-        here. A group run by a :func:`~functional_bagua.partition` becomes one group per label.
+        """Add a group, as torch.optim does; its transform is built here (its state at its first
+        use). A group run by a :func:`~functional_bagua.partition` becomes one group per label.
+        On an error the optimizer is left as it was.
 
         Args:
             param_group: ``{"params": ..., **hyperparameters}`` (or ``"tx"``: the group's transform).
         """
-        param_group = dict(param_group)
+        before = len(self.param_groups)
+        try:
+            self._add_groups(dict(param_group))
+        except BaseException:
+            for per_group in (self.param_groups, self._txs, self._states, self._tracked, self._layouts, self._written):
+                del per_group[before:]
+            raise
+
+    def _add_groups(self, param_group: dict[str, Any]) -> None:
         group_tx = param_group.pop("tx", None)
         index = len(self.param_groups)
         if group_tx is not None and self._from_factory:
@@ -148,24 +168,12 @@ class Optimizer(torch.optim.Optimizer):
                 "its own ({'params': ..., 'tx': fb.adamw(1e-3)}) or pass one for all: fb.Optimizer(params, tx)"
             )
         parts = partitioned(tx) if isinstance(tx, GradientTransformation) else None
-        if parts is None:
-            self._add_group(param_group, tx)
-            return
-        for label_group, label_tx in _split_by_label(param_group, parts):
-            self._add_group(label_group, label_tx)
+        for label_group, label_tx in [(param_group, tx)] if parts is None else _split_by_label(param_group, parts):
+            given = set(label_group)
+            super().add_param_group(label_group)
+            self._set_up_group(len(self.param_groups) - 1, label_tx, given)
 
-    def _add_group(self, param_group: dict[str, Any], tx: Union[Factory, GradientTransformation]) -> None:
-        """torch's checks and defaults, then the group's transform and state; on an error the
-        optimizer is left as it was."""
-        super().add_param_group(param_group)
-        try:
-            self._set_up_group(len(self.param_groups) - 1, tx)
-        except BaseException:
-            del self.param_groups[len(self._states) :]
-            del self._txs[len(self._states) :]
-            raise
-
-    def _set_up_group(self, index: int, tx: Union[Factory, GradientTransformation]) -> None:
+    def _set_up_group(self, index: int, tx: Union[Factory, GradientTransformation], given: set[str]) -> None:
         group = self.param_groups[index]
         if not isinstance(tx, GradientTransformation):
             tx = inject_hyperparams(tx)(**self._factory_arguments(group))
@@ -176,21 +184,59 @@ class Optimizer(torch.optim.Optimizer):
                 "loop, tx.update(grads, state, params, value_fn=loss_of), or use torch.optim.LBFGS with a closure"
             )
         self._txs.append(tx)
+        self._states.append(None)
+        self._tracked.append(frozenset())
+        self._layouts.append(None)
+        self._written.append({})
         if self.fused and self._kernel(index) is None:
             raise ValueError(
                 f"{NAME}: fused=True, but torch has no fused kernel for param group {index}'s transform "
                 "(only fb.adamw, fb.adam and fb.sgd with number hyperparameters have one); pass fused=None"
             )
-        state = tx.init(_detached(group))
-        if isinstance(state, InjectHyperparamsState):
-            for name in getattr(tx.update, "adjustable", ()):
-                group.setdefault(name, _numbers(state.hyperparams[name]))
-        self._states.append(state)
+        if not self._from_factory:  # an injected transform's numbers, for schedulers to write
+            for name, value in getattr(tx.update, "adjustable", {}).items():
+                if name not in given:
+                    group[name] = _numbers(value)
+                self.defaults.setdefault(name, group[name])  # what OneCycleLR looks for ("betas")
 
     def _factory_arguments(self, group: dict[str, Any]) -> dict[str, Any]:
-        """The group's entries that the factory takes (torch's groups may hold others)."""
-        accepted = self.defaults.keys()
-        return {k: v for k, v in group.items() if k in accepted}
+        """The group's entries that the factory takes (torch's groups may hold others), each in
+        the type of the factory's default (``lr=1`` as 1.0, ``betas`` given as a list as a
+        tuple), so that a number the default makes a tensor stays one a scheduler can change."""
+        return {k: _like(v, self._factory_defaults.get(k)) for k, v in group.items() if k in self.defaults}
+
+    # ---- state, made at its first use -------------------------------------------------------------
+
+    def _state(self, i: int) -> OptState:
+        """Group ``i``'s state, made now if it is not yet: over the parameters that require
+        gradients, on their dtype and device of now."""
+        state = self._states[i]
+        if state is None:
+            state = self._make_state(self, i)
+        if self._written[i]:  # tensors assigned through optimizer.state, put in at once
+            leaves, spec = flatten(state)
+            for j, tensor in self._written[i].items():
+                leaves[j] = tensor
+            self._written[i].clear()
+            state = self._states[i] = spec.unflatten(leaves)
+        return state
+
+    def _group_state(self, i: int) -> tuple[list, GroupLayout]:
+        """The leaves of group ``i``'s state (``None`` included) and its layout."""
+        leaves, spec = flatten(self._state(i))
+        layout = self._layouts[i]
+        if layout is None or layout.spec != spec:
+            layout = self._layouts[i] = GroupLayout.of(self._states[i])
+        return leaves, layout
+
+    def _write_leaves(self, i: int, written: dict[int, torch.Tensor]) -> None:
+        """Replace leaves of group ``i``'s state (by their index in its layout) before its next use."""
+        self._written[i].update(written)
+
+    def _all_made(self) -> bool:
+        for i in range(len(self.param_groups)):
+            self._state(i)
+        return True
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -212,17 +258,29 @@ class Optimizer(torch.optim.Optimizer):
             grads = {k: p.grad for k, p in enumerate(group["params"])}
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
-            state = self._states[i]
+            state = self._state(i)
+            self._refuse_untracked(i, grads)
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
             kernel = self._kernel(i)
-            if kernel is not None:  # on the parameters themselves, as torch.optim's fused step
+            if kernel is not None and not any(g is not None and g.is_sparse for g in grads.values()):
                 self._states[i] = self._run_kernel(kernel, grads, state, group["params"])
-                continue
-            params = _detached(group)
+                continue  # on the parameters themselves, as torch.optim's fused step
+            params = {k: p.detach() for k, p in enumerate(group["params"])}
             updates, self._states[i] = self._txs[i].update(grads, state, params)
             _copy_into(params, apply_updates(params, updates))
         return loss
+
+    def _refuse_untracked(self, i: int, grads: dict[int, Optional[torch.Tensor]]) -> None:
+        untracked = [k for k, g in grads.items() if g is not None and k not in self._tracked[i]]
+        if untracked:
+            group = self.param_groups[i]
+            names = [group["param_names"][k] for k in untracked] if "param_names" in group else untracked
+            raise ValueError(
+                f"{NAME}: parameters {names} of group {i} have gradients but no optimizer state: they did not require "
+                "gradients when the group's state was made (at its first step); build the optimizer after unfreezing "
+                "them, or keep them in a group of their own (opt.add_param_group) added when they are unfrozen"
+            )
 
     def _kernel(self, i: int) -> Optional[kernels.KernelSpec]:
         """torch's fused kernel for group ``i`` with its numbers now, if one computes its transform
@@ -241,31 +299,37 @@ class Optimizer(torch.optim.Optimizer):
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's format (module docstring): per-parameter state by global index, and the groups."""
+        """torch's format (module docstring): per-parameter state by global index, and the groups;
+        torch's state-dict hooks run around it."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         per_param: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
         start = 0
-        for group, state in zip(self.param_groups, self._states):
-            shared: dict[str, Any] = {}
-            for _, position, name, leaf in _named_leaves(state):
-                if position is None:
-                    shared[name] = leaf
-                else:
-                    per_param.setdefault(start + position, {})[name] = leaf
+        for i, group in enumerate(self.param_groups):
+            leaves, layout = self._group_state(i)
+            for position, entries in layout.per_parameter(leaves).items():
+                per_param[start + position] = entries
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(group["params"])))
-            packed["shared_state"] = shared
+            packed["shared_state"] = layout.shared(leaves)
             groups.append(packed)
             start += len(group["params"])
-        return {"state": per_param, "param_groups": groups}
+        state_dict = {"state": per_param, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = post_hook(self, state_dict) or state_dict
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (copies of its tensors, on this state's devices).
+        """Restore what :meth:`state_dict` saved (copies of its tensors, on this state's devices);
+        torch's load hooks run around it.
 
         Args:
             state_dict: a state dict of an :class:`Optimizer` over the same groups and chains;
                 another optimizer's raises a ValueError naming the difference.
         """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(groups, list) or any("shared_state" not in g for g in groups):
             raise ValueError(
@@ -281,8 +345,11 @@ class Optimizer(torch.optim.Optimizer):
             )
         per_param = state_dict["state"]
         for i, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            leaves, layout = self._group_state(i)
             flat = {}  # this state's keys (fb.state_dict's), the saved tensors
-            for key, position, name, _ in _named_leaves(self._states[i]):
+            for key, position, name, leaf in zip(layout.keys, layout.positions, layout.names, leaves):
+                if leaf is None:
+                    continue
                 source = saved["shared_state"] if position is None else per_param.get(saved["params"][position], {})
                 if name not in source:
                     raise ValueError(
@@ -291,92 +358,8 @@ class Optimizer(torch.optim.Optimizer):
                 flat[key] = source[name]
             self._states[i] = checkpoint.load_state_dict(self._states[i], flat)
             group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state")})
-
-
-class ParameterStates(MutableMapping):
-    """``optimizer.state`` as torch.optim has it: parameter -> :class:`ParameterState`, a dict of
-    its tensors in its group's chain state, named as in ``state_dict()``. Read from the chain's
-    state at each access; an assignment (of an entry, or of a parameter's whole dict) replaces the
-    tensors there. Parameters without entries of their own (a plain SGD) are not listed."""
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        self._optimizer = optimizer
-
-    def _where(self, param: Any) -> tuple[int, int]:
-        for i, group in enumerate(self._optimizer.param_groups):
-            for position, p in enumerate(group["params"]):
-                if p is param:
-                    return i, position
-        raise KeyError(param)
-
-    def __getitem__(self, param: Any) -> ParameterState:
-        i, position = self._where(param)
-        entries = {name: leaf for _, at, name, leaf in _named_leaves(self._optimizer._states[i]) if at == position}
-        return self._view(i, position, entries)
-
-    def items(self) -> list[tuple[torch.Tensor, ParameterState]]:  # type: ignore[override]
-        """Every parameter's state, each group's state read once (``Mapping.items`` would read
-        it once per parameter)."""
-        out = []
-        for i, group in enumerate(self._optimizer.param_groups):
-            by_position: dict[int, dict[str, torch.Tensor]] = {}
-            for _, at, name, leaf in _named_leaves(self._optimizer._states[i]):
-                if at is not None:
-                    by_position.setdefault(at, {})[name] = leaf
-            out += [(group["params"][at], self._view(i, at, entries)) for at, entries in sorted(by_position.items())]
-        return out
-
-    def _view(self, i: int, position: int, entries: dict[str, torch.Tensor]) -> ParameterState:
-        return ParameterState(entries, lambda changed: self._replace(i, position, changed))
-
-    def __setitem__(self, param: Any, entries: Any) -> None:
-        i, position = self._where(param)
-        self._replace(i, position, dict(entries))
-
-    def __delitem__(self, param: Any) -> None:
-        raise TypeError(f"{NAME}: a parameter's state cannot be deleted: the chain's state has a fixed structure")
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for p, _ in self.items())
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def _replace(self, i: int, position: int, changed: dict[str, Any]) -> None:
-        """Group ``i``'s state with the named tensors of the parameter at ``position`` replaced."""
-        keys, accessors, leaves, spec = checkpoint._keyed_leaves(self._optimizer._states[i])
-        index = {
-            checkpoint._key(accessor, skip=_is_parameter_key): j
-            for j, (accessor, leaf) in enumerate(zip(accessors, leaves))
-            if leaf is not None and _position(accessor) == position
-        }
-        for name, value in changed.items():
-            if name not in index:
-                raise KeyError(f"{NAME}: the parameter's state has no {name!r}; it has {sorted(index)}")
-            old = leaves[index[name]]
-            if not isinstance(value, torch.Tensor) or value.shape != old.shape:
-                raise ValueError(
-                    f"{NAME}: state entry {name!r} must stay a tensor of shape {tuple(old.shape)}, got "
-                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
-                )
-            leaves[index[name]] = value
-        self._optimizer._states[i] = spec.unflatten(leaves)
-
-
-class ParameterState(dict):
-    """One parameter's tensors in its chain's state (``optimizer.state[p]``); assigning an entry
-    replaces that tensor in the chain's state as well."""
-
-    def __init__(self, entries: dict[str, torch.Tensor], replace: Callable[[dict[str, Any]], None]) -> None:
-        super().__init__(entries)
-        self._replace = replace
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        self._replace({name: value})
-        super().__setitem__(name, value)
-
-    def __reduce__(self) -> Any:
-        return dict, (dict(self),)  # a copy (deepcopy, pickle) is a plain dict, tied to no optimizer
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _defaults_of(factory: Factory, given: dict[str, Any]) -> dict[str, Any]:
@@ -394,6 +377,16 @@ def _defaults_of(factory: Factory, given: dict[str, Any]) -> dict[str, Any]:
         for name, p in parameters.items()
         if p.default is not inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_KEYWORD
     }
+
+
+def _like(value: Any, default: Any) -> Any:
+    """``value`` in the type of ``default`` where that is a float (an int given) or a tuple (a list
+    given, its elements alike); else ``value`` as it is."""
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(default, tuple) and isinstance(value, (list, tuple)) and len(value) == len(default):
+        return tuple(_like(v, d) for v, d in zip(value, default))
+    return value
 
 
 def _split_by_label(
@@ -415,6 +408,17 @@ def _split_by_label(
             yield {**param_group, "params": chosen, "label": label}, tx
 
 
+def _make_state(optimizer: Optimizer, i: int) -> OptState:
+    """Group ``i``'s state, over its parameters that require gradients (eager: a compiled step
+    that makes it reads numbers the state holds as Python values until then)."""
+    params = optimizer.param_groups[i]["params"]
+    tracked = optimizer._tracked[i] = frozenset(k for k, p in enumerate(params) if p.requires_grad)
+    state = optimizer._states[i] = optimizer._txs[i].init(
+        {k: p.detach() if k in tracked else None for k, p in enumerate(params)}
+    )
+    return state
+
+
 def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params: list) -> OptState:
     """torch's fused kernel, in place, on the parameters with a gradient; the state after it (an
     injected-hyperparameters wrapper counts the update)."""
@@ -424,12 +428,8 @@ def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params
     return state._replace(count=state.count + 1) if isinstance(state, InjectHyperparamsState) else state
 
 
-def _detached(group: dict[str, Any]) -> dict[int, torch.Tensor]:
-    return {k: p.detach() for k, p in enumerate(group["params"])}
-
-
 def _numbers(held: Any) -> Any:
-    """An injected hyperparameter's value (a 0-dim tensor, or a tuple of them) as Python numbers."""
+    """A hyperparameter's value (a number, a 0-dim tensor, or a tuple of them) as Python numbers."""
     if isinstance(held, tuple):
         return tuple(_numbers(h) for h in held)
     return held.item() if isinstance(held, torch.Tensor) else held
@@ -444,31 +444,5 @@ def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any])
         if value is None or callable(value):
             continue
         for tensor, number in zip(tree.flatten(held)[0], tree.flatten(value)[0]):
-            tensor.fill_(number)
-
-
-def _is_parameter_key(entry: Any) -> bool:
-    """A dict entry keyed by an int: the state trees are keyed by each parameter's position."""
-    return isinstance(entry, optree.MappingEntry) and isinstance(entry.entry, int)
-
-
-def _named_leaves(state: OptState) -> list[tuple[str, Optional[int], str, torch.Tensor]]:
-    """Per tensor of ``state``: its key (:func:`~functional_bagua.state_dict`'s), the position of
-    the parameter it belongs to (``None`` for shared state), and its name without that position
-    (``"inner_state/1/mu"``)."""
-    keys, accessors, leaves, _ = checkpoint._keyed_leaves(state)
-    return [
-        (
-            key,
-            _position(accessor),
-            checkpoint._key(accessor, skip=_is_parameter_key),
-            leaf,
-        )
-        for key, accessor, leaf in zip(keys, accessors, leaves)
-        if leaf is not None
-    ]
-
-
-def _position(accessor: optree.PyTreeAccessor) -> Optional[int]:
-    """The position of the parameter a state tensor belongs to; ``None`` for shared state."""
-    return next((entry.entry for entry in accessor if _is_parameter_key(entry)), None)
+            if isinstance(tensor, torch.Tensor):
+                tensor.fill_(number)

@@ -328,6 +328,11 @@ def test_state_holds_each_parameters_tensors_as_torchs_does():
         opt.state[p]["exp_avg"] = torch.zeros_like(p)
     with pytest.raises(TypeError, match="cannot be deleted"):
         del opt.state[p]
+    with pytest.raises(TypeError, match="cannot be removed"):
+        opt.state[p].pop(name)
+    replacement = torch.full_like(opt.state[p][name], 7.0)
+    opt.state[p].update({name: replacement})
+    assert opt.state[p][name] is replacement
 
 
 def test_a_deep_copy_is_an_independent_optimizer():
@@ -359,6 +364,117 @@ def test_torchs_distributed_state_dict_api_saves_and_resumes_it():
     set_optimizer_state_dict(resumed, opt2, saved)
     train(None, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
     assert_models_equal(whole, resumed)
+
+
+def test_a_scheduler_moves_hyperparameters_given_as_ints_and_lists():
+    """lr=1 (an int) and betas as a list (as config files give them) are numbers a scheduler
+    changes, as in torch: the factory receives them as its defaults' types."""
+
+    def lambda_lr(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 2 else 1.0)
+
+    def run(make):
+        with default_dtype(DTYPE):
+            model = make_model("shapes", DTYPE)
+            opt = make(model)
+            sched = lambda_lr(opt)
+            for x, y in batches(5, DTYPE):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                sched.step()
+        return model
+
+    expected = run(lambda m: torch.optim.RMSprop(m.parameters(), lr=1))
+    actual = run(lambda m: fb.Optimizer(m.parameters(), fb.rmsprop, lr=1))
+    assert_models_close(expected, actual)
+    expected = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, betas=[0.5, 0.9]))
+    actual = run(lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2, betas=[0.5, 0.9], fused=False))
+    assert_models_close(expected, actual)
+
+
+def test_state_is_made_at_the_first_step_for_the_parameters_that_train():
+    """As torch.optim's: no state for a frozen parameter, and a model cast after the optimizer
+    was built steps in its new dtype (torch.optim.AdamW(fused=True), bit for bit)."""
+    runs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2)):
+        model = make_model("shapes", torch.float32)
+        model.conv.weight.requires_grad_(False)
+        opt = make(model.parameters())
+        model.double()  # after the optimizer: its state is made in float64
+        train(None, steps=3, scheduler=False, model=model, optimizer=opt)
+        runs.append((model, opt))
+    (expected, _), (actual, opt) = runs
+    assert_models_equal(expected, actual)
+    assert actual.conv.weight not in opt.state and actual.fc.weight in opt.state
+    assert len(opt.state) == len(list(actual.parameters())) - 1
+    assert all(t.dtype == torch.float64 for entries in opt.state.values() for t in entries.values() if t.dim())
+
+    actual.conv.weight.requires_grad_(True)  # unfrozen, but it has no state
+    with pytest.raises(ValueError, match="have gradients but no optimizer state.*build the optimizer after"):
+        train(None, steps=1, scheduler=False, model=actual, optimizer=opt)
+
+
+def test_one_cycle_drives_a_partition_of_injected_transforms():
+    """OneCycleLR cycles lr and betas[0] of injected label transforms, as it does torch.optim.AdamW's groups."""
+
+    def torch_groups(m):
+        decay = [p for p in m.parameters() if p.dim() > 1]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": [p for p in m.parameters() if p.dim() <= 1]}]
+
+    def run(make):
+        with default_dtype(DTYPE):
+            model = make_model("shapes", DTYPE)
+            opt = make(model)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
+            for x, y in batches(STEPS, DTYPE):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                sched.step()
+        return model
+
+    adamw = fb.inject_hyperparams(fb.adamw)
+    expected = run(lambda m: torch.optim.AdamW(torch_groups(m), lr=1e-2, weight_decay=0.0))
+    actual = run(
+        lambda m: fb.Optimizer(
+            m.named_parameters(),
+            fb.partition(
+                {  # betas given, so that they are held as numbers to cycle
+                    "decay": adamw(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1),
+                    "no_decay": adamw(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0),
+                },
+                decay_labels,
+            ),
+        )
+    )
+    assert_models_close(expected, actual)
+
+
+def test_dcp_reads_a_stateless_chain_without_stepping_it():
+    """torch.distributed.checkpoint steps an optimizer whose state looks empty (to make it); a
+    plain SGD with weight decay built from a transform must not move for that."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = make_model("shapes", DTYPE)
+    opt = fb.Optimizer(model.parameters(), fb.sgd(0.1, weight_decay=0.1))
+    before = [p.clone() for p in model.parameters()]
+    get_optimizer_state_dict(model, opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_state_dict_hooks_run_as_torchs_do():
+    model = make_model("shapes", DTYPE)
+    opt = fb.Optimizer(model.parameters(), fb.adam, lr=1e-2)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    saved = opt.state_dict()
+    assert saved["extra"] == 1
+    opt.load_state_dict(saved)
+    assert calls == ["pre", "loaded"]
 
 
 def test_closure_and_a_group_without_gradients():
@@ -408,6 +524,15 @@ def test_bad_input_is_named():
     other = fb.Optimizer(params[:2], fb.adamw, lr=1e-3)
     with pytest.raises(ValueError, match="groups of"):
         opt.load_state_dict(other.state_dict())
+    split = fb.Optimizer(params[:2], fb.partition({"w": fb.adamw(1e-3), "b": fb.sgd(0.1)}, ["w", "b"]))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        split.add_param_group({"params": [params[2], params[1]]})  # the second label's group fails
+    assert [len(g["params"]) for g in split.param_groups] == [1, 1]  # the first label's is gone too
+    embedding = torch.nn.Embedding(5, 2, sparse=True)
+    sparse_sgd = fb.Optimizer(embedding.parameters(), fb.sgd, lr=0.1)
+    embedding(torch.tensor([1, 3])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradients are not supported.*fb.sparse_adam"):
+        sparse_sgd.step()  # torch's fused kernel would fail with an internal error
     kept = fb.Optimizer([{"params": params[:2], "tx": fb.adamw(1e-3)}], fused=True)
     with pytest.raises(ValueError, match="fused=True, but torch has no fused kernel for param group 1"):
         kept.add_param_group({"params": params[2:], "tx": fb.rmsprop(1e-2)})

@@ -1,0 +1,219 @@
+"""``optimizer.state`` for :class:`~functional_bagua.Optimizer`: torch's per-parameter view of a
+chain's state.
+
+A chain's state is one tree per param group, keyed by each parameter's position in the group
+(``{0: mu_0, 1: mu_1, ...}`` inside ``ScaleByAdamState``). torch's code (trainers moving the state
+to a device, torch.distributed.checkpoint, logging) reads ``optimizer.state[p]``: a dict of the
+tensors of ``p``. :class:`GroupLayout` records once, per group, which tensor of the flattened
+state belongs to which parameter and under which name; :class:`ParameterStates` reads and
+replaces tensors through it, so that a read costs one flatten of the group's state and a
+write one flatten and unflatten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping
+from typing import Any, Callable, NamedTuple, Optional, Protocol
+
+import optree
+import torch
+
+from functional_bagua import checkpoint, tree
+from functional_bagua.base import OptState
+
+NAME = "fb.Optimizer"
+
+
+class GroupLayout(NamedTuple):
+    """Per tensor of a group's state, in flatten order: its key (``fb.state_dict``'s), the
+    position of the parameter it belongs to (``None`` for shared state: step counters of
+    schedules, injected hyperparameters) and its name without that position (``"inner_state/1/mu"``)."""
+
+    spec: optree.PyTreeSpec
+    keys: list[str]
+    positions: list[Optional[int]]
+    names: list[str]
+    where: dict[Optional[int], dict[str, int]]  # position -> name -> leaf index
+
+    @classmethod
+    def of(cls, state: OptState) -> GroupLayout:
+        keys, accessors, _, spec = checkpoint._keyed_leaves(state)
+        positions = [_position(a) for a in accessors]
+        names = [checkpoint._key(a, skip=_is_parameter_key) for a in accessors]
+        where: dict[Optional[int], dict[str, int]] = {}
+        for j, (position, name) in enumerate(zip(positions, names)):
+            where.setdefault(position, {})[name] = j
+        return cls(spec, keys, positions, names, where)
+
+    def of_parameter(self, leaves: list, position: int) -> dict[str, torch.Tensor]:
+        """name -> tensor of the parameter at ``position`` (``None`` leaves left out)."""
+        return {name: leaves[j] for name, j in self.where.get(position, {}).items() if leaves[j] is not None}
+
+    def per_parameter(self, leaves: list) -> dict[int, dict[str, torch.Tensor]]:
+        """position -> {name: tensor} (``None`` leaves left out)."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for position, name, leaf in zip(self.positions, self.names, leaves):
+            if position is not None and leaf is not None:
+                out.setdefault(position, {})[name] = leaf
+        return out
+
+    def shared(self, leaves: list) -> dict[str, torch.Tensor]:
+        """name -> tensor of the state that belongs to no single parameter."""
+        return {
+            name: leaf
+            for position, name, leaf in zip(self.positions, self.names, leaves)
+            if position is None and leaf is not None
+        }
+
+
+class StateOwner(Protocol):
+    """What :class:`ParameterStates` needs of the optimizer."""
+
+    param_groups: list[dict[str, Any]]
+    _states: list[Optional[OptState]]
+
+    def _group_state(self, i: int) -> tuple[list, GroupLayout]: ...
+
+    def _write_leaves(self, i: int, written: dict[int, torch.Tensor]) -> None: ...
+
+    def _all_made(self) -> bool: ...
+
+
+class ParameterStates(MutableMapping):
+    """``optimizer.state`` as torch.optim has it: parameter -> :class:`ParameterState`, a dict of
+    its tensors in its group's chain state, named as in ``state_dict()``. Read from the chain's
+    state at each access; an assignment (of an entry, or of a parameter's whole dict) replaces the
+    tensors there. Parameters without tensors of their own (a plain SGD, a frozen parameter) are
+    not listed, but the mapping is true once the state is made (torch.distributed.checkpoint
+    reads an empty one as an optimizer that has not stepped yet)."""
+
+    def __init__(self, owner: StateOwner) -> None:
+        self._owner = owner
+        self._places: dict[int, tuple[int, int]] = {}  # id(parameter) -> (group, position)
+
+    def _where(self, param: Any) -> tuple[int, int]:
+        place = self._places.get(id(param))
+        groups = self._owner.param_groups
+        if place is None or place[0] >= len(groups) or not _holds(groups[place[0]], place[1], param):
+            self._places = {id(p): (i, at) for i, g in enumerate(groups) for at, p in enumerate(g["params"])}
+            place = self._places.get(id(param))
+            if place is None:
+                raise KeyError(param)
+        return place
+
+    def __getitem__(self, param: Any) -> ParameterState:
+        i, position = self._where(param)
+        if not self._readable(i):
+            raise KeyError(param)
+        leaves, layout = self._owner._group_state(i)
+        return self._view(i, position, layout, leaves)
+
+    def __contains__(self, param: object) -> bool:
+        """Whether ``param`` has tensors of its own in the state (as in torch's, where a
+        parameter that never stepped has none)."""
+        try:
+            return bool(self[param])
+        except KeyError:
+            return False
+
+    def items(self) -> list[tuple[torch.Tensor, ParameterState]]:  # type: ignore[override]
+        """Every parameter's state, each group's state flattened once."""
+        out = []
+        for i, group in enumerate(self._owner.param_groups):
+            if not self._readable(i):
+                continue
+            leaves, layout = self._owner._group_state(i)
+            holding = sorted(at for at in layout.where if at is not None)
+            views = [(group["params"][at], self._view(i, at, layout, leaves)) for at in holding]
+            out += [(p, view) for p, view in views if view]
+        return out
+
+    def __setitem__(self, param: Any, entries: Any) -> None:
+        self[param].update(entries)
+
+    def __delitem__(self, param: Any) -> None:
+        raise TypeError(f"{NAME}: a parameter's state cannot be deleted: the chain's state has a fixed structure")
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for p, _ in self.items())
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    def __bool__(self) -> bool:
+        if torch.compiler.is_compiling():  # see _readable
+            return all(state is not None for state in self._owner._states)
+        return self._owner._all_made()
+
+    def _readable(self, i: int) -> bool:
+        """Whether group ``i``'s state may be read now: made, or to be made (not while dynamo
+        traces a step and looks into ``optimizer.state``: the step makes it, eagerly)."""
+        return self._owner._states[i] is not None or not torch.compiler.is_compiling()
+
+    def _view(self, i: int, position: int, layout: GroupLayout, leaves: list) -> ParameterState:
+        where = layout.where.get(position, {})
+        return ParameterState(
+            layout.of_parameter(leaves, position),
+            lambda changed: self._owner._write_leaves(i, {where[name]: value for name, value in changed.items()}),
+        )
+
+
+class ParameterState(dict):
+    """One parameter's tensors in its chain's state (``optimizer.state[p]``); assigning an entry
+    (``[name] =``, ``update``) replaces that tensor in the chain's state as well."""
+
+    def __init__(self, entries: dict[str, torch.Tensor], replace: Callable[[dict[str, Any]], None]) -> None:
+        super().__init__(entries)
+        self._replace = replace
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.update({name: value})
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        changed = dict(*args, **kwargs)
+        for name, value in changed.items():
+            if name not in self:
+                raise KeyError(f"{NAME}: the parameter's state has no {name!r}; it has {sorted(self)}")
+            old = dict.__getitem__(self, name)
+            if not isinstance(value, torch.Tensor) or value.shape != old.shape:
+                raise ValueError(
+                    f"{NAME}: state entry {name!r} must stay a tensor of shape {tuple(old.shape)}, got "
+                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+                )
+        self._replace(changed)
+        super().update(changed)
+
+    def setdefault(self, name: str, value: Any = None) -> Any:
+        if name not in self:
+            self[name] = value
+        return self[name]
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"{NAME}: entries of a parameter's state cannot be removed: the chain's state has a fixed structure"
+        )
+
+    __delitem__ = pop = popitem = clear = _refuse
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)  # a copy (deepcopy, pickle) is a plain dict, tied to no optimizer
+
+
+def _holds(group: dict[str, Any], position: int, param: Any) -> bool:
+    params = group["params"]
+    return position < len(params) and params[position] is param
+
+
+def _is_parameter_key(entry: Any) -> bool:
+    """A dict entry keyed by an int: the state trees are keyed by each parameter's position."""
+    return isinstance(entry, optree.MappingEntry) and isinstance(entry.entry, int)
+
+
+def _position(accessor: optree.PyTreeAccessor) -> Optional[int]:
+    """The position of the parameter a state tensor belongs to; ``None`` for shared state."""
+    return next((entry.entry for entry in accessor if _is_parameter_key(entry)), None)
+
+
+def flatten(state: OptState) -> tuple[list, optree.PyTreeSpec]:
+    """The leaves of a group's state (``None`` included) and its structure, in layout order."""
+    return tree.flatten(state)
