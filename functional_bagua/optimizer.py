@@ -17,7 +17,9 @@ each param group runs ``inject_hyperparams(factory)(**hyperparameters)``: its nu
 group (``group["lr"]``, ``group["betas"]``), and what a scheduler writes there is the value the
 next step uses: it is copied into the state's tensors before the update, outside any graph, so
 ``torch.compile(opt.step)`` reads it as data and never recompiles for a new lr.
-Groups may override hyperparameters, as torch's do. Built from a transform
+Groups may override hyperparameters, as torch's do; the factory receives each in the type of
+its default (``lr=1`` as 1.0, ``betas`` given as a list as a tuple), so a scheduler moves every
+number it would move in torch. Built from a transform
 (``fb.Optimizer(params, fb.chain(...))``), every group runs that transform, or the one its
 ``"tx"`` entry names; its hyperparameters are fixed, and the group holds no ``"lr"``, unless the
 transform is made by :func:`~functional_bagua.inject_hyperparams`: then those no schedule
@@ -321,7 +323,8 @@ class Optimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (copies of its tensors, on this state's devices);
+        """Restore what :meth:`state_dict` saved (copies of its tensors, on this state's devices;
+        floating-point ones in this state's dtype, as torch.optim casts them to the parameters');
         torch's load hooks run around it.
 
         Args:
@@ -355,7 +358,7 @@ class Optimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"{NAME}: the state dict has no {name!r} for group {i}; it was saved from another chain"
                     )
-                flat[key] = source[name]
+                flat[key] = _cast_like(source[name], leaf)
             self._states[i] = checkpoint.load_state_dict(self._states[i], flat)
             group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state")})
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -426,6 +429,13 @@ def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params
     inner = state.inner_state if isinstance(state, InjectHyperparamsState) else state
     kernels.run(kernel, {k: grads[k] for k in stepped}, inner, stepped)
     return state._replace(count=state.count + 1) if isinstance(state, InjectHyperparamsState) else state
+
+
+def _cast_like(saved: Any, leaf: torch.Tensor) -> Any:
+    """A saved floating-point tensor in the dtype of the state's (a model cast between save and load)."""
+    if isinstance(saved, torch.Tensor) and saved.is_floating_point() and leaf.is_floating_point():
+        return saved.to(leaf.dtype)
+    return saved
 
 
 def _numbers(held: Any) -> Any:

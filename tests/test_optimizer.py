@@ -288,6 +288,29 @@ def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit():
         assert torch.equal(p, q), name
 
 
+def test_a_checkpoint_loads_into_a_model_of_another_dtype_as_torchs_does():
+    """Saved in float32, loaded after model.double(): torch casts the moments to float64, so do we."""
+
+    def steps(model, opt, dtype, start, count):
+        for x, y in batches(start + count, dtype)[start:]:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+    runs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2)):
+        model = make_model("shapes", torch.float32)
+        opt = make(model.parameters())
+        steps(model, opt, torch.float32, 0, 2)
+        saved = copy.deepcopy(opt.state_dict())
+        model.double()
+        resumed = make(model.parameters())
+        resumed.load_state_dict(saved)
+        steps(model, resumed, torch.float64, 2, 2)
+        runs.append(model)
+    assert_models_equal(*runs)
+
+
 def test_state_dict_is_in_torchs_format():
     _, opt = train(lambda m: fb.Optimizer(m.parameters(), fb.adam, lr=1e-2), steps=2, scheduler=False)
     sd = opt.state_dict()
