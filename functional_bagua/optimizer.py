@@ -38,9 +38,10 @@ kernel runs eagerly also inside ``torch.compile(opt.step)``, where the pure upda
 groups are compiled.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
-moved after the optimizer is built steps on its new dtype and device; parameters that do not
-require gradients then get no state (one that gets a gradient later raises a ValueError naming
-the fix).
+moved after the optimizer is built steps on its new dtype and device. Reading the state
+(``state_dict()``, ``optimizer.state``) does not make it. Parameters that do not require
+gradients then get no state; one that gets a gradient later (unfrozen, or absent from the
+checkpoint loaded) gets its state at that step, the others' kept, as in torch.optim.
 
 ``optimizer.state[p]`` is, as in torch.optim, a dict of the parameter's tensors in the chain's
 state (``fb.adamw``'s first moment is ``"inner_state/1/mu"`` in a factory's optimizer, whose
@@ -118,12 +119,10 @@ class Optimizer(torch.optim.Optimizer):
         self._factory_defaults = (
             _defaults_of(tx, {}) if not (tx is None or isinstance(tx, GradientTransformation)) else {}
         )
+        # the names the factory takes (those it is given, where it takes **kwargs)
+        self._factory_takes = set(self._factory_defaults) | set(hyperparameters)
         self.fused = fused
-        # eager even inside a compiled step, so that no graph reads the group's numbers (made here:
-        # torch.compiler imports dynamo, too heavy for import time)
-        self._write_hyperparameters = torch.compiler.disable(_write_hyperparameters)
-        self._run_kernel = torch.compiler.disable(_run_kernel)
-        self._make_state = torch.compiler.disable(_make_state)
+        self._set_eager_parts()
         self._txs: list[GradientTransformation] = []  # per param group: its transform,
         self._states: list[Optional[OptState]] = []  # its state (None until its first use),
         self._tracked: list[frozenset[int]] = []  # the positions the state holds parameters for,
@@ -131,6 +130,14 @@ class Optimizer(torch.optim.Optimizer):
         self._written: list[dict[int, torch.Tensor]] = []  # and tensors assigned to it through self.state
         super().__init__(params, hyperparameters)
         self.state = ParameterStates(self)  # type: ignore[assignment]
+
+    def _set_eager_parts(self) -> None:
+        # eager even inside a compiled step, so that no graph reads the group's numbers (made here:
+        # torch.compiler imports dynamo, too heavy for import time)
+        self._write_hyperparameters = torch.compiler.disable(_write_hyperparameters)
+        self._run_kernel = torch.compiler.disable(_run_kernel)
+        self._make_state = torch.compiler.disable(_make_state)
+        self._grow_state = torch.compiler.disable(_grow_state)
 
     @property
     def _from_factory(self) -> bool:
@@ -195,8 +202,11 @@ class Optimizer(torch.optim.Optimizer):
                 f"{NAME}: fused=True, but torch has no fused kernel for param group {index}'s transform "
                 "(only fb.adamw, fb.adam and fb.sgd with number hyperparameters have one); pass fused=None"
             )
-        if not self._from_factory:  # an injected transform's numbers, for schedulers to write
-            for name, value in getattr(tx.update, "adjustable", {}).items():
+        if not self._from_factory:
+            adjustable = getattr(tx.update, "adjustable", {})
+            for name in [k for k in group if k not in given and k in self.defaults and k not in adjustable]:
+                del group[name]  # torch copied another group's number in: this transform has no such one
+            for name, value in adjustable.items():  # an injected transform's numbers, for schedulers
                 if name not in given:
                     group[name] = _numbers(value)
                 self.defaults.setdefault(name, group[name])  # what OneCycleLR looks for ("betas")
@@ -205,7 +215,8 @@ class Optimizer(torch.optim.Optimizer):
         """The group's entries that the factory takes (torch's groups may hold others), each in
         the type of the factory's default (``lr=1`` as 1.0, ``betas`` given as a list as a
         tuple), so that a number the default makes a tensor stays one a scheduler can change."""
-        return {k: _like(v, self._factory_defaults.get(k)) for k, v in group.items() if k in self.defaults}
+        takes = self._factory_takes
+        return {k: _like(v, self._factory_defaults.get(k)) for k, v in group.items() if k in takes}
 
     # ---- state, made at its first use -------------------------------------------------------------
 
@@ -214,7 +225,10 @@ class Optimizer(torch.optim.Optimizer):
         gradients, on their dtype and device of now."""
         state = self._states[i]
         if state is None:
-            state = self._make_state(self, i)
+            state = self._make_state(self, i, None)
+        return self._with_written(i, state)
+
+    def _with_written(self, i: int, state: OptState) -> OptState:
         if self._written[i]:  # tensors assigned through optimizer.state, put in at once
             leaves, spec = flatten(state)
             for j, tensor in self._written[i].items():
@@ -223,9 +237,13 @@ class Optimizer(torch.optim.Optimizer):
             state = self._states[i] = spec.unflatten(leaves)
         return state
 
-    def _group_state(self, i: int) -> tuple[list, GroupLayout]:
-        """The leaves of group ``i``'s state (``None`` included) and its layout."""
-        leaves, spec = flatten(self._state(i))
+    def _group_state(self, i: int) -> Optional[tuple[list, GroupLayout]]:
+        """The leaves of group ``i``'s state (``None`` included) and its layout; ``None`` before
+        the state is made (reading it does not make it: torch.optim's state is empty until the
+        first step, and a model may still be cast)."""
+        if self._states[i] is None:
+            return None
+        leaves, spec = flatten(self._with_written(i, self._states[i]))
         layout = self._layouts[i]
         if layout is None or layout.spec != spec:
             layout = self._layouts[i] = GroupLayout.of(self._states[i])
@@ -235,9 +253,16 @@ class Optimizer(torch.optim.Optimizer):
         """Replace leaves of group ``i``'s state (by their index in its layout) before its next use."""
         self._written[i].update(written)
 
-    def _all_made(self) -> bool:
-        for i in range(len(self.param_groups)):
-            self._state(i)
+    def _has_state(self) -> bool:
+        """Whether the optimizer reads as one that has stepped (``bool(optimizer.state)``). A group
+        not made yet counts as made when it holds no ``"lr"``: torch.distributed.checkpoint steps
+        an optimizer that reads as fresh, with ``lr`` set to 0 and zero gradients, which would
+        move the parameters of a transform whose numbers are fixed; such a group is made now."""
+        for i, group in enumerate(self.param_groups):
+            if self._states[i] is None:
+                if "lr" in group or torch.compiler.is_compiling():
+                    return False
+                self._state(i)
         return True
 
     # ---- the step -------------------------------------------------------------------------------
@@ -261,7 +286,8 @@ class Optimizer(torch.optim.Optimizer):
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
             state = self._state(i)
-            self._refuse_untracked(i, grads)
+            if any(g is not None and k not in self._tracked[i] for k, g in grads.items()):
+                state = self._grow_state(self, i, grads)
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
             kernel = self._kernel(i)
@@ -272,17 +298,6 @@ class Optimizer(torch.optim.Optimizer):
             updates, self._states[i] = self._txs[i].update(grads, state, params)
             _copy_into(params, apply_updates(params, updates))
         return loss
-
-    def _refuse_untracked(self, i: int, grads: dict[int, Optional[torch.Tensor]]) -> None:
-        untracked = [k for k, g in grads.items() if g is not None and k not in self._tracked[i]]
-        if untracked:
-            group = self.param_groups[i]
-            names = [group["param_names"][k] for k in untracked] if "param_names" in group else untracked
-            raise ValueError(
-                f"{NAME}: parameters {names} of group {i} have gradients but no optimizer state: they did not require "
-                "gradients when the group's state was made (at its first step); build the optimizer after unfreezing "
-                "them, or keep them in a group of their own (opt.add_param_group) added when they are unfrozen"
-            )
 
     def _kernel(self, i: int) -> Optional[kernels.KernelSpec]:
         """torch's fused kernel for group ``i`` with its numbers now, if one computes its transform
@@ -295,8 +310,15 @@ class Optimizer(torch.optim.Optimizer):
         return kernels.spec_of(self._txs[i])
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch.optim keeps only defaults, state and param_groups; the chains and their states too
-        return dict(self.__dict__)
+        """The chains and their states too (torch.optim keeps only defaults, state and
+        param_groups), without what belongs to this object alone: the eager wrappers, hooks and
+        a ``step`` that a scheduler wrapped (``__setstate__`` makes them anew, as torch's does)."""
+        own = {"step", "_write_hyperparameters", "_run_kernel", "_make_state", "_grow_state"}
+        return {k: v for k, v in self.__dict__.items() if k not in own and not k.endswith("_hooks")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._set_eager_parts()
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -309,12 +331,16 @@ class Optimizer(torch.optim.Optimizer):
         groups = []
         start = 0
         for i, group in enumerate(self.param_groups):
-            leaves, layout = self._group_state(i)
-            for position, entries in layout.per_parameter(leaves).items():
-                per_param[start + position] = entries
+            made = self._group_state(i)
+            shared = {}  # a group not made yet has no state, as torch's before the first step
+            if made is not None:
+                leaves, layout = made
+                for position, entries in layout.per_parameter(leaves).items():
+                    per_param[start + position] = entries
+                shared = layout.shared(leaves)
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(group["params"])))
-            packed["shared_state"] = layout.shared(leaves)
+            packed["shared_state"] = shared
             groups.append(packed)
             start += len(group["params"])
         state_dict = {"state": per_param, "param_groups": groups}
@@ -346,23 +372,38 @@ class Optimizer(torch.optim.Optimizer):
                 f"{NAME}: the state dict has groups of {[len(g['params']) for g in groups]} parameters, this optimizer "
                 f"{[len(g['params']) for g in self.param_groups]}; load it into an optimizer built the same way"
             )
-        per_param = state_dict["state"]
-        for i, (saved, group) in enumerate(zip(groups, self.param_groups)):
-            leaves, layout = self._group_state(i)
-            flat = {}  # this state's keys (fb.state_dict's), the saved tensors
-            for key, position, name, leaf in zip(layout.keys, layout.positions, layout.names, leaves):
-                if leaf is None:
-                    continue
-                source = saved["shared_state"] if position is None else per_param.get(saved["params"][position], {})
-                if name not in source:
-                    raise ValueError(
-                        f"{NAME}: the state dict has no {name!r} for group {i}; it was saved from another chain"
-                    )
-                flat[key] = _cast_like(source[name], leaf)
-            self._states[i] = checkpoint.load_state_dict(self._states[i], flat)
+        loaded = [self._loaded_group(i, saved, state_dict["state"]) for i, saved in enumerate(groups)]
+        for i, (saved, group) in enumerate(zip(groups, self.param_groups)):  # all read: now assign
+            self._states[i], self._tracked[i] = loaded[i]
+            self._layouts[i] = None
+            self._written[i].clear()
             group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state")})
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _loaded_group(
+        self, i: int, saved: dict[str, Any], per_param: dict[int, dict[str, Any]]
+    ) -> tuple[Optional[OptState], frozenset[int]]:
+        """Group ``i``'s state from a saved group: made anew over the parameters the saved one
+        held state for (those that required gradients when it was made), its tensors loaded;
+        ``(None, ...)`` for a group saved before it was made."""
+        entries = {at: per_param.get(index, {}) for at, index in enumerate(saved["params"])}
+        if not saved["shared_state"] and not any(entries.values()):
+            return None, frozenset()
+        tracked = frozenset(at for at, held in entries.items() if held) or _requiring_grad(self.param_groups[i])
+        template = _make_state(self, i, tracked, assign=False)
+        layout = GroupLayout.of(template)
+        flat = {}  # the template's keys (fb.state_dict's), the saved tensors
+        for key, position, name, leaf in zip(layout.keys, layout.positions, layout.names, flatten(template)[0]):
+            if leaf is None:
+                continue
+            source = saved["shared_state"] if position is None else entries[position]
+            if name not in source:
+                raise ValueError(
+                    f"{NAME}: the state dict has no {name!r} for group {i}; it was saved from another chain"
+                )
+            flat[key] = _cast_like(source[name], leaf)
+        return checkpoint.load_state_dict(template, flat), tracked
 
 
 def _defaults_of(factory: Factory, given: dict[str, Any]) -> dict[str, Any]:
@@ -411,15 +452,42 @@ def _split_by_label(
             yield {**param_group, "params": chosen, "label": label}, tx
 
 
-def _make_state(optimizer: Optimizer, i: int) -> OptState:
-    """Group ``i``'s state, over its parameters that require gradients (eager: a compiled step
-    that makes it reads numbers the state holds as Python values until then)."""
+def _make_state(optimizer: Optimizer, i: int, tracked: Optional[frozenset[int]], assign: bool = True) -> OptState:
+    """Group ``i``'s state over the parameters at positions ``tracked`` (``None``: those that
+    require gradients), kept as the group's with ``assign`` (eager: a compiled step that makes
+    it reads numbers the state holds as Python values until then)."""
     params = optimizer.param_groups[i]["params"]
-    tracked = optimizer._tracked[i] = frozenset(k for k, p in enumerate(params) if p.requires_grad)
-    state = optimizer._states[i] = optimizer._txs[i].init(
-        {k: p.detach() if k in tracked else None for k, p in enumerate(params)}
-    )
+    tracked = tracked if tracked is not None else _requiring_grad(optimizer.param_groups[i])
+    state = optimizer._txs[i].init({k: p.detach() if k in tracked else None for k, p in enumerate(params)})
+    if assign:
+        optimizer._states[i], optimizer._tracked[i] = state, tracked
     return state
+
+
+def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Tensor]]) -> OptState:
+    """Group ``i``'s state with state added for the parameters that have a gradient but none
+    yet (frozen when it was made, or not in the checkpoint it was loaded from), as torch.optim
+    makes a parameter's state at its first step: their tensors fresh from ``init``, every other
+    tensor (the other parameters', the shared counters and hyperparameters) kept."""
+    kept = optimizer._group_state(i)
+    assert kept is not None  # step made it
+    old_leaves, old_layout = kept
+    tracked = optimizer._tracked[i] | {k for k, g in grads.items() if g is not None}
+    grown = _make_state(optimizer, i, frozenset(tracked), assign=False)
+    layout = GroupLayout.of(grown)
+    new_leaves = flatten(grown)[0]
+    merged = []
+    for position, name, fresh in zip(layout.positions, layout.names, new_leaves):
+        j = old_layout.where.get(position, {}).get(name)
+        merged.append(fresh if j is None or old_leaves[j] is None else old_leaves[j])
+    state = optimizer._states[i] = layout.spec.unflatten(merged)
+    optimizer._tracked[i] = frozenset(tracked)
+    optimizer._layouts[i] = layout
+    return state
+
+
+def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:
+    return frozenset(k for k, p in enumerate(group["params"]) if p.requires_grad)
 
 
 def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params: list) -> OptState:

@@ -38,8 +38,9 @@ class GroupLayout(NamedTuple):
     @classmethod
     def of(cls, state: OptState) -> GroupLayout:
         keys, accessors, _, spec = checkpoint._keyed_leaves(state)
-        positions = [_position(a) for a in accessors]
-        names = [checkpoint._key(a, skip=_is_parameter_key) for a in accessors]
+        entries = [_position_entry(a) for a in accessors]
+        positions = [None if e is None else e.entry for e in entries]
+        names = [checkpoint._key(a, skip=_is(e)) for a, e in zip(accessors, entries)]
         where: dict[Optional[int], dict[str, int]] = {}
         for j, (position, name) in enumerate(zip(positions, names)):
             where.setdefault(position, {})[name] = j
@@ -70,13 +71,12 @@ class StateOwner(Protocol):
     """What :class:`ParameterStates` needs of the optimizer."""
 
     param_groups: list[dict[str, Any]]
-    _states: list[Optional[OptState]]
 
-    def _group_state(self, i: int) -> tuple[list, GroupLayout]: ...
+    def _group_state(self, i: int) -> Optional[tuple[list, GroupLayout]]: ...
 
     def _write_leaves(self, i: int, written: dict[int, torch.Tensor]) -> None: ...
 
-    def _all_made(self) -> bool: ...
+    def _has_state(self) -> bool: ...
 
 
 class ParameterStates(MutableMapping):
@@ -103,9 +103,10 @@ class ParameterStates(MutableMapping):
 
     def __getitem__(self, param: Any) -> ParameterState:
         i, position = self._where(param)
-        if not self._readable(i):
-            raise KeyError(param)
-        leaves, layout = self._owner._group_state(i)
+        made = self._owner._group_state(i)
+        if made is None:  # as torch's before the first step: nothing yet
+            return ParameterState({}, self._refuse_before_first_step)
+        leaves, layout = made
         return self._view(i, position, layout, leaves)
 
     def __contains__(self, param: object) -> bool:
@@ -120,9 +121,10 @@ class ParameterStates(MutableMapping):
         """Every parameter's state, each group's state flattened once."""
         out = []
         for i, group in enumerate(self._owner.param_groups):
-            if not self._readable(i):
+            made = self._owner._group_state(i)
+            if made is None:
                 continue
-            leaves, layout = self._owner._group_state(i)
+            leaves, layout = made
             holding = sorted(at for at in layout.where if at is not None)
             views = [(group["params"][at], self._view(i, at, layout, leaves)) for at in holding]
             out += [(p, view) for p, view in views if view]
@@ -141,14 +143,11 @@ class ParameterStates(MutableMapping):
         return len(self.items())
 
     def __bool__(self) -> bool:
-        if torch.compiler.is_compiling():  # see _readable
-            return all(state is not None for state in self._owner._states)
-        return self._owner._all_made()
+        return self._owner._has_state()
 
-    def _readable(self, i: int) -> bool:
-        """Whether group ``i``'s state may be read now: made, or to be made (not while dynamo
-        traces a step and looks into ``optimizer.state``: the step makes it, eagerly)."""
-        return self._owner._states[i] is not None or not torch.compiler.is_compiling()
+    @staticmethod
+    def _refuse_before_first_step(changed: dict[str, Any]) -> None:
+        raise KeyError(f"{NAME}: the parameter has no state before the optimizer's first step")
 
     def _view(self, i: int, position: int, layout: GroupLayout, leaves: list) -> ParameterState:
         where = layout.where.get(position, {})
@@ -204,14 +203,16 @@ def _holds(group: dict[str, Any], position: int, param: Any) -> bool:
     return position < len(params) and params[position] is param
 
 
-def _is_parameter_key(entry: Any) -> bool:
-    """A dict entry keyed by an int: the state trees are keyed by each parameter's position."""
-    return isinstance(entry, optree.MappingEntry) and isinstance(entry.entry, int)
+def _is(entry: Optional[optree.MappingEntry]) -> Callable[[Any], bool]:
+    return lambda other: other is entry
 
 
-def _position(accessor: optree.PyTreeAccessor) -> Optional[int]:
-    """The position of the parameter a state tensor belongs to; ``None`` for shared state."""
-    return next((entry.entry for entry in accessor if _is_parameter_key(entry)), None)
+def _position_entry(accessor: optree.PyTreeAccessor) -> Optional[optree.MappingEntry]:
+    """The entry of the path to a state tensor that names its parameter: the last dict key that
+    is an int (the state trees are keyed by each parameter's position; an int key before it is
+    something else, such as a partition's label); ``None`` for shared state."""
+    keyed = [e for e in accessor if isinstance(e, optree.MappingEntry) and isinstance(e.entry, int)]
+    return keyed[-1] if keyed else None
 
 
 def flatten(state: OptState) -> tuple[list, optree.PyTreeSpec]:

@@ -81,6 +81,8 @@ def test_lightnings_device_move_moves_the_chains_state():
 
     model = torch.nn.Linear(3, 2)
     optimizer = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()  # the state is made at the first step
     _optimizer_to_device(optimizer, torch.device("meta"))
     per_parameter = optimizer.state_dict()["state"]
     assert len(per_parameter) == 2

@@ -417,25 +417,84 @@ def test_a_scheduler_moves_hyperparameters_given_as_ints_and_lists():
 
 
 def test_state_is_made_at_the_first_step_for_the_parameters_that_train():
-    """As torch.optim's: no state for a frozen parameter, and a model cast after the optimizer
-    was built steps in its new dtype (torch.optim.AdamW(fused=True), bit for bit)."""
+    """As torch.optim's: no state for a frozen parameter; a model cast after the optimizer was
+    built (and its state read) steps in its new dtype; a parameter unfrozen later gets its state
+    at its first step. torch.optim.AdamW(fused=True), bit for bit."""
     runs = []
     for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2)):
         model = make_model("shapes", torch.float32)
         model.conv.weight.requires_grad_(False)
         opt = make(model.parameters())
+        assert not opt.state and not opt.state_dict()["state"]  # reading makes nothing
         model.double()  # after the optimizer: its state is made in float64
         train(None, steps=3, scheduler=False, model=model, optimizer=opt)
-        runs.append((model, opt))
-    (expected, _), (actual, opt) = runs
+        frozen_then = (model.conv.weight in opt.state, len(opt.state))
+        model.conv.weight.requires_grad_(True)
+        train(None, steps=2, scheduler=False, model=model, optimizer=opt, start=3)
+        runs.append((model, opt, frozen_then))
+    (expected, _, expected_then), (actual, opt, then) = runs
     assert_models_equal(expected, actual)
-    assert actual.conv.weight not in opt.state and actual.fc.weight in opt.state
-    assert len(opt.state) == len(list(actual.parameters())) - 1
+    assert then == expected_then == (False, len(list(actual.parameters())) - 1)
     assert all(t.dtype == torch.float64 for entries in opt.state.values() for t in entries.values() if t.dim())
 
-    actual.conv.weight.requires_grad_(True)  # unfrozen, but it has no state
-    with pytest.raises(ValueError, match="have gradients but no optimizer state.*build the optimizer after"):
-        train(None, steps=1, scheduler=False, model=actual, optimizer=opt)
+
+def test_a_checkpoint_without_a_parameters_state_loads_as_torchs_does():
+    """Saved while the bias was frozen, loaded with it trainable: its state starts at its first step."""
+    runs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2)):
+        model = make_model("shapes", DTYPE)
+        model.fc.bias.requires_grad_(False)
+        opt = make(model.parameters())
+        train(None, steps=2, scheduler=False, model=model, optimizer=opt)
+        saved = copy.deepcopy(opt.state_dict())
+        model.fc.bias.requires_grad_(True)
+        resumed = make(model.parameters())
+        resumed.load_state_dict(saved)
+        train(None, steps=2, scheduler=False, model=model, optimizer=resumed, start=2)
+        runs.append(model)
+    assert_models_equal(*runs)
+
+
+def test_a_deep_copy_with_a_scheduler_steps_only_the_copy():
+    model = make_model("shapes", DTYPE)
+    opt = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step
+    train(None, steps=1, scheduler=False, model=model, optimizer=opt)
+    twin, twin_opt = copy.deepcopy((model, opt))
+    before = [p.clone() for p in model.parameters()]
+    train(None, steps=1, scheduler=False, model=twin, optimizer=twin_opt, start=1)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not all(torch.equal(p, b) for p, b in zip(twin.parameters(), before))
+    twin_opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=DTYPE))]})  # the factory still builds
+
+
+def test_a_partition_with_int_labels_inside_a_chain_keeps_every_parameters_state():
+    """The parameter's key is the last int key on a state tensor's path (a label comes first)."""
+    make = lambda m: fb.Optimizer(  # noqa: E731
+        m.parameters(),
+        fb.chain(
+            fb.clip_by_global_norm(10.0),
+            fb.partition({0: fb.adam(1e-2), 1: fb.sgd(0.1, momentum=0.9)}, lambda p: {k: k % 2 for k in p}),
+        ),
+    )
+    whole, _ = train(make, scheduler=False)
+    first, opt = train(make, steps=STEPS // 2, scheduler=False)
+    saved = copy.deepcopy(opt.state_dict())
+    assert sorted(saved["state"]) == list(range(len(list(first.parameters()))))
+    resumed = make_model("shapes", DTYPE, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved)
+    train(None, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
+    assert_models_equal(whole, resumed)
+
+
+def test_a_groups_numbers_do_not_leak_into_another_groups():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = fb.Optimizer(
+        [{"params": [a], "tx": fb.inject_hyperparams(fb.adamw)(lr=1e-2)}, {"params": [b], "tx": fb.adamw(1e-2)}]
+    )
+    assert opt.param_groups[0]["lr"] == 1e-2 and "lr" not in opt.param_groups[1]
 
 
 def test_one_cycle_drives_a_partition_of_injected_transforms():
@@ -561,6 +620,9 @@ def test_bad_input_is_named():
         kept.add_param_group({"params": params[2:], "tx": fb.rmsprop(1e-2)})
     assert len(kept.param_groups) == 1 and len(kept.state_dict()["param_groups"]) == 1  # left as it was
     sgd = fb.Optimizer(params, fb.sgd, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    sgd.step()  # its state is made
     with pytest.raises(ValueError, match="another chain"):
         opt.load_state_dict(sgd.state_dict())
 
