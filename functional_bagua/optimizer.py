@@ -67,7 +67,7 @@ from functional_bagua import checkpoint, kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.fusion import _copy_into
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
-from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, flatten
+from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, flatten, positions
 from functional_bagua.transforms.wrappers import Partitioned, partitioned
 
 Factory = Callable[..., GradientTransformation]
@@ -254,15 +254,18 @@ class Optimizer(torch.optim.Optimizer):
         self._written[i].update(written)
 
     def _has_state(self) -> bool:
-        """Whether the optimizer reads as one that has stepped (``bool(optimizer.state)``). A group
-        not made yet counts as made when it holds no ``"lr"``: torch.distributed.checkpoint steps
-        an optimizer that reads as fresh, with ``lr`` set to 0 and zero gradients, which would
-        move the parameters of a transform whose numbers are fixed; such a group is made now."""
-        for i, group in enumerate(self.param_groups):
-            if self._states[i] is None:
-                if "lr" in group or torch.compiler.is_compiling():
-                    return False
-                self._state(i)
+        """Whether the optimizer reads as one that has stepped (``bool(optimizer.state)``): every
+        group's state made, or a group that holds no ``"lr"``. torch.distributed.checkpoint steps
+        an optimizer that reads as fresh, every group, with zero gradients and ``lr`` set to 0
+        where a group holds one; a transform's fixed numbers (weight decay) would move its
+        parameters. The groups without ``"lr"`` are made now instead; the others stay empty."""
+        if all(state is not None for state in self._states):
+            return True
+        fixed = [i for i, group in enumerate(self.param_groups) if "lr" not in group]
+        if not fixed or torch.compiler.is_compiling():
+            return False
+        for i in fixed:
+            self._state(i)
         return True
 
     # ---- the step -------------------------------------------------------------------------------
@@ -282,7 +285,7 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            grads = {k: p.grad for k, p in enumerate(group["params"])}
+            grads = {k: p.grad for k, p in zip(positions(len(group["params"])), group["params"])}
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
             state = self._state(i)
@@ -294,7 +297,7 @@ class Optimizer(torch.optim.Optimizer):
             if kernel is not None and not any(g is not None and g.is_sparse for g in grads.values()):
                 self._states[i] = self._run_kernel(kernel, grads, state, group["params"])
                 continue  # on the parameters themselves, as torch.optim's fused step
-            params = {k: p.detach() for k, p in enumerate(group["params"])}
+            params = {k: p.detach() for k, p in zip(positions(len(group["params"])), group["params"])}
             updates, self._states[i] = self._txs[i].update(grads, state, params)
             _copy_into(params, apply_updates(params, updates))
         return loss
@@ -458,7 +461,9 @@ def _make_state(optimizer: Optimizer, i: int, tracked: Optional[frozenset[int]],
     it reads numbers the state holds as Python values until then)."""
     params = optimizer.param_groups[i]["params"]
     tracked = tracked if tracked is not None else _requiring_grad(optimizer.param_groups[i])
-    state = optimizer._txs[i].init({k: p.detach() if k in tracked else None for k, p in enumerate(params)})
+    state = optimizer._txs[i].init(
+        {k: p.detach() if k in tracked else None for k, p in zip(positions(len(params)), params)}
+    )
     if assign:
         optimizer._states[i], optimizer._tracked[i] = state, tracked
     return state

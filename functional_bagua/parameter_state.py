@@ -1,8 +1,8 @@
-"""``optimizer.state`` for :class:`~functional_bagua.Optimizer`: torch's per-parameter view of a
+r"""``optimizer.state`` for :class:`~functional_bagua.Optimizer`: torch's per-parameter view of a
 chain's state.
 
 A chain's state is one tree per param group, keyed by each parameter's position in the group
-(``{0: mu_0, 1: mu_1, ...}`` inside ``ScaleByAdamState``). torch's code (trainers moving the state
+(``{0: mu_0, 1: mu_1, ...}`` inside ``ScaleByAdamState``; the keys are :class:`Position`\ s). torch's code (trainers moving the state
 to a device, torch.distributed.checkpoint, logging) reads ``optimizer.state[p]``: a dict of the
 tensors of ``p``. :class:`GroupLayout` records once, per group, which tensor of the flattened
 state belongs to which parameter and under which name; :class:`ParameterStates` reads and
@@ -83,9 +83,10 @@ class ParameterStates(MutableMapping):
     """``optimizer.state`` as torch.optim has it: parameter -> :class:`ParameterState`, a dict of
     its tensors in its group's chain state, named as in ``state_dict()``. Read from the chain's
     state at each access; an assignment (of an entry, or of a parameter's whole dict) replaces the
-    tensors there. Parameters without tensors of their own (a plain SGD, a frozen parameter) are
-    not listed, but the mapping is true once the state is made (torch.distributed.checkpoint
-    reads an empty one as an optimizer that has not stepped yet)."""
+    tensors there. Reading never makes a group's state: before the first step it is empty, as
+    torch's. Parameters without tensors of their own (a plain SGD, a frozen parameter) are not
+    listed, but the mapping is true once the state is made (torch.distributed.checkpoint reads
+    an empty one as an optimizer that has not stepped yet; see ``Optimizer._has_state``)."""
 
     def __init__(self, owner: StateOwner) -> None:
         self._owner = owner
@@ -208,11 +209,22 @@ def _is(entry: Optional[optree.MappingEntry]) -> Callable[[Any], bool]:
 
 
 def _position_entry(accessor: optree.PyTreeAccessor) -> Optional[optree.MappingEntry]:
-    """The entry of the path to a state tensor that names its parameter: the last dict key that
-    is an int (the state trees are keyed by each parameter's position; an int key before it is
-    something else, such as a partition's label); ``None`` for shared state."""
-    keyed = [e for e in accessor if isinstance(e, optree.MappingEntry) and isinstance(e.entry, int)]
-    return keyed[-1] if keyed else None
+    """The entry of the path to a state tensor that names its parameter (a :class:`Position`
+    key); ``None`` for shared state."""
+    return next((e for e in accessor if isinstance(e, optree.MappingEntry) and type(e.entry) is Position), None)
+
+
+class Position(int):
+    """A parameter's position in its group, as the key of the trees the optimizer hands its
+    chains: an int that says what it is, so that the state's per-parameter entries are told
+    from other int keys on the way (a partition's int labels)."""
+
+    __slots__ = ()
+
+
+def positions(n: int) -> list[Position]:
+    """The keys of a group of ``n`` parameters."""
+    return [Position(k) for k in range(n)]
 
 
 def flatten(state: OptState) -> tuple[list, optree.PyTreeSpec]:

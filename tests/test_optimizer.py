@@ -489,6 +489,46 @@ def test_a_partition_with_int_labels_inside_a_chain_keeps_every_parameters_state
     assert_models_equal(whole, resumed)
 
 
+def test_a_label_transforms_shared_state_under_int_labels_is_shared_state():
+    """An injected label transform's count and numbers belong to no parameter, whatever the
+    label; with a parameter frozen, the optimizer loads its own checkpoint."""
+    for labels in ((0, 1), (7, 8)):
+        tx = fb.chain(
+            fb.clip_by_global_norm(1.0),
+            fb.partition(
+                {labels[0]: fb.inject_hyperparams(fb.sgd)(lr=0.1, momentum=0.9), labels[1]: fb.adamw(1e-2)},
+                {0: labels[0], 1: labels[1], 2: labels[0]},
+            ),
+        )
+        params = [torch.nn.Parameter(torch.ones(4) * k) for k in range(3)]
+        params[0].requires_grad_(False)
+        opt = fb.Optimizer(params, tx)
+        for p in params[1:]:
+            p.grad = torch.ones(4)
+        opt.step()
+        saved = opt.state_dict()
+        assert sorted(saved["state"]) == [1, 2] and len(opt.state) == 2
+        assert f"1/inner_states/{labels[0]}/count" in saved["param_groups"][0]["shared_state"]
+        fb.Optimizer(params, tx).load_state_dict(copy.deepcopy(saved))
+
+
+def test_dcp_steps_no_group_whose_numbers_are_fixed():
+    """Before the first step, DCP steps an optimizer that reads as fresh (lr 0, zero gradients):
+    a group with fixed weight decay beside one with an lr must not move."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)).double()
+    before = [p.clone() for p in model.parameters()]
+    opt = fb.Optimizer(
+        [
+            {"params": model[0].parameters(), "tx": fb.inject_hyperparams(fb.adamw)(lr=1e-2)},
+            {"params": model[1].parameters(), "tx": fb.adamw(1e-2, weight_decay=0.1)},
+        ]
+    )
+    get_optimizer_state_dict(model, opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_a_groups_numbers_do_not_leak_into_another_groups():
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     opt = fb.Optimizer(
