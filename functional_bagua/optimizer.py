@@ -398,8 +398,8 @@ class Optimizer(torch.optim.Optimizer):
         layout = GroupLayout.of(template)
         flat = {}  # the template's keys (fb.state_dict's), the saved tensors
         for key, position, name, leaf in zip(layout.keys, layout.positions, layout.names, flatten(template)[0]):
-            if leaf is None:
-                continue
+            if not isinstance(leaf, torch.Tensor):
+                continue  # None, or a number the transform keeps as it is
             source = saved["shared_state"] if position is None else entries[position]
             if name not in source:
                 raise ValueError(
@@ -428,11 +428,15 @@ def _defaults_of(factory: Factory, given: dict[str, Any]) -> dict[str, Any]:
 
 def _like(value: Any, default: Any) -> Any:
     """``value`` in the type of ``default`` where that is a float (an int given) or a tuple (a list
-    given, its elements alike); else ``value`` as it is."""
+    given, its elements alike, ints among floats as floats: ``step_sizes=(1e-6, 50)``); else
+    ``value`` as it is."""
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(default, tuple) and isinstance(value, (list, tuple)) and len(value) == len(default):
-        return tuple(_like(v, d) for v, d in zip(value, default))
+        numbers = 0.0 if any(isinstance(d, float) for d in default) else None  # (1e-6, 50): both floats
+        return tuple(
+            _like(v, numbers if isinstance(d, int) and not isinstance(d, bool) else d) for v, d in zip(value, default)
+        )
     return value
 
 

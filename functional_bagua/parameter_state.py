@@ -48,13 +48,15 @@ class GroupLayout(NamedTuple):
 
     def of_parameter(self, leaves: list, position: int) -> dict[str, torch.Tensor]:
         """name -> tensor of the parameter at ``position`` (``None`` leaves left out)."""
-        return {name: leaves[j] for name, j in self.where.get(position, {}).items() if leaves[j] is not None}
+        return {
+            name: leaves[j] for name, j in self.where.get(position, {}).items() if isinstance(leaves[j], torch.Tensor)
+        }
 
     def per_parameter(self, leaves: list) -> dict[int, dict[str, torch.Tensor]]:
         """position -> {name: tensor} (``None`` leaves left out)."""
         out: dict[int, dict[str, torch.Tensor]] = {}
         for position, name, leaf in zip(self.positions, self.names, leaves):
-            if position is not None and leaf is not None:
+            if position is not None and isinstance(leaf, torch.Tensor):
                 out.setdefault(position, {})[name] = leaf
         return out
 
@@ -63,7 +65,7 @@ class GroupLayout(NamedTuple):
         return {
             name: leaf
             for position, name, leaf in zip(self.positions, self.names, leaves)
-            if position is None and leaf is not None
+            if position is None and isinstance(leaf, torch.Tensor)
         }
 
 

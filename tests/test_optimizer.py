@@ -21,6 +21,7 @@ CLASSES = {
     "adam": (torch.optim.Adam, fb.adam, dict(lr=1e-2, betas=(0.8, 0.99), amsgrad=True)),
     "sgd": (torch.optim.SGD, fb.sgd, dict(lr=0.1, momentum=0.9, nesterov=True)),
     "rmsprop": (torch.optim.RMSprop, fb.rmsprop, dict(lr=1e-2, momentum=0.5)),
+    "rprop": (torch.optim.Rprop, fb.rprop, dict(lr=1e-2)),  # step_sizes=(1e-6, 50): an int among floats
 }
 WITH_KERNEL = ("adamw", "adam", "sgd")  # torch has a fused kernel for these
 
@@ -309,6 +310,26 @@ def test_a_checkpoint_loads_into_a_model_of_another_dtype_as_torchs_does():
         steps(model, resumed, torch.float64, 2, 2)
         runs.append(model)
     assert_models_equal(*runs)
+
+
+ALIASES = ["adamw", "adam", "sgd", "rmsprop", "lion", "lamb", "adagrad", "adadelta", "adamax", "nadam", "radam"]
+ALIASES += ["lars", "adafactor", "asgd", "rprop"]
+
+
+@pytest.mark.parametrize("name", ALIASES)
+def test_every_alias_resumes_bit_for_bit(name):
+    """From a factory, each alias's state_dict holds every parameter's tensors and resumes exactly."""
+    make = lambda m: fb.Optimizer(m.parameters(), getattr(fb, name), lr=1e-2)  # noqa: E731
+    whole, _ = train(make, scheduler=False)
+    first, opt = train(make, steps=STEPS // 2, scheduler=False)
+    saved = copy.deepcopy(opt.state_dict())
+    assert sorted(saved["state"]) == list(range(len(list(first.parameters()))))
+    resumed = make_model("shapes", DTYPE, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved)
+    train(None, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
+    assert_models_equal(whole, resumed)
 
 
 def test_state_dict_is_in_torchs_format():
