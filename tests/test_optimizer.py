@@ -46,6 +46,21 @@ def assert_models_equal(a, b):
         assert torch.equal(p, q), f"{name}: largest difference {(p - q).abs().max().item()}"
 
 
+def assert_resumes_bit_for_bit(make):
+    """Half the steps, state_dict (holding every parameter's tensors), a fresh model and
+    optimizer loaded from it, the other half: the uninterrupted run's weights."""
+    whole, _ = train(make, scheduler=False)
+    first, opt = train(make, steps=STEPS // 2, scheduler=False)
+    saved = copy.deepcopy(opt.state_dict())
+    assert sorted(saved["state"]) == list(range(len(list(first.parameters()))))
+    resumed = make_model("shapes", DTYPE, seed=3)  # other weights: all come from the checkpoint
+    resumed.load_state_dict(first.state_dict())
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved)
+    train(None, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
+    assert_models_equal(whole, resumed)
+
+
 def assert_models_close(a, b, **tol):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(q, p, **(tol or TOL), msg=lambda m: f"{name}: {m}")
@@ -320,16 +335,7 @@ ALIASES += ["lars", "adafactor", "asgd", "rprop"]
 def test_every_alias_resumes_bit_for_bit(name):
     """From a factory, each alias's state_dict holds every parameter's tensors and resumes exactly."""
     make = lambda m: fb.Optimizer(m.parameters(), getattr(fb, name), lr=1e-2)  # noqa: E731
-    whole, _ = train(make, scheduler=False)
-    first, opt = train(make, steps=STEPS // 2, scheduler=False)
-    saved = copy.deepcopy(opt.state_dict())
-    assert sorted(saved["state"]) == list(range(len(list(first.parameters()))))
-    resumed = make_model("shapes", DTYPE, seed=3)
-    resumed.load_state_dict(first.state_dict())
-    opt2 = make(resumed)
-    opt2.load_state_dict(saved)
-    train(None, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
-    assert_models_equal(whole, resumed)
+    assert_resumes_bit_for_bit(make)
 
 
 def test_state_dict_is_in_torchs_format():
@@ -498,16 +504,7 @@ def test_a_partition_with_int_labels_inside_a_chain_keeps_every_parameters_state
             fb.partition({0: fb.adam(1e-2), 1: fb.sgd(0.1, momentum=0.9)}, lambda p: {k: k % 2 for k in p}),
         ),
     )
-    whole, _ = train(make, scheduler=False)
-    first, opt = train(make, steps=STEPS // 2, scheduler=False)
-    saved = copy.deepcopy(opt.state_dict())
-    assert sorted(saved["state"]) == list(range(len(list(first.parameters()))))
-    resumed = make_model("shapes", DTYPE, seed=3)
-    resumed.load_state_dict(first.state_dict())
-    opt2 = make(resumed)
-    opt2.load_state_dict(saved)
-    train(None, steps=STEPS // 2, scheduler=False, model=resumed, optimizer=opt2, start=STEPS // 2)
-    assert_models_equal(whole, resumed)
+    assert_resumes_bit_for_bit(make)
 
 
 def test_a_label_transforms_shared_state_under_int_labels_is_shared_state():
