@@ -224,7 +224,11 @@ def main(argv=None):
         default="adamw:a",
         help="optimizer:config pairs for which to time torch.compile(opt.step) (slow to compile on CPU)",
     )
-    parser.add_argument("--chart", default=os.path.join(os.path.dirname(__file__), "optimizer_step.png"))
+    parser.add_argument(
+        "--chart",
+        default=os.path.join(os.path.dirname(__file__), "optimizer_step.png"),
+        help="where to draw the chart; an empty string draws none",
+    )
     parser.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling run")
     parser.add_argument(
         "--families", default=",".join(FAMILIES), help=f"which kinds of variants to time, of {', '.join(FAMILIES)}"
@@ -248,7 +252,7 @@ def main(argv=None):
         print(f"## {label}: {count} tensors, {numel / 1e6:.2f}M elements\n\n{table(rows, columns)}\n", flush=True)
         for r in rows:
             chart.setdefault(f"{key}:{r['optimizer']}", {})[r["variant"]] = r["ms"]
-    if bar_chart(args.chart, f"optimizer step, {machine()}", chart, "median step (ms, log)"):
+    if args.chart and bar_chart(args.chart, f"optimizer step, {machine()}", chart, "median step (ms, log)"):
         print(f"chart: {args.chart}\n")
     if not args.no_scaling:
         print("## compile time of the fused in-place AdamW update (1M elements in all)\n")

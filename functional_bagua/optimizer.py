@@ -57,6 +57,7 @@ uninterrupted one bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
@@ -67,10 +68,21 @@ from functional_bagua import checkpoint, kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.fusion import _copy_into
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
-from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, flatten, positions
+from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
 from functional_bagua.transforms.wrappers import Partitioned, partitioned
 
 Factory = Callable[..., GradientTransformation]
+
+
+@dataclasses.dataclass
+class _Group:
+    """What the optimizer keeps beside one of torch's param groups."""
+
+    tx: GradientTransformation
+    state: Optional[OptState] = None  # made at the group's first step
+    tracked: frozenset[int] = frozenset()  # the positions the state holds parameters for
+    layout: Optional[GroupLayout] = None  # where each tensor of the state belongs
+    written: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # assigned through .state
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -105,6 +117,7 @@ class Optimizer(torch.optim.Optimizer):
         fused: Optional[bool] = None,
         **hyperparameters: Any,
     ) -> None:
+        self._factory_defaults: dict[str, Any] = {}
         if tx is None or isinstance(tx, GradientTransformation):
             if hyperparameters:
                 raise TypeError(
@@ -112,22 +125,16 @@ class Optimizer(torch.optim.Optimizer):
                     "factory (fb.Optimizer(params, fb.adamw, lr=1e-3)) or build them into the transform"
                 )
         elif callable(tx):
-            hyperparameters = {**_defaults_of(tx, hyperparameters), **hyperparameters}
+            self._factory_defaults = _defaults_of(tx, hyperparameters)
+            hyperparameters = {**self._factory_defaults, **hyperparameters}
         else:
             raise TypeError(f"{NAME}: tx must be a GradientTransformation or a factory of one, got {type(tx).__name__}")
         self._tx = tx
-        self._factory_defaults = (
-            _defaults_of(tx, {}) if not (tx is None or isinstance(tx, GradientTransformation)) else {}
-        )
         # the names the factory takes (those it is given, where it takes **kwargs)
-        self._factory_takes = set(self._factory_defaults) | set(hyperparameters)
+        self._factory_takes = set(hyperparameters)
         self.fused = fused
         self._set_eager_parts()
-        self._txs: list[GradientTransformation] = []  # per param group: its transform,
-        self._states: list[Optional[OptState]] = []  # its state (None until its first use),
-        self._tracked: list[frozenset[int]] = []  # the positions the state holds parameters for,
-        self._layouts: list[Optional[GroupLayout]] = []  # where each tensor of the state belongs,
-        self._written: list[dict[int, torch.Tensor]] = []  # and tensors assigned to it through self.state
+        self._groups: list[_Group] = []  # beside each of torch's param groups
         super().__init__(params, hyperparameters)
         self.state = ParameterStates(self)  # type: ignore[assignment]
 
@@ -157,8 +164,7 @@ class Optimizer(torch.optim.Optimizer):
         try:
             self._add_groups(dict(param_group))
         except BaseException:
-            for per_group in (self.param_groups, self._txs, self._states, self._tracked, self._layouts, self._written):
-                del per_group[before:]
+            del self.param_groups[before:], self._groups[before:]
             raise
 
     def _add_groups(self, param_group: dict[str, Any]) -> None:
@@ -192,11 +198,7 @@ class Optimizer(torch.optim.Optimizer):
                 "(update(..., value_fn=...): fb.lbfgs), which a step from .grad cannot give; run it in a functional "
                 "loop, tx.update(grads, state, params, value_fn=loss_of), or use torch.optim.LBFGS with a closure"
             )
-        self._txs.append(tx)
-        self._states.append(None)
-        self._tracked.append(frozenset())
-        self._layouts.append(None)
-        self._written.append({})
+        self._groups.append(_Group(tx))
         if self.fused and self._kernel(index) is None:
             raise ValueError(
                 f"{NAME}: fused=True, but torch has no fused kernel for param group {index}'s transform "
@@ -223,35 +225,40 @@ class Optimizer(torch.optim.Optimizer):
     def _state(self, i: int) -> OptState:
         """Group ``i``'s state, made now if it is not yet: over the parameters that require
         gradients, on their dtype and device of now."""
-        state = self._states[i]
-        if state is None:
-            state = self._make_state(self, i, None)
-        return self._with_written(i, state)
+        if self._groups[i].state is None:
+            self._make_state(self, i, None)
+        return self._with_written(self._groups[i])
 
-    def _with_written(self, i: int, state: OptState) -> OptState:
-        if self._written[i]:  # tensors assigned through optimizer.state, put in at once
-            leaves, spec = flatten(state)
-            for j, tensor in self._written[i].items():
+    @staticmethod
+    def _with_written(group: _Group) -> OptState:
+        """The group's state with the tensors assigned through ``optimizer.state`` put in (at once)."""
+        if group.written:
+            leaves, spec = tree.flatten(group.state)
+            for j, tensor in group.written.items():
                 leaves[j] = tensor
-            self._written[i].clear()
-            state = self._states[i] = spec.unflatten(leaves)
-        return state
+            group.written.clear()
+            group.state = spec.unflatten(leaves)
+        return group.state
 
     def _group_state(self, i: int) -> Optional[tuple[list, GroupLayout]]:
         """The leaves of group ``i``'s state (``None`` included) and its layout; ``None`` before
         the state is made (reading it does not make it: torch.optim's state is empty until the
         first step, and a model may still be cast)."""
-        if self._states[i] is None:
+        group = self._groups[i]
+        if group.state is None:
             return None
-        leaves, spec = flatten(self._with_written(i, self._states[i]))
-        layout = self._layouts[i]
-        if layout is None or layout.spec != spec:
-            layout = self._layouts[i] = GroupLayout.of(self._states[i])
-        return leaves, layout
+        leaves, spec = tree.flatten(self._with_written(group))
+        if group.layout is None or group.layout.spec != spec:
+            group.layout = GroupLayout.of(group.state)
+        return leaves, group.layout
 
-    def _write_leaves(self, i: int, written: dict[int, torch.Tensor]) -> None:
-        """Replace leaves of group ``i``'s state (by their index in its layout) before its next use."""
-        self._written[i].update(written)
+    def _write_leaves(self, i: int, position: int, changed: dict[str, torch.Tensor]) -> None:
+        """Replace the named tensors of the parameter at ``position`` in group ``i``'s state,
+        before the state's next use (read through its layout, which a view was made from)."""
+        group = self._groups[i]
+        assert group.layout is not None
+        where = group.layout.where[position]
+        group.written.update({where[name]: tensor for name, tensor in changed.items()})
 
     def _has_state(self) -> bool:
         """Whether the optimizer reads as one that has stepped (``bool(optimizer.state)``): every
@@ -259,7 +266,7 @@ class Optimizer(torch.optim.Optimizer):
         an optimizer that reads as fresh, every group, with zero gradients and ``lr`` set to 0
         where a group holds one; a transform's fixed numbers (weight decay) would move its
         parameters. The groups without ``"lr"`` are made now instead; the others stay empty."""
-        if all(state is not None for state in self._states):
+        if all(group.state is not None for group in self._groups):
             return True
         fixed = [i for i, group in enumerate(self.param_groups) if "lr" not in group]
         if not fixed or torch.compiler.is_compiling():
@@ -284,21 +291,22 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for i, group in enumerate(self.param_groups):
-            grads = {k: p.grad for k, p in zip(positions(len(group["params"])), group["params"])}
+        for i, (group, ours) in enumerate(zip(self.param_groups, self._groups)):
+            keys = positions(len(group["params"]))
+            grads = {k: p.grad for k, p in zip(keys, group["params"])}
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
             state = self._state(i)
-            if any(g is not None and k not in self._tracked[i] for k, g in grads.items()):
+            if any(g is not None and k not in ours.tracked for k, g in grads.items()):
                 state = self._grow_state(self, i, grads)
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
             kernel = self._kernel(i)
             if kernel is not None and not any(g is not None and g.is_sparse for g in grads.values()):
-                self._states[i] = self._run_kernel(kernel, grads, state, group["params"])
+                ours.state = self._run_kernel(kernel, grads, state, group["params"])
                 continue  # on the parameters themselves, as torch.optim's fused step
-            params = {k: p.detach() for k, p in zip(positions(len(group["params"])), group["params"])}
-            updates, self._states[i] = self._txs[i].update(grads, state, params)
+            params = {k: p.detach() for k, p in zip(keys, group["params"])}
+            updates, ours.state = ours.tx.update(grads, state, params)
             _copy_into(params, apply_updates(params, updates))
         return loss
 
@@ -310,7 +318,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._from_factory:
             assert self._tx is not None and not isinstance(self._tx, GradientTransformation)
             return kernels.spec_of(self._tx(**self._factory_arguments(self.param_groups[i])))
-        return kernels.spec_of(self._txs[i])
+        return kernels.spec_of(self._groups[i].tx)
 
     def __getstate__(self) -> dict[str, Any]:
         """The chains and their states too (torch.optim keeps only defaults, state and
@@ -376,10 +384,9 @@ class Optimizer(torch.optim.Optimizer):
                 f"{[len(g['params']) for g in self.param_groups]}; load it into an optimizer built the same way"
             )
         loaded = [self._loaded_group(i, saved, state_dict["state"]) for i, saved in enumerate(groups)]
-        for i, (saved, group) in enumerate(zip(groups, self.param_groups)):  # all read: now assign
-            self._states[i], self._tracked[i] = loaded[i]
-            self._layouts[i] = None
-            self._written[i].clear()
+        for ours, (state, tracked), saved, group in zip(self._groups, loaded, groups, self.param_groups):
+            ours.state, ours.tracked, ours.layout = state, tracked, None  # all read: now assigned
+            ours.written.clear()
             group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state")})
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -397,7 +404,7 @@ class Optimizer(torch.optim.Optimizer):
         template = _make_state(self, i, tracked, assign=False)
         layout = GroupLayout.of(template)
         flat = {}  # the template's keys (fb.state_dict's), the saved tensors
-        for key, position, name, leaf in zip(layout.keys, layout.positions, layout.names, flatten(template)[0]):
+        for key, position, name, leaf in zip(layout.keys, layout.positions, layout.names, tree.flatten(template)[0]):
             if not isinstance(leaf, torch.Tensor):
                 continue  # None, or a number the transform keeps as it is
             source = saved["shared_state"] if position is None else entries[position]
@@ -465,11 +472,10 @@ def _make_state(optimizer: Optimizer, i: int, tracked: Optional[frozenset[int]],
     it reads numbers the state holds as Python values until then)."""
     params = optimizer.param_groups[i]["params"]
     tracked = tracked if tracked is not None else _requiring_grad(optimizer.param_groups[i])
-    state = optimizer._txs[i].init(
-        {k: p.detach() if k in tracked else None for k, p in zip(positions(len(params)), params)}
-    )
+    ours = optimizer._groups[i]
+    state = ours.tx.init({k: p.detach() if k in tracked else None for k, p in zip(positions(len(params)), params)})
     if assign:
-        optimizer._states[i], optimizer._tracked[i] = state, tracked
+        ours.state, ours.tracked = state, tracked
     return state
 
 
@@ -481,18 +487,16 @@ def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Te
     kept = optimizer._group_state(i)
     assert kept is not None  # step made it
     old_leaves, old_layout = kept
-    tracked = optimizer._tracked[i] | {k for k, g in grads.items() if g is not None}
-    grown = _make_state(optimizer, i, frozenset(tracked), assign=False)
+    ours = optimizer._groups[i]
+    tracked = ours.tracked | {k for k, g in grads.items() if g is not None}
+    grown = _make_state(optimizer, i, tracked, assign=False)
     layout = GroupLayout.of(grown)
-    new_leaves = flatten(grown)[0]
     merged = []
-    for position, name, fresh in zip(layout.positions, layout.names, new_leaves):
+    for position, name, fresh in zip(layout.positions, layout.names, tree.flatten(grown)[0]):
         j = old_layout.where.get(position, {}).get(name)
         merged.append(fresh if j is None or old_leaves[j] is None else old_leaves[j])
-    state = optimizer._states[i] = layout.spec.unflatten(merged)
-    optimizer._tracked[i] = frozenset(tracked)
-    optimizer._layouts[i] = layout
-    return state
+    ours.state, ours.tracked, ours.layout = layout.spec.unflatten(merged), tracked, layout
+    return ours.state
 
 
 def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 import optree
 import torch
 
-from functional_bagua import checkpoint, tree
+from functional_bagua import checkpoint
 from functional_bagua.base import OptState
 
 NAME = "fb.Optimizer"
@@ -53,12 +53,9 @@ class GroupLayout(NamedTuple):
         }
 
     def per_parameter(self, leaves: list) -> dict[int, dict[str, torch.Tensor]]:
-        """position -> {name: tensor} (``None`` leaves left out)."""
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for position, name, leaf in zip(self.positions, self.names, leaves):
-            if position is not None and isinstance(leaf, torch.Tensor):
-                out.setdefault(position, {})[name] = leaf
-        return out
+        """position -> {name: tensor}, for the parameters with tensors of their own, in order."""
+        entries = {at: self.of_parameter(leaves, at) for at in sorted(a for a in self.where if a is not None)}
+        return {at: held for at, held in entries.items() if held}
 
     def shared(self, leaves: list) -> dict[str, torch.Tensor]:
         """name -> tensor of the state that belongs to no single parameter."""
@@ -76,7 +73,7 @@ class StateOwner(Protocol):
 
     def _group_state(self, i: int) -> Optional[tuple[list, GroupLayout]]: ...
 
-    def _write_leaves(self, i: int, written: dict[int, torch.Tensor]) -> None: ...
+    def _write_leaves(self, i: int, position: int, changed: dict[str, torch.Tensor]) -> None: ...
 
     def _has_state(self) -> bool: ...
 
@@ -110,7 +107,7 @@ class ParameterStates(MutableMapping):
         if made is None:  # as torch's before the first step: nothing yet
             return ParameterState({}, self._refuse_before_first_step)
         leaves, layout = made
-        return self._view(i, position, layout, leaves)
+        return self._view(i, position, layout.of_parameter(leaves, position))
 
     def __contains__(self, param: object) -> bool:
         """Whether ``param`` has tensors of its own in the state (as in torch's, where a
@@ -128,9 +125,7 @@ class ParameterStates(MutableMapping):
             if made is None:
                 continue
             leaves, layout = made
-            holding = sorted(at for at in layout.where if at is not None)
-            views = [(group["params"][at], self._view(i, at, layout, leaves)) for at in holding]
-            out += [(p, view) for p, view in views if view]
+            out += [(group["params"][at], self._view(i, at, held)) for at, held in layout.per_parameter(leaves).items()]
         return out
 
     def __setitem__(self, param: Any, entries: Any) -> None:
@@ -152,12 +147,8 @@ class ParameterStates(MutableMapping):
     def _refuse_before_first_step(changed: dict[str, Any]) -> None:
         raise KeyError(f"{NAME}: the parameter has no state before the optimizer's first step")
 
-    def _view(self, i: int, position: int, layout: GroupLayout, leaves: list) -> ParameterState:
-        where = layout.where.get(position, {})
-        return ParameterState(
-            layout.of_parameter(leaves, position),
-            lambda changed: self._owner._write_leaves(i, {where[name]: value for name, value in changed.items()}),
-        )
+    def _view(self, i: int, position: int, entries: dict[str, torch.Tensor]) -> ParameterState:
+        return ParameterState(entries, lambda changed: self._owner._write_leaves(i, position, changed))
 
 
 class ParameterState(dict):
@@ -227,8 +218,3 @@ class Position(int):
 def positions(n: int) -> list[Position]:
     """The keys of a group of ``n`` parameters."""
     return [Position(k) for k in range(n)]
-
-
-def flatten(state: OptState) -> tuple[list, optree.PyTreeSpec]:
-    """The leaves of a group's state (``None`` included) and its structure, in layout order."""
-    return tree.flatten(state)
