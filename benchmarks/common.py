@@ -15,18 +15,39 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 3) -> float:
-    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
+def step_times_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 3) -> list[float]:
+    """The time of each of ``steps`` calls of ``fn()`` in milliseconds, after ``warmup`` untimed
+    calls. On CUDA, CUDA events around each call, synchronized once at the end (a host sync per
+    step would add its own latency to steps of tens of microseconds); the GPU's time between the
+    events includes any wait for the host to launch the step's kernels. Elsewhere, wall time."""
     for _ in range(warmup):
         fn()
     sync(device)
+    if device.startswith("cuda"):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         fn()
         sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def median_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 3) -> float:
+    """Median time of ``fn()`` in milliseconds (:func:`step_times_ms`)."""
+    return statistics.median(step_times_ms(fn, device, steps, warmup))
+
+
+def spread(times: list[float]) -> str:
+    """The range of ``times`` as ``"min-max"``, for the reports' medians."""
+    return f"{min(times):.3g}-{max(times):.3g}"
 
 
 def steady_malloc(mmap_threshold: int = 32 << 20) -> str:
@@ -101,8 +122,10 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def copy_bandwidth_gbs(device: str, mib: int = 256) -> float:
-    """The machine's copy bandwidth (read + write bytes per second) on a ``mib`` MiB buffer."""
+def copy_bandwidth_gbs(device: str, mib: int = 0) -> float:
+    """The machine's copy bandwidth (read + write bytes per second) on a ``mib`` MiB buffer
+    (default: 1 GiB on a GPU, well beyond its L2 cache; 256 MiB on the CPU)."""
+    mib = mib or (1024 if device.startswith("cuda") else 256)
     src = torch.ones(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device, steps=10)
@@ -120,10 +143,21 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+def machine(device: str = "cpu") -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     return f"CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def write_json(path: str, payload: object) -> None:
+    """``payload`` as JSON at ``path`` (nothing when ``path`` is empty): the machine-readable
+    copy of a benchmark's tables, for benchmarks/gpu_check.py's report."""
+    if not path:
+        return
+    import json
+
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
 
 
 def bar_chart(path: str, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> bool:

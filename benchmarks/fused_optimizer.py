@@ -2,6 +2,7 @@
 
     python benchmarks/fused_optimizer.py                      # CPU: all configs and the training loops
     python benchmarks/fused_optimizer.py --configs mlp --no-train --steps 10
+    python benchmarks/fused_optimizer.py --device cuda --configs bert --bert-train   # Bagua's headline case
 
 Optimizer step alone, for AdamW, Adam, SGD momentum, SGD, Adadelta and a BertAdam-style optimizer
 (tests/custom_optimizers.py; with its per-tensor clip, which fuse_step must leave unfused, and
@@ -20,7 +21,10 @@ optimizer's own ``step`` on one flat parameter with no checks at all, after (fre
 the best speedup fusion could reach there.
 
 Then whole training steps (zero_grad, forward, backward, step) on a 100-layer MLP and a
-6-layer transformer encoder with ``zero_grad()``'s default ``set_to_none=True``.
+6-layer transformer encoder with ``zero_grad()``'s default ``set_to_none=True``; with
+``--bert-train`` also on a BERT-base-sized encoder (12 layers, width 768, 12 heads, a 30522-word
+embedding and head; 8 sequences of 128 tokens), Bagua's headline case for its fused optimizer.
+``--device cuda`` runs everything on the GPU (each timed call synchronized).
 
 glibc's malloc is pinned first (``common.steady_malloc``; ``--default-malloc`` to skip): the
 for-loop implementations allocate parameter-sized temporaries, and with glibc's moving mmap
@@ -67,6 +71,14 @@ CONFIGS = {
 }
 
 
+DEVICE = "cpu"  # --device
+
+
+def _sync() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def interleaved_ms(fns: dict, setup, steps: int, warmup: int = 3) -> dict:
     """Median milliseconds of each ``fns[k]()``, the calls taken in turns so that the machine's
     drift hits every variant alike; ``setup(k)`` runs untimed before every call of ``fns[k]``."""
@@ -74,8 +86,10 @@ def interleaved_ms(fns: dict, setup, steps: int, warmup: int = 3) -> dict:
     for i in range(warmup + steps):
         for k, fn in fns.items():
             setup(k)
+            _sync()
             start = time.perf_counter()
             fn()
+            _sync()
             if i >= warmup:
                 times[k].append(time.perf_counter() - start)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -83,8 +97,8 @@ def interleaved_ms(fns: dict, setup, steps: int, warmup: int = 3) -> dict:
 
 def make_tensors(shapes):
     gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    params = [(torch.randn(s, generator=gen) * 0.02).to(DEVICE) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-3).to(DEVICE) for s in shapes]
     return params, grads
 
 
@@ -190,6 +204,28 @@ def encoder():
     return torch.nn.TransformerEncoder(layer, num_layers=6, enable_nested_tensor=False)
 
 
+class BertBase(torch.nn.Module):
+    """A BERT-base-sized encoder: a 30522-word embedding, 12 post-norm layers of width 768 (12
+    heads, feed-forward 3072), a head back to the vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(30522, 768)
+        layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=12, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(768, 30522)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+BERT_TRAIN = {
+    "BERT-base encoder (12 x d768, 30522 words), batch 8 x 128 tokens": (
+        BertBase,
+        lambda gen: torch.randint(0, 30522, (8, 128), generator=gen),
+    ),
+}
+
 TRAIN_MODELS = {
     "100-layer MLP (200 tensors), batch 32": (DeepMLP, lambda gen: torch.randn(32, 64, generator=gen)),
     "transformer encoder, 6 x d256 (74 tensors), batch 4 x 32 tokens": (
@@ -199,24 +235,24 @@ TRAIN_MODELS = {
 }
 
 
-def bench_training(steps):
+def bench_training(steps, models=TRAIN_MODELS, names=("AdamW", "Adadelta")):
     rows = []
-    for label, (make_model, make_input) in TRAIN_MODELS.items():
-        x = make_input(torch.Generator().manual_seed(1))
-        for name in ("AdamW", "Adadelta"):
+    for label, (make_model, make_input) in models.items():
+        x = make_input(torch.Generator().manual_seed(1)).to(DEVICE)
+        for name in names:
             variants = [("step", "for-loop"), ("fuse_step", "for-loop"), ("step", "foreach"), ("fuse_step", "foreach")]
             if name in TORCH_FUSED:
                 variants.append(("step", "torch fused=True"))
             train_steps = {}
             for how, impl in variants:
                 torch.manual_seed(0)
-                model = make_model()
+                model = make_model().to(DEVICE)
                 opt = OPTIMIZERS[name](list(model.parameters()), **IMPLEMENTATIONS.get(impl, dict(fused=True)))
                 step = fuse_optimizer(opt).fuse_step if how == "fuse_step" else opt.step
 
                 def train_step(model=model, opt=opt, step=step, x=x):
                     opt.zero_grad()
-                    model(x).square().mean().backward()
+                    model(x).float().square().mean().backward()
                     step()
 
                 train_steps[(how, impl)] = train_step
@@ -238,15 +274,19 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(step) (about a minute)")
     parser.add_argument("--train-steps", type=int, default=40, help="timed training steps (forward/backward are noisy)")
     parser.add_argument("--no-train", action="store_true", help="skip the training loops")
+    parser.add_argument("--bert-train", action="store_true", help="only the BERT-base training step (AdamW)")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--default-malloc",
         action="store_true",
         help="leave glibc's malloc as it is (BERT-size for-loop steps then vary up to 2x)",
     )
     args = parser.parse_args(argv)
+    global DEVICE  # noqa: PLW0603
+    DEVICE = args.device
     torch._inductor.config.fx_graph_cache = False
     allocator = steady_malloc() if not args.default_malloc else "default allocator"
-    print(f"# fuse_step vs step, {machine()}, {allocator}\n")
+    print(f"# fuse_step vs step, {machine(DEVICE)}, {allocator}\n")
     names = args.optimizers.split(",")
     for key in args.configs.split(","):
         steps = args.bert_steps if key == "bert" else args.steps
@@ -257,7 +297,11 @@ def main(argv=None):
             + "\n",
             flush=True,
         )
-    if not args.no_train:
+    if args.bert_train:
+        print(f"## training step on BERT-base: zero_grad(), forward, backward, step (median of {args.train_steps})\n")
+        rows = bench_training(args.train_steps, BERT_TRAIN, ("AdamW",))
+        print(table(rows, ["model", "optimizer", "impl", "call", "ms", "speedup"]), flush=True)
+    elif not args.no_train:
         print(f"## training step: zero_grad(), forward, backward, step (median of {args.train_steps})\n")
         print(table(bench_training(args.train_steps), ["model", "optimizer", "impl", "call", "ms", "speedup"]))
 

@@ -1,48 +1,170 @@
-"""One optimizer step: torch.optim (for-loop, foreach, fused, torch.compile) vs functional_bagua
-(fb.Optimizer with torch's kernel and with the pure update, tree eager, flat fused eager, flat
-fused in-place with the fastest kernel, flat fused compiled).
+"""One optimizer step: torch.optim (for-loop, foreach, fused, torch.compile), the peers (heavyball,
+torchopt: optional) and functional_bagua (fb.Optimizer, the pure tree update, flat fused eager,
+flat fused in place with torch's kernel, flat fused compiled), in one run.
 
     python benchmarks/optimizer_step.py                       # CPU, all configs, chart to benchmarks/
-    python benchmarks/optimizer_step.py --device cuda --configs a,b,c
+    python benchmarks/optimizer_step.py --device cuda --configs a,b,c,d --json step.json
+    python benchmarks/optimizer_step.py --device cuda --roofline --only-roofline
+    python benchmarks/optimizer_step.py --device cuda --only-scaling --families fb,peers,torch
 
-Configs: (a) 200 tensors x 5k, (b) 20 x 500k, (c) BERT-base's 199 parameter shapes, scaled down
-(hidden 256, vocab 8192; ~11.7M elements). Prints a Markdown table per config: median step time,
-ratio to torch's fused optimizer, compile time, peak memory, effective bandwidth (the bytes the
-update must read and write / time) as a share of the measured copy bandwidth. Then the compile
-time of the fused update for 20, 200 and 2000 tensors.
+Configs: (a) 200 tensors x 5k, (b) 20 x 500k, (c) BERT-base's 199 parameter shapes (full size
+on a GPU, 109M elements; hidden 256 and vocabulary 8192 on the CPU, 11.7M), (d) GPT-2 small's
+148 shapes (124M elements). Optimizers: AdamW, Adam, SGD (momentum 0.9), LAMB, Lion, Adafactor
+and Muon (Muon on the config's 2-D tensors only, as it is used). Each row: median step time and
+its range, the ratio to torch's fused step (torch's foreach step where torch has no fused kernel,
+n/a where torch lacks the optimizer), first-call (compile) time, peak memory above the start,
+effective bandwidth (the bytes the update must read and write / time) and its share of the
+device-to-device copy bandwidth measured in the same run (the memory roofline).
+
+``--roofline``: AdamW on one flat buffer of 1M to 100M elements (torch's fused kernel, our
+``fuse_inplace`` with torch's kernel and compiled), each step as a share of the time its 7 arrays
+need at the measured copy bandwidth. ``--scaling``: first-call time of the compiled update for
+20, 200 and 2000 tensors (ours, heavyball's AdamW, ``torch.compile(opt.step)``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
+import statistics
 import sys
+import time
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakMemory, bar_chart, copy_bandwidth_gbs, first_call_s, machine, median_ms, table  # noqa: E402
+from common import (  # noqa: E402
+    PeakMemory,
+    bar_chart,
+    copy_bandwidth_gbs,
+    first_call_s,
+    machine,
+    spread,
+    step_times_ms,
+    table,
+    write_json,
+)
 
 import functional_bagua as fb  # noqa: E402
 
-# bytes read + written per element and step, in units of the element size (p, g, moments)
-TRAFFIC = {"adamw": 7, "adam": 7, "sgd": 5, "lamb": 9}
-TORCH = {
-    "adamw": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),
-    "adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw),
-    "sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
+
+class Spec(NamedTuple):
+    """One optimizer: our transform, torch's class (or None) with its implementations, the peers'
+    constructors (or None), and the bytes per element its update must move (elements read plus
+    written, in units of the element size; 0: not memory-bound, no bandwidth column)."""
+
+    fb: Callable
+    fb_factory: tuple  # (alias, hyperparameters) for fb.Optimizer
+    torch: Optional[Callable]
+    torch_kinds: tuple
+    heavyball: Optional[Callable]
+    torchopt: Optional[Callable]
+    traffic: int
+    matrices_only: bool = False
+    flat_compiled: bool = True  # False: per-matrix work (factored moments, Newton-Schulz) compiles per tensor
+
+
+LOOP, FOREACH, FUSED = (
+    ("torch for-loop", dict(foreach=False)),
+    ("torch foreach", dict(foreach=True)),
+    ("torch fused", dict(fused=True)),
+)
+
+
+def _heavyball(name: str, **kw):
+    def make(ps):
+        import heavyball
+
+        return getattr(heavyball, name)(ps, **kw)
+
+    return make
+
+
+def _torchopt(name: str, *args, **kw):
+    def make():
+        import torchopt
+
+        return getattr(torchopt, name)(*args, **kw)
+
+    return make
+
+
+SPECS = {
+    "adamw": Spec(
+        lambda: fb.adamw(lr=1e-3, weight_decay=0.01),
+        (fb.adamw, dict(lr=1e-3, weight_decay=0.01)),
+        lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),
+        (LOOP, FOREACH, FUSED),
+        _heavyball("AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+        _torchopt("adamw", 1e-3, weight_decay=0.01),
+        7,
+    ),
+    "adam": Spec(
+        lambda: fb.adam(lr=1e-3),
+        (fb.adam, dict(lr=1e-3)),
+        lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw),
+        (LOOP, FOREACH, FUSED),
+        None,
+        _torchopt("adam", 1e-3),
+        7,
+    ),
+    "sgd": Spec(
+        lambda: fb.sgd(lr=1e-2, momentum=0.9),
+        (fb.sgd, dict(lr=1e-2, momentum=0.9)),
+        lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
+        (LOOP, FOREACH, FUSED),
+        None,  # heavyball's SGD: compiled with max-autotune as its AdamW is; its AdamW is the comparison
+        _torchopt("sgd", 1e-2, momentum=0.9),
+        5,
+    ),
+    "lamb": Spec(
+        lambda: fb.lamb(lr=1e-3, weight_decay=0.01),
+        (fb.lamb, dict(lr=1e-3, weight_decay=0.01)),
+        None,
+        (),
+        None,
+        None,
+        9,
+    ),
+    "lion": Spec(
+        lambda: fb.lion(lr=1e-4, weight_decay=0.01),
+        (fb.lion, dict(lr=1e-4, weight_decay=0.01)),
+        None,
+        (),
+        None,
+        None,
+        5,
+    ),
+    "adafactor": Spec(
+        lambda: fb.adafactor(lr=1e-2),
+        (fb.adafactor, dict(lr=1e-2)),
+        (lambda ps, **kw: torch.optim.Adafactor(ps, lr=1e-2, **kw)) if hasattr(torch.optim, "Adafactor") else None,
+        (LOOP, FOREACH),
+        None,
+        None,
+        3,
+        flat_compiled=False,
+    ),
+    "muon": Spec(
+        lambda: fb.muon(lr=1e-3, weight_decay=0.1),
+        (fb.muon, dict(lr=1e-3, weight_decay=0.1)),
+        (lambda ps, **kw: torch.optim.Muon(ps, lr=1e-3, weight_decay=0.1)) if hasattr(torch.optim, "Muon") else None,
+        (("torch", {}),),
+        None,
+        None,
+        0,
+        matrices_only=True,
+        flat_compiled=False,
+    ),
 }
-FB = {
-    "adamw": lambda: fb.adamw(lr=1e-3, weight_decay=0.01),
-    "adam": lambda: fb.adam(lr=1e-3),
-    "sgd": lambda: fb.sgd(lr=1e-2, momentum=0.9),
-    "lamb": lambda: fb.lamb(lr=1e-3, weight_decay=0.01),
-}
+FB_VARIANTS = ("fb.Optimizer", "fb tree eager", "fb flat eager", "fb flat in-place (torch)", "fb flat compiled")
 
 
 def bert_base_shapes(hidden=256, layers=12, vocab=8192, positions=512) -> list[tuple]:
-    """BERT-base's parameter shapes (199 tensors) with a smaller hidden size and vocabulary."""
+    """BERT-base's parameter shapes (199 tensors); full size with hidden=768, vocab=30522."""
     ffn = 4 * hidden
     shapes = [(vocab, hidden), (positions, hidden), (2, hidden), (hidden,), (hidden,)]
     for _ in range(layers):
@@ -51,143 +173,262 @@ def bert_base_shapes(hidden=256, layers=12, vocab=8192, positions=512) -> list[t
     return shapes + [(hidden, hidden), (hidden,)]
 
 
-CONFIGS = {
-    "a": ("(a) 200 x 5k", lambda: [(5000,)] * 200),
-    "b": ("(b) 20 x 500k", lambda: [(500_000,)] * 20),
-    "c": ("(c) BERT-base shapes", bert_base_shapes),
-}
+def gpt2_small_shapes(hidden=768, layers=12, vocab=50257, positions=1024) -> list[tuple]:
+    """GPT-2 small's parameter shapes (148 tensors, 124M elements; the head tied to the embedding)."""
+    shapes = [(vocab, hidden), (positions, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden,), (hidden,), (hidden, 3 * hidden), (3 * hidden,), (hidden, hidden), (hidden,)]
+        shapes += [(hidden,), (hidden,), (hidden, 4 * hidden), (4 * hidden,), (4 * hidden, hidden), (hidden,)]
+    return shapes + [(hidden,), (hidden,)]
+
+
+def configs(device: str) -> dict:
+    full = device.startswith("cuda")
+    bert = ("(c) BERT-base shapes", lambda: bert_base_shapes(768, vocab=30522))
+    bert_small = ("(c) BERT-base shapes (hidden 256, vocab 8192)", bert_base_shapes)
+    return {
+        "a": ("(a) 200 x 5k", lambda: [(5000,)] * 200),
+        "b": ("(b) 20 x 500k", lambda: [(500_000,)] * 20),
+        "c": bert if full else bert_small,
+        "d": ("(d) GPT-2 small shapes", gpt2_small_shapes),
+    }
+
+
+CONFIGS = configs("cpu")
 
 
 def make_params(shapes, device):
     gen = torch.Generator().manual_seed(0)
-    params = {f"p{i:04d}": torch.randn(s, generator=gen).to(device) for i, s in enumerate(shapes)}
-    grads = {k: torch.randn(v.shape, generator=gen).to(device) * 1e-2 for k, v in params.items()}
+    params = {f"p{i:04d}": (torch.randn(s, generator=gen) * 0.02).to(device) for i, s in enumerate(shapes)}
+    grads = {k: (torch.randn(v.shape, generator=gen) * 1e-3).to(device) for k, v in params.items()}
     return params, grads
 
 
-def torch_variants(name, params, grads, device, with_compile):
-    """(variant, step function, compile seconds or None) for torch.optim."""
-    out = []
-    kinds = [
-        ("torch for-loop", dict(foreach=False)),
-        ("torch foreach", dict(foreach=True)),
-        ("torch fused", dict(fused=True)),
-    ]
-    if with_compile:
-        kinds.append(("torch compiled", dict(foreach=True)))
-    for variant, kw in kinds:
-        tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
-        for t, g in zip(tensors, grads.values()):
-            t.grad = g.clone()
-        opt = TORCH[name](tensors, **kw)
-        if variant == "torch compiled":
-            step = torch.compile(opt.step)
-            out.append((variant, step, first_call_s(step, device)))
-        else:
-            out.append((variant, opt.step, None))
-    return out
+def leaves_with_grads(params, grads):
+    tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
+    for t, g in zip(tensors, grads.values()):
+        t.grad = g.clone()
+    return tensors
 
 
-FB_OPTIMIZER = {  # fb.Optimizer's factory and hyperparameters, those of TORCH
-    "adamw": (fb.adamw, dict(lr=1e-3, weight_decay=0.01)),
-    "adam": (fb.adam, dict(lr=1e-3)),
-    "sgd": (fb.sgd, dict(lr=1e-2, momentum=0.9)),
-}
+# --- the variants: each yields (variant, make) where make() -> (step function, compile seconds) -----
 
 
-def fb_optimizer_variants(name, params, grads):
-    """(variant, step function, None) for fb.Optimizer.step on parameters with a .grad: torch's
-    fused kernel (its default for these aliases) and the pure update (fused=False)."""
-    factory, hyper = FB_OPTIMIZER[name]
-    out = []
-    for variant, fused in (("fb.Optimizer kernel", None), ("fb.Optimizer pure", False)):
-        tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
-        for t, g in zip(tensors, grads.values()):
-            t.grad = g.clone()
-        out.append((variant, fb.Optimizer(tensors, factory, fused=fused, **hyper).step, None))
-    return out
+def torch_variants(spec, name, key, params, grads, device, compile_for):
+    if spec.torch is None:
+        return
+    for variant, kw in spec.torch_kinds:
+        yield variant, lambda kw=kw: (spec.torch(leaves_with_grads(params, grads), **kw).step, None)
+    if f"{name}:{key}" in compile_for:
+
+        def compiled():
+            step = torch.compile(spec.torch(leaves_with_grads(params, grads), foreach=True).step)
+            return step, first_call_s(step, device)
+
+        yield "torch.compile(opt.step)", compiled
 
 
-def fb_variants(name, params, grads, device):
-    """(variant, step function, compile seconds or None) for functional_bagua."""
-    tx = FB[name]()
-    tree = {"params": params, "state": tx.init(params)}
+def peer_variants(spec, params, grads, device):
+    if spec.heavyball is not None:
 
-    def tree_step():
-        updates, tree["state"] = tx.update(grads, tree["state"], tree["params"])
-        tree["params"] = fb.apply_updates(tree["params"], updates)
+        def heavyball_step():
+            optimizer = spec.heavyball(leaves_with_grads(params, grads))
+            optimizer.consume_grad = False  # heavyball drops .grad after a step by default
+            return optimizer.step, first_call_s(optimizer.step, device)
 
-    layout = fb.FlatLayout.of(params)
-    flat_grads = layout.flatten(grads)
-    fused = fb.fuse(FB[name](), layout)
-    pure = {"params": layout.flatten(params)}
-    pure["state"] = fused.init(pure["params"])
+        yield "heavyball", heavyball_step
+    if spec.torchopt is not None:
 
-    def flat_step():
-        updates, pure["state"] = fused.update(flat_grads, pure["state"], pure["params"])
-        pure["params"] = fb.apply_updates(pure["params"], updates)
+        def torchopt_step():
+            import torchopt
 
-    out = [("fb tree eager", tree_step, None), ("fb flat eager", flat_step, None)]
-    best = "torch" if name in TORCH else "eager"
-    for variant, kernel in ((f"fb flat in-place ({best})", best), ("fb flat compiled", "compiled")):
-        flat_params = layout.flatten(params)
-        state = fused.init(flat_params)
-        step_ = fb.fuse_inplace(FB[name](), layout, kernel=kernel)
+            tx = spec.torchopt()
+            ps = tuple(p.clone() for p in params.values())
+            gs = tuple(grads.values())
+            state = [tx.init(ps)]
 
-        def inplace_step(step_=step_, flat_params=flat_params, state=state):
-            step_(flat_grads, state, flat_params)
+            def step():
+                updates, state[0] = tx.update(gs, state[0], params=ps, inplace=True)
+                torchopt.apply_updates(ps, updates, inplace=True)
 
-        compile_s = first_call_s(inplace_step, device) if kernel == "compiled" else None
-        out.append((variant, inplace_step, compile_s))
-    return out
+            return step, None
+
+        yield "torchopt", torchopt_step
 
 
-FAMILIES = ("torch", "fb.Optimizer", "fb")  # torch.optim, fb.Optimizer, the functional updates
+def fb_variants(spec, params, grads, device, variants):
+    def optimizer():
+        factory, hyper = spec.fb_factory
+        return fb.Optimizer(leaves_with_grads(params, grads), factory, **hyper).step, None
+
+    def tree():
+        tx = spec.fb()
+        carry = {"params": dict(params), "state": tx.init(params)}
+
+        def step():
+            updates, carry["state"] = tx.update(grads, carry["state"], carry["params"])
+            carry["params"] = fb.apply_updates(carry["params"], updates)
+
+        return step, None
+
+    def flat_eager():
+        layout = fb.FlatLayout.of(params)
+        fused, flat_grads = fb.fuse(spec.fb(), layout), layout.flatten(grads)
+        carry = {"params": layout.flatten(params)}
+        carry["state"] = fused.init(carry["params"])
+
+        def step():
+            updates, carry["state"] = fused.update(flat_grads, carry["state"], carry["params"])
+            carry["params"] = fb.apply_updates(carry["params"], updates)
+
+        return step, None
+
+    def in_place(kernel):
+        layout = fb.FlatLayout.of(params)
+        flat_params, flat_grads = layout.flatten(params), layout.flatten(grads)
+        state = fb.fuse(spec.fb(), layout).init(flat_params)
+        step = functools.partial(fb.fuse_inplace(spec.fb(), layout, kernel=kernel), flat_grads, state, flat_params)
+        return step, (first_call_s(step, device) if kernel == "compiled" else None)
+
+    makers = {
+        "fb.Optimizer": optimizer,
+        "fb tree eager": tree,
+        "fb flat eager": flat_eager,
+        "fb flat in-place (torch)": lambda: in_place("torch"),
+        "fb flat compiled": lambda: in_place("compiled"),
+    }
+    for variant in variants:
+        if variant == "fb flat in-place (torch)" and fb.kernels.spec_of(spec.fb()) is None:
+            continue  # torch has no fused kernel for it
+        if variant == "fb flat compiled" and not spec.flat_compiled:
+            continue
+        yield variant, makers[variant]
 
 
-def bench_config(key, names, device, steps, copy_gbs, torch_compile_for, families=FAMILIES):
-    label, shapes_fn = CONFIGS[key]
-    shapes = shapes_fn()
-    params, grads = make_params(shapes, device)
-    numel = sum(p.numel() for p in params.values())
+def measure(variant, make, device, steps):
+    """One row's numbers: build the variant (its compile timed), time ``steps`` steps; an error
+    becomes the row's ``error`` (the run goes on)."""
+    try:
+        with PeakMemory(device) as mem:
+            step, compile_s = make()
+            times = step_times_ms(step, device, steps)
+        return dict(
+            variant=variant,
+            ms=statistics.median(times),
+            range=spread(times),
+            compile_s=compile_s or "",
+            peak_mib=mem.mib,
+        )
+    except Exception as e:  # reported in the table
+        return dict(variant=variant, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def bench_config(key, names, device, steps, copy_gbs, compile_for, families, fb_variant_names):
+    label, shapes_fn = configs(device)[key]
+    all_params, all_grads = make_params(shapes_fn(), device)
     rows = []
     for name in names:
-        variants = []
-        if name in TORCH and "torch" in families:
-            variants += torch_variants(name, params, grads, device, f"{name}:{key}" in torch_compile_for)
-        if name in TORCH and "fb.Optimizer" in families:
-            variants += fb_optimizer_variants(name, params, grads)
+        spec = SPECS[name]
+        params, grads = all_params, all_grads
+        if spec.matrices_only:
+            params = {k: v for k, v in all_params.items() if v.dim() == 2}
+            grads = {k: all_grads[k] for k in params}
+            if not params:
+                continue
+        numel = sum(p.numel() for p in params.values())
+        makers = []
+        if "torch" in families:
+            makers += list(torch_variants(spec, name, key, params, grads, device, compile_for))
+        if "fb.Optimizer" in families:
+            makers += [(v, m) for v, m in fb_variants(spec, params, grads, device, ["fb.Optimizer"])]
         if "fb" in families:
-            variants += fb_variants(name, params, grads, device)
-        for variant, step, compile_s in variants:
-            with PeakMemory(device) as mem:
-                ms = median_ms(step, device, steps)
-            gbs = TRAFFIC[name] * numel * 4 / (ms * 1e-3) / 1e9
-            rows.append(
-                dict(
-                    config=label,
-                    optimizer=name,
-                    variant=variant,
-                    ms=ms,
-                    compile_s=compile_s or "",
-                    peak_mib=mem.mib,
-                    gbs=gbs,
-                    bw_share=f"{100 * gbs / copy_gbs:.0f}%",
-                )
+            makers += list(
+                fb_variants(spec, params, grads, device, [v for v in fb_variant_names if v != "fb.Optimizer"])
             )
-            torch._dynamo.reset()
-        fused_ref = next(
-            (
-                r["ms"]
-                for r in rows
-                if r["optimizer"] == name and r["variant"] == "torch fused" and r["config"] == label
-            ),
-            None,
+        if "peers" in families:
+            makers += list(peer_variants(spec, params, grads, device))
+        named = f"{name} (2-D tensors: {len(params)})" if spec.matrices_only else name
+        these = []
+        for variant, make in makers:
+            row = dict(config=label, optimizer=named, **measure(variant, make, device, steps))
+            if "ms" in row and spec.traffic:
+                gbs = spec.traffic * numel * 4 / (row["ms"] * 1e-3) / 1e9
+                row.update(gbs=gbs, bw_share=f"{100 * gbs / copy_gbs:.0f}%")
+            these.append(row)
+        reference = next((r for r in these if r["variant"] == "torch fused" and "ms" in r), None)
+        reference = reference or next(
+            (r for r in these if r["variant"] in ("torch foreach", "torch") and "ms" in r), None
         )
-        for r in rows:
-            if r["optimizer"] == name and r["config"] == label:
-                r["vs_torch_fused"] = f"{r['ms'] / fused_ref:.2f}x" if fused_ref else "n/a"
-    return label, len(shapes), numel, rows
+        for r in these:
+            if "ms" in r:
+                r["vs_torch"] = f"{r['ms'] / reference['ms']:.2f}x" if reference else "n/a"
+                r["reference"] = reference["variant"] if reference else ""
+        rows += these
+    return label, len(all_params), sum(p.numel() for p in all_params.values()), rows
+
+
+# --- the memory roofline ------------------------------------------------------------------------
+
+
+def roofline(device, copy_gbs, steps, sizes=(1_000_000, 10_000_000, 30_000_000, 100_000_000)):
+    """AdamW on one flat float32 buffer of each size: ms and the share of the time its 7 arrays
+    (read p, g, m, v; write p, m, v) need at the measured copy bandwidth."""
+    rows = []
+    for n in sizes:
+        params, grads = {"w": torch.randn(n, device=device) * 0.02}, {"w": torch.randn(n, device=device) * 1e-3}
+        ideal_ms = 7 * n * 4 / (copy_gbs * 1e9) * 1e3
+        makers = [
+            (
+                "torch fused (one flat tensor)",
+                lambda p=params, g=grads: (SPECS["adamw"].torch(leaves_with_grads(p, g), fused=True).step, None),
+            ),
+            *fb_variants(SPECS["adamw"], params, grads, device, ["fb flat in-place (torch)", "fb flat compiled"]),
+        ]
+        for variant, make in makers:
+            row = dict(elements=f"{n / 1e6:.0f}M", ideal_ms=ideal_ms, **measure(variant, make, device, steps))
+            if "ms" in row:
+                row["roofline_share"] = f"{100 * ideal_ms / row['ms']:.0f}%"
+            rows.append(row)
+        del makers
+    torch_fused = {r["elements"]: r["ms"] for r in rows if r["variant"].startswith("torch fused") and "ms" in r}
+    for r in rows:
+        if "ms" in r and r["elements"] in torch_fused:
+            r["vs_torch_fused"] = f"{r['ms'] / torch_fused[r['elements']]:.2f}x"
+    return rows
+
+
+# --- first-compile time against tensor count ---------------------------------------------------------
+
+
+def compile_scaling(device, families, counts=(20, 200, 2000), total=10_000_000):
+    """Seconds of the first call (the compile) of AdamW's step for several tensor counts (the same
+    total size): our compiled in-place flat update; heavyball's AdamW (it compiles its update
+    functions); ``torch.compile(opt.step)`` (20 and 200 tensors: it grows with the count)."""
+    warm = torch.compile(lambda x: x * 2 + 1)  # pay inductor's one-time start-up outside the timings
+    warm(torch.ones(4, device=device))
+    rows = []
+    spec = SPECS["adamw"]
+    for n in counts:
+        params, grads = make_params([(total // n,)] * n, device)
+        makers = []
+        if "fb" in families:
+            makers += list(fb_variants(spec, params, grads, device, ["fb flat compiled"]))
+        if "peers" in families and spec.heavyball is not None:
+            makers += list(peer_variants(spec._replace(torchopt=None), params, grads, device))
+        if "torch" in families and n <= 200:
+            makers += list(
+                torch_variants(spec._replace(torch_kinds=()), "adamw", "x", params, grads, device, {"adamw:x"})
+            )
+        for variant, make in makers:
+            torch._dynamo.reset()
+            rows.append(dict(tensors=n, **measure(variant, make, device, steps=10)))
+        del params, grads
+    return rows
 
 
 def disable_compile_caches() -> None:
@@ -196,21 +437,12 @@ def disable_compile_caches() -> None:
     torch._functorch.config.enable_autograd_cache = False
 
 
-def compile_scaling(device, counts=(20, 200, 2000), total=1_000_000):
-    """Seconds to compile the fused in-place AdamW update, for several tensor counts (same total size)."""
-    warm = torch.compile(lambda x: x * 2 + 1)  # pay inductor's one-time start-up outside the timings
-    warm(torch.ones(4, device=device))
-    rows = []
-    for n in counts:
-        torch._dynamo.reset()
-        params, grads = make_params([(total // n,)] * n, device)
-        layout = fb.FlatLayout.of(params)
-        flat, flat_grads = layout.flatten(params), layout.flatten(grads)
-        state = fb.fuse(FB["adamw"](), layout).init(flat)
-        step_ = fb.fuse_inplace(FB["adamw"](), layout, kernel="compiled")
-        run = functools.partial(step_, flat_grads, state, flat)
-        rows.append(dict(tensors=n, compile_s=first_call_s(run, device), step_ms=median_ms(run, device, 10)))
-    return rows
+FAMILIES = (
+    "torch",
+    "fb.Optimizer",
+    "fb",
+    "peers",
+)  # torch.optim, fb.Optimizer, our functional updates, heavyball/torchopt
 
 
 def main(argv=None):
@@ -222,7 +454,7 @@ def main(argv=None):
     parser.add_argument(
         "--torch-compile",
         default="adamw:a",
-        help="optimizer:config pairs for which to time torch.compile(opt.step) (slow to compile on CPU)",
+        help="optimizer:config pairs for which to time torch.compile(opt.step) (slow to compile)",
     )
     parser.add_argument(
         "--chart",
@@ -230,33 +462,76 @@ def main(argv=None):
         help="where to draw the chart; an empty string draws none",
     )
     parser.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling run")
+    parser.add_argument("--only-scaling", action="store_true", help="only the compile-time scaling run")
+    parser.add_argument("--roofline", action="store_true", help="also AdamW on flat buffers of 1M-100M elements")
+    parser.add_argument("--only-roofline", action="store_true", help="only the roofline run")
     parser.add_argument(
-        "--families", default=",".join(FAMILIES), help=f"which kinds of variants to time, of {', '.join(FAMILIES)}"
+        "--families", default="torch,fb.Optimizer,fb", help=f"which kinds of variants to time, of {', '.join(FAMILIES)}"
     )
+    parser.add_argument("--fb-variants", default=",".join(FB_VARIANTS[1:]), help="which of our functional variants")
+    parser.add_argument("--json", default="", help="also write every table as JSON to this path")
     args = parser.parse_args(argv)
     disable_compile_caches()
+    families = args.families.split(",")
     copy_gbs = copy_bandwidth_gbs(args.device)
-    print(f"# optimizer step, {machine()}; copy bandwidth {copy_gbs:.1f} GB/s\n")
+    print(f"# optimizer step, {machine(args.device)}; copy bandwidth {copy_gbs:.1f} GB/s\n", flush=True)
+    out: dict = dict(machine=machine(args.device), copy_gbs=copy_gbs, configs={})
     chart = {}
-    columns = ["optimizer", "variant", "ms", "vs_torch_fused", "compile_s", "peak_mib", "gbs", "bw_share"]
-    for key in args.configs.split(","):
-        label, count, numel, rows = bench_config(
-            key,
-            args.optimizers.split(","),
-            args.device,
-            args.steps,
-            copy_gbs,
-            set(args.torch_compile.split(",")),
-            args.families.split(","),
+    columns = ["optimizer", "variant", "ms", "range", "vs_torch", "compile_s", "peak_mib", "gbs", "bw_share", "error"]
+    if not (args.only_scaling or args.only_roofline):
+        for key in args.configs.split(","):
+            start = time.perf_counter()
+            label, count, numel, rows = bench_config(
+                key,
+                args.optimizers.split(","),
+                args.device,
+                args.steps,
+                copy_gbs,
+                set(args.torch_compile.split(",")),
+                families,
+                args.fb_variants.split(","),
+            )
+            took = time.perf_counter() - start
+            print(f"## {label}: {count} tensors, {numel / 1e6:.2f}M elements ({took:.0f} s)\n", flush=True)
+            print("ratios: to torch fused, else torch foreach (Adafactor), else torch's only kind (Muon)\n")
+            print(f"{table(rows, columns)}\n", flush=True)
+            out["configs"][label] = dict(tensors=count, elements=numel, rows=rows)
+            write_json(args.json, out)
+            for r in rows:
+                if "ms" in r:
+                    chart.setdefault(f"{key}:{r['optimizer']}", {})[r["variant"]] = r["ms"]
+        if args.chart and bar_chart(
+            args.chart, f"optimizer step, {machine(args.device)}", chart, "median step (ms, log)"
+        ):
+            print(f"chart: {args.chart}\n")
+    if args.roofline or args.only_roofline:
+        rows = roofline(args.device, copy_gbs, args.steps)
+        print(f"## AdamW on one flat buffer: the memory roofline at {copy_gbs:.0f} GB/s\n")
+        print(
+            table(
+                rows,
+                [
+                    "elements",
+                    "variant",
+                    "ms",
+                    "range",
+                    "ideal_ms",
+                    "roofline_share",
+                    "vs_torch_fused",
+                    "compile_s",
+                    "error",
+                ],
+            )
         )
-        print(f"## {label}: {count} tensors, {numel / 1e6:.2f}M elements\n\n{table(rows, columns)}\n", flush=True)
-        for r in rows:
-            chart.setdefault(f"{key}:{r['optimizer']}", {})[r["variant"]] = r["ms"]
-    if args.chart and bar_chart(args.chart, f"optimizer step, {machine()}", chart, "median step (ms, log)"):
-        print(f"chart: {args.chart}\n")
-    if not args.no_scaling:
-        print("## compile time of the fused in-place AdamW update (1M elements in all)\n")
-        print(table(compile_scaling(args.device), ["tensors", "compile_s", "step_ms"]))
+        print(flush=True)
+        out["roofline"] = rows
+        write_json(args.json, out)
+    if args.only_scaling or not (args.no_scaling or args.only_roofline):
+        print("## first-call (compile) time of the AdamW step, 10M elements in all\n", flush=True)
+        rows = compile_scaling(args.device, families)
+        print(table(rows, ["tensors", "variant", "compile_s", "ms", "range", "error"]), flush=True)
+        out["compile_scaling"] = rows
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 from custom_optimizers import BertAdam
+from devices import seeded
 
 from functional_bagua.compat import fuse_optimizer
 
@@ -44,7 +45,7 @@ IMPL_KWARGS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "
 def make_params(seed=0):
     """Two groups. Group 0: float32, with an unused parameter (never a gradient) and a frozen one
     between trainable ones. Group 1: float64 and float32 mixed."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
 
     def param(shape, dtype=torch.float32, requires_grad=True):
         return torch.nn.Parameter(
@@ -81,7 +82,7 @@ def make_optimizer(name, impl, groups):
 def set_grads(groups, step, seed=1):
     """The gradients of step ``step`` (same for every copy): fresh tensors on even steps (as after
     ``zero_grad(set_to_none=True)``), written into the existing ``.grad`` on odd ones."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    gen = seeded(seed * 100_003 + step)
     for gi, params in enumerate(groups):
         for i, p in enumerate(params):
             if not p.requires_grad or (gi, i) in UNUSED:
@@ -174,7 +175,7 @@ class Net(torch.nn.Module):
 
 
 def batches(n, seed=3):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     return [(torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)) for _ in range(n)]
 
 

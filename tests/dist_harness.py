@@ -3,7 +3,9 @@
     results = run_ranks(2, ["allreduce_sgd", "shard_adamw"])    # results[rank][name]
 
 Each scenario is a function ``name(rank, world_size)`` in :mod:`dist_scenarios` (or the module
-``run_ranks`` names); its return value
+``run_ranks`` names). With ``device="cuda"`` every rank makes the GPU its default device (ranks
+share the one GPU) and joins a process group of ``backend``: NCCL at world size 1 (NCCL refuses
+two ranks on one device), gloo's CUDA-tensor collectives for more. Its return value
 (tensors allowed) comes back through ``torch.save``. An exception in a scenario comes back as
 ``ScenarioError`` (its type name, message and the seconds it took). Every wait has a timeout, so a
 hang fails the test instead of the suite.
@@ -37,7 +39,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, names: list, out_dir: str, module: str, init: bool) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, names: list, out_dir: str, module: str, init: bool, device: str, backend: str
+) -> None:
     import torch.distributed as dist
 
     scenarios = importlib.import_module(module)
@@ -50,9 +54,14 @@ def _entry(rank: int, world_size: int, port: int, names: list, out_dir: str, mod
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    if torch.device(device).type == "cuda":
+        from devices import use_device
+
+        torch.cuda.set_device(0)
+        use_device(torch.device(device))
     if init:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
         )
     results = {}
     for name in names:
@@ -86,15 +95,25 @@ def _spawn_and_join(target, args_per_process: list, timeout_s: float, names: lis
 
 
 def run_ranks(
-    world_size: int, names: list, timeout_s: float = 300, module: str = "dist_scenarios", init: bool = True
+    world_size: int,
+    names: list,
+    timeout_s: float = 300,
+    module: str = "dist_scenarios",
+    init: bool = True,
+    device: str = "cpu",
+    backend: str = "gloo",
 ) -> list[dict]:
     """``results[rank][name]`` of each scenario of ``module`` run on ``world_size`` ranks, in order.
     With ``init=False`` the scenarios initialize torch.distributed themselves (torchrun's variables
-    are set either way)."""
+    are set either way). ``device`` becomes each rank's default device; ``backend`` is
+    ``init_process_group``'s (``"cpu:gloo,cuda:nccl"`` for NCCL with CPU object collectives)."""
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         _spawn_and_join(
-            _entry, [(r, world_size, port, names, out_dir, module, init) for r in range(world_size)], timeout_s, names
+            _entry,
+            [(r, world_size, port, names, out_dir, module, init, device, backend) for r in range(world_size)],
+            timeout_s,
+            names,
         )
         results = []
         for r in range(world_size):

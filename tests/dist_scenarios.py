@@ -128,9 +128,11 @@ decentralized_all_every_2 = decentralized("all", 2)
 
 def compressed_mean(compression):
     def scenario(rank, world_size):
-        gen = torch.Generator().manual_seed(100 + rank)
+        gen = torch.Generator(device="cpu").manual_seed(100 + rank)  # the same numbers on every device
         params = {"a": torch.zeros(20, 25), "b": torch.zeros(537)}
-        grads = {k: torch.randn(p.shape, generator=gen) * (rank + 1) for k, p in params.items()}
+        grads = {
+            k: torch.randn(p.shape, generator=gen, device="cpu").to(p.device) * (rank + 1) for k, p in params.items()
+        }
         tx = fbd.allreduce_gradients(bucket_cap_mb=0.001, compression=compression)
         return grads, tx.update(grads, tx.init(params), params)[0]
 

@@ -43,10 +43,11 @@ RICH_SETTINGS = {
 
 
 def problem(alias, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # the same numbers on every device
     shapes = {"w": (4, 3), "v": (3, 5)} if alias is fb.muon else {"w": (4, 3), "b": (3,), "s": (), "k": (2, 1, 3, 3)}
-    params = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-    grads = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+    draw = lambda s: torch.randn(s, generator=gen, device="cpu").to(dtype).to(torch.get_default_device())  # noqa: E731
+    params = {k: draw(s) for k, s in shapes.items()}
+    grads = {k: draw(s) for k, s in shapes.items()}
     return params, grads
 
 

@@ -64,17 +64,23 @@ class DeepNet(torch.nn.Module):
 
 
 def make_model(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """The model ``kind`` with weights drawn on the CPU from ``seed``, moved to the default device:
+    the same initial weights on every device, so a CUDA run can be compared with a CPU run."""
     torch.manual_seed(seed)
-    model = {"shapes": ShapesNet, "matrix": MatrixNet, "norm": NormNet, "deep": DeepNet}[kind]()
-    return model.to(dtype)
+    with torch.device("cpu"):
+        model = {"shapes": ShapesNet, "matrix": MatrixNet, "norm": NormNet, "deep": DeepNet}[kind]()
+    return model.to(dtype).to(torch.get_default_device())
 
 
 def batches(n: int, dtype: torch.dtype, seed: int = 1, batch_size: int = 8):
-    gen = torch.Generator().manual_seed(seed)
+    """``n`` random (input, target) batches, drawn on the CPU (the same numbers on every device) and
+    moved to the default device."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = torch.get_default_device()
     return [
         (
-            torch.randn(batch_size, 2, 6, 6, generator=gen, dtype=dtype),
-            torch.randn(batch_size, 4, generator=gen, dtype=dtype),
+            torch.randn(batch_size, 2, 6, 6, generator=gen, dtype=dtype, device="cpu").to(device),
+            torch.randn(batch_size, 4, generator=gen, dtype=dtype, device="cpu").to(device),
         )
         for _ in range(n)
     ]

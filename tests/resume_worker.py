@@ -10,10 +10,12 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+from devices import use_device  # noqa: E402
 from resume_cases import FIRST_STEPS, all_cases, data, initial_params, train  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
 
+use_device()  # the test's device (FB_TEST_DEVICE), as in the process that saved
 directory = pathlib.Path(sys.argv[1])
 batches = data()[FIRST_STEPS:]
 for i, (_case_id, make_tx, kind) in enumerate(all_cases()):

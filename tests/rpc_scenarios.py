@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+from devices import seeded
 from helpers import errors_of
 from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
@@ -20,7 +21,7 @@ OWNERS = {"w1": "worker1", "b1": "worker1", "w2": "worker2"}
 
 
 def make_param(seed: int, shape: tuple, requires_grad: bool = True) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     return torch.randn(shape, generator=gen, dtype=DTYPE).requires_grad_(requires_grad)
 
 
@@ -31,7 +32,7 @@ def remote_params() -> dict:
 
 
 def data(steps: int) -> list:
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     return [
         (torch.randn(5, 3, generator=gen, dtype=DTYPE), torch.randn(5, 2, generator=gen, dtype=DTYPE))
         for _ in range(steps)

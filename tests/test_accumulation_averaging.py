@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 from models import batches, default_dtype, loss_fn, make_model
 from torch._dynamo.testing import CompileCounter
 
@@ -94,7 +95,7 @@ def test_multi_steps_sum_equals_torch_accumulation_without_division():
 
 def test_multi_steps_accumulates_in_the_accumulator_dtype():
     """bf16 gradients summed in float32, the mean rounded to bf16 once, then the inner step."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {"w": torch.randn(256, generator=gen).bfloat16()}
     micro_grads = [{"w": torch.randn(256, generator=gen).bfloat16()} for _ in range(8)]
 
@@ -119,7 +120,7 @@ def test_multi_steps_accumulates_in_the_accumulator_dtype():
 
 
 def test_multi_steps_compiled_is_one_graph_and_equals_eager():
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
     tx = fb.MultiSteps(fb.adam(lr=1e-2), 3)
     counter = CompileCounter()
@@ -179,7 +180,7 @@ def test_ema_equals_torch_averaged_model():
 
 def test_ema_decay_schedule_follows_the_written_rule():
     decay = lambda t: (1.0 + t) / (10.0 + t)  # noqa: E731  (a warmup of the decay, as in timm)
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {"w": torch.randn(5, generator=gen, dtype=DTYPE)}
     tx = fb.ema(decay)
     state = tx.init(params)
@@ -235,7 +236,7 @@ def test_lookahead_follows_the_written_rule_with_torch_adam_inside():
 
 def train_side_by_side(first, second, steps):
     """The final params of two transforms fed the same random gradients, and their states."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {"w": torch.randn(4, 3, generator=gen, dtype=DTYPE)}
     runs = [[tx, params, tx.init(params)] for tx in (first, second)]
     for _ in range(steps):
@@ -274,7 +275,7 @@ def test_lookahead_alpha_as_a_schedule_equals_the_constant():
 
 
 def test_ema_inside_multi_steps_averages_once_per_window():
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {"w": torch.randn(3, generator=gen, dtype=DTYPE)}
     tx = fb.multi_steps(fb.chain(fb.sgd(lr=0.1), fb.ema(0.5)), 3)
     state = tx.init(params)

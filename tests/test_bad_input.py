@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from devices import seeded
 from helpers import ALL_ALIASES
 from models import batches, loss_fn, make_model
 from torch.overrides import TorchFunctionMode
@@ -167,7 +168,7 @@ COMPLEX_TOL = {torch.complex64: dict(rtol=2e-5, atol=2e-6), torch.complex128: di
 def test_complex_parameters_match_torch_optim(alias, torch_cls, kwargs, dtype):
     """torch.optim updates a complex parameter as the pair of its real and imaginary parts; Adam,
     AdamW, RMSprop and Adagrad here used to square the complex gradient (0.1 off after one step)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     start = torch.randn(5, 3, generator=gen, dtype=dtype)
     grads = [torch.randn(5, 3, generator=gen, dtype=dtype) * 0.1 for _ in range(4)]
     reference = torch.nn.Parameter(start.clone())
@@ -197,7 +198,7 @@ def test_complex_parameters_match_torch_optim(alias, torch_cls, kwargs, dtype):
 )
 def test_fuse_inplace_steps_complex_buffers_with_torchs_kernel_on_their_real_views(alias, torch_cls, kwargs):
     """torch's fused kernels refuse complex tensors: kernel="auto" failed inside them."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {
         "w": torch.randn(4, 3, generator=gen, dtype=torch.complex64),
         "b": torch.randn(3, generator=gen, dtype=torch.complex64),
@@ -293,7 +294,7 @@ def test_clip_by_global_norm_of_no_gradient_changes_nothing():
 def test_clip_by_global_norm_of_mixed_dtypes_equals_clip_grad_norm_bitwise():
     """The factor multiplies each gradient in the gradient's precision with one rounding: it was
     rounded to bfloat16 first, and bfloat16 gradients differed from clip_grad_norm_'s."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     grads = {
         "a": torch.randn(100, generator=gen) * 3,
         "b": (torch.randn(50, generator=gen) * 3).bfloat16(),

@@ -13,12 +13,15 @@ import sys
 import bagua_scenarios as sc
 import pytest
 import torch
+from devices import seeded
 from dist_harness import ScenarioError, run_ranks
 from models import loss_fn, make_model
 
 import functional_bagua.compat as bagua
 import functional_bagua.distributed as fbd
 from functional_bagua.compat.algorithms import Algorithm, GlobalAlgorithmRegistry, gradient_allreduce
+
+pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: test_cuda_distributed.py)")
 
 TWO_RANKS = [
     "gradient_allreduce_against_torch_ddp",
@@ -454,7 +457,7 @@ def test_qadam_is_adam_on_averaged_gradients_during_warmup_then_compressed(avera
 def test_qadam_optimizer_is_torch_adam_before_its_warmup():
     from functional_bagua.compat.algorithms.q_adam import QAdamOptimizer
 
-    gen = torch.Generator().manual_seed(13)
+    gen = seeded(13)
     start = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
     ours = [torch.nn.Parameter(t.clone()) for t in start]
     theirs = [torch.nn.Parameter(t.clone()) for t in start]

@@ -8,6 +8,8 @@ import pytest
 import torch
 from dist_harness import ScenarioError, run_rpc
 
+pytestmark = pytest.mark.cpu_only("RPC workers (TensorPipe) on the CPU")
+
 NAMES = ["against_torch", "custom_class", "concurrent_clients", "errors", "torch_test_configs", "frozen_parameters"]
 
 

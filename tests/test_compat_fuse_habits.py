@@ -29,6 +29,7 @@ from compat_helpers import (
     two_copies,
 )
 from custom_optimizers import BertAdam
+from devices import seeded
 from hypothesis import example, given, settings
 
 from functional_bagua.compat import fuse_optimizer, fused_steps
@@ -321,7 +322,7 @@ ACTIONS = [
 def _act(action, t, pair):
     """Apply ``action`` at step ``t`` to one copy ``(groups, optimizer)``; both copies get the same."""
     groups, opt = pair
-    gen = torch.Generator().manual_seed(1000 + t)
+    gen = seeded(1000 + t)
     trainable = [
         (gi, i, p)
         for gi, ps in enumerate(groups)

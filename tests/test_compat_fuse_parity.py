@@ -24,6 +24,7 @@ from compat_helpers import (
     trainable_groups,
 )
 from custom_optimizers import BertAdam, SignMomentum
+from devices import seeded
 
 from functional_bagua.compat import fuse_optimizer, fuse_step, is_fused_optimizer
 from functional_bagua.compat.fusion_check import fusion_changes_step
@@ -164,7 +165,7 @@ def test_sparse_csr_parameters_step_like_step():
     failed inside; CSR tensors are now stepped as step() steps them."""
 
     def run(fused):
-        gen = torch.Generator().manual_seed(0)
+        gen = seeded(0)
         params = [torch.nn.Parameter(torch.randn(4, 4, generator=gen).to_sparse_csr()) for _ in range(2)]
         params += [torch.nn.Parameter(torch.randn(3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))]
         opt = torch.optim.SGD(params, lr=0.1)
@@ -198,7 +199,7 @@ def test_gradients_with_a_dtype_of_their_own_are_never_rounded_into_the_flat_buf
     }[name]
 
     def params():
-        gen = torch.Generator().manual_seed(0)
+        gen = seeded(0)
         return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(5, 3), (3,), (4, 4), (6,), (2, 2), (7,)]]
 
     ref, fused = params(), params()
@@ -208,7 +209,7 @@ def test_gradients_with_a_dtype_of_their_own_are_never_rounded_into_the_flat_buf
             for ps in (ref, fused):
                 ps[1 if t == 0 else 2].grad = None
                 ps[1 if t == 0 else 2].grad_dtype = torch.float64
-        gen = torch.Generator().manual_seed(t + 1)
+        gen = seeded(t + 1)
         for p, q in zip(ref, fused):
             g = torch.randn(p.shape, generator=gen).to(p.grad_dtype) * 1.001
             p.grad, q.grad = g.clone(), g.clone()
@@ -240,7 +241,7 @@ def test_half_precision_steps_equal_plain_step(name, dtype):
     parameters as they are, and every step equals plain step bit for bit."""
 
     def params():
-        gen = torch.Generator().manual_seed(0)
+        gen = seeded(0)
         shapes = [(5, 3), (3,), (4, 4), (6,), (2, 2), (7,), (40,), (9, 9)]
         return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
 
@@ -249,7 +250,7 @@ def test_half_precision_steps_equal_plain_step(name, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the expected "stays unfused" of SGD
         for t in range(10):
-            gen = torch.Generator().manual_seed(t + 1)
+            gen = seeded(t + 1)
             for p, q in zip(ref, fused):
                 g = torch.randn(p.shape, generator=gen).to(dtype)
                 p.grad, q.grad = g.clone(), g.clone()

@@ -23,6 +23,7 @@ from compat_helpers import (
     set_grads,
     step_both,
 )
+from devices import seeded
 
 from functional_bagua.compat import fuse_optimizer
 from functional_bagua.compat.fusion_check import SINGLE_OP_WORK, probe
@@ -80,7 +81,7 @@ def test_the_probe_sees_position_dependent_rounding():
     """The probe itself, on members too small for one vector of the CPU kernels: it steps at
     least PROBE_MIN_NUMEL elements, so bfloat16 SGD's vector/tail difference shows (before, three
     members of a few elements each were all tail, fused or not)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = [
         torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16))
         for s in [(3,), (2, 2), (6,), (7,), (5, 3)] * 8
@@ -208,7 +209,7 @@ class MatricesPerTensor(torch.optim.Optimizer):
 
 
 def _vectors_then_matrices(seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(5,), (3,), (4, 4), (2, 3)]]
 
 
@@ -221,7 +222,7 @@ def test_a_verdict_on_vectors_is_not_reused_for_matrices():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in range(6):
-            gen = torch.Generator().manual_seed(t)
+            gen = seeded(t)
             for p, q in zip(ref, fused):
                 g = torch.randn(p.shape, generator=gen)
                 if p.grad is not None:  # kept in place (a fresh one would leave this cheap step unfused)
@@ -248,7 +249,7 @@ def test_a_verdict_is_not_reused_for_another_group_at_the_same_index():
             if t == 3:
                 ref_opt.param_groups.pop(0)
                 opt.param_groups.pop(0)
-            gen = torch.Generator().manual_seed(t)
+            gen = seeded(t)
             for p, q in zip(ref_params, params):
                 g = torch.randn(p.shape, generator=gen)
                 if p.grad is None:
@@ -346,7 +347,7 @@ def test_a_kept_plan_copies_only_the_gradients_that_moved(monkeypatch):
     opt = fuse_optimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1, momentum=0.9))
     patterns = ["fresh", "in place", "every third fresh", "in place", "fresh", "every third fresh", "every third fresh"]
     for t, pattern in enumerate(patterns):
-        gen = torch.Generator().manual_seed(t)
+        gen = seeded(t)
         for ps, qs in zip(ref_groups, groups):
             for i, (p, q) in enumerate(zip(ps, qs)):
                 if not p.requires_grad:

@@ -9,6 +9,8 @@ from dist_harness import ScenarioError, run_ranks
 
 from functional_bagua.compat.optim import averagers
 
+pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: test_cuda_distributed.py)")
+
 TWO_RANKS = [
     "post_local_sgd_all",
     "averagers_take_parameters_groups_and_generators",

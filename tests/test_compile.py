@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 from helpers import ALL_ALIASES, RICH_SETTINGS, problem
 from torch._dynamo.testing import CompileCounter
 
@@ -40,7 +41,7 @@ def test_compiles_once_and_equals_eager(make, shapes_of):
     torch._dynamo.reset()
     tx = make()
     params, _ = problem(shapes_of or fb.sgd)
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     counter = CompileCounter()
     compiled = torch.compile(tx.update, backend=counter, fullgraph=True)
     state, eager_state, eager_params = tx.init(params), tx.init(params), dict(params)

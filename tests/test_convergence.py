@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 
@@ -38,7 +39,7 @@ def loss(params, targets):
 
 @pytest.mark.parametrize("alias, kwargs", [pytest.param(a, kw, id=a.__name__) for a, kw in CONVERGING])
 def test_minimises_quadratic(alias, kwargs):
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     if alias is fb.muon:  # 2-D parameters only
         shapes = {"a": (6, 4), "b": (3, 5)}
     elif alias is fb.lamb:  # a trust ratio ~ ||p|| all but stops a scalar from crossing zero

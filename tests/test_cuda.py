@@ -1,17 +1,27 @@
-"""The fusion and compiled-step paths on CUDA (run on a GPU machine; CPU-only CI has none).
-
-Each test compares against torch.optim on the same device, as the CPU tests do."""
+"""CUDA as a user meets it: the default device stays the CPU and the model is moved to the GPU
+(``model.cuda()``), so every tensor the library makes for itself must follow the parameters'
+device. (``--device cuda`` runs the rest of the suite with CUDA as the default device.) Each
+test compares against torch.optim on the same device, as the CPU tests do; CPU-only CI has no
+GPU and skips them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ALL_ALIASES, RICH_SETTINGS, problem, tensor_leaves
 from models import batches, loss_fn, make_model
 
 import functional_bagua as fb
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def cpu_default_device():
+    """The user's setting, also under ``--device cuda``: CPU by default, the model moved."""
+    with torch.device("cpu"):
+        yield
 
 
 def cuda_batches(n, dtype=torch.float32):
@@ -116,3 +126,48 @@ def test_fuse_step_equals_step_on_cuda(impl):
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(p, q), name
     assert opt._bagua_fused_count == 3
+
+
+@pytest.mark.parametrize("alias", ALL_ALIASES, ids=lambda a: a.__name__)
+def test_every_alias_keeps_its_state_and_updates_on_the_parameters_device(alias):
+    """With the CPU as the default device, nothing the update makes may land there: a CPU state
+    tensor would cost a host sync per step or fail to broadcast."""
+    params, grads = problem(alias)
+    params = {k: v.to(DEVICE) for k, v in params.items()}
+    grads = {k: v.to(DEVICE) for k, v in grads.items()}
+    tx = alias(**RICH_SETTINGS.get(alias, {}))
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+        params = fb.apply_updates(params, updates)
+    misplaced = [x.device for x in tensor_leaves((state, updates, params)) if x.device.type != "cuda"]
+    assert not misplaced, f"{alias.__name__}: {len(misplaced)} tensors on {set(misplaced)}"
+
+
+def test_fb_optimizer_with_grad_scaler_under_float16_autocast_equals_torch_fused_adamw():
+    """The usual mixed-precision loop (float16 autocast, GradScaler, unscale_ and clipping, an
+    inf step that the scaler skips, a scheduler): fb.Optimizer runs torch's fused kernel, so its
+    weights and its scale are torch.optim.AdamW(fused=True)'s, bit for bit."""
+
+    def run(make_optimizer):
+        model = make_model("shapes", torch.float32).to(DEVICE)
+        opt = make_optimizer(model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=2)
+        for i, (x, y) in enumerate(cuda_batches(8)):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_fn(model(x), y) * (float("inf") if i == 3 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+        return dict(model.named_parameters()), scaler.get_scale()
+
+    expected, expected_scale = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True))
+    actual, scale = run(lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2, weight_decay=0.1))
+    assert scale == expected_scale
+    for name, p in expected.items():
+        assert torch.equal(actual[name], p), name

@@ -16,6 +16,8 @@ from dist_harness import PROCESS_GROUP_TIMEOUT_S, ScenarioError, run_ranks
 import functional_bagua as fb
 import functional_bagua.distributed as fbd
 
+pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: test_cuda_distributed.py)")
+
 TWO_RANKS = [
     "allreduce_sgd",
     "allreduce_adamw",

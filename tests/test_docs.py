@@ -12,6 +12,8 @@ import functional_bagua.compat as compat
 import functional_bagua.distributed as fbd
 from functional_bagua import schedules
 
+pytestmark = pytest.mark.cpu_only("checks the documentation's text, not tensors")
+
 
 def public_callables():
     modules = [

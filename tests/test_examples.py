@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cpu_only("runs the examples as the CPU programs the README shows")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree
 
 import functional_bagua as fb
@@ -20,7 +21,7 @@ READS_SHAPES = {fb.adafactor, fb.muon}  # rules that read their tensor's shape r
 def mixed_problem(alias, seed=0):
     """Parameters of three dtypes, several per dtype (so groups have several tensors), and
     gradients for STEPS steps, some of them None."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     shapes = (
         {"w": (4, 3), "v": (3, 5), "u": (5, 3)}
         if alias is fb.muon
@@ -66,7 +67,7 @@ def test_every_alias_gives_the_same_bits_grouped_and_per_tensor(alias):
     "alias", sorted(set(ALL_ALIASES) - REFUSE_COMPLEX, key=lambda a: a.__name__), ids=lambda a: a.__name__
 )
 def test_complex_parameters_give_the_same_bits(alias):
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     params = {k: torch.randn(4, 3, dtype=torch.complex64, generator=gen) for k in "ab"} | {
         "r": torch.randn(4, generator=gen)
     }
@@ -163,7 +164,7 @@ def test_shared_step_counts_come_back_one_per_tensor():
 def test_in_place_ops_on_leaves_are_the_tensor_methods(method):
     """Leaves' in-place ops (for a rule's own temporaries) overwrite each tensor as the tensor
     method does, with another Leaves, a number, a shared 0-dim tensor or a 0-dim tensor per item."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     xs = [torch.randn(n, generator=gen) for n in (3, 5)]
     ys = [torch.randn(n, generator=gen) for n in (3, 5)]
     for other in (foreach.Leaves(ys), 0.7, torch.tensor(1.3, dtype=torch.float64)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 from models import batches, loss_fn, make_model
 from parity_table import CASES, STEPS, run_functional
 
@@ -46,7 +47,7 @@ def test_fused_equals_unfused(alias, torch_cls, kind, kwargs, dtype):
 
 
 def _mixed_params():
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     return {
         "emb": torch.randn(6, 4, generator=gen).bfloat16(),
         "w": torch.randn(4, 3, generator=gen, dtype=torch.float64),
@@ -69,7 +70,7 @@ BEYOND_TORCH = {
 
 def _train_both(tx_fn, params, steps=5, dtype_of_grads=None, max_buffer_mb=None):
     """The same random gradients through ``tx`` unfused and fused; both final params trees."""
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     layout = fb.FlatLayout.of(params, max_buffer_mb=max_buffer_mb)
     tx, fused = tx_fn(), fb.fuse(tx_fn(), layout)
     plain, flat = params, layout.flatten(params)
@@ -218,7 +219,7 @@ def test_a_flattened_module_is_freed_when_dropped():
 
 
 def test_flatten_parameters_moves_a_list_into_one_buffer_per_dtype_in_list_order():
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     shapes = [(3, 2), (4,), (2, 2), (5,), (1, 3)]
     dtypes = [torch.float32, torch.float64, torch.float32, torch.float32, torch.float64]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=d)) for s, d in zip(shapes, dtypes)]

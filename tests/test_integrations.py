@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
+
+pytestmark = pytest.mark.cpu_only("Lightning's and Hugging Face's trainers on accelerator='cpu'")
 
 STEPS = 4
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64; fb's hyperparameters are float64 tensors, torch's Python floats
@@ -31,7 +34,7 @@ def lightning_run(make_optimizer):
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     data = [
         (torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 1, generator=gen, dtype=torch.float64))
     ]
@@ -107,7 +110,7 @@ def hf_run(make_optimizer, tmp_path):
     )
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config).double()
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     rows = [
         {"input_ids": torch.randint(0, 40, (8,), generator=gen), "labels": torch.randint(0, 2, (), generator=gen)}
         for _ in range(4 * STEPS)

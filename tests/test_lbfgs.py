@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 
@@ -11,7 +12,7 @@ import functional_bagua as fb
 def problem(dtype):
     """A smooth, non-quadratic loss of two parameters (so that curvature pairs and the line
     search's interpolation all matter)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     a, b = torch.randn(20, 10, generator=gen, dtype=dtype), torch.randn(20, generator=gen, dtype=dtype)
     start = {"c": torch.randn(3, generator=gen, dtype=dtype), "w": torch.randn(10, generator=gen, dtype=dtype)}
 

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from devices import DEVICE, ON_CUDA, seeded
 from models import batches, default_dtype, loss_fn, make_model
 
 import functional_bagua as fb
@@ -235,7 +236,7 @@ def test_named_parameters_and_keys_of_their_own_in_groups():
 def test_a_group_of_mixed_dtypes_runs_the_kernel_per_dtype(name):
     """float32, float64 and bfloat16 parameters in one group: the torch class with fused=True."""
     torch_cls, factory, hyper = CLASSES[name]
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     shapes_and_dtypes = [
         ((3, 4), torch.float32),
         ((5,), torch.float64),
@@ -258,18 +259,19 @@ def test_a_group_of_mixed_dtypes_runs_the_kernel_per_dtype(name):
 
 
 def test_grad_scaler_steps_as_with_the_torch_class():
-    """torch.amp.GradScaler on the CPU: unscale_, the skipped step on an inf, the scale update,
-    with clip_grad_norm_ and an lr scheduler in the loop."""
+    """torch.amp.GradScaler on the test device (under float16 autocast on CUDA): unscale_, the
+    skipped step on an inf, the scale update, with clip_grad_norm_ and an lr scheduler in the loop."""
 
     def run(make_optimizer):
         torch.manual_seed(0)
         model = make_model("shapes", torch.float32)
         opt = make_optimizer(model)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**8, growth_interval=2)
         for i, (x, y) in enumerate(batches(STEPS, torch.float32)):
             opt.zero_grad()
-            loss = loss_fn(model(x), y) * (float("inf") if i == 3 else 1.0)
+            with torch.autocast(DEVICE.type, dtype=torch.float16, enabled=ON_CUDA):
+                loss = loss_fn(model(x), y) * (float("inf") if i == 3 else 1.0)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -715,6 +717,7 @@ def test_compiled_step_follows_the_scheduler_without_recompiling(fused):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: test_cuda_distributed.py)")
 def test_under_torch_ddp_it_steps_as_the_torch_class():
     """2 gloo ranks, torch's DDP averaging the gradients: fb.Optimizer(fb.adamw) with a scheduler
     gives torch.optim.AdamW's parameters on every rank."""

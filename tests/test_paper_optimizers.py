@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 
@@ -15,7 +16,7 @@ STEPS = 10
 
 
 def random_problem(seed=0, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in SHAPES.items()}
     grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in SHAPES.items()} for _ in range(STEPS)]
     return params, grads

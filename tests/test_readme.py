@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.cpu_only("runs the README's code blocks as a CPU user would")
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from devices import seeded
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
@@ -100,7 +101,7 @@ def test_schedule_equals_closed_form(schedule, formula):
 
 def test_lr_schedule_in_an_alias_equals_torch_scheduler_steps():
     """fb.sgd(lr=schedule) == torch.optim.SGD + StepLR, step for step."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     start = torch.randn(5, dtype=torch.float64, generator=gen)
     grads = [torch.randn(5, dtype=torch.float64, generator=gen) for _ in range(12)]
     p = torch.nn.Parameter(start.clone())
@@ -157,7 +158,7 @@ def test_inject_hyperparams_validates_initial_values():
 
 
 def _compiled_training(tx, steps, change_lr_by_hand=False):
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {
         "w": torch.randn(4, 3, generator=gen),
         "b": torch.randn(3, generator=gen),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
@@ -52,7 +53,7 @@ def test_compiled_graph_size_does_not_grow_with_the_segment_count():
 
 def test_fused_lamb_runs_the_trust_ratio_per_segment_vectorized():
     """Fused LAMB over 300 tensors == unfused LAMB, bitwise (the segment norms are the tensor norms)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {f"p{i}": torch.randn(3 + i % 5, 2, generator=gen) for i in range(300)}
     params["zero"] = torch.zeros(4)  # a zero norm: trust ratio 1
     grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 
@@ -23,7 +24,7 @@ def test_sparse_adam_equals_torch_sparse_adam_bit_for_bit(kwargs, dtype):
     tx = fb.sparse_adam(**kwargs)
     params = fb.params_of(model)
     state = tx.init(params)
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     for _ in range(6):
         rows = torch.randint(0, 30, (9,), generator=gen)  # repeated rows: the gradient holds duplicates
         optimizer.zero_grad()

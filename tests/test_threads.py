@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 
@@ -12,7 +13,7 @@ STEPS = 200
 
 
 def lamb_run(fused: bool, out: dict, key: str, barrier: threading.Barrier) -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {f"w{i}": torch.randn(6, 5, generator=gen, dtype=torch.float64) for i in range(8)}
     grads = [{k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()} for _ in range(4)]
     tx = fb.lamb(1e-2, weight_decay=0.1)

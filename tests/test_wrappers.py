@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 from helpers import assert_trees_equal, clone_tree
 from models import batches, default_dtype, loss_fn, make_model
 
@@ -127,7 +128,7 @@ def test_clip_by_global_norm_equals_clip_grad_norm():
 
 
 def test_clip_by_global_norm_directly_against_clip_grad_norm():
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     grads = {
         "a": torch.randn(4, 5, generator=gen, dtype=DTYPE),
         "b": torch.randn(3, generator=gen, dtype=DTYPE),
@@ -153,7 +154,7 @@ def test_clip_clamps_elementwise():
 
 
 def test_apply_if_finite_skips_non_finite_steps_bitwise():
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {"w": torch.randn(3, 2, generator=gen), "b": torch.randn(2, generator=gen)}
     tx = fb.apply_if_finite(fb.adam(lr=1e-2), max_consecutive_errors=2)
     state = tx.init(params)

@@ -13,7 +13,12 @@ thread that loops::
 
 The training step holds the weight lock from its forward to the end of its optimizer step (Bagua
 held it for forward and backward only, so that the thread could write weights while the optimizer
-did). ``abort(model)`` stops the thread (every rank calls it: a barrier first) and ``resume(model)``
+did). On CUDA the thread runs on a stream of its own, ordered against training by
+events rather than by sharing the default stream: the training step records an event as it
+releases the lock and the thread's stream waits for it before reading or writing the weights; the
+thread records one after its write and the next training step waits for it after taking the lock.
+Training's kernels and the thread's copies and all-reduce then overlap wherever they touch
+different memory. ``abort(model)`` stops the thread (every rank calls it: a barrier first) and ``resume(model)``
 starts it again; both may be called twice in a row. A thread left running stops when the process
 exits, before the process group is destroyed.
 """
@@ -48,6 +53,10 @@ class _AveragingThread:
     def __init__(self, weights: list, group: dist.ProcessGroup, lock: threading.Lock, interval_s: float) -> None:
         self.weights, self.group, self.lock, self.interval_s = weights, group, lock, interval_s
         self.layout = FlatLayout.of([w.detach() for w in weights])
+        device = weights[0].device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.trained: Optional[torch.cuda.Event] = None  # the training step's last write (CUDA)
+        self.averaged: Optional[torch.cuda.Event] = None  # this thread's last write (CUDA)
         self.stop = threading.Event()
         self.rounds = 0
         self.error: Optional[BaseException] = None
@@ -56,9 +65,9 @@ class _AveragingThread:
 
     def _run(self) -> None:
         try:
-            device = self.weights[0].device
-            if device.type == "cuda":  # the current device is per thread
-                torch.cuda.set_device(device)
+            if self.stream is not None:  # the current device and stream are per thread
+                torch.cuda.set_device(self.stream.device)
+                torch.cuda.set_stream(self.stream)
             while not self._agreed_to_stop():
                 self._average_once()
                 self.rounds += 1
@@ -74,6 +83,7 @@ class _AveragingThread:
     @torch.no_grad()
     def _average_once(self) -> None:
         with self.lock:
+            self._after(self.trained)
             snapshot = self.layout.flatten([w.detach() for w in self.weights])
         sums = {key: buffer.clone() for key, buffer in snapshot.items()}
         n = dist.get_world_size(self.group)
@@ -81,8 +91,26 @@ class _AveragingThread:
             dist.all_reduce(sums[key], group=self.group)
         change = {key: sums[key] / n - snapshot[key] for key in sums}
         with self.lock:
+            self._after(self.trained)  # a training step may have written since the snapshot
             for w, delta in zip(self.weights, self.layout.unflatten(change)):
                 w.add_(delta)
+            self.averaged = _recorded_event(self.stream)
+
+    def _after(self, event: Optional[torch.cuda.Event]) -> None:
+        """This thread's stream waits for ``event`` (CUDA; nothing to order on the CPU)."""
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def training_step_begins(self) -> None:
+        """Called by the training thread once it holds the lock: its stream waits for this
+        thread's last write of the weights."""
+        if self.stream is not None and self.averaged is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.averaged)
+
+    def training_step_ends(self) -> None:
+        """Called by the training thread before it releases the lock: an event after its writes."""
+        if self.stream is not None:
+            self.trained = _recorded_event(torch.cuda.current_stream(self.stream.device))
 
     def join(self) -> None:
         self.stop.set()
@@ -156,6 +184,8 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         if not self._holding:
             self.lock.acquire()
             self._holding = True
+            if self.averager is not None:
+                self.averager.training_step_begins()
         if self.averager is None:
             self._start()
 
@@ -179,6 +209,8 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
     def _release(self) -> None:
         if self._holding:
+            if self.averager is not None:
+                self.averager.training_step_ends()
             self._holding = False
             self.lock.release()
 
@@ -223,6 +255,15 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
     def buckets(self) -> list:
         return self.warmup.buckets()
+
+
+def _recorded_event(stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Event]:
+    """A CUDA event recorded on ``stream`` now (None without a stream)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def _engine_of(bagua_module: Any, algorithm: AlgorithmImpl) -> "BaguaDistributedDataParallel":

@@ -1,0 +1,425 @@
+"""The prepared GPU run: the test suite on CUDA, the distributed paths on one GPU, and the GPU
+benchmarks, in one time budget, written up as one Markdown report (plus JSON).
+
+    bash benchmarks/gpu_check.sh OUTDIR [WHEELS_DIR]        # installs the wheels first, then this
+    python benchmarks/gpu_check.py --out OUTDIR [--budget 480]
+    python benchmarks/gpu_check.py --out /tmp/dry --device cpu   # the dry run: every section, small
+
+Sections, run one after another as subprocesses, each given a share of ``--budget`` seconds (the
+time a section leaves unused passes to the next) and stopped at its limit, so the report is
+always written:
+
+1. ``tests``: ``pytest --device cuda`` over the whole suite (tests/conftest.py), parallel where
+   pytest-xdist is installed; the CUDA-only modules test_cuda.py and test_cuda_distributed.py
+   (NCCL at world size 1, 2 ranks sharing the GPU through gloo) are part of it.
+2. ``step``: optimizer step of AdamW, Adam, SGD, LAMB, Lion, Adafactor, Muon on four configs
+   against torch.optim, and the memory roofline (optimizer_step.py).
+3. ``peers``: heavyball's AdamW and torchopt on the same configs, in a process of their own
+   (heavyball compiles with max-autotune, whose workers would load the timings of the others).
+4. ``compile``: first-compile time against tensor count (ours, heavyball's, torch.compile(opt.step)).
+5. ``e2e``: a GPT-2-small-like model trained under bf16 autocast (end_to_end.py).
+6. ``bagua``: Bagua's headline case, ``fuse_step`` vs ``step`` on BERT-base (fused_optimizer.py).
+
+The report names the device, the date, torch, CUDA and the driver, which optional packages were
+missing, each section's status and tables, and the issue's GPU targets against what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OPTIONAL = ("optree", "heavyball", "torchopt", "pytest", "xdist", "hypothesis", "transformers", "lightning")
+SHARES = {"tests": 0.32, "step": 0.22, "peers": 0.08, "compile": 0.08, "e2e": 0.22, "bagua": 0.08}
+
+
+def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], str]]:
+    """(name, command, JSON file it writes or "") of each section; ``quick`` for the CPU dry run."""
+    py = sys.executable
+    bench = lambda name: os.path.join(HERE, name)  # noqa: E731
+    xdist = ["-n", "8"] if importlib.util.find_spec("xdist") and not quick else []
+    # each test's result as it ends (a section stopped at its limit still tells which failed), and a
+    # per-test limit where pytest-timeout is installed (a hung collective fails one test, not all)
+    per_test = ["-v"] + (["--timeout", "150"] if importlib.util.find_spec("pytest_timeout") else [])
+    tests = ["tests/test_core.py", "tests/test_cuda.py"] if quick else ["tests"]
+    configs, optimizers = ("a", "adamw,muon") if quick else ("a,b,d,c", "adamw,adam,sgd,lamb,lion,adafactor,muon")
+    steps = "3" if quick else "20"
+    return [
+        (
+            "tests",
+            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", device, "-rfE", *per_test, *xdist, *tests],
+            "",
+        ),
+        (
+            "step",
+            [py, bench("optimizer_step.py"), "--device", device, "--configs", configs, "--optimizers", optimizers]
+            + [
+                "--families",
+                "torch,fb.Optimizer,fb",
+                "--fb-variants",
+                "fb tree eager,fb flat in-place (torch),fb flat compiled",
+            ]
+            + ["--torch-compile", "adamw:a" if quick else "adamw:a,adamw:d", "--no-scaling", "--roofline"]
+            + ["--chart", "", "--steps", steps, "--json", os.path.join(out, "step.json")],
+            "step.json",
+        ),
+        (
+            "peers",
+            [py, bench("optimizer_step.py"), "--device", device, "--configs", configs, "--optimizers", "adamw,adam,sgd"]
+            + [
+                "--families",
+                "peers",
+                "--no-scaling",
+                "--chart",
+                "",
+                "--steps",
+                steps,
+                "--json",
+                os.path.join(out, "peers.json"),
+            ],
+            "peers.json",
+        ),
+        (
+            "compile",
+            [py, bench("optimizer_step.py"), "--device", device, "--only-scaling", "--families", "fb,peers,torch"]
+            + ["--json", os.path.join(out, "compile.json")],
+            "compile.json",
+        ),
+        (
+            "e2e",
+            [
+                py,
+                bench("end_to_end.py"),
+                "--device",
+                device,
+                "--size",
+                "gpt2",
+                "--autocast",
+                "bf16" if device != "cpu" else "none",
+            ]
+            + (
+                ["--layers", "1", "--batch", "2", "--seq", "16", "--steps", "3"]
+                if quick
+                else ["--layers", "4", "--seq", "512", "--steps", "20"]
+            )
+            + ["--json", os.path.join(out, "e2e.json")],
+            "e2e.json",
+        ),
+        (
+            "bagua",
+            [
+                py,
+                bench("fused_optimizer.py"),
+                "--device",
+                device,
+                "--configs",
+                "bert",
+                "--optimizers",
+                "AdamW,Adam,SGD momentum",
+            ]
+            + [
+                "--no-compile",
+                "--bert-train",
+                "--bert-steps",
+                "3" if quick else "10",
+                "--train-steps",
+                "3" if quick else "10",
+            ],
+            "",
+        ),
+    ]
+
+
+def environment(device: str) -> dict:
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device=torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)",
+        missing=[m for m in OPTIONAL if importlib.util.find_spec(m) is None],
+    )
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu_memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            env["driver"] = smi.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            env["driver"] = "unknown (no nvidia-smi)"
+    return env
+
+
+def run_section(name: str, command: list[str], limit_s: float, log) -> dict:
+    """Run ``command`` from the repository root, its output to ``log`` and kept; stopped after ``limit_s``."""
+    start = time.monotonic()
+    log.write(f"\n===== {name}: {' '.join(command)} (limit {limit_s:.0f} s)\n")
+    log.flush()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=limit_s)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        status = f"stopped at its limit of {limit_s:.0f} s"
+    log.write(output)
+    log.flush()
+    return dict(name=name, status=status, seconds=round(time.monotonic() - start, 1), output=output)
+
+
+def tests_summary(output: str) -> dict:
+    """pytest's counts and the failed tests' ids with their one-line reasons."""
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", last)}
+    failures = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if not failures:  # stopped before its summary: the verbose lines of each test's end
+        failures = [line for line in output.splitlines() if re.search(r" (FAILED|ERROR) ", line)]
+    return dict(counts=counts, failures=failures)
+
+
+def markdown_of(result: dict) -> str:
+    """The section's own tables (its lines from the first Markdown heading on), or its output's tail."""
+    lines = result["output"].splitlines()
+    if result["name"] == "tests":
+        summary = tests_summary(result["output"])
+        body = [f"counts: {summary['counts']}", ""] + [f"- {f[:300]}" for f in summary["failures"][:80]]
+        if len(summary["failures"]) > 80:
+            body.append(f"- ... and {len(summary['failures']) - 80} more (tests.log)")
+        return "\n".join(body)
+    first = next((i for i, line in enumerate(lines) if line.startswith("#")), None)
+    kept = lines[first:] if first is not None else lines[-40:]
+    if result["status"] != "ok":
+        tail = [line for line in lines[-15:] if line not in kept]
+        kept = kept + (["", "last lines of its output:", "```", *tail, "```"] if tail else [])
+    return "\n".join(kept)
+
+
+def load(out: str, name: str):
+    path = os.path.join(out, name)
+    if not name or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _ratio(text) -> float:
+    return float(str(text).rstrip("x")) if text not in (None, "", "n/a") else float("nan")
+
+
+def targets(data: dict) -> list[dict]:
+    """The GPU targets against the measurements (each: target, measured, met: yes/no/not measured)."""
+    rows = []
+    step, peers, scaling, e2e = data.get("step"), data.get("peers"), data.get("compile"), data.get("e2e")
+
+    def add(target, measured, met):
+        rows.append(
+            dict(target=target, measured=measured or "not measured", met=("yes" if met else "no") if measured else "-")
+        )
+
+    roof = [r for r in (step or {}).get("roofline", []) if "ms" in r]
+    big = [r for r in roof if r["variant"] == "fb flat in-place (torch)" and float(r["elements"].rstrip("M")) >= 10]
+    shares = [(r["elements"], float(r["roofline_share"].rstrip("%"))) for r in big]
+    add(
+        "fused in-place AdamW >= 85% of the measured roofline from 10M elements",
+        ", ".join(f"{e}: {s:.0f}%" for e, s in shares),
+        shares and all(s >= 85 for _, s in shares),
+    )
+    adamw = [
+        r
+        for c in (step or {}).get("configs", {}).values()
+        for r in c["rows"]
+        if r["optimizer"] == "adamw" and "ms" in r
+    ]
+    inplace = [(r["config"], _ratio(r["vs_torch"])) for r in adamw if r["variant"] == "fb flat in-place (torch)"]
+    inplace += [
+        (f"flat {r['elements']}", _ratio(r.get("vs_torch_fused")))
+        for r in roof
+        if r["variant"] == "fb flat in-place (torch)"
+    ]
+    add(
+        "fused in-place AdamW <= 1.0x torch fused at every size",
+        ", ".join(f"{c}: {x:.2f}x" for c, x in inplace),
+        inplace and all(x <= 1.0 for _, x in inplace),
+    )
+    compiled = [(r["config"], _ratio(r["vs_torch"])) for r in adamw if r["variant"] == "fb flat compiled"]
+    add(
+        "compiled flat AdamW (Triton) <= 1.1x torch fused",
+        ", ".join(f"{c}: {x:.2f}x" for c, x in compiled),
+        compiled and all(x <= 1.1 for _, x in compiled),
+    )
+    ours = [
+        (r["tensors"], r["compile_s"])
+        for r in (scaling or {}).get("compile_scaling", [])
+        if r["variant"] == "fb flat compiled" and "ms" in r
+    ]
+    flat_enough = ours and max(s for _, s in ours) <= 2 * min(s for _, s in ours)
+    add(
+        "first compile <= 10 s and flat in tensor count",
+        ", ".join(f"{n}: {s:.1f} s" for n, s in ours),
+        ours and all(s <= 10 for _, s in ours) and flat_enough,
+    )
+    hb_steps = {
+        r["config"]: r["ms"]
+        for c in (peers or {}).get("configs", {}).values()
+        for r in c["rows"]
+        if r["variant"] == "heavyball" and r["optimizer"] == "adamw" and "ms" in r
+    }
+    best = {}
+    for r in adamw:
+        if r["variant"] in ("fb flat in-place (torch)", "fb.Optimizer", "fb flat compiled"):
+            best[r["config"]] = min(best.get(r["config"], float("inf")), r["ms"])
+    pairs = [(c, best[c], hb_steps[c]) for c in hb_steps if c in best]
+    add(
+        "AdamW step ahead of heavyball's on every shape",
+        ", ".join(f"{c}: {a:.3g} vs {b:.3g} ms" for c, a, b in pairs),
+        pairs and all(a < b for _, a, b in pairs),
+    )
+    hb_compile = {
+        r["tensors"]: r["compile_s"]
+        for r in (scaling or {}).get("compile_scaling", [])
+        if r["variant"] == "heavyball" and "ms" in r
+    }
+    cpairs = [(n, s, hb_compile[n]) for n, s in ours if n in hb_compile]
+    add(
+        "first compile ahead of heavyball's",
+        ", ".join(f"{n}: {a:.1f} vs {b:.1f} s" for n, a, b in cpairs),
+        cpairs and all(a < b for _, a, b in cpairs),
+    )
+    e2e_rows = {r["variant"]: r for r in (e2e or {}).get("rows", []) if "ms" in r}
+    tc = e2e_rows.get("torch.compile(model) + fused AdamW")
+    fbc = [r for name, r in e2e_rows.items() if name.startswith("fb compiled step") and "cosine" not in name]
+    if tc and fbc:
+        fastest = min(fbc, key=lambda r: r["ms"])
+        add(
+            "end to end: our compiled step <= 0.9x torch.compile(model) + fused AdamW",
+            f"{fastest['variant']}: {fastest['ms'] / tc['ms']:.2f}x",
+            fastest["ms"] <= 0.9 * tc["ms"],
+        )
+    else:
+        add("end to end: our compiled step <= 0.9x torch.compile(model) + fused AdamW", "", False)
+    graphed = e2e_rows.get("fb compiled step (flat, CUDA graph)")
+    scheduled = e2e_rows.get("fb compiled step (flat, CUDA graph, cosine lr)")
+    if graphed and e2e_rows:
+        fastest_name = min(e2e_rows, key=lambda k: e2e_rows[k]["ms"])
+        add(
+            "the CUDA-graphed step works (lr schedule too) and is the fastest row",
+            f"{graphed['ms']:.3g} ms; schedule {'ran' if scheduled else 'failed'}; fastest: {fastest_name}",
+            scheduled is not None and fastest_name.startswith("fb compiled step (flat, CUDA graph"),
+        )
+    else:
+        add("the CUDA-graphed step works (lr schedule too) and is the fastest row", "", False)
+    donated, eager = e2e_rows.get("fb eager step (tree, donated)"), e2e_rows.get("torch eager + fused AdamW")
+    if donated and eager and donated.get("peak_gib") != "" and eager.get("peak_gib") != "":
+        add(
+            "peak memory of the donated step <= torch's eager step",
+            f"{donated['peak_gib']:.2f} vs {eager['peak_gib']:.2f} GiB",
+            donated["peak_gib"] <= eager["peak_gib"],
+        )
+    else:
+        add("peak memory of the donated step <= torch's eager step", "", False)
+    return rows
+
+
+def report(env: dict, results: list[dict], data: dict, budget: float) -> str:
+    from common import table
+
+    lines = [
+        f"# GPU check: {env['device']}, {env['date']}",
+        "",
+        f"torch {env['torch']}, CUDA {env['cuda']}, driver {env.get('driver', '-')}, Python {env['python']}; "
+        f"budget {budget:.0f} s, used {sum(r['seconds'] for r in results):.0f} s",
+        f"optional packages missing: {', '.join(env['missing']) or 'none'}",
+        "",
+        "| section | status | seconds |",
+        "|---|---|---|",
+        *[f"| {r['name']} | {r['status']} | {r['seconds']} |" for r in results],
+        "",
+        "## Targets",
+        "",
+        table(targets(data), ["target", "measured", "met"]),
+        "",
+    ]
+    for r in results:
+        lines += [
+            f"## Section {r['name']} ({r['status']}, {r['seconds']} s)",
+            "",
+            markdown_of(r).replace("\n# ", "\n### ").replace("\n## ", "\n### "),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the folder for report.md, report.json and the logs")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--budget", type=float, default=480, help="seconds for all sections together")
+    parser.add_argument("--only", default="", help="comma-separated section names to run (default: all)")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device (use --device cpu for the dry run)")
+    os.makedirs(args.out, exist_ok=True)
+    sys.path.insert(0, HERE)
+    env = environment(args.device)
+    print(f"gpu check on {env['device']}; optional packages missing: {', '.join(env['missing']) or 'none'}", flush=True)
+    quick = args.device == "cpu"
+    chosen = [s for s in sections(args.out, args.device, quick) if not args.only or s[0] in args.only.split(",")]
+    deadline = time.monotonic() + args.budget
+    results, data = [], {}
+    share_left = sum(SHARES[name] for name, _, _ in chosen)
+    with open(os.path.join(args.out, "sections.log"), "w") as log:
+        for name, command, json_name in chosen:
+            left = deadline - time.monotonic()
+            limit = max(10.0, left * SHARES[name] / share_left)
+            share_left -= SHARES[name]
+            if left < 10:
+                results.append(dict(name=name, status="not run: budget spent", seconds=0, output=""))
+                continue
+            result = run_section(name, command, limit, log)
+            results.append(result)
+            data[name] = load(args.out, json_name)
+            if name == "tests":
+                data[name] = tests_summary(result["output"])
+                with open(os.path.join(args.out, "tests.log"), "w") as f:
+                    f.write(result["output"])
+            print(f"{name}: {result['status']} in {result['seconds']} s", flush=True)
+            with open(os.path.join(args.out, "report.md"), "w") as f:
+                f.write(report(env, results, data, args.budget))
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(
+            dict(
+                environment=env,
+                sections=[{k: v for k, v in r.items() if k != "output"} for r in results],
+                data=data,
+                targets=targets(data),
+            ),
+            f,
+            indent=1,
+            default=str,
+        )
+    print(f"report: {os.path.join(args.out, 'report.md')}")
+
+
+if __name__ == "__main__":
+    main()
