@@ -59,11 +59,7 @@ QUANTIZED = {"compressed_minmax_uint8", "bytegrad_against_float", "low_precision
 
 
 def cases(table: dict) -> list:
-    return [
-        pytest.param(module, name, id=f"{module}.{name}")
-        for module, names in table.items()
-        for name in names
-    ]
+    return [pytest.param(module, name, id=f"{module}.{name}") for module, names in table.items() for name in names]
 
 
 def without_timing(name: str, result):
