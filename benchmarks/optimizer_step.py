@@ -328,7 +328,12 @@ def measure(variant, make, device, steps):
             torch.cuda.empty_cache()
 
 
-def bench_config(key, names, device, steps, copy_gbs, compile_for, families, fb_variant_names):
+def progress(*parts) -> None:
+    """One line per measured row as it ends (a run stopped at its time limit still shows its rows)."""
+    print("  " + " | ".join(str(p) for p in parts), flush=True)
+
+
+def bench_config(key, names, device, steps, copy_gbs, compile_for, families, fb_variant_names, on_row=None):
     label, shapes_fn = configs(device)[key]
     all_params, all_grads = make_params(shapes_fn(), device)
     rows = []
@@ -343,7 +348,7 @@ def bench_config(key, names, device, steps, copy_gbs, compile_for, families, fb_
         numel = sum(p.numel() for p in params.values())
         makers = []
         if "torch" in families:
-            makers += list(torch_variants(spec, name, key, params, grads, device, compile_for))
+            makers += list(torch_variants(spec, name, key, params, grads, device, set()))
         if "fb.Optimizer" in families:
             makers += [(v, m) for v, m in fb_variants(spec, params, grads, device, ["fb.Optimizer"])]
         if "fb" in families:
@@ -352,6 +357,12 @@ def bench_config(key, names, device, steps, copy_gbs, compile_for, families, fb_
             )
         if "peers" in families:
             makers += list(peer_variants(spec, params, grads, device))
+        if "torch" in families and f"{name}:{key}" in compile_for:  # last: its compile is the slowest
+            makers += [
+                m
+                for m in torch_variants(spec, name, key, params, grads, device, compile_for)
+                if m[0] == "torch.compile(opt.step)"
+            ]
         named = f"{name} (2-D tensors: {len(params)})" if spec.matrices_only else name
         these = []
         for variant, make in makers:
@@ -360,6 +371,9 @@ def bench_config(key, names, device, steps, copy_gbs, compile_for, families, fb_
                 gbs = spec.traffic * numel * 4 / (row["ms"] * 1e-3) / 1e9
                 row.update(gbs=gbs, bw_share=f"{100 * gbs / copy_gbs:.0f}%")
             these.append(row)
+            progress(label, named, variant, row.get("ms", row.get("error")), row.get("compile_s", ""))
+            if on_row is not None:
+                on_row(rows + these)
         reference = next((r for r in these if r["variant"] == "torch fused" and "ms" in r), None)
         reference = reference or next(
             (r for r in these if r["variant"] in ("torch foreach", "torch") and "ms" in r), None
@@ -394,6 +408,7 @@ def roofline(device, copy_gbs, steps, sizes=(1_000_000, 10_000_000, 30_000_000, 
             if "ms" in row:
                 row["roofline_share"] = f"{100 * ideal_ms / row['ms']:.0f}%"
             rows.append(row)
+            progress(f"{n / 1e6:.0f}M", variant, row.get("ms", row.get("error")), row.get("roofline_share", ""))
         del makers
     torch_fused = {r["elements"]: r["ms"] for r in rows if r["variant"].startswith("torch fused") and "ms" in r}
     for r in rows:
@@ -427,6 +442,7 @@ def compile_scaling(device, families, counts=(20, 200, 2000), total=10_000_000):
         for variant, make in makers:
             torch._dynamo.reset()
             rows.append(dict(tensors=n, **measure(variant, make, device, steps=10)))
+            progress(n, variant, rows[-1].get("compile_s", rows[-1].get("error")))
         del params, grads
     return rows
 
@@ -481,6 +497,12 @@ def main(argv=None):
     if not (args.only_scaling or args.only_roofline):
         for key in args.configs.split(","):
             start = time.perf_counter()
+            label = configs(args.device)[key][0]
+
+            def partial(rows, label=label):
+                out["configs"][label] = dict(rows=rows, partial=True)
+                write_json(args.json, out)
+
             label, count, numel, rows = bench_config(
                 key,
                 args.optimizers.split(","),
@@ -490,6 +512,7 @@ def main(argv=None):
                 set(args.torch_compile.split(",")),
                 families,
                 args.fb_variants.split(","),
+                on_row=partial,
             )
             took = time.perf_counter() - start
             print(f"## {label}: {count} tensors, {numel / 1e6:.2f}M elements ({took:.0f} s)\n", flush=True)

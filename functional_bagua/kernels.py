@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union, cast
 import optree
 import torch
 
+from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.transforms.adam import ScaleByAdamState, ScaleByAmsgradState
 from functional_bagua.transforms.momentum import TraceState
@@ -134,7 +135,7 @@ def run_pure(spec: KernelSpec, grads: dict, state: PyTree, params: dict) -> tupl
                 if traces
                 else moments.trace
             )
-            new_moments = moments._replace(count=count, trace=trace)
+            new_moments = tree.replaced(moments, count=count, trace=trace)
     else:
         assert moments is not None  # moments_of raised if there were none
         count = {k: moments.count[k] + 1 for k in keys}
@@ -152,7 +153,7 @@ def run_pure(spec: KernelSpec, grads: dict, state: PyTree, params: dict) -> tupl
             fields["nu_max"] = {
                 k: _back(t, cast(ScaleByAmsgradState, moments).nu_max[k]) for t, k in zip(new_max, keys)
             }
-        new_moments = moments._replace(**fields)
+        new_moments = tree.replaced(moments, **fields)
     new_state = _replacing(state, moments, new_moments)
     return {k: _back(t, params[k]) for t, k in zip(new_p, keys)}, new_state
 

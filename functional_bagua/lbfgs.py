@@ -207,7 +207,7 @@ def _iterations(
     lr, max_iter, max_eval, tolerance_grad, tolerance_change, history_size, line_search_fn = settings
     func_evals, n_iter = int(s.func_evals) + 1, int(s.n_iter)
     if grad.abs().max() <= tolerance_grad:  # already optimal
-        return x, s._replace(func_evals=torch.full_like(s.func_evals, func_evals))
+        return x, tree.replaced(s, func_evals=torch.full_like(s.func_evals, func_evals))
     d, h_diag, kept = s.d, s.h_diag, int(s.kept)
     t: Scalar = s.t  # a tensor or a Python float, as in torch.optim.LBFGS
     dirs, steps, rho = s.dirs, s.steps, s.rho

@@ -509,7 +509,7 @@ def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params
     stepped = {k: p for k, p in enumerate(params) if grads[k] is not None}
     inner = state.inner_state if isinstance(state, InjectHyperparamsState) else state
     kernels.run(kernel, {k: grads[k] for k in stepped}, inner, stepped)
-    return state._replace(count=state.count + 1) if isinstance(state, InjectHyperparamsState) else state
+    return tree.replaced(state, count=state.count + 1) if isinstance(state, InjectHyperparamsState) else state
 
 
 def _cast_like(saved: Any, leaf: torch.Tensor) -> Any:

@@ -40,6 +40,12 @@ def where(condition: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
     return tree_map(lambda n, o: torch.where(condition, n, o) if isinstance(n, torch.Tensor) else n, new, old)
 
 
+def replaced(state: Any, **fields: Any) -> Any:
+    """``state`` (a NamedTuple) with ``fields`` changed, built by its constructor: NamedTuple's
+    ``_replace`` traced by dynamo in torch 2.11 returns an empty tuple of the state's type."""
+    return type(state)(*(fields.pop(name) if name in fields else value for name, value in zip(state._fields, state)))
+
+
 def zeros_unless(condition: torch.Tensor, updates: PyTree) -> PyTree:
     """``updates`` where the 0-dim bool ``condition`` holds, else zeros (``None`` stays ``None``)."""
     return tree_map(lambda u: None if u is None else torch.where(condition, u, torch.zeros_like(u)), updates)
@@ -76,6 +82,13 @@ def leaves_matching(spec: optree.PyTreeSpec, tree: PyTree, name: str, reference:
     ``name`` and ``reference`` are what the two trees are called in the message, e.g.
     ``leaves_matching(params_spec, grads, "grads", "params")``.
     """
+    if torch.compiler.is_compiling():
+        # dynamo cannot compare two specs (torch 2.11 fails on their unflatten functions' __eq__):
+        # flatten_up_to checks the same structure node by node, leaves must then be leaves
+        leaves = leaves_up_to(spec, tree, name, reference)
+        if not all(optree.tree_is_leaf(leaf, none_is_leaf=NONE_IS_LEAF) for leaf in leaves):
+            raise ValueError(describe_mismatch(spec, flatten(tree)[1], name, reference))
+        return leaves
     leaves, tree_spec = flatten(tree)
     if tree_spec != spec:
         raise ValueError(describe_mismatch(spec, tree_spec, name, reference))

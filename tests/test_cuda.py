@@ -171,3 +171,40 @@ def test_fb_optimizer_with_grad_scaler_under_float16_autocast_equals_torch_fused
     assert scale == expected_scale
     for name, p in expected.items():
         assert torch.equal(actual[name], p), name
+
+
+TORCH_FUSED = {  # fb alias -> torch class and settings, for the classes torch has a CUDA fused kernel for
+    "adamw": (fb.adamw, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam": (fb.adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    "sgd": (fb.sgd, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+}
+
+
+def train_on_cuda(make_optimizer, dtype, steps=5):
+    model = make_model("shapes", torch.float32).to(DEVICE, dtype)
+    opt = make_optimizer(model.parameters())
+    for x, y in cuda_batches(steps, dtype):
+        opt.zero_grad()
+        loss_fn(model(x).float(), y.float()).backward()
+        opt.step()
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", TORCH_FUSED)
+def test_fb_optimizer_is_torchs_fused_class_on_cuda_and_close_to_its_foreach_default(name, dtype):
+    """On CUDA torch.optim defaults to its foreach implementation and has fused kernels for these:
+    fb.Optimizer (torch's kernel where one computes the alias) equals fused=True bit for bit, in
+    float32 and bfloat16 parameters; the pure update (fused=False) stays within rounding of the
+    foreach default."""
+    alias, torch_cls, kwargs = TORCH_FUSED[name]
+    fused = train_on_cuda(lambda ps: torch_cls(ps, fused=True, **kwargs), dtype)
+    ours = train_on_cuda(lambda ps: fb.Optimizer(ps, alias, **kwargs), dtype)
+    for key, p in fused.items():
+        assert torch.equal(ours[key], p), key
+    default = train_on_cuda(lambda ps: torch_cls(ps, **kwargs), dtype)
+    pure = train_on_cuda(lambda ps: fb.Optimizer(ps, alias, fused=False, **kwargs), dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for key, p in default.items():
+        assert pure[key].dtype == dtype
+        torch.testing.assert_close(pure[key], p, **tol, msg=lambda m: f"{key}: {m}")

@@ -296,12 +296,10 @@ def _field_leaves(spec: optree.PyTreeSpec, state: NamedTuple, field: str, name: 
         raise ValueError(f"{name}: state has no field {field!r}; was it made by this transform's init?") from None
     if segmented:  # one tuple of per-segment tensors per buffer
         return tree.leaves_up_to(spec, field_tree, "grads", "the params the state was made for")
-    leaves, field_spec = tree.flatten(field_tree)
-    if field_spec != spec:
-        raise ValueError(
-            f"{name}: " + tree.describe_mismatch(field_spec, spec, "grads", "the params the state was made for")
-        )
-    return leaves
+    try:
+        return tree.leaves_matching(spec, field_tree, "grads", "the params the state was made for")
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _with_dtypes_of(new: Any, old: Any) -> Any:
