@@ -51,7 +51,7 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
     """(name, command, JSON file it writes or "") of each section; ``quick`` for the CPU dry run."""
     py = sys.executable
     bench = lambda name: os.path.join(HERE, name)  # noqa: E731
-    xdist = ["-n", "12"] if importlib.util.find_spec("xdist") and not quick else []
+    xdist = ["-n", "12", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") and not quick else []
     # each test's result as it ends (a section stopped at its limit still tells which failed), and a
     # per-test limit where pytest-timeout is installed (a hung collective fails one test, not all)
     per_test = ["-v"] + (["--timeout", "90"] if importlib.util.find_spec("pytest_timeout") else [])
@@ -238,7 +238,7 @@ def targets(data: dict) -> list[dict]:
         for r in c["rows"]
         if r["optimizer"] == "adamw" and "ms" in r
     ]
-    inplace = [(r["config"], _ratio(r["vs_torch"])) for r in adamw if r["variant"] == "fb flat in-place (torch)"]
+    inplace = [(r["config"], _ratio(r.get("vs_torch"))) for r in adamw if r["variant"] == "fb flat in-place (torch)"]
     inplace += [
         (f"flat {r['elements']}", _ratio(r.get("vs_torch_fused")))
         for r in roof
@@ -249,7 +249,7 @@ def targets(data: dict) -> list[dict]:
         ", ".join(f"{c}: {x:.2f}x" for c, x in inplace),
         inplace and all(x <= 1.0 for _, x in inplace),
     )
-    compiled = [(r["config"], _ratio(r["vs_torch"])) for r in adamw if r["variant"] == "fb flat compiled"]
+    compiled = [(r["config"], _ratio(r.get("vs_torch"))) for r in adamw if r["variant"] == "fb flat compiled"]
     add(
         "compiled flat AdamW (Triton) <= 1.1x torch fused",
         ", ".join(f"{c}: {x:.2f}x" for c, x in compiled),

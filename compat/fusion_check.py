@@ -133,7 +133,7 @@ def probe(optimizer: torch.optim.Optimizer, group: dict, run: list) -> ProbeResu
     if group.get("differentiable"):
         return ProbeResult("differentiable=True builds an autograd graph through each parameter's update", 0.0)
     members = probe_members(run)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)  # drawn on the CPU whatever the default device
     half = members[0].element_size() <= 2
     start = [_random_like(p, norm, gen) for p, norm in zip(members, cycle(PARAM_NORMS))]
     grads = [
@@ -212,7 +212,7 @@ def probe_members(run: list) -> list:
 
 def _random_like(p: torch.Tensor, norm: float, gen: torch.Generator) -> torch.Tensor:
     """Random values of ``p``'s shape, dtype and device whose L2 norm is about ``norm``."""
-    values = torch.randn(p.shape, generator=gen, dtype=torch.float64) * (norm / math.sqrt(p.numel()))
+    values = torch.randn(p.shape, generator=gen, dtype=torch.float64, device="cpu") * (norm / math.sqrt(p.numel()))
     return values.to(dtype=p.dtype, device=p.device)
 
 

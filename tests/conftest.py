@@ -31,6 +31,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cpu_only(reason): a test that only makes sense on the CPU (say why)")
+    for plugin, marker in (
+        ("timeout", "timeout(seconds): pytest-timeout's limit"),
+        ("xdist", "xdist_group(name): one worker"),
+    ):
+        if not config.pluginmanager.hasplugin(plugin):  # markers of optional plugins, known without them
+            config.addinivalue_line("markers", marker)
     device = config.getoption("--device") or os.environ.get("FB_TEST_DEVICE", "cpu")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device {device}: torch {torch.__version__} sees no CUDA device here")

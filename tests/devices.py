@@ -32,3 +32,19 @@ def use_device(device: torch.device = DEVICE) -> None:
 def seeded(seed: int) -> torch.Generator:
     """A generator seeded with ``seed`` on the current default device (CPU inside spawned ranks)."""
     return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
+def at(dtype_name: str) -> str:
+    """The key of a flat buffer of ``dtype_name`` on the default device, as FlatLayout names it
+    (``"float32@cpu"``, ``"float32@cuda:0"``)."""
+    return f"{dtype_name}@{torch.empty(0).device}"
+
+
+def reduction_tolerance(dtype: torch.dtype) -> dict:
+    """assert_close's tolerance for a per-tensor norm computed over a flat buffer's segments against
+    the same norm of the tensor alone: exact on the CPU (the same vector_norm per tensor); on CUDA
+    torch's multi-tensor norm and its single-tensor norm are different reduction kernels, whose
+    sums round differently in the last bits."""
+    if DEVICE.type == "cpu":
+        return dict(rtol=0, atol=0)
+    return dict(rtol=8 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)

@@ -144,35 +144,6 @@ def test_every_alias_keeps_its_state_and_updates_on_the_parameters_device(alias)
     assert not misplaced, f"{alias.__name__}: {len(misplaced)} tensors on {set(misplaced)}"
 
 
-def test_fb_optimizer_with_grad_scaler_under_float16_autocast_equals_torch_fused_adamw():
-    """The usual mixed-precision loop (float16 autocast, GradScaler, unscale_ and clipping, an
-    inf step that the scaler skips, a scheduler): fb.Optimizer runs torch's fused kernel, so its
-    weights and its scale are torch.optim.AdamW(fused=True)'s, bit for bit."""
-
-    def run(make_optimizer):
-        model = make_model("shapes", torch.float32).to(DEVICE)
-        opt = make_optimizer(model.parameters())
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=2)
-        for i, (x, y) in enumerate(cuda_batches(8)):
-            opt.zero_grad()
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = loss_fn(model(x), y) * (float("inf") if i == 3 else 1.0)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-        return dict(model.named_parameters()), scaler.get_scale()
-
-    expected, expected_scale = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True))
-    actual, scale = run(lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2, weight_decay=0.1))
-    assert scale == expected_scale
-    for name, p in expected.items():
-        assert torch.equal(actual[name], p), name
-
-
 TORCH_FUSED = {  # fb alias -> torch class and settings, for the classes torch has a CUDA fused kernel for
     "adamw": (fb.adamw, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "adam": (fb.adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),

@@ -17,7 +17,14 @@ import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    # the module's runs spawn some twenty rank processes: one worker runs them all (pytest-xdist's
+    # --dist loadgroup; each worker would otherwise spawn them again), and the first test waits
+    # for them longer than a test's usual limit (pytest-timeout)
+    pytest.mark.xdist_group("cuda_distributed"),
+    pytest.mark.timeout(900),
+]
 
 NCCL = "cpu:gloo,cuda:nccl"
 SCENARIOS = {  # module -> scenarios run at world size 1 on NCCL

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from devices import seeded
+from devices import reduction_tolerance, seeded
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
@@ -52,7 +52,8 @@ def test_compiled_graph_size_does_not_grow_with_the_segment_count():
 
 
 def test_fused_lamb_runs_the_trust_ratio_per_segment_vectorized():
-    """Fused LAMB over 300 tensors == unfused LAMB, bitwise (the segment norms are the tensor norms)."""
+    """Fused LAMB over 300 tensors == unfused LAMB, bitwise on the CPU (the segment norms are the
+    tensor norms; on CUDA within the rounding of two reduction kernels)."""
     gen = seeded(0)
     params = {f"p{i}": torch.randn(3 + i % 5, 2, generator=gen) for i in range(300)}
     params["zero"] = torch.zeros(4)  # a zero norm: trust ratio 1
@@ -65,4 +66,4 @@ def test_fused_lamb_runs_the_trust_ratio_per_segment_vectorized():
     flat_params = layout.flatten(params)
     flat_updates, _ = fused.update(layout.flatten(grads), fused.init(flat_params), flat_params)
     for name, u in layout.unflatten(flat_updates).items():
-        torch.testing.assert_close(u, updates[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(u, updates[name], **reduction_tolerance(u.dtype), msg=lambda m: f"{name}: {m}")

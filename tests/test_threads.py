@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from devices import seeded
+from devices import DEVICE, seeded
 
 import functional_bagua as fb
 
@@ -13,6 +13,11 @@ STEPS = 200
 
 
 def lamb_run(fused: bool, out: dict, key: str, barrier: threading.Barrier) -> None:
+    with torch.device(DEVICE):  # the default device is per thread: a new thread starts on the CPU
+        _lamb_run(fused, out, key, barrier)
+
+
+def _lamb_run(fused: bool, out: dict, key: str, barrier: threading.Barrier) -> None:
     gen = seeded(0)
     params = {f"w{i}": torch.randn(6, 5, generator=gen, dtype=torch.float64) for i in range(8)}
     grads = [{k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()} for _ in range(4)]

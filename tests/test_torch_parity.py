@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import ON_CUDA
 from models import batches, default_dtype, loss_fn, make_model
 from parity_table import CASES, STEPS, TABLE, run_functional
 
 import functional_bagua as fb
 
 TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=2e-6)}
+if ON_CUDA:  # torch.optim's CUDA default is its foreach kernels, whose float32 rounding differs more
+    TOLERANCES[torch.float32] = dict(rtol=1e-4, atol=1e-5)
 
 
 def run_torch(torch_cls, kind, kwargs, dtype, data, none_grads=frozenset()):

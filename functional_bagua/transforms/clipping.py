@@ -39,7 +39,8 @@ def clip(max_delta: float) -> GradientTransformation:
 
 def global_norm(updates: PyTree, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all leaves together (``None`` leaves left out; 0 when there are none), as
-    clip_grad_norm_ computes it: one norm per tensor, in its dtype, then the norm of those.
+    clip_grad_norm_ computes it: one norm per tensor, in its dtype (the tensors grouped by device
+    and dtype), then the norm of those.
 
     Args:
         updates: a tree of tensors (gradients or updates); ``None`` leaves are skipped.
@@ -52,8 +53,13 @@ def global_norm(updates: PyTree, norm_type: float = 2.0) -> torch.Tensor:
     leaves = [u for u in tree.flatten(updates)[0] if u is not None]
     if not leaves:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(u, norm_type) for u in leaves]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    groups: dict = {}  # by device and dtype, in order of appearance, as clip_grad_norm_ groups them
+    for u in leaves:
+        groups.setdefault((u.device, u.dtype), []).append(u)
+    # torch's multi-tensor norm, as clip_grad_norm_ runs it on CUDA (on the CPU it is one
+    # vector_norm per tensor): the same reduction kernel, so the same bits
+    norms = [n for group in groups.values() for n in torch._foreach_norm(group, norm_type)]
+    return torch.linalg.vector_norm(torch.stack([n.to(leaves[0].device) for n in norms]), norm_type)
 
 
 def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTransformation:
