@@ -192,7 +192,7 @@ def markdown_of(result: dict) -> str:
         summary = tests_summary(result["output"])
         body = [f"counts: {summary['counts']}", ""] + [f"- {f[:300]}" for f in summary["failures"][:80]]
         if len(summary["failures"]) > 80:
-            body.append(f"- ... and {len(summary['failures']) - 80} more (tests.log)")
+            body.append(f"- ... and {len(summary['failures']) - 80} more (sections.log)")
         return "\n".join(body)
     first = next((i for i, line in enumerate(lines) if line.startswith("#")), None)
     kept = lines[first:] if first is not None else lines[-40:]

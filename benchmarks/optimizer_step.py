@@ -52,19 +52,26 @@ import functional_bagua as fb  # noqa: E402
 
 
 class Spec(NamedTuple):
-    """One optimizer: our transform, torch's class (or None) with its implementations, the peers'
-    constructors (or None), and the bytes per element its update must move (elements read plus
-    written, in units of the element size; 0: not memory-bound, no bandwidth column)."""
+    """One optimizer: our alias and the hyperparameters it and torch's class (if torch has one)
+    are built with, torch's implementations to time, the peers' constructors, and the bytes per
+    element its update must move (elements read plus written, in units of the element size; 0:
+    not memory-bound, no bandwidth column)."""
 
-    fb: Callable
-    fb_factory: tuple  # (alias, hyperparameters) for fb.Optimizer
-    torch: Optional[Callable]
-    torch_kinds: tuple
-    heavyball: Optional[Callable]
-    torchopt: Optional[Callable]
+    alias: Callable
+    hyper: dict
     traffic: int
+    torch_cls: Optional[Callable] = None
+    torch_kinds: tuple = ()
+    heavyball: Optional[Callable] = None
+    torchopt: Optional[Callable] = None
     matrices_only: bool = False
     flat_compiled: bool = True  # False: per-matrix work (factored moments, Newton-Schulz) compiles per tensor
+
+    def fb(self):
+        return self.alias(**self.hyper)
+
+    def torch(self, params, **kw):
+        return self.torch_cls(params, **self.hyper, **kw)
 
 
 LOOP, FOREACH, FUSED = (
@@ -94,68 +101,40 @@ def _torchopt(name: str, *args, **kw):
 
 SPECS = {
     "adamw": Spec(
-        lambda: fb.adamw(lr=1e-3, weight_decay=0.01),
-        (fb.adamw, dict(lr=1e-3, weight_decay=0.01)),
-        lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),
-        (LOOP, FOREACH, FUSED),
-        _heavyball("AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
-        _torchopt("adamw", 1e-3, weight_decay=0.01),
+        fb.adamw,
+        dict(lr=1e-3, weight_decay=0.01),
         7,
-    ),
-    "adam": Spec(
-        lambda: fb.adam(lr=1e-3),
-        (fb.adam, dict(lr=1e-3)),
-        lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw),
+        torch.optim.AdamW,
         (LOOP, FOREACH, FUSED),
-        None,
-        _torchopt("adam", 1e-3),
-        7,
+        heavyball=_heavyball("AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+        torchopt=_torchopt("adamw", 1e-3, weight_decay=0.01),
     ),
+    "adam": Spec(fb.adam, dict(lr=1e-3), 7, torch.optim.Adam, (LOOP, FOREACH, FUSED), torchopt=_torchopt("adam", 1e-3)),
+    # heavyball's SGD compiles with max-autotune as its AdamW does; its AdamW is the comparison
     "sgd": Spec(
-        lambda: fb.sgd(lr=1e-2, momentum=0.9),
-        (fb.sgd, dict(lr=1e-2, momentum=0.9)),
-        lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
+        fb.sgd,
+        dict(lr=1e-2, momentum=0.9),
+        5,
+        torch.optim.SGD,
         (LOOP, FOREACH, FUSED),
-        None,  # heavyball's SGD: compiled with max-autotune as its AdamW is; its AdamW is the comparison
-        _torchopt("sgd", 1e-2, momentum=0.9),
-        5,
+        torchopt=_torchopt("sgd", 1e-2, momentum=0.9),
     ),
-    "lamb": Spec(
-        lambda: fb.lamb(lr=1e-3, weight_decay=0.01),
-        (fb.lamb, dict(lr=1e-3, weight_decay=0.01)),
-        None,
-        (),
-        None,
-        None,
-        9,
-    ),
-    "lion": Spec(
-        lambda: fb.lion(lr=1e-4, weight_decay=0.01),
-        (fb.lion, dict(lr=1e-4, weight_decay=0.01)),
-        None,
-        (),
-        None,
-        None,
-        5,
-    ),
+    "lamb": Spec(fb.lamb, dict(lr=1e-3, weight_decay=0.01), 9),
+    "lion": Spec(fb.lion, dict(lr=1e-4, weight_decay=0.01), 5),
     "adafactor": Spec(
-        lambda: fb.adafactor(lr=1e-2),
-        (fb.adafactor, dict(lr=1e-2)),
-        (lambda ps, **kw: torch.optim.Adafactor(ps, lr=1e-2, **kw)) if hasattr(torch.optim, "Adafactor") else None,
-        (LOOP, FOREACH),
-        None,
-        None,
+        fb.adafactor,
+        dict(lr=1e-2),
         3,
+        getattr(torch.optim, "Adafactor", None),
+        (LOOP, FOREACH),
         flat_compiled=False,
     ),
     "muon": Spec(
-        lambda: fb.muon(lr=1e-3, weight_decay=0.1),
-        (fb.muon, dict(lr=1e-3, weight_decay=0.1)),
-        (lambda ps, **kw: torch.optim.Muon(ps, lr=1e-3, weight_decay=0.1)) if hasattr(torch.optim, "Muon") else None,
-        (("torch", {}),),
-        None,
-        None,
+        fb.muon,
+        dict(lr=1e-3, weight_decay=0.1),
         0,
+        getattr(torch.optim, "Muon", None),
+        (("torch", {}),),
         matrices_only=True,
         flat_compiled=False,
     ),
@@ -215,7 +194,7 @@ def leaves_with_grads(params, grads):
 
 
 def torch_variants(spec, name, key, params, grads, device, compile_for):
-    if spec.torch is None:
+    if spec.torch_cls is None:
         return
     for variant, kw in spec.torch_kinds:
         yield variant, lambda kw=kw: (spec.torch(leaves_with_grads(params, grads), **kw).step, None)
@@ -258,8 +237,7 @@ def peer_variants(spec, params, grads, device):
 
 def fb_variants(spec, params, grads, device, variants):
     def optimizer():
-        factory, hyper = spec.fb_factory
-        return fb.Optimizer(leaves_with_grads(params, grads), factory, **hyper).step, None
+        return fb.Optimizer(leaves_with_grads(params, grads), spec.alias, **spec.hyper).step, None
 
     def tree():
         tx = spec.fb()

@@ -43,7 +43,10 @@ def where(condition: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
 def replaced(state: Any, **fields: Any) -> Any:
     """``state`` (a NamedTuple) with ``fields`` changed, built by its constructor: NamedTuple's
     ``_replace`` traced by dynamo in torch 2.11 returns an empty tuple of the state's type."""
-    return type(state)(*(fields.pop(name) if name in fields else value for name, value in zip(state._fields, state)))
+    unknown = set(fields) - set(state._fields)
+    if unknown:  # as _replace refuses them
+        raise ValueError(f"{type(state).__name__} has no fields {sorted(unknown)}")
+    return type(state)(*(fields.get(name, value) for name, value in zip(state._fields, state)))
 
 
 def zeros_unless(condition: torch.Tensor, updates: PyTree) -> PyTree:

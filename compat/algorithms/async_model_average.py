@@ -13,12 +13,13 @@ thread that loops::
 
 The training step holds the weight lock from its forward to the end of its optimizer step (Bagua
 held it for forward and backward only, so that the thread could write weights while the optimizer
-did). On CUDA the thread runs on a stream of its own, ordered against training by
-events rather than by sharing the default stream: the training step records an event as it
-releases the lock and the thread's stream waits for it before reading or writing the weights; the
-thread records one after its write and the next training step waits for it after taking the lock.
-Training's kernels and the thread's copies and all-reduce then overlap wherever they touch
-different memory. ``abort(model)`` stops the thread (every rank calls it: a barrier first) and ``resume(model)``
+did). On CUDA the thread runs on a stream of its own, ordered against training by events rather
+than by sharing the default stream: the training step records an event as it releases the lock
+and the thread's stream waits for it before reading or writing the weights; the thread records
+one after its write and the next training step waits for it after taking the lock. Training's
+kernels and the thread's copies and all-reduce then overlap wherever they touch different memory.
+
+``abort(model)`` stops the thread (every rank calls it: a barrier first) and ``resume(model)``
 starts it again; both may be called twice in a row. A thread left running stops when the process
 exits, before the process group is destroyed.
 """
