@@ -16,21 +16,25 @@ From the same initial weights on the same batches:
   torch's CUDA-graph documentation shows; each step copies the batch in and replays;
 - ``make_train_step`` compiled (forward, backward and AdamW in one graph) on a parameter tree and
   on flat buffers (one per dtype, or buffers of at most 16 MiB on the CPU);
-- ``make_train_step`` on flat buffers compiled with ``mode="reduce-overhead"`` (CUDA only: inductor
-  records the step in a CUDA graph; the optimizer state and hyperparameters are graph inputs, so a
-  learning-rate schedule changes the lr without recording again): with a constant lr and with a
-  warmup-cosine schedule;
+- ``make_train_step`` compiled and donated on flat buffers (inductor's kernels write the update
+  into the buffers);
+- ``make_train_step(cuda_graph=True)`` (CUDA only: the donated step replayed as one CUDA graph,
+  parameters and optimizer state as its fixed buffers; a learning-rate schedule is computed from
+  the count in the state, so it changes the lr without a new capture): compiled on flat buffers
+  and eager on the tree, each with a constant lr and with a warmup-cosine schedule;
 - ``make_train_step`` eager on the tree, pure and donated (torch's fused kernel in place).
 
 Prints the median step time with its range, the ratio to eager torch, the first step's time
 (compile included), peak memory during the timed steps (CUDA: allocated bytes, parameters,
-gradients and state included; CPU: resident set above the start) and the final loss.
+gradients and state included, and the allocator's reserved bytes, which hold a CUDA graph's
+private pool; CPU: resident set above the start) and the final loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import statistics
@@ -194,7 +198,7 @@ def cosine(count):
     return torch.where(count < 10, warm, decayed)
 
 
-def fb_loop(device, flat, compile=True, donate=False, max_buffer_mb=None, schedule=False):
+def fb_loop(device, flat, compile=True, donate=False, max_buffer_mb=None, schedule=False, cuda_graph=False):
     model = new_model(device)
     tx = fb.adamw(lr=cosine if schedule else LR)
     params = fb.params_of(model)
@@ -202,14 +206,13 @@ def fb_loop(device, flat, compile=True, donate=False, max_buffer_mb=None, schedu
     if flat:
         params = layout.flatten(params)
     carry = {"params": params, "state": (fb.fuse(tx, layout) if flat else tx).init(params)}
-    train_step = fb.make_train_step(model, lm_loss, tx, compile=compile, layout=layout, donate=donate)
-    graphed = isinstance(compile, dict) and compile.get("mode") == "reduce-overhead"
+    train_step = fb.make_train_step(
+        model, lm_loss, tx, compile=compile, layout=layout, donate=donate, cuda_graph=cuda_graph
+    )
 
     def step(batch):
-        if graphed:  # a new iteration: the last replay's outputs are now inputs, not live results
-            torch.compiler.cudagraph_mark_step_begin()
         carry["params"], carry["state"], loss = train_step(carry["params"], carry["state"], batch)
-        return loss.clone() if graphed else loss
+        return loss
 
     return step
 
@@ -226,11 +229,17 @@ def variants(device):
         )
     out["fb compiled step (tree)"] = lambda batches: fb_loop(device, flat=False)
     out["fb compiled step (flat)"] = lambda batches: fb_loop(device, flat=True)
+    out["fb compiled step (flat, donated)"] = lambda batches: fb_loop(device, flat=True, donate=True)
     if on_cuda:
-        graphs = dict(mode="reduce-overhead")
-        out["fb compiled step (flat, CUDA graph)"] = lambda batches: fb_loop(device, flat=True, compile=graphs)
+        out["fb compiled step (flat, CUDA graph)"] = lambda batches: fb_loop(device, flat=True, cuda_graph=True)
         out["fb compiled step (flat, CUDA graph, cosine lr)"] = lambda batches: fb_loop(
-            device, flat=True, compile=graphs, schedule=True
+            device, flat=True, cuda_graph=True, schedule=True
+        )
+        out["fb eager step (tree, CUDA graph)"] = lambda batches: fb_loop(
+            device, flat=False, compile=False, cuda_graph=True
+        )
+        out["fb eager step (tree, CUDA graph, cosine lr)"] = lambda batches: fb_loop(
+            device, flat=False, compile=False, cuda_graph=True, schedule=True
         )
     else:
         out["fb compiled step (flat, buffers of 16 MiB)"] = lambda batches: fb_loop(device, flat=True, max_buffer_mb=16)
@@ -251,15 +260,19 @@ def run(name, make, batches, device, steps):
         with PeakMemory(device) as mem:
             times = step_times_ms(lambda: losses.append(step(next(it))), device, steps, warmup=2)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+        # a CUDA graph's activations live in its private pool: reserved, not allocated, between replays
+        reserved = torch.cuda.max_memory_reserved() / 2**30 if device.startswith("cuda") else None
         row = dict(variant=name, ms=statistics.median(times), range=spread(times), first_step_s=first_s)
         row.update(
             final_loss=float(losses[-1]), peak_gib=peak if peak is not None else "", peak_above_start_mib=mem.mib
         )
+        row.update(reserved_gib=reserved if reserved is not None else "")
         return row
     except Exception as e:  # reported in the table
         return dict(variant=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     finally:
         if device.startswith("cuda"):
+            gc.collect()  # a failed row's tensors (and graphs) before the next row's peak
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
@@ -314,6 +327,7 @@ def main(argv=None):
         "vs_torch_eager",
         "first_step_s",
         "peak_gib",
+        "reserved_gib",
         "peak_above_start_mib",
         "final_loss",
         "error",

@@ -38,12 +38,14 @@ import re
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OPTIONAL = ("optree", "heavyball", "torchopt", "pytest", "xdist", "hypothesis", "transformers", "lightning")
+FAILURES_FILE, PROGRESS_FILE = "test_failures.txt", "dist_progress.txt"
 SHARES = {"tests": 0.34, "step": 0.16, "others": 0.12, "peers": 0.08, "compile": 0.08, "e2e": 0.16, "bagua": 0.06}
 
 
@@ -154,12 +156,21 @@ def environment(device: str) -> dict:
     return env
 
 
-def run_section(name: str, command: list[str], limit_s: float, log) -> dict:
+def section_env(name: str, out: str) -> dict:
+    """Environment variables of a section: the tests write each failure's traceback and each
+    distributed scenario's progress into ``out`` as they happen (tests/conftest.py,
+    tests/dist_harness.py), so a section stopped at its limit still tells why and where."""
+    if name != "tests":
+        return {}
+    return dict(FB_TEST_FAILURES=os.path.join(out, FAILURES_FILE), FB_DIST_PROGRESS=os.path.join(out, PROGRESS_FILE))
+
+
+def run_section(name: str, command: list[str], limit_s: float, log, extra_env: Optional[dict] = None) -> dict:
     """Run ``command`` from the repository root, its output to ``log`` and kept; stopped after ``limit_s``."""
     start = time.monotonic()
     log.write(f"\n===== {name}: {' '.join(command)} (limit {limit_s:.0f} s)\n")
     log.flush()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     proc = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
@@ -185,14 +196,27 @@ def tests_summary(output: str) -> dict:
     return dict(counts=counts, failures=failures)
 
 
-def markdown_of(result: dict) -> str:
-    """The section's own tables (its lines from the first Markdown heading on), or its output's tail."""
+def tail_of(path: str, lines: int) -> list[str]:
+    """The last ``lines`` lines of the file at ``path`` (none if it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return f.read().splitlines()[-lines:]
+
+
+def markdown_of(result: dict, out: str = "") -> str:
+    """The section's own tables (its lines from the first Markdown heading on), or its output's tail;
+    for the tests, the failures with their tracebacks and where the distributed scenarios got to."""
     lines = result["output"].splitlines()
     if result["name"] == "tests":
         summary = tests_summary(result["output"])
         body = [f"counts: {summary['counts']}", ""] + [f"- {f[:300]}" for f in summary["failures"][:80]]
         if len(summary["failures"]) > 80:
             body.append(f"- ... and {len(summary['failures']) - 80} more (sections.log)")
+        for title, name, n in (("tracebacks", FAILURES_FILE, 400), ("distributed scenarios", PROGRESS_FILE, 60)):
+            kept = tail_of(os.path.join(out, name), n)
+            if kept:
+                body += ["", f"{title} (the last {n} lines of {name}):", "```", *kept, "```"]
         return "\n".join(body)
     first = next((i for i, line in enumerate(lines) if line.startswith("#")), None)
     kept = lines[first:] if first is not None else lines[-40:]
@@ -225,12 +249,25 @@ def targets(data: dict) -> list[dict]:
         )
 
     roof = [r for r in (step or {}).get("roofline", []) if "ms" in r]
-    big = [r for r in roof if r["variant"] == "fb flat in-place (torch)" and float(r["elements"].rstrip("M")) >= 10]
-    shares = [(r["elements"], float(r["roofline_share"].rstrip("%"))) for r in big]
+    ours_in_place = {"fb flat in-place (torch)": "torch kernel", "fb flat compiled": "compiled"}
+
+    def best_of_ours(rows: list, key: str, value) -> dict:
+        """The fastest of our in-place variants per ``row[key]``: (value, kernel) by key."""
+        best: dict = {}
+        for r in rows:
+            if r["variant"] in ours_in_place and (r[key] not in best or r["ms"] < best[r[key]][2]):
+                best[r[key]] = (value(r), ours_in_place[r["variant"]], r["ms"])
+        return {k: v[:2] for k, v in best.items()}
+
+    shares = best_of_ours(
+        [r for r in roof if float(r["elements"].rstrip("M")) >= 10],
+        "elements",
+        lambda r: float(r["roofline_share"].rstrip("%")),
+    )
     add(
         "fused in-place AdamW >= 85% of the measured roofline from 10M elements",
-        ", ".join(f"{e}: {s:.0f}%" for e, s in shares),
-        shares and all(s >= 85 for _, s in shares),
+        ", ".join(f"{e}: {s:.0f}% ({k})" for e, (s, k) in shares.items()),
+        shares and all(s >= 85 for s, _ in shares.values()),
     )
     adamw = [
         r
@@ -238,16 +275,14 @@ def targets(data: dict) -> list[dict]:
         for r in c["rows"]
         if r["optimizer"] == "adamw" and "ms" in r
     ]
-    inplace = [(r["config"], _ratio(r.get("vs_torch"))) for r in adamw if r["variant"] == "fb flat in-place (torch)"]
-    inplace += [
-        (f"flat {r['elements']}", _ratio(r.get("vs_torch_fused")))
-        for r in roof
-        if r["variant"] == "fb flat in-place (torch)"
-    ]
+    inplace = best_of_ours(adamw, "config", lambda r: _ratio(r.get("vs_torch")))
+    inplace.update(
+        {f"flat {e}": v for e, v in best_of_ours(roof, "elements", lambda r: _ratio(r.get("vs_torch_fused"))).items()}
+    )
     add(
         "fused in-place AdamW <= 1.0x torch fused at every size",
-        ", ".join(f"{c}: {x:.2f}x" for c, x in inplace),
-        inplace and all(x <= 1.0 for _, x in inplace),
+        ", ".join(f"{c}: {x:.2f}x ({k})" for c, (x, k) in inplace.items()),
+        inplace and all(x <= 1.0 for x, _ in inplace.values()),
     )
     compiled = [(r["config"], _ratio(r.get("vs_torch"))) for r in adamw if r["variant"] == "fb flat compiled"]
     add(
@@ -305,14 +340,15 @@ def targets(data: dict) -> list[dict]:
         )
     else:
         add("end to end: our compiled step <= 0.9x torch.compile(model) + fused AdamW", "", False)
-    graphed = e2e_rows.get("fb compiled step (flat, CUDA graph)")
-    scheduled = e2e_rows.get("fb compiled step (flat, CUDA graph, cosine lr)")
-    if graphed and e2e_rows:
+    graphed = {name: r for name, r in e2e_rows.items() if name.startswith("fb") and "CUDA graph" in name}
+    scheduled = [name for name in graphed if "lr" in name]
+    if graphed:
         fastest_name = min(e2e_rows, key=lambda k: e2e_rows[k]["ms"])
         add(
             "the CUDA-graphed step works (lr schedule too) and is the fastest row",
-            f"{graphed['ms']:.3g} ms; schedule {'ran' if scheduled else 'failed'}; fastest: {fastest_name}",
-            scheduled is not None and fastest_name.startswith("fb compiled step (flat, CUDA graph"),
+            "; ".join(f"{name}: {r['ms']:.3g} ms" for name, r in graphed.items())
+            + f"; schedule {'ran' if scheduled else 'did not run'}; fastest: {fastest_name}",
+            bool(scheduled) and fastest_name in graphed,
         )
     else:
         add("the CUDA-graphed step works (lr schedule too) and is the fastest row", "", False)
@@ -328,7 +364,7 @@ def targets(data: dict) -> list[dict]:
     return rows
 
 
-def report(env: dict, results: list[dict], data: dict, budget: float) -> str:
+def report(env: dict, results: list[dict], data: dict, budget: float, out: str = "") -> str:
     from common import table
 
     lines = [
@@ -351,7 +387,7 @@ def report(env: dict, results: list[dict], data: dict, budget: float) -> str:
         lines += [
             f"## Section {r['name']} ({r['status']}, {r['seconds']} s)",
             "",
-            markdown_of(r).replace("\n# ", "\n### ").replace("\n## ", "\n### "),
+            markdown_of(r, out).replace("\n# ", "\n### ").replace("\n## ", "\n### "),
             "",
         ]
     return "\n".join(lines)
@@ -383,14 +419,14 @@ def main(argv=None) -> None:
             if left < 10:
                 results.append(dict(name=name, status="not run: budget spent", seconds=0, output=""))
                 continue
-            result = run_section(name, command, limit, log)
+            result = run_section(name, command, limit, log, section_env(name, args.out))
             results.append(result)
             data[name] = load(args.out, json_name)
             if name == "tests":
                 data[name] = tests_summary(result["output"])
             print(f"{name}: {result['status']} in {result['seconds']} s", flush=True)
             with open(os.path.join(args.out, "report.md"), "w") as f:
-                f.write(report(env, results, data, args.budget))
+                f.write(report(env, results, data, args.budget, args.out))
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(
             dict(

@@ -31,6 +31,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from functional_bagua.distributed import collectives
+
 __all__ = [
     "ReduceOp",
     "BaguaProcessGroup",
@@ -615,7 +617,7 @@ def reduce_scatter(
         out = whole.view(len(group.ranks), -1)[group.ranks.index(dist.get_rank())]
     else:
         out = torch.empty(recv_tensor.numel(), dtype=recv_tensor.dtype, device=recv_tensor.device)
-        dist.reduce_scatter_single(
+        collectives.reduce_scatter_single_into(
             out, send_tensor.reshape(-1).contiguous(), op=_TORCH_OPS[ReduceOp(op)], group=group.torch_group
         )
         _reduced(out, op, group)

@@ -31,7 +31,6 @@ from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.flat import FlatLayout
 from functional_bagua.layout_context import run_on_flat_buffers
-from functional_bagua.tree import PyTree
 
 
 def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformation:
@@ -86,10 +85,8 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
     - ``"eager"``: the pure fused update, then a copy into the buffers: the same numbers as
       ``fuse(tx, layout)``, bit for bit.
     - ``"compiled"``: the same function through ``torch.compile(fullgraph=True)``; inductor turns
-      the copies into in-place writes of one generated kernel (numbers within float rounding).
-      For ``sgd``, ``adam`` and ``adamw`` with number hyperparameters the graph calls torch's
-      fused kernel in its functional form instead (:func:`functional_bagua.kernels.run_pure`:
-      the numbers of ``"torch"``, bit for bit).
+      the update and the copies into generated kernels that write into the buffers in place
+      (numbers within float rounding), for every transform, the kernel aliases included.
     - ``"torch"``: torch's own fused kernel (:mod:`functional_bagua.kernels`), for ``sgd``,
       ``adam`` and ``adamw`` built with number hyperparameters: the numbers of
       ``torch.optim.*(fused=True)``. The fastest on CPU (benchmarks/RESULTS.md).
@@ -121,7 +118,7 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
 
     def pure_into_buffers(grads: dict[str, torch.Tensor], state: OptState, params: dict[str, torch.Tensor]) -> None:
         updates, new_state = fused.update(grads, state, params)
-        _copy_into((params, state), (apply_updates(params, updates), new_state))
+        tree.copy_into((params, state), (apply_updates(params, updates), new_state))
 
     if kernel == "torch" and spec is not None:  # spec exists: checked above
 
@@ -131,26 +128,6 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
             kernels.run(spec, grads, state, params)
 
         return torch_kernel_step
-    if kernel == "compiled" and kernels.runs_pure(spec):
-
-        def kernel_into_buffers(
-            grads: dict[str, torch.Tensor], state: OptState, params: dict[str, torch.Tensor]
-        ) -> None:
-            assert spec is not None
-            _copy_into((params, state), kernels.run_pure(spec, grads, state, params))
-
-        return torch.compile(kernel_into_buffers, fullgraph=True)
     if kernel == "compiled":
         return torch.compile(pure_into_buffers, fullgraph=True)
     return pure_into_buffers
-
-
-def _copy_into(old_tree: PyTree, new_tree: PyTree) -> None:
-    for old, new in zip(tree.flatten(old_tree)[0], tree.flatten(new_tree)[0]):
-        if isinstance(old, torch.Tensor) and new is not old:
-            if old.dim() == 0:
-                # torch 2.13's compiled graphs drop in-place writes (copy_, mul_, ...) to 0-dim float64
-                # CPU inputs (a scheduled lr, NAdam's momentum product); an indexed store is kept.
-                old[()] = new
-            else:
-                old.copy_(new)

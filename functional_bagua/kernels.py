@@ -210,7 +210,9 @@ def _sgd(hyper: dict, moments: Optional[TraceState], keys: list, p: list, g: lis
         return
     # the kernel's first step copies the gradient into the momentum buffer: one call per kind of entry
     counts = [moments.count[k] for k in keys]
-    first = (torch.stack(counts) == 0).tolist()
+    # which entries start from zero; while a CUDA graph is captured (after its warm-up steps, so
+    # none does) the host cannot read device memory
+    first = [False] * len(keys) if _capturing() else (torch.stack(counts) == 0).tolist()
     traces = as_real([moments.trace[k] for k in keys])
     for is_first_step in (True, False):
         chosen = [i for i, f in enumerate(first) if f == is_first_step]
@@ -223,3 +225,7 @@ def _sgd(hyper: dict, moments: Optional[TraceState], keys: list, p: list, g: lis
                 **hyper,
             )
     torch._foreach_add_(counts, 1)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

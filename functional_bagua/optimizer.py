@@ -58,7 +58,9 @@ uninterrupted one bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
 
@@ -66,10 +68,10 @@ import torch
 
 from functional_bagua import checkpoint, kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
-from functional_bagua.fusion import _copy_into
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
 from functional_bagua.transforms.wrappers import Partitioned, partitioned
+from functional_bagua.tree import copy_into
 
 Factory = Callable[..., GradientTransformation]
 
@@ -141,7 +143,8 @@ class Optimizer(torch.optim.Optimizer):
     def _set_eager_parts(self) -> None:
         # eager even inside a compiled step, so that no graph reads the group's numbers (made here:
         # torch.compiler imports dynamo, too heavy for import time)
-        self._write_hyperparameters = torch.compiler.disable(_write_hyperparameters)
+        written: dict = {}  # see _write_hyperparameters
+        self._write_hyperparameters = torch.compiler.disable(functools.partial(_write_hyperparameters, written=written))
         self._run_kernel = torch.compiler.disable(_run_kernel)
         self._make_state = torch.compiler.disable(_make_state)
         self._grow_state = torch.compiler.disable(_grow_state)
@@ -307,7 +310,7 @@ class Optimizer(torch.optim.Optimizer):
                 continue  # on the parameters themselves, as torch.optim's fused step
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
             updates, ours.state = ours.tx.update(grads, state, params)
-            _copy_into(params, apply_updates(params, updates))
+            copy_into(params, apply_updates(params, updates))
         return loss
 
     def _kernel(self, i: int) -> Optional[kernels.KernelSpec]:
@@ -526,14 +529,25 @@ def _numbers(held: Any) -> Any:
     return held.item() if isinstance(held, torch.Tensor) else held
 
 
-def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any]) -> None:
+def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any], written: dict) -> None:
     """The group's numbers (what a scheduler wrote) into the state's hyperparameter tensors; run
     eagerly inside a compiled ``step``, so that the graph reads the tensors, never the numbers
-    (a new lr is then neither baked in nor a recompilation)."""
+    (a new lr is then neither baked in nor a recompilation). ``written`` remembers, by tensor
+    (its id, and a weak reference to tell a new tensor at a reused id), the number this wrote and
+    the tensor's version counter after it: a tensor that still holds it is not written again (on
+    a GPU each write is a kernel launch); any other in-place write to it (a loaded checkpoint, a
+    hand-set value) bumps the counter, and the group's number is written anew."""
     for name, held in state.hyperparams.items():
         value = group.get(name)
         if value is None or callable(value):
             continue
         for tensor, number in zip(tree.flatten(held)[0], tree.flatten(value)[0]):
-            if isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            known = written.get(id(tensor))
+            if known is None or known[0]() is not tensor or known[1:] != (number, tensor._version):
                 tensor.fill_(number)
+                if known is None:  # a new tensor: forget those no longer alive
+                    for gone in [k for k, (ref, *_) in written.items() if ref() is None]:
+                        del written[gone]
+                written[id(tensor)] = (weakref.ref(tensor), number, tensor._version)

@@ -76,6 +76,8 @@ def make_train_step(
     layout: Optional[FlatLayout] = None,
     overlap: bool = True,
     donate: bool = False,
+    cuda_graph: bool = False,
+    graph_warmup: int = 3,
 ) -> Callable:
     """``step(params, state, batch) -> (params, state, loss)`` (module docstring).
 
@@ -105,25 +107,45 @@ def make_train_step(
             backward (module docstring): eager through gradient hooks; compiled with inductor
             (the default backend, no ``mode``) through :data:`COMM_OVERLAP_OPTIONS`, added to the
             ``options`` given in ``compile``. ``False`` runs it after backward, as the chain says.
-        donate: let the step overwrite the ``params`` and ``state`` it is given and return them
-            (eager only): where torch's fused kernel runs (module docstring), it runs in place.
-            What you pass holds the new values after the call, and so does memory it shares
-            (``fb.params_of(model)`` aliases the module's parameters, which then train along).
+        donate: let the step overwrite the ``params`` and ``state`` it is given and return them:
+            eager, torch's fused kernel runs in place where it runs (module docstring), and any
+            other update is copied into them; compiled, the new values are written into them
+            inside the graph (inductor stores its results there). What you pass holds the new
+            values after the call, and so does memory it shares (``fb.params_of(model)`` aliases
+            the module's parameters, which then train along).
+        cuda_graph: replay the whole step as one CUDA graph (``torch.cuda.graph``), eager or
+            compiled; implies ``donate``. The first ``graph_warmup`` calls run as usual (on a
+            side stream); the next one captures the step, with ``params``, ``state`` and the
+            batch's tensors as the graph's fixed buffers, and every call replays it: the
+            batch is copied into those buffers, the update writes into ``params`` and ``state``,
+            and the loss comes back as a fresh tensor. Scheduled hyperparameters are computed
+            from the step count in ``state`` inside the graph, so they change without a new
+            capture. Each call must pass the ``params`` and ``state`` the previous one returned
+            and a batch of the same shapes and dtypes (a ValueError otherwise). CUDA only, and
+            not with a distributed ``tx`` (both a ValueError).
+        graph_warmup: the calls run before the capture (cuDNN and cuBLAS choose their kernels,
+            lazily built state is made); at least 1.
     """
-    if donate and compile:
-        raise ValueError(
-            "make_train_step: donate=True runs torch's fused kernel in place, which torch.compile cannot trace; "
-            "pass compile=False (or donate=False for a compiled step)"
-        )
     settings = _leading_allreduce(tx)
+    if cuda_graph:
+        if settings is not None:
+            raise ValueError(
+                "make_train_step: cuda_graph=True does not capture a distributed tx (its all-reduce runs "
+                "outside the graph); pass cuda_graph=False"
+            )
+        if graph_warmup < 1:
+            raise ValueError(f"make_train_step: graph_warmup must be at least 1, got {graph_warmup}")
+        donate = True
     if overlap and settings is not None and not compile and layout is None:
         return _overlapped_train_step(model, loss_fn, tx, settings, donate)
     update = (fuse(tx, layout) if layout is not None else tx).update
     to_tree = layout.unflatten if layout is not None else (lambda params: params)
     spec, reduce_first = _update_kernel(tx)
     # compiled, only on flat buffers: inside a compiled step on a parameter tree torch 2.13 gives
-    # the kernel's results wrong (a 4-D convolution weight moved by 2 lr in one step)
-    kernel = spec if spec is not None and (not compile or layout is not None) else None
+    # the kernel's results wrong (a 4-D convolution weight moved by 2 lr in one step); compiled and
+    # donated, inductor's own kernels write the update into the buffers (the functional kernel's
+    # results would be copied over once more)
+    kernel = spec if spec is not None and (not compile or (layout is not None and not donate)) else None
 
     def loss_of(
         params: PyTree, buffers: dict[str, torch.Tensor], inputs: Any, targets: Any
@@ -143,12 +165,18 @@ def make_train_step(
         if kernel is not None and _is_tensor_dict(params):  # torch's fused kernel
             if reduce_first:  # chain(allreduce_gradients(...), alias): reduce, then the kernel
                 grads, reduced_state = tx.update.transforms[0].update(grads, state[0], params)  # type: ignore[attr-defined]
-                params, inner = _run_kernel(kernel, grads, state[1], params, donate)
-                return params, (reduced_state, inner), loss.detach(), new_buffers
-            params, state = _run_kernel(kernel, grads, state, params, donate)
-            return params, state, loss.detach(), new_buffers
-        updates, state = update(grads, state, params)
-        return apply_updates(params, updates), state, loss.detach(), new_buffers
+                new_params, inner = _run_kernel(kernel, grads, state[1], params, donate and not compile)
+                new_state: OptState = (reduced_state, inner)
+            else:
+                new_params, new_state = _run_kernel(kernel, grads, state, params, donate and not compile)
+        else:
+            updates, new_state = update(grads, state, params)
+            new_params = apply_updates(params, updates)
+        if donate:  # the new values into the given tensors (those the kernel stepped in place are those)
+            with torch.no_grad():
+                tree.copy_into((params, state), (new_params, new_state))
+            new_params, new_state = params, state
+        return new_params, new_state, loss.detach(), new_buffers
 
     if compile:
         compile_kwargs = dict(compile) if isinstance(compile, dict) else {}
@@ -165,7 +193,87 @@ def make_train_step(
                 buffers[name].copy_(value)
         return params, state, loss
 
-    return step
+    return graphed(step, graph_warmup) if cuda_graph else step
+
+
+def graphed(step: Callable, warmup: int) -> Callable:
+    """``step`` (a donated ``step(params, state, batch) -> (params, state, loss)``) replayed as one
+    CUDA graph after ``warmup`` ordinary calls (``make_train_step``'s ``cuda_graph``)."""
+    captured: dict[str, Any] = {}
+    calls = [0]
+
+    def graphed_step(params: PyTree, state: OptState, batch: Any) -> tuple[PyTree, OptState, torch.Tensor]:
+        if not captured:
+            _check_cuda(params)
+            if calls[0] < warmup:  # on a side stream, as torch.cuda.graph's warm-up wants
+                calls[0] += 1
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    out = step(params, state, batch)
+                torch.cuda.current_stream().wait_stream(side)
+                return out
+            captured.update(params=params, state=state, batch=tree.tree_map(_static_copy, batch))
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            try:
+                with torch.cuda.graph(graph):
+                    _, _, loss = step(params, state, captured["batch"])
+            except Exception as e:  # what the step did that a graph cannot hold, with what to do
+                captured.clear()
+                raise RuntimeError(
+                    f"make_train_step: capturing the step in a CUDA graph failed ({type(e).__name__}: {e}); some op "
+                    "of the model, loss or update cannot be captured (a host sync, a copy from CPU memory); "
+                    "try compile=False (or True), or build the step with cuda_graph=False"
+                ) from e
+            captured.update(graph=graph, loss=loss)
+        elif params is not captured["params"] or state is not captured["state"]:
+            raise ValueError(
+                "a CUDA-graphed train step updates the params and state it captured in place: pass the ones the "
+                "previous call returned (to start over from others, build a new step)"
+            )
+        else:
+            _copy_batch(captured["batch"], batch)
+        captured["graph"].replay()
+        return params, state, captured["loss"].clone()
+
+    return graphed_step
+
+
+def _check_cuda(params: PyTree) -> None:
+    devices = {leaf.device.type for leaf in tree.flatten(params)[0] if isinstance(leaf, torch.Tensor)}
+    if devices != {"cuda"}:
+        raise ValueError(
+            f"make_train_step: cuda_graph=True needs parameters on a CUDA device, got {sorted(devices)}; "
+            "move the model with model.cuda() first, or pass cuda_graph=False"
+        )
+
+
+def _static_copy(leaf: Any) -> Any:
+    return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _copy_batch(static: Any, batch: Any) -> None:
+    """The batch's tensors into the captured graph's batch buffers: same structure, shapes and
+    dtypes, or a ValueError naming the first difference."""
+    static_leaves, static_spec = tree.flatten(static)
+    leaves, spec = tree.flatten(batch)
+    if spec != static_spec:
+        raise ValueError(
+            f"a CUDA-graphed train step replays the batch structure it captured ({static_spec}), got {spec}"
+        )
+    for i, (dst, src) in enumerate(zip(static_leaves, leaves)):
+        if isinstance(dst, torch.Tensor):
+            if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
+                got = f"{tuple(src.shape)} {src.dtype}" if isinstance(src, torch.Tensor) else type(src).__name__
+                raise ValueError(
+                    f"a CUDA-graphed train step replays fixed shapes: batch leaf {i} was {tuple(dst.shape)} "
+                    f"{dst.dtype} when captured, got {got} (make every batch the same size, e.g. "
+                    "drop_last=True, or pad)"
+                )
+            dst.copy_(src, non_blocking=True)
+        elif src != dst:
+            raise ValueError(f"a CUDA-graphed train step captured batch leaf {i} = {dst!r}, got {src!r}")
 
 
 def _run_kernel(

@@ -49,6 +49,20 @@ def replaced(state: Any, **fields: Any) -> Any:
     return type(state)(*(fields.get(name, value) for name, value in zip(state._fields, state)))
 
 
+def copy_into(targets: PyTree, values: PyTree) -> None:
+    """Write each tensor leaf of ``values`` into the same leaf of ``targets`` (a tree of the same
+    structure), in place; leaves that already are the target tensor are skipped. Traceable: in a
+    compiled graph the writes become stores of the generated kernels into the input buffers."""
+    for target, value in zip(flatten(targets)[0], flatten(values)[0]):
+        if isinstance(target, torch.Tensor) and value is not target:
+            if target.dim() == 0:
+                # torch 2.13's compiled graphs drop in-place writes (copy_, mul_, ...) to 0-dim float64
+                # CPU inputs (a scheduled lr, NAdam's momentum product); an indexed store is kept.
+                target[()] = value
+            else:
+                target.copy_(value)
+
+
 def zeros_unless(condition: torch.Tensor, updates: PyTree) -> PyTree:
     """``updates`` where the 0-dim bool ``condition`` holds, else zeros (``None`` stays ``None``)."""
     return tree_map(lambda u: None if u is None else torch.where(condition, u, torch.zeros_like(u)), updates)

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 from custom_optimizers import BertAdam
-from devices import seeded
+from devices import ON_CUDA, seeded
 
 from functional_bagua.compat import fuse_optimizer
 
@@ -36,7 +36,7 @@ OPTIMIZERS = {
     "RAdam": (torch.optim.RAdam, dict(lr=1e-2), dict(lr=3e-3, weight_decay=0.01)),
     "Adagrad": (torch.optim.Adagrad, dict(lr=1e-1, initial_accumulator_value=0.1), dict(lr=5e-2, lr_decay=1e-3)),
 }
-HAS_FUSED_KERNEL = {"SGD", "Adam", "AdamW", "Adagrad"}
+HAS_FUSED_KERNEL = {"SGD", "Adam", "AdamW"} | (set() if ON_CUDA else {"Adagrad"})  # torch fuses Adagrad on the CPU only
 CASES = [(name, impl) for name in OPTIMIZERS for impl in ("for-loop", "foreach")]
 CASES += [(name, "fused") for name in sorted(HAS_FUSED_KERNEL)]
 IMPL_KWARGS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}

@@ -62,3 +62,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if not reason:
                 raise pytest.UsageError(f"{item.nodeid}: cpu_only needs a reason")
             item.add_marker(pytest.mark.skip(reason=f"CPU only: {reason}"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``FB_TEST_FAILURES=FILE``, each failure's traceback is appended to FILE as it happens
+    (the prepared GPU run reads it: a run stopped at its time limit still shows why tests failed).
+    Under pytest-xdist the controller writes it, once per failure."""
+    path = os.environ.get("FB_TEST_FAILURES")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a") as f:
+        f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

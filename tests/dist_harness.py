@@ -66,13 +66,27 @@ def _entry(
     results = {}
     for name in names:
         start = time.monotonic()
+        _progress(f"{module}.{name} rank {rank}/{world_size} {device} {backend}: started")
         try:
             results[name] = getattr(scenarios, name)(rank, world_size)
         except Exception as e:  # reported to the test, which decides
             results[name] = ScenarioError(type(e).__name__, str(e), time.monotonic() - start)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        status = "raised" if isinstance(results[name], ScenarioError) else "done"
+        _progress(
+            f"{module}.{name} rank {rank}/{world_size} {device} {backend}: {status} in {time.monotonic() - start:.1f} s"
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _progress(line: str) -> None:
+    """With ``FB_DIST_PROGRESS=FILE``, ``line`` is appended to FILE as it happens (which scenario a
+    hung run was in; the prepared GPU run keeps the file)."""
+    path = os.environ.get("FB_DIST_PROGRESS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
 
 
 def _spawn_and_join(target, args_per_process: list, timeout_s: float, names: list) -> None:  # noqa: ANN001

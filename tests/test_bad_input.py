@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from devices import at, seeded
+from devices import ON_CUDA, at, seeded
 from helpers import ALL_ALIASES
 from models import batches, loss_fn, make_model
 from torch.overrides import TorchFunctionMode
@@ -375,8 +375,11 @@ def test_flatten_module_keeps_training_after_model_zero_grad():
         ref_opt.zero_grad()
         loss_fn(reference(x), y).backward()
         ref_opt.step()
+    # on CUDA the model's parameters are views into the flat buffer, at addresses that make cuDNN
+    # pick other kernels than for the reference's own tensors: equal to float64 rounding there
+    tol = dict(rtol=1e-12, atol=1e-15) if ON_CUDA else dict(rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), name
+        torch.testing.assert_close(p, q, **tol, msg=lambda m: f"{name}: {m}")
 
 
 def test_flatten_module_zeroes_parameters_that_got_no_gradient_after_zero_grad():

@@ -117,6 +117,7 @@ def test_runs_cut_into_chunks_mid_parameter_still_match(name, monkeypatch):
     assert seen[0] == 4 + 1 + 2
 
 
+@pytest.mark.cpu_only("the size cap applies to CPU parameters only")
 def test_large_parameters_on_the_cpu_are_stepped_alone(monkeypatch):
     """Above CPU_FUSE_MAX_NUMEL elements a parameter is not fused (nothing to gain, a gradient
     copy to lose); results stay the same."""

@@ -77,6 +77,7 @@ def test_probe_counts_the_per_tensor_work_of_a_step(make, work):
     assert found.reason is None and found.work_per_param == work
 
 
+@pytest.mark.cpu_only("position-dependent rounding is a property of the CPU kernels' vector/tail split")
 def test_the_probe_sees_position_dependent_rounding():
     """The probe itself, on members too small for one vector of the CPU kernels: it steps at
     least PROBE_MIN_NUMEL elements, so bfloat16 SGD's vector/tail difference shows (before, three

@@ -179,3 +179,75 @@ def test_fb_optimizer_is_torchs_fused_class_on_cuda_and_close_to_its_foreach_def
     for key, p in default.items():
         assert pure[key].dtype == dtype
         torch.testing.assert_close(pure[key], p, **tol, msg=lambda m: f"{key}: {m}")
+
+
+def cosine(count):
+    """A schedule of tensor ops only: a graph replays it with the count in the state."""
+    if not isinstance(count, torch.Tensor):  # the alias probes its schedules with a number when built
+        count = torch.tensor(float(count))
+    count = count.to(torch.float32)  # on the count's device (a CPU tensor could not enter a graph)
+    return 1e-2 * 0.5 * (1 + torch.cos(torch.pi * torch.clamp(count / 10, 0.0, 1.0)))
+
+
+GRAPHED = {
+    "adamw": lambda: fb.adamw(1e-2, weight_decay=0.1),  # torch's kernel in place
+    "adamw-cosine": lambda: fb.adamw(lr=cosine, weight_decay=0.1),  # the transform, copied in
+    "sgd-momentum": lambda: fb.sgd(0.1, momentum=0.9, dampening=0.1),  # its first step decided on the host
+    "lion": lambda: fb.lion(1e-3, weight_decay=0.1),
+}
+
+
+def graph_run(make_tx, flat, steps=7, **options):
+    """Parameters and loss after each step of a train step on CUDA float32."""
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    tx = make_tx()
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params) if flat else None
+    if flat:
+        params = layout.flatten(params)
+    state = (fb.fuse(tx, layout) if flat else tx).init(params)
+    step = fb.make_train_step(model, loss_fn, tx, layout=layout, **options)
+    trace = []
+    for batch in cuda_batches(steps):
+        params, state, loss = step(params, state, batch)
+        trace.append(({k: v.clone() for k, v in params.items()}, loss))
+    return trace
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["tree", "flat"])
+@pytest.mark.parametrize("make_tx", GRAPHED.values(), ids=GRAPHED.keys())
+def test_cuda_graphed_eager_step_replays_the_donated_step_bit_for_bit(make_tx, flat):
+    """cuda_graph=True: 2 warm-up steps, the capture, then replays; every step (schedules
+    included: the lr comes from the count in the state) equals the donated eager step's."""
+    expected = graph_run(make_tx, flat, compile=False, donate=True)
+    actual = graph_run(make_tx, flat, compile=False, cuda_graph=True, graph_warmup=2)
+    for t, ((p1, l1), (p2, l2)) in enumerate(zip(actual, expected)):
+        assert torch.equal(l1, l2), t
+        for name in p2:
+            assert torch.equal(p1[name], p2[name]), (t, name)
+
+
+def test_cuda_graphed_compiled_step_replays_the_compiled_donated_step():
+    expected = graph_run(GRAPHED["adamw-cosine"], True, compile=True, donate=True)
+    actual = graph_run(GRAPHED["adamw-cosine"], True, compile=True, cuda_graph=True, graph_warmup=2)
+    for (p1, l1), (p2, l2) in zip(actual, expected):
+        torch.testing.assert_close(l1, l2, rtol=1e-6, atol=0)
+        for name in p2:
+            torch.testing.assert_close(p1[name], p2[name], rtol=1e-6, atol=1e-7)
+
+
+def test_cuda_graphed_step_refuses_other_buffers_and_shapes():
+    model = make_model("shapes", torch.float32).to(DEVICE)
+    tx = fb.adamw(1e-2)
+    params = fb.params_of(model)
+    state = tx.init(params)
+    step = fb.make_train_step(model, loss_fn, tx, compile=False, cuda_graph=True, graph_warmup=1)
+    (x, y), _ = cuda_batches(2)
+    params, state, _ = step(params, state, (x, y))  # warm-up
+    params, state, _ = step(params, state, (x, y))  # captured
+    with pytest.raises(ValueError, match="replays fixed shapes: batch leaf 0"):
+        step(params, state, (x[:-1], y[:-1]))
+    with pytest.raises(ValueError, match="pass the ones the previous call returned"):
+        step(fb.tree.clone(params), state, (x, y))
+    params, state, loss = step(params, state, (x, y))
+    assert torch.isfinite(loss)

@@ -445,6 +445,37 @@ def test_a_scheduler_moves_hyperparameters_given_as_ints_and_lists():
     assert_models_close(expected, actual)
 
 
+def test_hyperparameters_are_written_when_they_change_and_after_any_other_write():
+    """The group's lr goes into the state's tensor only when it differs from what that tensor
+    holds (no write, so no kernel launch, per step otherwise); a value written by hand, or loaded,
+    is replaced by the group's number at the next step, as torch reads its group's lr each step.
+    Reference: torch.optim.AdamW with the same lr changes."""
+
+    def run(make, hand_write):
+        with default_dtype(DTYPE):
+            model = make_model("shapes", DTYPE)
+            opt = make(model)
+            versions = []
+            for t, (x, y) in enumerate(batches(5, DTYPE)):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                if hand_write is not None:
+                    lr = opt._groups[0].state.hyperparams["lr"]
+                    versions.append(lr._version)
+                    if t == 2:
+                        lr.fill_(123.0)  # what a hand write would do; the group's lr wins at the next step
+                if t == 1:
+                    opt.param_groups[0]["lr"] = 3e-3
+        return model, versions
+
+    expected, _ = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), None)
+    actual, versions = run(lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2, fused=False), True)
+    assert_models_close(expected, actual)
+    # written at the first step, again after the change and after the hand write, not in between
+    assert versions[1] == versions[0] and versions[2] > versions[1] and versions[4] == versions[3] > versions[2] + 1
+
+
 def test_state_is_made_at_the_first_step_for_the_parameters_that_train():
     """As torch.optim's: no state for a frozen parameter; a model cast after the optimizer was
     built (and its state read) steps in its new dtype; a parameter unfrozen later gets its state

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from devices import seeded
+from devices import ON_CUDA, seeded
 
 import functional_bagua as fb
 
@@ -34,11 +34,13 @@ def test_sparse_adam_equals_torch_sparse_adam_bit_for_bit(kwargs, dtype):
         assert grads["weight"].layout == torch.sparse_coo
         updates, state = tx.update(grads, state, params)
         params = fb.apply_updates(params, updates)
-    assert torch.equal(params["weight"], reference.weight.detach())
+    # bit for bit on the CPU; on CUDA to float64 rounding: with maximize=True the last bits of some
+    # entries of the parameter and of exp_avg_sq differed on an H200 (exp_avg was equal)
+    tol = dict(rtol=1e-14, atol=1e-16) if ON_CUDA else dict(rtol=0, atol=0)
+    torch.testing.assert_close(params["weight"], reference.weight.detach(), **tol)
     torch_state = optimizer.state[reference.weight]
-    assert torch.equal(state.mu["weight"], torch_state["exp_avg"]) and torch.equal(
-        state.nu["weight"], torch_state["exp_avg_sq"]
-    )
+    torch.testing.assert_close(state.mu["weight"], torch_state["exp_avg"], **tol)
+    torch.testing.assert_close(state.nu["weight"], torch_state["exp_avg_sq"], **tol)
     assert int(state.count["weight"]) == torch_state["step"]
 
 

@@ -36,11 +36,19 @@ def run_torch(torch_cls, kind, kwargs, dtype, data, none_grads=frozenset()):
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def assert_params_close(actual, expected, dtype):
+# Muon's Newton-Schulz runs in bfloat16: torch applies its result as p + (-lr * factor) * u in one
+# rounding, the alias as a chain of scalings and an add, and on CUDA such last-bit differences of
+# float32 parameters change which way later gradients round to bfloat16 (one bfloat16 step of the
+# update: up to 3e-4 after ten steps on an H200; float64 parameters and the CPU stay within TOLERANCES)
+BF16_ITERATION = dict(rtol=1e-2, atol=1e-3)
+
+
+def assert_params_close(actual, expected, dtype, tolerance=None):
     assert actual.keys() == expected.keys()
     for name in expected:
         assert actual[name].dtype == expected[name].dtype, name
-        torch.testing.assert_close(actual[name], expected[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+        tol = tolerance or TOLERANCES[dtype]
+        torch.testing.assert_close(actual[name], expected[name], **tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
@@ -51,7 +59,8 @@ def test_matches_torch_optim(alias, torch_cls, kind, kwargs, dtype):
     actual, _ = run_functional(alias(**kwargs), kind, dtype, data)
     initial = fb.params_of(make_model(kind, dtype))
     assert any(not torch.equal(initial[k], expected[k]) for k in expected), "reference did not move"
-    assert_params_close(actual, expected, dtype)
+    bf16_iteration = ON_CUDA and alias is fb.muon and dtype == torch.float32
+    assert_params_close(actual, expected, dtype, BF16_ITERATION if bf16_iteration else None)
 
 
 @pytest.mark.parametrize("alias, torch_cls, kind", [pytest.param(a, t, k, id=a.__name__) for a, t, k, _ in TABLE])

@@ -8,6 +8,7 @@ from models import batches, default_dtype, loss_fn, make_model
 from torch._dynamo.testing import CompileCounter
 
 import functional_bagua as fb
+import functional_bagua.distributed as fbd
 
 DTYPE = torch.float64
 STEPS = 6
@@ -172,9 +173,73 @@ def test_donated_eager_step_runs_in_place_with_the_same_bits(make_tx, fused):
             assert torch.equal(p1[name], p2[name]), name
 
 
-def test_donate_with_compile_is_refused():
-    with pytest.raises(ValueError, match="compile=False"):
-        fb.make_train_step(make_model("norm", DTYPE), loss_fn, fb.adamw(), donate=True)
+def _run_step(make_tx, fused, steps=STEPS, **options):
+    """Parameters after each step, the losses, and whether every step returned the tensors it was given."""
+    model = make_model("norm", DTYPE)
+    tx = make_tx()
+    params = fb.params_of(model)
+    layout = fb.FlatLayout.of(params) if fused else None
+    if fused:
+        params = layout.flatten(params)
+    state = (fb.fuse(tx, layout) if fused else tx).init(params)
+    step = fb.make_train_step(model, loss_fn, tx, layout=layout, **options)
+    trace, in_place = [], True
+    for batch in batches(steps, DTYPE):
+        given = {k: v.data_ptr() for k, v in params.items()}
+        state_given = [t.data_ptr() for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor)]
+        params, state, loss = step(params, state, batch)
+        in_place &= given == {k: v.data_ptr() for k, v in params.items()}
+        in_place &= state_given == [t.data_ptr() for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor)]
+        trace.append(({k: v.clone() for k, v in params.items()}, loss))
+    return trace, in_place
+
+
+DONATED_ANY_TX = {
+    "lion": lambda: fb.lion(1e-3, weight_decay=0.1),
+    "adamw-cosine": lambda: fb.adamw(lr=fb.schedules.warmup_cosine_decay(0.0, 1e-2, 2, 10)),
+}
+
+
+@pytest.mark.parametrize("make_tx", DONATED_ANY_TX.values(), ids=DONATED_ANY_TX.keys())
+def test_donated_eager_step_of_any_transform_writes_into_what_it_is_given(make_tx):
+    """Without torch's kernel (no alias of it, or a schedule) the donated step copies the update's
+    results into the parameters and state it was given: the pure step's numbers, bit for bit."""
+    pure, moved = _run_step(make_tx, False, compile=False)
+    donated, in_place = _run_step(make_tx, False, compile=False, donate=True)
+    assert in_place and not moved
+    for (p1, l1), (p2, l2) in zip(donated, pure):
+        assert torch.equal(l1, l2)
+        for name in p2:
+            assert torch.equal(p1[name], p2[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused", [False, True], ids=["tree", "flat"])
+def test_donated_compiled_step_writes_into_what_it_is_given(fused):
+    """compile=True, donate=True: the graph stores its results into the given parameters and
+    state; the compiled pure step's numbers (on flat buffers that one calls torch's kernel, the
+    donated one inductor's: within float64 rounding)."""
+    make_tx = lambda: fb.adamw(1e-2, weight_decay=0.1)  # noqa: E731
+    pure, moved = _run_step(make_tx, fused, compile=True)
+    donated, in_place = _run_step(make_tx, fused, compile=True, donate=True)
+    assert in_place and not moved
+    for (p1, l1), (p2, l2) in zip(donated, pure):
+        torch.testing.assert_close(l1, l2, rtol=1e-13, atol=0)
+        for name in p2:
+            torch.testing.assert_close(p1[name], p2[name], rtol=1e-13, atol=1e-15, msg=lambda m: f"{name}: {m}")
+
+
+def test_cuda_graph_refuses_what_it_cannot_capture():
+    model = make_model("norm", DTYPE)
+    with pytest.raises(ValueError, match="graph_warmup must be at least 1"):
+        fb.make_train_step(model, loss_fn, fb.adamw(), cuda_graph=True, graph_warmup=0)
+    with pytest.raises(ValueError, match="does not capture a distributed tx"):
+        fb.make_train_step(model, loss_fn, fb.chain(fbd.allreduce_gradients(), fb.adamw()), cuda_graph=True)
+    if torch.get_default_device().type == "cpu":
+        step = fb.make_train_step(model, loss_fn, fb.adamw(), compile=False, cuda_graph=True)
+        params = fb.params_of(model)
+        with pytest.raises(ValueError, match="needs parameters on a CUDA device"):
+            step(params, fb.adamw().init(params), batches(1, DTYPE)[0])
 
 
 def test_eager_train_step_over_capped_flat_buffers_equals_torch_optim():

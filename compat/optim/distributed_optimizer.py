@@ -38,7 +38,7 @@ import torch.distributed.rpc as rpc
 
 import functional_bagua as fb
 from functional_bagua import kernels
-from functional_bagua.fusion import _copy_into
+from functional_bagua.tree import copy_into
 
 __all__ = ["DistributedOptimizer", "functional_alias"]
 
@@ -136,7 +136,7 @@ class _LocalOptimizer:
 def _update_in_place(tx: fb.GradientTransformation, grads: dict, state: Any, params: dict) -> Any:
     """``tx``'s pure update, its result written into ``params``: the new state."""
     updates, new_state = tx.update(grads, state, params)
-    _copy_into(params, fb.apply_updates(params, updates))
+    copy_into(params, fb.apply_updates(params, updates))
     return new_state
 
 

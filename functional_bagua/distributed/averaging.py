@@ -33,6 +33,7 @@ import torch.distributed._functional_collectives as funcol
 
 from functional_bagua import checks, tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.distributed import collectives
 from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.flat import FlatLayout
 from functional_bagua.numerics import zero_count
@@ -241,7 +242,7 @@ def mean_with_peer(tensors: list, g: Group, s: Union[int, torch.Tensor]) -> list
         peer = peer_of(g.rank, g.world_size, s)
         for key, b in mine.items():
             theirs[key] = (
-                funcol.all_gather_single(b.unsqueeze(0), 0, g.group).index_select(0, peer.reshape(1)).reshape(-1)
+                collectives.all_gather_single(b.unsqueeze(0), 0, g.group).index_select(0, peer.reshape(1)).reshape(-1)
             )
     else:
         peer_rank = peer_of(g.rank, g.world_size, int(s))

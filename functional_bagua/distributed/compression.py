@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from functional_bagua.distributed import collectives
 from functional_bagua.distributed.process_group import Group
 
 COMPRESSIONS = (None, "fp16", "bf16", "minmax_uint8")
@@ -137,5 +138,5 @@ def _minmax_uint8_all_reduce(buffers: list, group: Group, average: bool) -> list
     for r, p in zip(received, sent):
         copies = dequantize(r.view(p.shape), torch.float32)  # row j: rank j's copy of my chunk
         reduced = copies.mean(dim=0) if average else copies.sum(dim=0)
-        mine.append(funcol.all_gather_single(quantize(reduced.unsqueeze(0)), 0, group.group))
+        mine.append(collectives.all_gather_single(quantize(reduced.unsqueeze(0)), 0, group.group))
     return [dequantize(m, b.dtype).reshape(-1)[: b.numel()] for m, b in zip(mine, buffers)]

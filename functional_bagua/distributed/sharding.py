@@ -23,10 +23,10 @@ from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.distributed import collectives
 from functional_bagua.distributed.compression import padded_chunks
 from functional_bagua.distributed.process_group import Agreement, Group, resolve
 from functional_bagua.flat import FlatLayout
@@ -114,14 +114,17 @@ def shard(
         layout = FlatLayout.of(grads)
         grad_shards = {}
         for key, buffer in layout.flatten(grads).items():
-            summed = funcol.reduce_scatter_single(padded_chunks(buffer, g.world_size).reshape(-1), "sum", 0, g.group)
+            summed = collectives.reduce_scatter_single(
+                padded_chunks(buffer, g.world_size).reshape(-1), "sum", 0, g.group
+            )
             grad_shards[key] = summed / g.world_size if average else summed
         param_shards = None if params is None else local_shards(layout, params, g)
         update_shards, inner_state = layout_context.run_on_flat_buffers(
             _Shards(), inner.update, grad_shards, state.inner, param_shards
         )
         full = {
-            key: funcol.all_gather_single(u, 0, g.group)[: layout.groups[key].numel] for key, u in update_shards.items()
+            key: collectives.all_gather_single(u, 0, g.group)[: layout.groups[key].numel]
+            for key, u in update_shards.items()
         }
         return layout.unflatten(full), ShardState(state.rank, state.world_size, inner_state)
 
