@@ -25,6 +25,7 @@ detaches the previous engine first.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -181,6 +182,7 @@ class BaguaDistributedDataParallel:
         """Raise the same ValueError on every rank unless all wrap the same model the same way."""
         settings = dict(
             algorithm=type(algorithm).__name__,
+            algorithm_arguments=_arguments_of(algorithm),
             optimizers=[[len(g["params"]) for g in o.param_groups] for o in self.bagua_optimizers],
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
@@ -204,8 +206,10 @@ class BaguaDistributedDataParallel:
             # on the CPU: a pickled CUDA tensor would unpickle on rank 0's GPU on every rank
             payload = [_on_cpu(optimizer.state_dict()) if group.rank == 0 else None]
             dist.broadcast_object_list(payload, src, group=group.group, device=device)
-            if group.rank != 0:
-                optimizer.load_state_dict(payload[0])
+            received = payload[0]
+            if group.rank != 0 and received is not None:
+                _warn_of_replaced_hyperparameters(optimizer, received["param_groups"], group.rank)
+                optimizer.load_state_dict(received)
 
     def _reset(self) -> None:
         """Broadcast rank 0's state and (re)start the algorithm."""
@@ -334,3 +338,35 @@ def patch_torch_module() -> None:
 def _on_cpu(state: Any) -> Any:
     """``state`` with every tensor copied to the CPU (``load_state_dict`` moves them back)."""
     return optree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, state, none_is_leaf=True)
+
+
+def _arguments_of(algorithm: Algorithm) -> dict:
+    """The algorithm's own settings as it was built (its public attributes of plain values:
+    ``peer_selection_mode``, ``communication_interval``, ``sync_interval_ms``...), compared across
+    ranks: ranks that differ there would wait on different collectives."""
+    return {
+        k: v
+        for k, v in sorted(vars(algorithm).items())
+        if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None), tuple))
+    }
+
+
+_HYPERPARAMETER_TYPES = (bool, int, float, str, type(None), tuple)
+
+
+def _warn_of_replaced_hyperparameters(optimizer: torch.optim.Optimizer, rank0_groups: list, rank: int) -> None:
+    """Bagua broadcasts rank 0's optimizer state, its param groups' numbers included: a number
+    this rank set otherwise is replaced, which Bagua does silently. Warn once per optimizer,
+    naming each such number and both values."""
+    replaced = [
+        f"param group {i}'s {k}: {mine[k]!r} here, {v!r} on rank 0"
+        for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, rank0_groups))
+        for k, v in theirs.items()
+        if k != "params" and isinstance(v, _HYPERPARAMETER_TYPES) and k in mine and mine[k] != v
+    ]
+    if replaced:
+        warnings.warn(
+            f"with_bagua: rank {rank}'s {type(optimizer).__name__} was built with other numbers than rank 0's, "
+            f"which replace them (as Bagua broadcasts rank 0's optimizer state): {'; '.join(replaced)}",
+            stacklevel=4,
+        )

@@ -10,7 +10,10 @@ low_precision_decentralized, qadam, async); ``--ddp`` wraps the model with Bagua
 ``DistributedDataParallel`` instead of ``model.with_bagua``. Every rank seeds its model
 differently, as Bagua's examples do: wrapping broadcasts rank 0's weights. At the end the script
 gathers every rank's weights and prints how far apart they are: equal for the algorithms that
-average gradients, close for those that average weights.
+average gradients; for those that average weights, as far apart as the steps since their last
+averaging let them drift. ``async`` averages in a thread every ``sync_interval_ms`` while the
+ranks train, so how many rounds it runs depends on the time each step takes: the script prints
+that count.
 """
 
 from __future__ import annotations
@@ -114,12 +117,14 @@ def main(args: argparse.Namespace) -> float:
         optimizer.step()
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  ({args.algorithm}, {world} ranks)", flush=True)
+    rounds = ""
     if args.algorithm == "async":
+        rounds = f" after {algorithm.rounds(model)} averaging rounds in the thread"  # type: ignore[attr-defined]
         algorithm.abort(model)  # type: ignore[attr-defined]
     spread = spread_across_ranks(model)
     if rank == 0:
         kind = "average gradients" if args.algorithm in GRADIENT_AVERAGING else "average weights"
-        print(f"{args.algorithm} ({kind}): weights differ across ranks by at most {spread:.3g}")
+        print(f"{args.algorithm} ({kind}){rounds}: weights differ across ranks by at most {spread:.3g}")
     return loss.item()
 
 

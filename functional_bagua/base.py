@@ -14,7 +14,7 @@ checkpointed, moved and traced. ``update`` never mutates its arguments.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -77,7 +77,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def init(params: Params) -> tuple[OptState, ...]:
         check_params(params, "init")
-        return tuple(t.init(params) for t in transforms)
+        states = tuple(t.init(params) for t in transforms)
+        # a distributed transform in the chain: every rank must have built the rest with the same numbers
+        agree = [t.update.agree_on_chain for t in transforms if hasattr(t.update, "agree_on_chain")]
+        if agree and not torch.compiler.is_compiling():
+            agree[0](hyperparameters_of(transforms, states))
+        return states
 
     def update(
         updates: Updates, state: tuple[OptState, ...], params: Optional[Params] = None
@@ -95,6 +100,46 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     update.transforms = transforms  # type: ignore[attr-defined]  # what it chains, for make_train_step
     return GradientTransformation(init, update)
+
+
+def hyperparameters_of(
+    transforms: Sequence[GradientTransformation], states: Sequence[OptState], prefix: str = ""
+) -> dict:
+    """The numbers a chain was built with, ``{where: value}``: each alias's arguments (as it
+    was called) and each injected hyperparameter's value in its state, keyed by the position in
+    the (nested) chain and the name (``"1:adamw.lr"``, ``"2:lr"``); schedules by their name.
+    Transforms built from other building blocks add nothing (their numbers are in closures).
+
+    Args:
+        transforms: the chain's transforms.
+        states: their states, from ``init``.
+        prefix: the position of this chain inside an outer one (``"1."``).
+    """
+    found: dict = {}
+    for i, (t, s) in enumerate(zip(transforms, states)):
+        where = f"{prefix}{i}"
+        built = getattr(t.update, "built_from", None)
+        if built is not None:
+            factory, arguments = built
+            found.update({f"{where}:{factory.__name__}.{k}": _plain(v) for k, v in arguments.items()})
+        held = getattr(s, "hyperparams", None)  # an InjectHyperparamsState
+        if isinstance(held, dict):
+            found.update({f"{where}:{k}": _plain(v) for k, v in held.items()})
+        inner = getattr(t.update, "transforms", None)
+        if inner is not None and isinstance(s, tuple):
+            found.update(hyperparameters_of(inner, s, f"{where}."))
+    return found
+
+
+def _plain(value: Any) -> Any:
+    """A hyperparameter as a comparable, picklable value: a tensor's numbers, a schedule's name."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__name__)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
 
 
 def check_params(params: Params, who: str) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
+from functional_bagua.compiling import compile_own
 from functional_bagua.flat import FlatLayout
 from functional_bagua.layout_context import run_on_flat_buffers
 
@@ -79,8 +80,8 @@ KERNELS = ("auto", "torch", "compiled", "eager")
 
 def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "auto") -> Callable[..., None]:
     """``step_(grads, state, params)``: one fused step that overwrites ``params`` and ``state``
-    (made by ``fuse(tx, layout).init``) in place, for callers that give up their buffers
-    ("donation"). ``kernel`` picks how:
+    (made by ``step_.init(params)``, the same as ``fuse(tx, layout).init``) in place, for callers
+    that give up their buffers ("donation"). ``kernel`` picks how:
 
     - ``"eager"``: the pure fused update, then a copy into the buffers: the same numbers as
       ``fuse(tx, layout)``, bit for bit.
@@ -101,7 +102,7 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
     Example::
 
         step_ = fb.fuse_inplace(tx, layout)
-        state = fb.fuse(tx, layout).init(flat_params)
+        state = step_.init(flat_params)
         step_(flat_grads, state, flat_params)       # flat_params and state now hold the new values
     """
     if kernel not in KERNELS:
@@ -127,7 +128,10 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
             layout.check(params)
             kernels.run(spec, grads, state, params)
 
-        return torch_kernel_step
-    if kernel == "compiled":
-        return torch.compile(pure_into_buffers, fullgraph=True)
-    return pure_into_buffers
+        chosen: Callable[..., None] = torch_kernel_step
+    elif kernel == "compiled":
+        chosen = compile_own(pure_into_buffers, fullgraph=True)  # its own cache (compiling.py)
+    else:
+        chosen = pure_into_buffers
+    chosen.init = fused.init  # type: ignore[attr-defined]  # the state it steps
+    return chosen

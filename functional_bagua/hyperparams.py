@@ -13,7 +13,11 @@ Because the values are tensors, a compiled step neither bakes them in nor recomp
 change. A schedule is evaluated from the wrapper's count (the number of updates done: 0, 1, ...,
 the step of torch's LR schedulers), and its value is written into ``state.hyperparams``.
 
-Change a value in place, ``state.hyperparams["lr"].fill_(1e-4)``. Assigning a Python number
+Change a value in place, ``state.hyperparams["lr"].fill_(1e-4)``. A scheduled hyperparameter
+set so by hand takes effect too, and from then on holds that value: the schedule no longer
+drives it (an update tells a hand-set value by comparing the held one with what the schedule
+gave the last update, ``where(held == schedule(count - 1), schedule(count), held)``, branch-free
+and so also inside a compiled step). Assigning a Python number
 (``state.hyperparams["lr"] = 1e-4``, the optax habit) works eagerly; under torch.compile it
 raises a TypeError, since every new number would compile the step again. A schedule receives the
 count as a 0-dim float64 tensor: one that uses it as a Python number (``if t < 3``,
@@ -166,7 +170,13 @@ def inject_hyperparams(
                 if callable(given):
                     if id(given) in eager_only and torch.compiler.is_compiling():
                         refuse_untraceable(eager_only[id(given)], f"the hyperparameter {name!r}")
-                    return _as_tensor(given(step_count(count)), count.device)
+                    scheduled = _as_tensor(given(step_count(count)), count.device)
+                    if not isinstance(held, torch.Tensor):  # init
+                        return scheduled
+                    # the value the last update used (init's: the schedule at 0); held differs from it
+                    # only if set by hand, and then it stays (module docstring)
+                    last = _as_tensor(given(step_count(torch.clamp(count - 1, min=0))), count.device)
+                    return torch.where(held == last, scheduled, held.to(scheduled.dtype))
                 if torch.compiler.is_compiling() and not isinstance(held, torch.Tensor):
                     raise TypeError(
                         f"state.hyperparams[{name!r}] holds a {type(held).__name__}: under torch.compile every new "
@@ -254,13 +264,80 @@ def accepts_schedules(
     """
     if alias is None:
         return functools.partial(accepts_schedules, static_args=static_args)
-    names = list(inspect.signature(alias).parameters)  # no Signature.bind per call: it may run inside a trace
+    parameters = inspect.signature(alias).parameters
+    names = list(parameters)  # no Signature.bind per call: it may run inside a trace
+    defaults = {k: p.default for k, p in parameters.items() if k not in static_args}
 
-    @functools.wraps(alias)
-    def wrapper(*args: Any, **kwargs: Any) -> GradientTransformation:
+    def build(args: tuple, kwargs: dict) -> GradientTransformation:
         arguments = [*zip(names, args), *kwargs.items()]
         if any(_holds_schedule(v) for k, v in arguments if k not in static_args):
             return inject_hyperparams(alias, static_args)(*args, **kwargs)
         return alias(*args, **kwargs)
 
+    @functools.wraps(alias)
+    def wrapper(*args: Any, **kwargs: Any) -> GradientTransformation:
+        if torch.compiler.is_compiling():  # fb.Optimizer rebuilding it inside a traced step
+            return build(args, kwargs)
+        who = alias.__name__
+        args = tuple(checked_argument(who, k, defaults.get(k), v) for k, v in zip(names, args))
+        kwargs = {k: checked_argument(who, k, defaults.get(k), v) for k, v in kwargs.items()}
+        tx = build(args, kwargs)
+        if not isinstance(tx.update, functools.partial) and not hasattr(tx.update, "adjustable"):
+            # built with numbers: how (fb.Optimizer shows them to torch's schedulers)
+            tx.update.built_from = (wrapper, {**dict(zip(names, args)), **kwargs})  # type: ignore[attr-defined]
+        return tx
+
     return wrapper
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def checked_argument(who: str, name: str, default: object, value: Any) -> Any:
+    """``value`` as the alias ``who`` takes it for the argument ``name`` whose default is
+    ``default``: a numeric hyperparameter (number default) must be a number, a schedule, or a
+    tensor of one element (of any shape, as torch.optim accepts it: given back as a 0-dim view,
+    so in-place changes still reach it); one with a tuple default (``betas``) a tuple or list of
+    as many such values. Anything else raises a TypeError or ValueError naming the argument, so
+    ``lr="1e-3"`` or ``betas=(0.9,)`` fail when the alias is built, not inside an update. Other
+    arguments (flags, names, inner transforms) pass unchanged.
+
+    Args:
+        who: the alias's name, for the message.
+        name: the argument's name.
+        default: its default in the alias's signature.
+        value: what was given.
+    """
+    if _is_number(default):
+        return _checked_scalar(who, name, value)
+    if isinstance(default, tuple) and any(_is_number(d) for d in default):
+        if not isinstance(value, (tuple, list)) or len(value) != len(default):
+            raise ValueError(f"{who}: {name} takes {len(default)} values, as its default {default}; got {value!r}")
+        checked = [
+            v if d is None and v is None else _checked_scalar(who, f"{name}[{i}]", v)
+            for i, (d, v) in enumerate(zip(default, value))
+        ]
+        return type(value)(checked)
+    return value
+
+
+def _checked_scalar(who: str, name: str, value: Any) -> Any:
+    if _is_number(value) or callable(value):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{who}: {name} must be one number; got a tensor of shape {tuple(value.shape)} ({value.numel()} elements)"
+            )
+        return value.reshape(()) if value.dim() else value
+    hint = ""
+    if isinstance(value, str):
+        try:
+            hint = f"; pass {name.split('[')[0]}={float(value)!r}" if "[" not in name else f"; pass {float(value)!r}"
+        except ValueError:
+            pass
+    raise TypeError(
+        f"{who}: {name} must be a number, a one-element tensor or a schedule (a function of the step count); "
+        f"got {type(value).__name__} {value!r}{hint}"
+    )

@@ -62,7 +62,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 
@@ -120,6 +120,10 @@ class Optimizer(torch.optim.Optimizer):
         **hyperparameters: Any,
     ) -> None:
         self._factory_defaults: dict[str, Any] = {}
+        built_from = getattr(tx.update, "built_from", None) if isinstance(tx, GradientTransformation) else None
+        if built_from is not None and not hyperparameters:  # a built alias: as its factory with these numbers
+            tx, hyperparameters = cast(Factory, built_from[0]), dict(built_from[1])
+        _refuse_optimizer_class(tx)
         if tx is None or isinstance(tx, GradientTransformation):
             if hyperparameters:
                 raise TypeError(
@@ -148,6 +152,7 @@ class Optimizer(torch.optim.Optimizer):
         self._run_kernel = torch.compiler.disable(_run_kernel)
         self._make_state = torch.compiler.disable(_make_state)
         self._grow_state = torch.compiler.disable(_grow_state)
+        self._kernel = torch.compiler.disable(self._kernel_of)  # Python decisions (the factory is called)
 
     @property
     def _from_factory(self) -> bool:
@@ -188,6 +193,8 @@ class Optimizer(torch.optim.Optimizer):
         parts = partitioned(tx) if isinstance(tx, GradientTransformation) else None
         for label_group, label_tx in [(param_group, tx)] if parts is None else _split_by_label(param_group, parts):
             given = set(label_group)
+            if isinstance(label_tx, GradientTransformation):  # a missing number names the factory form
+                label_group = _ParamGroup(label_group)
             super().add_param_group(label_group)
             self._set_up_group(len(self.param_groups) - 1, label_tx, given)
 
@@ -313,7 +320,7 @@ class Optimizer(torch.optim.Optimizer):
             copy_into(params, apply_updates(params, updates))
         return loss
 
-    def _kernel(self, i: int) -> Optional[kernels.KernelSpec]:
+    def _kernel_of(self, i: int) -> Optional[kernels.KernelSpec]:
         """torch's fused kernel for group ``i`` with its numbers now, if one computes its transform
         and ``fused`` allows it."""
         if self.fused is False:
@@ -327,7 +334,7 @@ class Optimizer(torch.optim.Optimizer):
         """The chains and their states too (torch.optim keeps only defaults, state and
         param_groups), without what belongs to this object alone: the eager wrappers, hooks and
         a ``step`` that a scheduler wrapped (``__setstate__`` makes them anew, as torch's does)."""
-        own = {"step", "_write_hyperparameters", "_run_kernel", "_make_state", "_grow_state"}
+        own = {"step", "_write_hyperparameters", "_run_kernel", "_make_state", "_grow_state", "_kernel"}
         return {k: v for k, v in self.__dict__.items() if k not in own and not k.endswith("_hooks")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -551,3 +558,31 @@ def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any],
                     for gone in [k for k, (ref, *_) in written.items() if ref() is None]:
                         del written[gone]
                 written[id(tensor)] = (weakref.ref(tensor), number, tensor._version)
+
+
+def _refuse_optimizer_class(tx: Any) -> None:
+    """A torch.optim class given as ``tx``: a TypeError naming its alias's factory, where there is one."""
+    if not (isinstance(tx, type) and issubclass(tx, torch.optim.Optimizer)):
+        return
+    import functional_bagua
+
+    alias = "sparse_adam" if tx.__name__ == "SparseAdam" else tx.__name__.lower()
+    if hasattr(functional_bagua, alias):
+        fix = f"pass its alias's factory, fb.Optimizer(params, fb.{alias}, lr=...), or use the class itself"
+    else:
+        fix = "pass a transform or a factory of one (fb.Optimizer(params, fb.adamw, lr=...)), or use the class itself"
+    raise TypeError(f"{NAME}: tx is the optimizer class {tx.__name__}; {fix}")
+
+
+class _ParamGroup(dict):
+    """A param group of an optimizer built from a transform: it holds the numbers of the
+    transform that fb.Optimizer can show (an alias's, a schedule's adjustable ones) and no
+    others; asking for another (torch's lr schedulers read ``group["lr"]``) names the form in
+    which it would be there, instead of a bare KeyError."""
+
+    def __missing__(self, key: str) -> Any:
+        raise KeyError(
+            f"{key!r}: this param group holds no {key!r}, as its transform was built before fb.Optimizer got "
+            f"it; for torch's schedulers to drive {key!r}, pass the factory and its numbers, "
+            f"fb.Optimizer(params, fb.adamw, {key}=...), or an alias built with numbers, fb.adamw({key}=...)"
+        )

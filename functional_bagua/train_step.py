@@ -51,6 +51,7 @@ import torch
 
 from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates, chain, identity
+from functional_bagua.compiling import compile_own
 from functional_bagua.flat import FlatLayout
 from functional_bagua.fusion import fuse
 from functional_bagua.tree import PyTree
@@ -126,6 +127,11 @@ def make_train_step(
         graph_warmup: the calls run before the capture (cuDNN and cuBLAS choose their kernels,
             lazily built state is made); at least 1.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"make_train_step: model must be the torch.nn.Module whose forward the step runs, got "
+            f"{type(model).__name__}; pass the model itself (its parameters are the step's params: fb.params_of(model))"
+        )
     settings = _leading_allreduce(tx)
     if cuda_graph:
         if settings is not None:
@@ -182,7 +188,7 @@ def make_train_step(
         compile_kwargs = dict(compile) if isinstance(compile, dict) else {}
         if overlap and settings is not None and layout is None:
             compile_kwargs = _with_comm_overlap(compile_kwargs)
-        pure_step = torch.compile(pure_step, fullgraph=True, **compile_kwargs)
+        pure_step = compile_own(pure_step, fullgraph=True, **compile_kwargs)  # its own cache (compiling.py)
 
     def step(params: PyTree, state: OptState, batch: Any) -> tuple[PyTree, OptState, torch.Tensor]:
         check_batch(batch)

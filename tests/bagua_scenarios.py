@@ -12,7 +12,7 @@ from helpers import errors_of
 from models import batches, loss_fn, make_model
 
 import functional_bagua.compat as bagua
-from functional_bagua.compat.algorithms import bytegrad, gradient_allreduce
+from functional_bagua.compat.algorithms import async_model_average, bytegrad, decentralized, gradient_allreduce
 
 DTYPE = torch.float64
 STEPS = 4
@@ -237,6 +237,47 @@ def mismatched_algorithms(rank: int, world_size: int) -> str:
     algorithm = bytegrad.ByteGradAlgorithm() if rank else gradient_allreduce.GradientAllReduceAlgorithm()
     model.with_bagua([opt], algorithm)
     return "wrapped"
+
+
+MISMATCHED_ARGUMENTS = {  # the same algorithm built with other arguments on rank 1
+    "peer_selection_mode": lambda r: decentralized.DecentralizedAlgorithm(
+        peer_selection_mode="shift_one" if r else "all"
+    ),
+    "communication_interval": lambda r: decentralized.DecentralizedAlgorithm(communication_interval=2 if r else 1),
+    "sync_interval_ms": lambda r: async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=20 if r else 500),
+    "warmup_steps": lambda r: async_model_average.AsyncModelAverageAlgorithm(warmup_steps=3 if r else 0),
+    "hierarchical": lambda r: gradient_allreduce.GradientAllReduceAlgorithm(hierarchical=not r),
+}
+
+
+def mismatched_algorithm_arguments(rank: int, world_size: int) -> dict:
+    """Each algorithm built with other arguments on rank 1: with_bagua raises the same ValueError
+    on every rank (before, the decentralized and async cases hung at the first backward)."""
+    out = {}
+    for name, make in MISMATCHED_ARGUMENTS.items():
+        model = torch.nn.Linear(4, 3).to(DTYPE)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            model.with_bagua([opt], make(rank))
+            out[name] = "wrapped"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def replaced_learning_rate(rank: int, world_size: int) -> dict:
+    """Rank 1's optimizer built with another lr: Bagua's behaviour (rank 0's state and numbers
+    broadcast) is kept, and rank 1 is warned, naming the number and both values."""
+    import warnings
+
+    model = torch.nn.Linear(4, 3).to(DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 if rank else 0.1, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+    return dict(
+        lr=opt.param_groups[0]["lr"], warnings=[str(w.message) for w in caught if "with_bagua" in str(w.message)]
+    )
 
 
 def bad_arguments(rank: int, world_size: int) -> dict:

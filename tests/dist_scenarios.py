@@ -201,6 +201,15 @@ MISMATCHED_SETTINGS = {
     "peer_modes": (lambda: fbd.decentralized("all"), lambda: fbd.decentralized("shift_one")),
     "intervals": (lambda: fbd.decentralized("all", 1), lambda: fbd.decentralized("all", 2)),
     "allreduce_vs_shard": (lambda: fbd.allreduce_gradients(), lambda: fbd.shard(fb.sgd(LR))),
+    # the rest of a chain: an alias's numbers, an injected hyperparameter's value
+    "chain_lr": (
+        lambda: fb.chain(fbd.allreduce_gradients(), fb.adamw(1e-3)),
+        lambda: fb.chain(fbd.allreduce_gradients(), fb.adamw(1e-2)),
+    ),
+    "chain_injected": (
+        lambda: fb.chain(fbd.periodic_average(2), fb.inject_hyperparams(fb.sgd)(lr=0.1)),
+        lambda: fb.chain(fbd.periodic_average(2), fb.inject_hyperparams(fb.sgd)(lr=0.2)),
+    ),
 }
 
 

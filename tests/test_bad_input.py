@@ -488,3 +488,23 @@ def test_compiled_fuse_inplace_writes_back_every_state_tensor():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-15)
     assert math.isfinite(compiled[at("float64")].sum().item())
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: fb.adam(1e-3), "mu"),
+        (lambda: fb.adamw(1e-3), "mu"),
+        (lambda: fb.sgd(0.1, momentum=0.9), "trace"),
+        (lambda: fb.adafactor(), "row_var"),
+        (lambda: fb.lion(1e-4), "mu"),
+    ],
+    ids=["adam", "adamw", "sgd-momentum", "adafactor", "lion"],
+)
+def test_a_state_made_for_other_shapes_is_refused_naming_the_leaf(make, field):
+    """Before, adam's state of shape (1, 3) was broadcast against a (2, 3) parameter and grew to
+    (2, 3) without a word; SGD's momentum failed with a bare broadcast error."""
+    tx = make()
+    state = tx.init({"w": torch.zeros(1, 3)})
+    with pytest.raises(ValueError, match=rf"the state's '{field}' for 'w' has shape \(1, (3|1)\).*tx.init\(params\)"):
+        tx.update({"w": torch.ones(2, 3)}, state, {"w": torch.zeros(2, 3)})

@@ -34,6 +34,8 @@ TWO_RANKS = [
     "fused_optimizer_with_bagua",
     "mismatched_models",
     "mismatched_algorithms",
+    "mismatched_algorithm_arguments",
+    "replaced_learning_rate",
     "bad_arguments",
     "other_dtypes_and_compiled_modules",
     "find_unused_parameters_build_params",
@@ -221,6 +223,22 @@ def test_models_that_differ_across_ranks_fail_on_every_rank(two):
             assert error.seconds < 10
     assert "parameters differ across ranks" in two[0]["mismatched_models"].message
     assert "different settings" in two[1]["mismatched_algorithms"].message
+
+
+@pytest.mark.parametrize("name", list(sc.MISMATCHED_ARGUMENTS))
+def test_an_algorithm_built_with_other_arguments_fails_on_every_rank(two, name):
+    messages = [result["mismatched_algorithm_arguments"][name] for result in two]
+    assert messages[0] == messages[1] and "ranks were built with different settings" in messages[0], messages
+    assert "algorithm_arguments" in messages[0], messages[0]
+
+
+def test_an_optimizer_number_replaced_by_rank_0s_is_warned_of(two):
+    """Bagua broadcasts rank 0's optimizer state: rank 1's lr becomes rank 0's, as in Bagua, and
+    rank 1 is told (rank 0 is not)."""
+    rank0, rank1 = (result["replaced_learning_rate"] for result in two)
+    assert rank0["lr"] == rank1["lr"] == 0.1
+    assert rank0["warnings"] == []
+    assert len(rank1["warnings"]) == 1 and "param group 0's lr: 0.01 here, 0.1 on rank 0" in rank1["warnings"][0]
 
 
 def test_bad_arguments_are_named(two):

@@ -336,6 +336,11 @@ def test_ranks_built_with_different_settings_fail_at_init_with_the_same_error(tw
         assert "ranks were built with different settings" in errors[0].message, errors[0].message
     if name == "fp16_vs_bf16":
         assert "compression='fp16' on rank 0, 'bf16' on rank 1" in errors[0].message
+    if name == "chain_lr":
+        assert "the chain around allreduce_gradients" in errors[0].message
+        assert "1:adamw.lr=0.001 on rank 0, 0.01 on rank 1" in errors[0].message
+    if name == "chain_injected":
+        assert "1:lr=0.1 on rank 0, 0.2 on rank 1" in errors[0].message
 
 
 @pytest.mark.parametrize("transform", ["allreduce", "shard"])

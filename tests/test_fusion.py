@@ -310,8 +310,8 @@ def _inplace_run(make_tx, kernel, steps=5, dtype=torch.float32, on_grads=None):
     params = fb.params_of(model)
     layout = fb.FlatLayout.of(params)
     flat = layout.flatten(params)
-    state = fb.fuse(make_tx(), layout).init(flat)
     step_ = fb.fuse_inplace(make_tx(), layout, kernel=kernel)
+    state = step_.init(flat)
 
     def loss_of(buffers, x, y):
         return loss_fn(torch.func.functional_call(model, layout.unflatten(buffers), (x,)), y)
@@ -413,6 +413,17 @@ def test_torch_kernel_finds_the_moments_wherever_the_chain_keeps_them():
     ):
         with pytest.raises(ValueError, match=says):
             fb.fuse_inplace(tx, layout, kernel="torch")(flat, fb.fuse(tx, layout).init(flat), flat)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "eager", "auto"])
+def test_fuse_inplace_initialises_the_state_fuse_would(kernel):
+    params = fb.params_of(make_model("shapes", torch.float32))
+    layout = fb.FlatLayout.of(params)
+    flat = layout.flatten(params)
+    tx = fb.adamw(1e-2, weight_decay=0.1)
+    expected, actual = fb.fuse(tx, layout).init(flat), fb.fuse_inplace(tx, layout, kernel=kernel).init(flat)
+    assert fb.tree.flatten(actual)[1] == fb.tree.flatten(expected)[1]
+    torch.testing.assert_close(fb.state_dict(actual), fb.state_dict(expected), rtol=0, atol=0)
 
 
 def test_fuse_inplace_rejects_unknown_kernels():

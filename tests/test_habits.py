@@ -186,3 +186,54 @@ def test_a_constant_lr_checkpoint_loads_into_a_scheduled_optimizer():
     torch.testing.assert_close(actual["w"], expected["w"], rtol=1e-15, atol=0)
     back = fb.load_state_dict(constant.init(params), fb.state_dict(loaded), strict=False)
     assert all(torch.equal(a, b) for a, b in zip(fb.tree.flatten(back)[0], fb.tree.flatten(state)[0]))
+
+
+def test_one_element_tensor_hyperparameters_of_any_shape_step_as_torchs():
+    """torch.optim takes betas as tensors of shape (1, 1, 1) and (1, 1) (its own catalog does);
+    the alias takes them too (as 0-dim views), on parameters of fewer dimensions as well.
+    Reference: torch.optim.Adam with the same tensors, float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    reference.load_state_dict(model.state_dict())
+    betas = (torch.tensor([[[0.8]]], dtype=torch.float64), torch.tensor([[0.95]], dtype=torch.float64))
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=betas, foreach=False)
+    tx = fb.adam(lr=1e-2, betas=betas)
+    params = fb.params_of(model)
+    state = tx.init(params)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = (
+            torch.randn(5, 3, generator=gen, dtype=torch.float64),
+            torch.randn(5, 1, generator=gen, dtype=torch.float64),
+        )
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+        loss_of = lambda p: torch.nn.functional.mse_loss(torch.func.functional_call(model, p, (x,)), y)  # noqa: E731
+        updates, state = tx.update(torch.func.grad(loss_of)(params), state, params)
+        params = fb.apply_updates(params, updates)
+    for name, p in reference.named_parameters():
+        assert params[name].shape == p.shape
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "build, error, says",
+    [
+        (lambda: fb.adamw(lr="1e-3"), TypeError, r"adamw: lr must be a number.*got str '1e-3'; pass lr=0.001"),
+        (lambda: fb.sgd("0.1"), TypeError, r"sgd: lr must be a number.*pass lr=0.1"),
+        (lambda: fb.adamw(betas=(0.9,)), ValueError, r"adamw: betas takes 2 values, as its default \(0.9, 0.999\)"),
+        (lambda: fb.lion(betas=0.9), ValueError, r"lion: betas takes 2 values"),
+        (
+            lambda: fb.adam(lr=torch.tensor([1e-3, 2e-3])),
+            ValueError,
+            r"adam: lr must be one number; got a tensor of shape \(2,\)",
+        ),
+        (lambda: fb.adam(betas=(0.9, "0.99")), TypeError, r"adam: betas\[1\] must be a number.*pass 0.99"),
+        (lambda: fb.rmsprop(alpha=[0.9]), TypeError, r"rmsprop: alpha must be a number.*got list"),
+    ],
+)
+def test_hyperparameters_of_the_wrong_kind_are_refused_when_the_alias_is_built(build, error, says):
+    with pytest.raises(error, match=says):
+        build()

@@ -92,6 +92,37 @@ def test_runs_torchs_fused_kernel_bit_for_bit(name):
     assert_models_equal(expected_fixed_lr, from_transform)
 
 
+@pytest.mark.parametrize("name", CLASSES)
+def test_a_built_alias_shows_its_numbers_to_torchs_schedulers(name):
+    """fb.Optimizer(params, fb.adamw(lr=...)), the first thing a torch user writes, takes a
+    scheduler as the factory form does: the alias's numbers are the param groups'."""
+    torch_cls, factory, hyper = CLASSES[name]
+    with default_dtype(DTYPE):
+        expected, _ = train(lambda m: torch_cls(m.parameters(), **hyper))
+        actual, opt = train(lambda m: fb.Optimizer(m.parameters(), factory(**hyper), fused=False))
+    assert_models_close(expected, actual)
+    assert opt.param_groups[0]["lr"] == pytest.approx(hyper["lr"] * 0.5 ** (STEPS // 3))
+
+
+def test_a_transform_without_numbers_to_show_names_the_factory_form_to_a_scheduler():
+    model = make_model("shapes", DTYPE)
+    opt = fb.Optimizer(model.parameters(), fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(1e-3)))
+    with pytest.raises(KeyError, match=r"holds no 'lr'.*fb.Optimizer\(params, fb.adamw, lr=...\)"):
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+
+
+@pytest.mark.parametrize(
+    "cls, says",
+    [
+        (torch.optim.AdamW, r"fb.Optimizer\(params, fb.adamw, lr=...\)"),
+        (torch.optim.SparseAdam, r"fb.Optimizer\(params, fb.sparse_adam"),
+    ],
+)
+def test_a_torch_optimizer_class_as_tx_names_the_alias(cls, says):
+    with pytest.raises(TypeError, match=f"tx is the optimizer class {cls.__name__}; pass its alias's factory, {says}"):
+        fb.Optimizer(make_model("shapes", DTYPE).parameters(), cls, lr=1e-3)
+
+
 def test_param_groups_override_hyperparameters_as_torchs_do():
     def groups(m):
         return [{"params": [m.conv.weight, m.conv.bias], "lr": 0.05}, {"params": [m.fc.weight, m.fc.bias, m.scale]}]

@@ -197,3 +197,24 @@ def test_lr_changed_by_hand_compiles_exactly_once():
     frames, lrs = _compiled_training(fb.inject_hyperparams(fb.adamw)(lr=1e-3), 20, change_lr_by_hand=True)
     assert frames == 1
     assert lrs == pytest.approx([1e-3 * (1 + s) for s in range(20)])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_scheduled_hyperparameter_set_by_hand_takes_effect_and_stays(compiled):
+    """fill_ on a scheduled lr: the next updates use that value (the schedule no longer drives
+    it), eagerly and in a compiled update; untouched, the schedule drives it. Reference: SGD's
+    update written out, u = -lr * g."""
+    schedule = fb.schedules.linear(0.1, 0.0, 10)
+    tx = fb.sgd(lr=schedule)
+    params = {"w": torch.zeros(3, dtype=torch.float64)}
+    state = tx.init(params)
+    update = torch.compile(tx.update, fullgraph=True, backend="eager") if compiled else tx.update
+    g = {"w": torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)}
+    for t in range(3):
+        u, state = update(g, state, params)
+        torch.testing.assert_close(u["w"], -float(schedule(torch.tensor(float(t), dtype=torch.float64))) * g["w"])
+    state.hyperparams["lr"].fill_(0.5)
+    for _ in range(2):
+        u, state = update(g, state, params)
+        torch.testing.assert_close(u["w"], -0.5 * g["w"])
+    assert float(state.hyperparams["lr"]) == 0.5

@@ -249,3 +249,46 @@ def test_eager_train_step_over_capped_flat_buffers_equals_torch_optim():
     assert len(fb.FlatLayout.of(fb.params_of(make_model("norm", DTYPE)), max_buffer_mb=64 * 8 / 2**20).keys) > 1
     reference = trained_with_torch_fused_adamw("norm")
     assert_model_matches(model, params, reference, tol=1e-15)
+
+
+def test_a_dozen_compiled_steps_of_different_configurations_in_one_process():
+    """Each built step compiles on its own (functional_bagua.compiling): before, all shared one
+    code object, and the ninth failed with dynamo's FailOnRecompileLimitHit. Reference: the same
+    steps eager."""
+    makers = [fb.adamw, lambda lr: fb.sgd(lr, momentum=0.9), fb.lion, fb.adam, fb.rmsprop, fb.adagrad]
+    for i in range(12):
+        results = []
+        for compile in ({"backend": "eager"}, False):
+            torch.manual_seed(i)
+            model = torch.nn.Sequential(torch.nn.Linear(3, 2 + i), torch.nn.Tanh(), torch.nn.Linear(2 + i, 1)).double()
+            tx = makers[i % len(makers)](1e-2)
+            params = fb.params_of(model)
+            layout = fb.FlatLayout.of(params) if i % 2 else None
+            if layout is not None:
+                params = layout.flatten(params)
+            state = (fb.fuse(tx, layout) if layout is not None else tx).init(params)
+            step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, layout=layout, compile=compile)
+            gen = torch.Generator().manual_seed(i)
+            for _ in range(2):
+                batch = (torch.randn(4, 3, generator=gen).double(), torch.randn(4, 1, generator=gen).double())
+                params, state, loss = step(params, state, batch)
+            results.append(params)
+        for name in results[1]:
+            torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=1e-14)
+
+
+def test_own_code_gives_each_copy_a_code_object_and_the_same_behaviour():
+    from functional_bagua.compiling import own_code
+
+    def scaled(x, *, by=2):
+        return x * by
+
+    a, b = own_code(scaled), own_code(scaled)
+    assert a.__code__ is not b.__code__ and a.__code__ is not scaled.__code__
+    assert a(3) == b(3) == scaled(3) == 6 and a(3, by=4) == 12
+
+
+def test_parameters_given_for_the_model_are_refused_when_the_step_is_built():
+    model = make_model("norm", DTYPE)
+    with pytest.raises(TypeError, match="model must be the torch.nn.Module whose forward the step runs, got generator"):
+        fb.make_train_step(model.parameters(), loss_fn, fb.adamw())

@@ -319,6 +319,16 @@ class AsyncModelAverageAlgorithm(Algorithm):
         """
         _impl_of(bagua_module, self).resume(bagua_module)
 
+    def rounds(self, bagua_module: Any) -> int:
+        """The averaging rounds the running thread of ``bagua_module`` has finished (not in Bagua:
+        how often the weights were averaged while training, which depends on timing; read it
+        before ``abort``).
+
+        Args:
+            bagua_module: the wrapped model, its ``DistributedDataParallel`` or engine.
+        """
+        return _impl_of(bagua_module, self).rounds()
+
 
 def _impl_of(bagua_module: Any, algorithm: AsyncModelAverageAlgorithm) -> AsyncModelAverageAlgorithmImpl:
     for impl in algorithm._impls:

@@ -38,6 +38,7 @@ import torch.distributed.rpc as rpc
 
 import functional_bagua as fb
 from functional_bagua import kernels
+from functional_bagua.compiling import own_code
 from functional_bagua.tree import copy_into
 
 __all__ = ["DistributedOptimizer", "functional_alias"]
@@ -152,7 +153,8 @@ def _compiled_pure_step(
     key = (optimizer_class, repr(tuple(args)), repr(sorted(kwargs.items())))
     with _WORKER_LOCK:
         if key not in _COMPILED_STEPS:
-            _COMPILED_STEPS[key] = torch.compile(functools.partial(_update_in_place, tx), fullgraph=True)
+            # a code object per configuration: each its own dynamo cache and recompile limit
+            _COMPILED_STEPS[key] = torch.compile(functools.partial(own_code(_update_in_place), tx), fullgraph=True)
         return _COMPILED_STEPS[key]
 
 

@@ -128,4 +128,7 @@ def shard(
         }
         return layout.unflatten(full), ShardState(state.rank, state.world_size, inner_state)
 
+    update.agree_on_chain = lambda hyperparameters: agreement.agree_on_chain(  # type: ignore[attr-defined]
+        hyperparameters, resolve(group, NAME)
+    )  # chain.init calls it
     return GradientTransformation(init, update)

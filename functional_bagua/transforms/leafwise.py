@@ -85,6 +85,7 @@ def leafwise(
     """
     fields = state_type._fields
     rule = update_leaf if per_tensor else _on_real_views(update_leaf)
+    expected_shapes = _ExpectedShapes(init_leaf, fields, name)
     complex_ok = not (per_tensor or sparse_gradients)
     layout = torch.sparse_coo if sparse_gradients else torch.strided
 
@@ -129,6 +130,8 @@ def leafwise(
             )
         keys = _segmented_keys(spec, per_tensor)
         state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
+        if keys is None and not torch.compiler.is_compiling():
+            _check_state_shapes(grad_leaves, state_leaves, spec, expected_shapes)
 
         updates: list[Optional[torch.Tensor]] = [None] * len(grad_leaves)
         new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state
@@ -164,6 +167,46 @@ def leafwise(
         return spec.unflatten(updates), new_state
 
     return GradientTransformation(init, update)
+
+
+class _ExpectedShapes:
+    """The shape of each state field that ``init_leaf`` makes for a parameter of a given shape
+    and dtype (``None`` for a field that is not a tensor), found once per (shape, dtype) by
+    running ``init_leaf`` on a meta tensor (no memory, no data)."""
+
+    def __init__(self, init_leaf: Callable[[torch.Tensor], NamedTuple], fields: tuple, name: str) -> None:
+        self.init_leaf, self.fields, self.name = init_leaf, fields, name
+        self.known: dict[tuple, Optional[tuple]] = {}
+
+    def of(self, g: torch.Tensor) -> Optional[tuple]:
+        key = (g.shape, g.dtype)
+        if key not in self.known:
+            try:
+                made = self.init_leaf(torch.empty(g.shape, dtype=g.dtype, device="meta"))
+            except Exception:  # a rule whose init reads values: nothing to compare with
+                self.known[key] = None
+            else:
+                self.known[key] = tuple(f.shape if isinstance(f, torch.Tensor) else None for f in made)
+        return self.known[key]
+
+
+def _check_state_shapes(grad_leaves: list, state_leaves: list, spec: Any, expected: _ExpectedShapes) -> None:
+    """Raise unless each state tensor has the shape ``init_leaf`` makes for its parameter: a
+    state made for other parameters would otherwise be broadcast into the update (and grow)."""
+    for i, g in enumerate(grad_leaves):
+        if g is None or g.layout != torch.strided:
+            continue
+        shapes = expected.of(g)
+        if shapes is None:
+            continue
+        for field, leaves, shape in zip(expected.fields, state_leaves, shapes):
+            leaf = leaves[i]
+            if shape is not None and isinstance(leaf, torch.Tensor) and leaf.shape != shape:
+                raise ValueError(
+                    f"{expected.name}: the state's {field!r} for {tree.leaf_name(spec, i)!r} has shape "
+                    f"{tuple(leaf.shape)}, where a parameter of shape {tuple(g.shape)} has {tuple(shape)}: the state "
+                    "was made for other parameters; make it for these, tx.init(params)"
+                )
 
 
 def stateless(
