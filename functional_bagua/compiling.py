@@ -5,14 +5,18 @@ code object. Every closure made by one ``def`` shares that code object: eight tr
 in one process would use up the limit, and the ninth (a hyperparameter sweep, a second model, a
 test suite) fails with ``FailOnRecompileLimitHit``. :func:`compile_own` compiles a copy of the
 function with a code object of its own, so each built function has its own cache and its own
-limit, as a function written by hand would.
+limit, as a function written by hand would. Its calls also raise the library's own errors
+raised while tracing (:func:`raised_while_tracing`), not dynamo's wrapper of them.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import itertools
+import re
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,10 +38,47 @@ def own_code(fn: Callable) -> Callable:
 
 
 def compile_own(fn: Callable, **compile_kwargs: Any) -> Callable:
-    """``torch.compile(own_code(fn), **compile_kwargs)`` (module docstring).
+    """``torch.compile(own_code(fn), **compile_kwargs)`` (module docstring), whose calls raise
+    the TypeError or ValueError that the traced code raised (dynamo reports it as
+    ``Unsupported: Observed exception``, the message buried in its context): a schedule that
+    reads the step count as a Python number, say, fails with the library's message.
 
     Example::
 
         step = compile_own(pure_step, fullgraph=True)
     """
-    return torch.compile(own_code(fn), **compile_kwargs)
+    compiled = torch.compile(own_code(fn), **compile_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raised = raised_while_tracing(e)
+            if raised is None:
+                raise
+            raise raised from e
+
+    return call
+
+
+_OBSERVED = re.compile(r"raised exception (TypeError|ValueError)\((.*)\)", re.DOTALL)
+
+
+def raised_while_tracing(error: BaseException) -> Optional[Exception]:
+    """The TypeError or ValueError that the code dynamo traced raised, rebuilt from the
+    exceptions chained to ``error`` (dynamo names it ``raised exception TypeError('...')``), or
+    ``None`` when there is none."""
+    seen: set = set()
+    cause: Optional[BaseException] = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        found = _OBSERVED.fullmatch(str(cause).strip())
+        if found is not None:
+            try:
+                message = ast.literal_eval(found.group(2))
+            except (ValueError, SyntaxError):
+                return None
+            return (TypeError if found.group(1) == "TypeError" else ValueError)(message)
+        cause = cause.__cause__ or cause.__context__
+    return None

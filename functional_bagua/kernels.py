@@ -64,14 +64,29 @@ def spec_of(tx: GradientTransformation) -> Optional[KernelSpec]:
     return getattr(tx.update, "fused_kernel", None)
 
 
-def run(spec: KernelSpec, grads: dict, state: tuple, params: dict) -> None:
+def run(
+    spec: KernelSpec,
+    grads: dict,
+    state: tuple,
+    params: dict,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
     """One optimizer step in place: ``params`` and ``state`` (the alias's own, from its ``init``
     over these parameters or flat buffers) are overwritten; ``grads`` are read only. Only the
     keys of ``params`` are stepped (a state may hold more). The per-tensor bookkeeping (step
-    counts) is one multi-tensor op, so the step costs about what ``torch.optim``'s fused one does."""
+    counts) is one multi-tensor op, so the step costs about what ``torch.optim``'s fused one does.
+
+    ``grad_scale`` and ``found_inf`` are what ``torch.amp.GradScaler`` gives an optimizer whose
+    step takes them (``_step_supports_amp_scaling``): the kernel divides the gradients by the
+    scale as it reads them, and where ``found_inf`` is nonzero it changes nothing and the step
+    counts go back, as torch's fused optimizers do."""
     moments = moments_of(spec.kind, state)
     for keys in _by_device_and_dtype(params):  # what one kernel call takes (torch.optim groups so too)
-        _run_on(spec, moments, keys, grads, params)
+        device = params[keys[0]].device
+        scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
+        inf = None if found_inf is None else found_inf.to(device, non_blocking=True)
+        _run_on(spec, moments, keys, grads, params, scale, inf)
 
 
 def _by_device_and_dtype(params: dict) -> list[list]:
@@ -81,11 +96,20 @@ def _by_device_and_dtype(params: dict) -> list[list]:
     return list(groups.values())
 
 
-def _run_on(spec: KernelSpec, moments: Any, keys: list, grads: dict, params: dict) -> None:
+def _run_on(
+    spec: KernelSpec,
+    moments: Any,
+    keys: list,
+    grads: dict,
+    params: dict,
+    grad_scale: Optional[torch.Tensor],
+    found_inf: Optional[torch.Tensor],
+) -> None:
     as_real = _reals if any(params[k].is_complex() for k in keys) else lambda tensors: tensors
     p, g = as_real([params[k] for k in keys]), as_real([grads[k] for k in keys])
+    amp: dict[str, Any] = dict(grad_scale=grad_scale, found_inf=found_inf)
     if spec.kind == "sgd":
-        _sgd(spec.hyper, cast(Optional[TraceState], moments), keys, p, g, as_real)
+        _sgd(spec.hyper, cast(Optional[TraceState], moments), keys, p, g, as_real, amp)
         return
     assert isinstance(moments, (ScaleByAdamState, ScaleByAmsgradState))  # moments_of raised if there were none
     counts = [moments.count[k] for k in keys]
@@ -94,7 +118,14 @@ def _run_on(spec: KernelSpec, moments: Any, keys: list, grads: dict, params: dic
     mu, nu = as_real([moments.mu[k] for k in keys]), as_real([moments.nu[k] for k in keys])
     max_nu = as_real([cast(ScaleByAmsgradState, moments).nu_max[k] for k in keys]) if spec.hyper["amsgrad"] else []
     kernel = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
-    kernel(p, g, mu, nu, max_nu, list(steps), **spec.hyper)
+    kernel(p, g, mu, nu, max_nu, list(steps), **spec.hyper, **amp)
+    _undo_counts_if(found_inf, counts)
+
+
+def _undo_counts_if(found_inf: Optional[torch.Tensor], counts: list) -> None:
+    """Where ``found_inf`` is nonzero the kernel skipped the step: take back its count."""
+    if found_inf is not None:
+        torch._foreach_sub_(counts, [found_inf.to(counts[0].dtype)] * len(counts))
 
 
 FUNCTIONAL = {"adam": "_fused_adam", "adamw": "_fused_adamw", "sgd": "_fused_sgd"}
@@ -204,9 +235,11 @@ def _reals(tensors: list) -> list:
     return [_real(t) for t in tensors]
 
 
-def _sgd(hyper: dict, moments: Optional[TraceState], keys: list, p: list, g: list, as_real: Callable) -> None:
+def _sgd(
+    hyper: dict, moments: Optional[TraceState], keys: list, p: list, g: list, as_real: Callable, amp: dict
+) -> None:
     if hyper["momentum"] == 0 or moments is None:
-        torch._fused_sgd_(p, g, [], is_first_step=False, **hyper)
+        torch._fused_sgd_(p, g, [], is_first_step=False, **hyper, **amp)
         return
     # the kernel's first step copies the gradient into the momentum buffer: one call per kind of entry
     counts = [moments.count[k] for k in keys]
@@ -223,8 +256,10 @@ def _sgd(hyper: dict, moments: Optional[TraceState], keys: list, p: list, g: lis
                 [traces[i] for i in chosen],
                 is_first_step=is_first_step,
                 **hyper,
+                **amp,
             )
     torch._foreach_add_(counts, 1)
+    _undo_counts_if(amp["found_inf"], counts)
 
 
 def _capturing() -> bool:

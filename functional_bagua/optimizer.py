@@ -85,6 +85,7 @@ class _Group:
     tracked: frozenset[int] = frozenset()  # the positions the state holds parameters for
     layout: Optional[GroupLayout] = None  # where each tensor of the state belongs
     written: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # assigned through .state
+    kernel: Optional[tuple] = None  # (the factory's numbers, the kernel they give), see _kernel_of
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -313,12 +314,27 @@ class Optimizer(torch.optim.Optimizer):
                 self._write_hyperparameters(state, group)
             kernel = self._kernel(i)
             if kernel is not None and not any(g is not None and g.is_sparse for g in grads.values()):
-                ours.state = self._run_kernel(kernel, grads, state, group["params"])
+                # with GradScaler's scale and inf flag where it gave them (_step_supports_amp_scaling)
+                amp = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+                ours.state = self._run_kernel(kernel, grads, state, group["params"], *amp)
                 continue  # on the parameters themselves, as torch.optim's fused step
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
             updates, ours.state = ours.tx.update(grads, state, params)
             copy_into(params, apply_updates(params, updates))
         return loss
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """What ``torch.amp.GradScaler.step`` asks: whether this step takes the scale and the inf
+        flag itself (as torch's fused optimizers do), so that the scaler skips its own unscaling
+        pass over the gradients. True when every group with gradients runs torch's kernel (on
+        dense gradients); else the scaler unscales, and skips a step with an inf, as for any
+        optimizer."""
+        for i, group in enumerate(self.param_groups):
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            if grads and (self._kernel(i) is None or any(g.is_sparse for g in grads)):
+                return False
+        return True
 
     def _kernel_of(self, i: int) -> Optional[kernels.KernelSpec]:
         """torch's fused kernel for group ``i`` with its numbers now, if one computes its transform
@@ -327,7 +343,15 @@ class Optimizer(torch.optim.Optimizer):
             return None
         if self._from_factory:
             assert self._tx is not None and not isinstance(self._tx, GradientTransformation)
-            return kernels.spec_of(self._tx(**self._factory_arguments(self.param_groups[i])))
+            arguments = self._factory_arguments(self.param_groups[i])
+            # the alias is built again only when the group's numbers change (a scheduler's new lr)
+            numbers = tuple(sorted(arguments.items()))
+            known = self._groups[i].kernel
+            if known is not None and _same_numbers(known[0], numbers):
+                return known[1]
+            spec = kernels.spec_of(self._tx(**arguments))
+            self._groups[i].kernel = (numbers, spec)
+            return spec
         return kernels.spec_of(self._groups[i].tx)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -513,13 +537,24 @@ def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:
     return frozenset(k for k, p in enumerate(group["params"]) if p.requires_grad)
 
 
-def _run_kernel(kernel: kernels.KernelSpec, grads: dict, state: OptState, params: list) -> OptState:
-    """torch's fused kernel, in place, on the parameters with a gradient; the state after it (an
-    injected-hyperparameters wrapper counts the update)."""
+def _run_kernel(
+    kernel: kernels.KernelSpec,
+    grads: dict,
+    state: OptState,
+    params: list,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> OptState:
+    """torch's fused kernel, in place, on the parameters with a gradient (unscaling them and
+    skipping on an inf where GradScaler gave ``grad_scale`` / ``found_inf``); the state after it
+    (an injected-hyperparameters wrapper counts the update, unless it was skipped)."""
     stepped = {k: p for k, p in enumerate(params) if grads[k] is not None}
     inner = state.inner_state if isinstance(state, InjectHyperparamsState) else state
-    kernels.run(kernel, {k: grads[k] for k in stepped}, inner, stepped)
-    return tree.replaced(state, count=state.count + 1) if isinstance(state, InjectHyperparamsState) else state
+    kernels.run(kernel, {k: grads[k] for k in stepped}, inner, stepped, grad_scale, found_inf)
+    if not isinstance(state, InjectHyperparamsState):
+        return state
+    done = 1 if found_inf is None else 1 - found_inf.to(state.count.device, state.count.dtype)
+    return tree.replaced(state, count=state.count + done)
 
 
 def _cast_like(saved: Any, leaf: torch.Tensor) -> Any:
@@ -586,3 +621,18 @@ class _ParamGroup(dict):
             f"it; for torch's schedulers to drive {key!r}, pass the factory and its numbers, "
             f"fb.Optimizer(params, fb.adamw, {key}=...), or an alias built with numbers, fb.adamw({key}=...)"
         )
+
+
+def _same_numbers(a: tuple, b: tuple) -> bool:
+    """Whether two sorted ``(name, value)`` tuples of factory arguments are equal; a tensor value
+    (a hyperparameter given as a tensor) never counts as equal, so the alias is built again."""
+    if len(a) != len(b):
+        return False
+    for (name_a, x), (name_b, y) in zip(a, b):
+        if name_a != name_b or type(x) is not type(y) or _holds_tensor(x) or _holds_tensor(y) or x != y:
+            return False
+    return True
+
+
+def _holds_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(_holds_tensor(v) for v in value))

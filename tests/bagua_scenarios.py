@@ -125,6 +125,37 @@ def no_sync_against_torch_ddp(rank: int, world_size: int) -> dict:
     return out
 
 
+def no_sync_under_decentralized(rank: int, world_size: int) -> dict:
+    """Decentralized SGD with two micro-batches per step, the first under no_sync: no collective
+    is left unwaited (before, each no_sync forward launched an average that nothing waited for),
+    and the weights are those of one forward per step over both micro-batches (summed losses)."""
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    gen = torch.Generator().manual_seed(10 + rank)
+    data = [
+        (torch.randn(2, 6, 4, generator=gen, dtype=DTYPE), torch.randn(2, 6, 1, generator=gen, dtype=DTYPE))
+        for _ in range(4)
+    ]
+    out = {}
+    for name in ("micro-batches", "one forward"):
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(DTYPE)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        net = model.with_bagua([opt], decentralized.DecentralizedAlgorithm(peer_selection_mode="all"))
+        for x, y in data:
+            if name == "micro-batches":
+                with net.no_sync():
+                    torch.nn.functional.mse_loss(net(x[0]), y[0]).backward()
+                torch.nn.functional.mse_loss(net(x[1]), y[1]).backward()
+            else:
+                out_ = net(x.reshape(12, 4)).reshape(2, 6, 1)
+                (torch.nn.functional.mse_loss(out_[0], y[0]) + torch.nn.functional.mse_loss(out_[1], y[1])).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = dict(params=[p.detach().clone() for p in model.parameters()], unwaited=_get_work_registry_size())
+    return out
+
+
 class PartlyUnused(torch.nn.Module):
     """``unused`` never gets a gradient; ``sometimes`` only on rank 0."""
 

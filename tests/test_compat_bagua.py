@@ -36,6 +36,7 @@ TWO_RANKS = [
     "mismatched_algorithms",
     "mismatched_algorithm_arguments",
     "replaced_learning_rate",
+    "no_sync_under_decentralized",
     "bad_arguments",
     "other_dtypes_and_compiled_modules",
     "find_unused_parameters_build_params",
@@ -239,6 +240,15 @@ def test_an_optimizer_number_replaced_by_rank_0s_is_warned_of(two):
     assert rank0["lr"] == rank1["lr"] == 0.1
     assert rank0["warnings"] == []
     assert len(rank1["warnings"]) == 1 and "param group 0's lr: 0.01 here, 0.1 on rank 0" in rank1["warnings"][0]
+
+
+def test_no_sync_accumulates_under_decentralized_without_unwaited_collectives(two):
+    for rank, result in enumerate(two):
+        got = result["no_sync_under_decentralized"]
+        assert not isinstance(got, ScenarioError), got
+        assert got["micro-batches"]["unwaited"] == 0, rank
+        for a, b in zip(got["micro-batches"]["params"], got["one forward"]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_bad_arguments_are_named(two):

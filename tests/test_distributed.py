@@ -206,6 +206,27 @@ def test_quantize_round_trip_of_one_row_of_any_length(columns):
     assert ((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
 
 
+def test_one_outlier_flattens_its_chunk_and_clipping_first_bounds_the_step():
+    """The min-max codec's documented failure (compression.py): with gradients of at most 0.14
+    and one of 1e3, every other value of that chunk decodes to the chunk's minimum; a chunk
+    without the outlier stays within half its own step; fb.clip before quantizing bounds the
+    step by 2 * max_delta / 255."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(2, 1000, generator=gen, dtype=torch.float64) - 0.5) * 0.28
+    x[0, 17] = 1e3
+    back = fbd.dequantize(fbd.quantize(x), x.dtype)
+    others = torch.arange(1000) != 17
+    lo = x[0].min()
+    torch.testing.assert_close(back[0, others], lo.expand(999).to(back.dtype), rtol=0, atol=1e-6)
+    assert (back[0, others] - x[0, others]).abs().max() > 0.25  # the other values' whole range, lost
+    own_step = (x[1].max() - x[1].min()) / 255
+    assert ((back[1] - x[1]).abs() <= own_step / 2 * (1 + 1e-5) + 1e-7).all()
+    clip = fb.clip(0.5)
+    clipped = clip.update({"g": x}, clip.init({"g": x}))[0]["g"]
+    back = fbd.dequantize(fbd.quantize(clipped), x.dtype)
+    assert ((back - clipped).abs() <= 2 * 0.5 / 255 / 2 * (1 + 1e-5) + 1e-7).all()
+
+
 # --- buckets --------------------------------------------------------------------------------------------
 
 

@@ -155,6 +155,33 @@ def test_compiled_steps_name_an_untraceable_schedule_and_a_float_assigned_hyperp
     assert "state.hyperparams['lr'] holds a float" in message and ".fill_(value)" in message
 
 
+def test_where_the_library_compiles_an_untraceable_schedule_raises_its_type_error():
+    """make_train_step(compile=...) and fuse_inplace(kernel="compiled") raise the library's
+    TypeError itself (dynamo reports it as "Observed exception" with the message buried in its
+    context); a user's own torch.compile gets dynamo's error, whose message
+    functional_bagua.compiling.raised_while_tracing recovers."""
+    from functional_bagua.compiling import raised_while_tracing
+
+    model = torch.nn.Linear(3, 1)
+    tx = fb.adamw(lr=warmup_written_for_lambda_lr)
+    params = fb.params_of(model)
+    step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile={"backend": "eager"})
+    with pytest.raises(TypeError, match="the schedule 'warmup_written_for_lambda_lr' for the hyperparameter 'lr'"):
+        step(params, tx.init(params), (torch.randn(4, 3), torch.randn(4, 1)))
+    layout = fb.FlatLayout.of(params)
+    flat = layout.flatten(params)
+    step_ = fb.fuse_inplace(tx, layout, kernel="compiled")
+    with pytest.raises(TypeError, match="uses the step count as a Python number"):
+        step_({k: torch.ones_like(v) for k, v in flat.items()}, step_.init(flat), flat)
+    with pytest.raises(Exception) as caught:
+        torch.compile(tx.update, fullgraph=True, backend="eager")(
+            {"weight": torch.ones(1, 3), "bias": torch.ones(1)}, tx.init(params), params
+        )
+    assert not isinstance(caught.value, TypeError)
+    recovered = raised_while_tracing(caught.value)
+    assert isinstance(recovered, TypeError) and "warmup_written_for_lambda_lr" in str(recovered)
+
+
 # --- checkpoints across a change of hyperparameters ----------------------------------------------------
 
 

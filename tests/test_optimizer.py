@@ -320,6 +320,52 @@ def test_grad_scaler_steps_as_with_the_torch_class():
     assert_models_equal(expected_fused, actual_fused)
 
 
+@pytest.mark.parametrize(
+    "make_torch, make_ours",
+    [
+        (
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+            lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2),
+        ),
+        (
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=True),
+            lambda m: fb.Optimizer(m.parameters(), fb.sgd, lr=0.1, momentum=0.9),
+        ),
+    ],
+    ids=["adamw", "sgd-momentum"],
+)
+def test_grad_scaler_hands_the_scale_to_the_kernel_as_to_torchs_fused_class(make_torch, make_ours):
+    """Without unscale_: the optimizer takes the scale and the inf flag in its step
+    (_step_supports_amp_scaling, as torch's fused classes), so GradScaler does not unscale the
+    gradients in a pass of its own; an inf step changes nothing and does not count. Bit for bit
+    torch's fused class, the scale too."""
+
+    def run(make_optimizer):
+        torch.manual_seed(0)
+        model = make_model("shapes", torch.float32)
+        opt = make_optimizer(model)
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**8, growth_interval=2)
+        unscaled = []  # the factors the scaler multiplied the gradients by (1.0: its inf check only)
+        original = scaler._unscale_grads_
+        scaler._unscale_grads_ = lambda opt, inv_scale, *a: (
+            unscaled.append(float(inv_scale)) or original(opt, inv_scale, *a)
+        )
+        for i, (x, y) in enumerate(batches(STEPS, torch.float32)):
+            opt.zero_grad()
+            with torch.autocast(DEVICE.type, dtype=torch.float16, enabled=ON_CUDA):
+                loss = loss_fn(model(x), y) * (float("inf") if i == 3 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return model, scaler.get_scale(), unscaled, opt
+
+    expected, expected_scale, _, _ = run(make_torch)
+    actual, scale, unscaled, opt = run(make_ours)
+    assert opt._step_supports_amp_scaling and unscaled and set(unscaled) == {1.0}
+    assert scale == expected_scale
+    assert_models_equal(expected, actual)
+
+
 def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit():
     make = lambda m: fb.Optimizer(m.parameters(), fb.adamw, lr=1e-2, weight_decay=0.1)  # noqa: E731
     whole, _ = train(make, steps=STEPS, scheduler=False)
@@ -790,3 +836,34 @@ def test_under_torch_ddp_it_steps_as_the_torch_class():
         assert not isinstance(got, ScenarioError), f"scenario raised {got}"
         for name, expected in got["torch"].items():
             torch.testing.assert_close(got["fb"][name], expected, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_factory_is_built_again_only_when_its_groups_numbers_change():
+    """The kernel path asks the factory which kernel computes a group's transform: once, and
+    again only when the group's numbers change (here at the two lr changes of a StepLR), not at
+    every step; the run is still torch's fused AdamW's, bit for bit."""
+    calls = []
+
+    def counting_adamw(lr=1e-3, weight_decay=1e-2):
+        calls.append(lr)
+        return fb.adamw(lr=lr, weight_decay=weight_decay)
+
+    runs = []
+    for make in (
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+        lambda m: fb.Optimizer(m.parameters(), counting_adamw, lr=1e-2),
+    ):
+        with default_dtype(DTYPE):
+            model = make_model("shapes", DTYPE)
+            opt = make(model)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            for t, (x, y) in enumerate(batches(6, DTYPE)):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                sched.step()
+                if t == 0:
+                    del calls[:]
+        runs.append(model)
+    assert calls == [5e-3, 2.5e-3]
+    assert_models_equal(runs[0], runs[1])

@@ -92,6 +92,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self.hierarchical, self.mode, self.interval = hierarchical, peer_selection_mode, communication_interval
         self.communications = 0
         self.peer_weight: Optional[list] = None  # the average launched before this step's forward
+        self.sync = True  # False inside no_sync(): a forward of accumulated micro-batches launches nothing
         self.last_average: Optional[list] = None  # the last average applied
         self.weights: list[torch.Tensor] = []  # the synchronized parameters, as of init
 
@@ -103,8 +104,13 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
                 f"peer_selection_mode='shift_one' needs an even number of ranks, got {self.group.world_size}"
             )
 
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.sync = enabled
+
     def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
-        if not _is_communication_step(ddp, self.interval):
+        # under no_sync() the backward's end (which applies the average) does not come: launch
+        # nothing; the synchronized forward that ends the accumulation averages
+        if not self.sync or not _is_communication_step(ddp, self.interval):
             self.peer_weight = None
             return
         weights = [p.detach() for p in self.weights]

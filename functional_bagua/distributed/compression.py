@@ -15,6 +15,15 @@ result waits when first used), so the buffers' communication overlaps.
   chunk. Result for chunk ``j``: ``Q(mean_r Q(g_r[j]))``, the same bits on every rank; a quarter
   of the bytes of float32 (plus 8 bytes per chunk for min and max). The error is at most half a
   step of each quantization: ``|x^ - x| <= mean_r step_r[j] / 2 + step[j] / 2``.
+
+  One range per chunk is what makes the codec cheap, and what an outlier costs: a single value
+  of 1e3 among gradients of at most 0.14 makes its chunk's step 1e3 / 255 = 3.9, and every other
+  value of that chunk then decodes to the chunk's minimum (errors up to 0.28, the whole range of
+  the other values), on every rank, since the reduced chunk is quantized again. Bagua's ByteGrad
+  does the same. Remedies: clip each value before the all-reduce,
+  ``fb.chain(fb.clip(max_delta), fbd.allreduce_gradients(compression="minmax_uint8"), ...)``
+  (the step is then at most ``2 * max_delta / 255``), or smaller buckets (``bucket_cap_mb``):
+  more, smaller chunks, so an outlier spoils fewer values.
 """
 
 from __future__ import annotations
