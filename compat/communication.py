@@ -339,6 +339,28 @@ def to_bagua_process_group(process_group: object = None) -> BaguaProcessGroup:
     )
 
 
+def _get_default_group() -> BaguaProcessGroup:
+    """Bagua's name of :func:`default_group` (Bagua's own tests call it)."""
+    return default_group()
+
+
+def _rank_not_in_comm(comm: object) -> bool:
+    """Whether ``comm`` is the marker this process gets outside a group (Bagua's helper)."""
+    return comm is CommMember.NON_COMM_MEMBER
+
+
+def _rank_not_in_group(group: Optional[BaguaProcessGroup] = None) -> bool:
+    """Whether this process is outside ``group`` (``None``: the default group, which holds every
+    process); Bagua's helper, which its tests import."""
+    if group is None:
+        return False
+    return _rank_not_in_comm(group.get_global_communicator())
+
+
+# Bagua's cache of the Bagua group of each torch process group (the one from_torch_group keeps)
+_torch_to_bagua_pg_map = _groups.of_torch_group
+
+
 # ---- collectives ---------------------------------------------------------------------------------
 
 

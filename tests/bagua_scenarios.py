@@ -89,6 +89,20 @@ def gradient_allreduce_against_torch_ddp(rank: int, world_size: int) -> dict:
     return results
 
 
+def v1_9_0_with_bagua_defaults(rank: int, world_size: int) -> dict:
+    """DistributedDataParallel_V1_9_0 built as Bagua's own tests build it, with Bagua's defaults
+    (no optimizers, GradientAllReduceAlgorithm()), and torch's DDP on the same seeds and data."""
+    from functional_bagua.compat.data_parallel.distributed import DistributedDataParallel_V1_9_0
+
+    results = {"torch": torch_ddp(rank, world_size, "shapes", "sgd")}
+    model = make_model("shapes", DTYPE, seed=rank)
+    net = DistributedDataParallel_V1_9_0(model)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    train(net, opt, local_batches(rank, world_size))
+    results["v1_9_0"] = state_of(model, opt)
+    return results
+
+
 def buckets_launch_during_backward(rank: int, world_size: int) -> dict:
     """When the gradient backward computes last (the first layer's weight) arrives, the buckets
     that do not hold it are in flight already."""

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: te
 
 TWO_RANKS = [
     "gradient_allreduce_against_torch_ddp",
+    "v1_9_0_with_bagua_defaults",
     "buckets_launch_during_backward",
     "no_sync_against_torch_ddp",
     "find_unused_parameters_against_torch_ddp",
@@ -95,6 +96,12 @@ def test_gradient_allreduce_equals_torch_ddp_bit_for_bit(world, request):
             ok(results[0]["gradient_allreduce_against_torch_ddp"])["torch/sgd"]["param/fc.bias"],
             ok(results[1]["gradient_allreduce_against_torch_ddp"])["torch/sgd"]["param/fc.bias"],
         ), "the ignored parameter should train apart on each rank"
+
+
+def test_the_v1_9_0_class_takes_bagua_s_defaults_and_equals_torch_ddp(two):
+    for result in two:
+        got = ok(result["v1_9_0_with_bagua_defaults"])
+        assert_same(got["v1_9_0"], got["torch"], exact=True)
 
 
 def test_bfloat16_models_and_compiled_submodules_equal_torch_ddp(two):

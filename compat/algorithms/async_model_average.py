@@ -37,7 +37,12 @@ import torch.distributed as dist
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
-from functional_bagua.compat.communication import BaguaProcessGroup
+from functional_bagua.compat.communication import (  # noqa: F401  # Bagua's module exports them
+    BaguaProcessGroup,
+    barrier,
+    get_rank,
+    new_group,
+)
 from functional_bagua.flat import FlatLayout
 
 if TYPE_CHECKING:
@@ -338,3 +343,13 @@ def _impl_of(bagua_module: Any, algorithm: AsyncModelAverageAlgorithm) -> AsyncM
         except TypeError:
             continue
     raise TypeError(f"{type(bagua_module).__name__} is not a model wrapped with this AsyncModelAverageAlgorithm")
+
+
+def __getattr__(name: str) -> object:
+    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
+    the engine's module imports this one)."""
+    if name == "BaguaDistributedDataParallel":
+        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+        return BaguaDistributedDataParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

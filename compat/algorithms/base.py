@@ -167,3 +167,13 @@ class AlgorithmRegistry:
 
 
 GlobalAlgorithmRegistry = AlgorithmRegistry()
+
+
+def __getattr__(name: str) -> object:
+    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
+    the engine's module imports this one)."""
+    if name == "BaguaDistributedDataParallel":
+        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+        return BaguaDistributedDataParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
 from functional_bagua.compat.communication import BaguaProcessGroup
+from functional_bagua.compat.fuse import is_fused_optimizer  # noqa: F401  # Bagua's module exports it
 from functional_bagua.distributed import dequantize, quantize
 from functional_bagua.distributed.averaging import PEER_SELECTION_MODES, mean_over_ranks, mean_with_peer
 from functional_bagua.distributed.process_group import Group, group_src, resolve
@@ -277,3 +278,13 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
 
     def reify(self, process_group: BaguaProcessGroup) -> LowPrecisionDecentralizedAlgorithmImpl:
         return LowPrecisionDecentralizedAlgorithmImpl(process_group, self.hierarchical, self.communication_interval)
+
+
+def __getattr__(name: str) -> object:
+    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
+    the engine's module imports this one)."""
+    if name == "BaguaDistributedDataParallel":
+        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+        return BaguaDistributedDataParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

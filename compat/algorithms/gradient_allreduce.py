@@ -83,3 +83,13 @@ class GradientAllReduceAlgorithm(Algorithm):
 
     def reify(self, process_group: BaguaProcessGroup) -> GradientAllReduceAlgorithmImpl:
         return GradientAllReduceAlgorithmImpl(process_group, self.hierarchical, self.average)
+
+
+def __getattr__(name: str) -> object:
+    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
+    the engine's module imports this one)."""
+    if name == "BaguaDistributedDataParallel":
+        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+        return BaguaDistributedDataParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

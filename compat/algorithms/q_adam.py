@@ -189,3 +189,13 @@ class QAdamAlgorithm(Algorithm):
 
     def reify(self, process_group: BaguaProcessGroup) -> QAdamAlgorithmImpl:
         return QAdamAlgorithmImpl(process_group, self.optimizer, self.hierarchical)
+
+
+def __getattr__(name: str) -> object:
+    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
+    the engine's module imports this one)."""
+    if name == "BaguaDistributedDataParallel":
+        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+        return BaguaDistributedDataParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,23 +16,26 @@ import contextlib
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+from torch.distributed.distributed_c10d import _get_default_group  # noqa: F401  # Bagua's module imports it
 
 from functional_bagua.compat.algorithms.base import Algorithm
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from functional_bagua.compat.bagua_module import ENGINE_ATTRIBUTE, BaguaDistributedDataParallel
+from functional_bagua.compat.communication import BaguaProcessGroup, to_bagua_process_group  # noqa: F401  # as Bagua's
 from functional_bagua.distributed.process_group import broadcast_params
 
 __all__ = ["DistributedDataParallel", "DistributedDataParallel_V1_9_0"]
 
 
 class DistributedDataParallel_V1_9_0(torch.nn.Module):  # noqa: N801 - Bagua's name
-    """The wrapper module (module docstring). Arguments as :func:`DistributedDataParallel`."""
+    """The wrapper module (module docstring). Arguments as :func:`DistributedDataParallel`, in
+    Bagua's order: torch DDP's first, then ``optimizers`` (default: none) and ``algorithm``
+    (default: ``None``, for ``GradientAllReduceAlgorithm()``), so that Bagua's own tests, which
+    build it directly, run."""
 
     def __init__(
         self,
         module: torch.nn.Module,
-        optimizers: Sequence[torch.optim.Optimizer],
-        algorithm: Algorithm,
         device_ids: Optional[Sequence[Any]] = None,
         output_device: Any = None,
         dim: int = 0,
@@ -42,8 +45,11 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):  # noqa: N801 - Bagua's n
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = True,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        algorithm: Optional[Algorithm] = None,
     ) -> None:
         super().__init__()
+        algorithm = GradientAllReduceAlgorithm() if algorithm is None else algorithm
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError("DistributedDataParallel: the module has no parameter that requires a gradient")
         if device_ids is not None and len(device_ids) > 1:
@@ -141,8 +147,8 @@ def DistributedDataParallel(  # noqa: N802 - Bagua's name
     """
     return DistributedDataParallel_V1_9_0(
         module,
-        optimizers,
-        GradientAllReduceAlgorithm() if algorithm is None else algorithm,
+        optimizers=optimizers,
+        algorithm=algorithm,
         device_ids=device_ids,
         output_device=output_device,
         dim=dim,
