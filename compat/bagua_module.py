@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
 from functional_bagua.compat.communication import BaguaProcessGroup, to_bagua_process_group
@@ -92,6 +93,12 @@ class BaguaDistributedDataParallel:
         on_gradient = _weakly(self._on_gradient)  # see GradientReducer._hook: a strong hook kept the engine alive
         self._hooks += [p.register_post_accumulate_grad_hook(on_gradient) for _, p in self.named_parameters_to_sync()]
         self._hooks += [o.register_step_post_hook(self._after_step) for o in self.bagua_optimizers]
+        # what torch's Join asks of a joinable, on the wrapped module itself (see join_hook)
+        vars(module).update(
+            join_hook=lambda **kwargs: self.join_hook(),
+            join_device=self.join_device,
+            join_process_group=self.join_process_group,
+        )
         self._reset()
 
     # ---- what is synchronized -----------------------------------------------------------------
@@ -153,6 +160,8 @@ class BaguaDistributedDataParallel:
             self.require_backward_grad_sync = before
 
     def _before_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        if module.training and torch.is_grad_enabled() and self._require_sync and "_join_config" in vars(module):
+            Join.notify_join_context(module)  # type: ignore[arg-type]  # a Joinable by duck typing (torch's Join asks no more)
         if module.training:
             self.bagua_train_step_counter += 1
             vars(module)["bagua_train_step_counter"] = self.bagua_train_step_counter
@@ -172,6 +181,47 @@ class BaguaDistributedDataParallel:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.bagua_algorithm.after_step(self, optimizer)
+
+    # ---- uneven inputs: torch's Join ---------------------------------------------------------------
+
+    def join_hook(self, before: Optional[Callable[[], None]] = None) -> JoinHook:
+        """The hook torch's ``Join`` runs on a rank that has run out of batches: each time the
+        others train a step, it runs that step's collectives with zero gradients
+        (``before`` first: the wrapper's buffer broadcast); when all have joined, the last rank
+        to join broadcasts its parameters and buffers, as torch's DDP does."""
+        algorithm = self.bagua_algorithm
+        if not algorithm.supports_join:
+            raise RuntimeError(
+                f"torch's Join context manager: {type(algorithm).__name__} communicates weights or optimizer "
+                "state, which a rank without batches cannot take part in; Join supports the gradient algorithms "
+                "(gradient_allreduce, bytegrad). With the others, give every rank the same number of batches "
+                "(drop_last=True), and run any extra forward pass (evaluation on one rank) in eval mode, "
+                "model.eval(), whose forwards communicate nothing"
+            )
+        return _ShadowingJoinHook(self, before)
+
+    def shadow_step(self) -> None:
+        self.bagua_algorithm.shadow(self)  # type: ignore[attr-defined]  # supports_join: it has one
+
+    @torch.no_grad()
+    def sync_final(self, is_last_joiner: bool) -> None:
+        """Every rank gets the parameters and buffers of the rank that joined last (it trained
+        the most steps; the ranks that joined before it stopped updating theirs)."""
+        group = self._group()
+        device = next(self.module.parameters()).device
+        flag = torch.tensor([group.rank if is_last_joiner else -1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.group)
+        src = group_src(group, int(flag.item()))
+        for tensor in self._states().values():
+            dist.broadcast(tensor.data, src, group=group.group)
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._group().group
 
     # ---- wrap time -----------------------------------------------------------------------------
 
@@ -225,6 +275,8 @@ class BaguaDistributedDataParallel:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for name in ("join_hook", "join_device", "join_process_group", "_join_config"):
+            vars(self.module).pop(name, None)
 
     def bytes_per_step(self) -> int:
         """The bytes this rank hands to the collectives per training step (before compression)."""
@@ -325,6 +377,21 @@ def no_sync(self: torch.nn.Module) -> Iterator[None]:
         raise RuntimeError("no_sync() needs a module wrapped with with_bagua(...) first")
     with engine.no_sync():
         yield
+
+
+class _ShadowingJoinHook(JoinHook):
+    """torch's ``JoinHook`` for a wrapped module (see :meth:`BaguaDistributedDataParallel.join_hook`)."""
+
+    def __init__(self, engine: BaguaDistributedDataParallel, before: Optional[Callable[[], None]]) -> None:
+        self.engine, self.before = engine, before
+
+    def main_hook(self) -> None:
+        if self.before is not None:
+            self.before()
+        self.engine.shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.engine.sync_final(is_last_joiner)
 
 
 def patch_torch_module() -> None:

@@ -170,6 +170,54 @@ def no_sync_under_decentralized(rank: int, world_size: int) -> dict:
     return out
 
 
+def uneven_inputs_under_join(rank: int, world_size: int) -> dict:
+    """Rank r trains 3 + 2 r steps inside torch's Join: torch's DDP, with_bagua and Bagua's DDP
+    wrapper (gradient all-reduce, and ByteGrad for the wrapper), on the same seeds and data.
+    Before, the rank that ran out of batches left the others waiting until the process group's
+    timeout, and Join itself refused the module ('Sequential' object has no attribute 'join_hook')."""
+    from torch.distributed.algorithms.join import Join
+
+    gen = torch.Generator().manual_seed(20 + rank)
+    data = [
+        (torch.randn(6, 4, generator=gen, dtype=DTYPE), torch.randn(6, 1, generator=gen, dtype=DTYPE))
+        for _ in range(3 + 2 * rank)
+    ]
+    out = {}
+    for how in ("torch", "with_bagua", "ddp", "ddp_bytegrad"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(DTYPE)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if how == "torch":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        elif how == "with_bagua":
+            net = model.with_bagua([opt], gradient_allreduce.GradientAllReduceAlgorithm())
+        else:
+            algorithm = (
+                bytegrad.ByteGradAlgorithm()
+                if how == "ddp_bytegrad"
+                else gradient_allreduce.GradientAllReduceAlgorithm()
+            )
+            net = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt], algorithm=algorithm)
+        with Join([net]):
+            for x, y in data:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                opt.step()
+        out[how] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def join_with_an_averaging_algorithm(rank: int, world_size: int) -> str:
+    from torch.distributed.algorithms.join import Join
+
+    model = torch.nn.Linear(4, 1).to(DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = model.with_bagua([opt], decentralized.DecentralizedAlgorithm())
+    with Join([net]):  # refused on every rank when the context is made, before any collective
+        pass
+    return "joined"
+
+
 class PartlyUnused(torch.nn.Module):
     """``unused`` never gets a gradient; ``sometimes`` only on rank 0."""
 

@@ -38,6 +38,8 @@ TWO_RANKS = [
     "mismatched_algorithm_arguments",
     "replaced_learning_rate",
     "no_sync_under_decentralized",
+    "uneven_inputs_under_join",
+    "join_with_an_averaging_algorithm",
     "bad_arguments",
     "other_dtypes_and_compiled_modules",
     "find_unused_parameters_build_params",
@@ -256,6 +258,28 @@ def test_no_sync_accumulates_under_decentralized_without_unwaited_collectives(tw
         assert got["micro-batches"]["unwaited"] == 0, rank
         for a, b in zip(got["micro-batches"]["params"], got["one forward"]["params"]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_ranks_with_uneven_inputs_train_under_join_as_torch_ddp_does(two):
+    """torch's Join with 3 and 5 steps on the two ranks: the rank that ran out shadows the
+    others' all-reduces with zeros, and at the end every rank has the last joiner's weights;
+    with_bagua and Bagua's DDP equal torch's DDP (ByteGrad: within its quantization)."""
+    results = [ok(result["uneven_inputs_under_join"]) for result in two]
+    for got in results:
+        for how in ("with_bagua", "ddp"):
+            for a, b in zip(got[how], got["torch"]):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        for a, b in zip(got["ddp_bytegrad"], got["torch"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0.05)
+    for how in ("torch", "with_bagua", "ddp", "ddp_bytegrad"):  # the same weights on both ranks
+        assert all(torch.equal(a, b) for a, b in zip(results[0][how], results[1][how])), how
+
+
+def test_join_with_an_averaging_algorithm_says_what_it_supports(two):
+    for result in two:
+        error = result["join_with_an_averaging_algorithm"]
+        assert isinstance(error, ScenarioError) and error.type == "RuntimeError", error
+        assert "Join supports the gradient algorithms" in error.message and error.seconds < 5
 
 
 def test_bad_arguments_are_named(two):

@@ -73,6 +73,10 @@ class AlgorithmImpl:
             optimizer: the optimizer that stepped.
         """
 
+    # whether a rank without batches can shadow this algorithm's steps (torch's Join): only the
+    # gradient algorithms can (shadow(ddp) then runs one step's collectives with zero gradients)
+    supports_join = False
+
     def set_gradient_sync(self, enabled: bool) -> None:
         """Whether backward passes synchronize gradients (``False`` inside ``no_sync()``).
 

@@ -59,6 +59,13 @@ class GradientAllReduceAlgorithmImpl(AlgorithmImpl):
             self.reducer.remove()
             self.reducer = None
 
+    supports_join = True
+
+    def shadow(self, ddp: "BaguaDistributedDataParallel") -> None:
+        """One step's all-reduces with zero gradients (torch's Join; see GradientReducer.shadow)."""
+        if self.reducer is not None:
+            self.reducer.shadow()
+
     def buckets(self) -> list:
         return [] if self.reducer is None else list(self.reducer.buckets)
 

@@ -16,6 +16,7 @@ import contextlib
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+from torch.distributed.algorithms.join import Join, JoinHook
 from torch.distributed.distributed_c10d import _get_default_group  # noqa: F401  # Bagua's module imports it
 
 from functional_bagua.compat.algorithms.base import Algorithm
@@ -73,7 +74,24 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):  # noqa: N801 - Bagua's n
         )
         vars(module)[ENGINE_ATTRIBUTE] = self.inner
 
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """torch's ``Join`` (uneven inputs), as for torch's DDP: a rank without batches shadows each
+        step's buffer broadcast and gradient all-reduce (gradient algorithms only)."""
+        before = self._broadcast_buffers if self.broadcast_buffers else None
+        return self.inner.join_hook(before)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.inner.join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.inner.join_process_group
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.module.training and torch.is_grad_enabled() and self.inner.require_backward_grad_sync:
+            if "_join_config" in vars(self):
+                Join.notify_join_context(self)  # type: ignore[arg-type]  # a Joinable by duck typing (torch's Join asks no more)
         if self.broadcast_buffers and self.module.training:
             self._broadcast_buffers()
         return self.module(*inputs, **kwargs)

@@ -279,6 +279,30 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.ready = 0
 
+    @torch.no_grad()
+    def shadow(self) -> None:
+        """The collectives of one synchronized backward, with zeros for every gradient: what a
+        rank that has run out of batches runs while the others still train (torch's ``Join``
+        context manager calls it through the compat layer's join hook), so that theirs complete
+        and their average counts this rank's share as zero, as torch's DDP does under ``Join``.
+        The parameters' gradients are not touched."""
+        g = self.group
+        pending = []
+        for bucket in self.buckets:  # in the order the training ranks launch them
+            zeros = torch.zeros_like(bucket.buffer)
+            if self.compression is None:
+                pending.append(dist.all_reduce(zeros, group=g.group, async_op=True))
+            else:
+                pending.append(codecs.all_reduce([zeros], g, self.average, self.compression)[0])
+        if self.find_unused_parameters:  # the training ranks' _used_anywhere: this rank used none
+            flags = torch.zeros(len(self.params), dtype=torch.int32, device=self.buckets[0].buffer.device)
+            dist.all_reduce(flags, group=g.group)
+        for work in pending:
+            if isinstance(work, torch.Tensor):
+                work.clone()  # waits for it
+            else:
+                work.wait()
+
     def _used_anywhere(self) -> list[bool]:
         """Whether each parameter got a gradient on some rank (one all-reduce of the flags)."""
         flags = torch.tensor(self._received, dtype=torch.int32, device=self.buckets[0].buffer.device)
