@@ -26,11 +26,13 @@ import enum
 import functools
 import gc
 import os
+import socket
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from functional_bagua.compat.utils import flatten, unflatten
 from functional_bagua.distributed import collectives
 
 __all__ = [
@@ -751,3 +753,90 @@ def barrier(comm: object = None) -> None:
     group = _resolve(comm)
     if group is not None:
         dist.barrier(group=group.torch_group)
+
+
+def allreduce_coalesced_inplace(
+    tensors: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.SUM, comm: object = None
+) -> None:
+    """:func:`allreduce_inplace` of several tensors of one dtype at once (one flat buffer, one
+    collective), each overwritten with its reduced values (Bagua's function).
+
+    Args:
+        tensors: the tensors, all of one dtype and device.
+        op: the reduction.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    if _resolve(comm) is None or not tensors:
+        return
+    flat = flatten(tensors)
+    allreduce_inplace(flat, op, comm)
+    for tensor, reduced in zip(tensors, unflatten(flat, tensors)):
+        tensor.copy_(reduced)
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, comm: object = None) -> None:
+    """:func:`broadcast` of several tensors of one dtype at once (one flat buffer), each
+    overwritten with rank ``src``'s values (Bagua's function).
+
+    Args:
+        tensors: the tensors, all of one dtype and device.
+        src: the rank (within the communicator's group) whose values everyone gets.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    if _resolve(comm) is None or not tensors:
+        return
+    flat = flatten(tensors)
+    broadcast(flat, src, comm)
+    for tensor, received in zip(tensors, unflatten(flat, tensors)):
+        tensor.copy_(received)
+
+
+def broadcast_object(obj: object, src: int = 0, comm: object = None) -> object:
+    """Rank ``src``'s ``obj`` (any picklable object) on every rank of the communicator, returned
+    (Bagua's function: ``state = broadcast_object(optimizer.state_dict(), 0)``).
+
+    Args:
+        obj: the object to send (read on rank ``src`` only).
+        src: the rank (within the communicator's group) that sends.
+        comm: a communicator, or ``None`` for the default group's.
+    """
+    group = _resolve(comm)
+    if group is None:
+        return obj
+    payload = [obj if dist.get_rank() == _global(group, src) else None]
+    dist.broadcast_object_list(payload, _global(group, src), group=group.torch_group)
+    return payload[0]
+
+
+# ---- Bagua's environment readers (bagua.torch_api.env, which its communication module re-exports)
+
+
+def get_master_addr() -> str:
+    """The address of rank 0's host (``MASTER_ADDR``; 127.0.0.1 if unset, as Bagua)."""
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def get_node_rank() -> int:
+    """This node's rank among the nodes: ``GROUP_RANK`` under an elastic launcher (torchrun, which
+    sets ``RANK``, ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``), else ``NODE_RANK``; 0
+    if unset (Bagua's rule)."""
+    elastic = {"RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}.issubset(os.environ)
+    return int(os.environ.get("GROUP_RANK" if elastic else "NODE_RANK", 0))
+
+
+def get_default_bucket_size() -> int:
+    """Bagua's default communication bucket size in bytes (``BAGUA_DEFAULT_BUCKET_SIZE``, 10 MiB)."""
+    return int(os.environ.get("BAGUA_DEFAULT_BUCKET_SIZE", 10 * 1024**2))
+
+
+def get_bagua_service_port() -> int:
+    """The port of Bagua's autotuning service (``BAGUA_SERVICE_PORT``; -1 if unset). There is no
+    such service here; Bagua's scripts read the number."""
+    return int(os.environ.get("BAGUA_SERVICE_PORT", -1))
+
+
+def find_free_network_port() -> int:
+    """A TCP port that is free on this host's loopback interface now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -394,6 +394,26 @@ def bad_arguments(rank: int, world_size: int) -> dict:
 # ---- communication ---------------------------------------------------------------------------------
 
 
+def coalesced_and_object_collectives(rank: int, world_size: int) -> dict:
+    """Bagua's coalesced collectives against their one-tensor forms, and broadcast_object."""
+    gen = torch.Generator().manual_seed(30 + rank)
+    tensors = [torch.randn(3, generator=gen, dtype=DTYPE), torch.randn(2, 2, generator=gen, dtype=DTYPE)]
+    out: dict = {}
+    coalesced, single = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    bagua.communication.allreduce_coalesced_inplace(coalesced, bagua.ReduceOp.SUM)
+    for t in single:
+        bagua.allreduce_inplace(t, bagua.ReduceOp.SUM)
+    out["allreduce"] = (coalesced, single)
+    coalesced, single = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    bagua.communication.broadcast_coalesced(coalesced, src=1)
+    for t in single:
+        bagua.broadcast(t, src=1)
+    out["broadcast"] = (coalesced, single)
+    out["object"] = bagua.communication.broadcast_object({"from": rank, "t": tensors[0]}, src=1)
+    out["mine"] = tensors[0]
+    return out
+
+
 def communication_api(rank: int, world_size: int) -> dict:
     """bagua.init_process_group from torchrun's variables, then every collective against torch's own."""
     bagua.init_process_group()

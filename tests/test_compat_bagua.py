@@ -39,6 +39,7 @@ TWO_RANKS = [
     "replaced_learning_rate",
     "no_sync_under_decentralized",
     "uneven_inputs_under_join",
+    "coalesced_and_object_collectives",
     "join_with_an_averaging_algorithm",
     "bad_arguments",
     "other_dtypes_and_compiled_modules",
@@ -280,6 +281,38 @@ def test_join_with_an_averaging_algorithm_says_what_it_supports(two):
         error = result["join_with_an_averaging_algorithm"]
         assert isinstance(error, ScenarioError) and error.type == "RuntimeError", error
         assert "Join supports the gradient algorithms" in error.message and error.seconds < 5
+
+
+def test_coalesced_collectives_and_broadcast_object_equal_their_one_tensor_forms(two):
+    for result in two:
+        got = ok(result["coalesced_and_object_collectives"])
+        for what in ("allreduce", "broadcast"):
+            coalesced, single = got[what]
+            assert all(torch.equal(a, b) for a, b in zip(coalesced, single)), what
+        assert got["object"]["from"] == 1
+        assert torch.equal(got["object"]["t"], ok(two[1]["coalesced_and_object_collectives"])["mine"])
+
+
+def test_bagua_environment_readers(monkeypatch):
+    from functional_bagua.compat import communication as c
+
+    for name in ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK", "BAGUA_DEFAULT_BUCKET_SIZE", "BAGUA_SERVICE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert (c.get_master_addr(), c.get_node_rank(), c.get_default_bucket_size(), c.get_bagua_service_port()) == (
+        "127.0.0.1",
+        0,
+        10 * 1024**2,
+        -1,
+    )
+    monkeypatch.setenv("NODE_RANK", "3")
+    monkeypatch.setenv("GROUP_RANK", "5")
+    assert c.get_node_rank() == 3  # not launched by an elastic launcher: NODE_RANK
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    assert c.get_node_rank() == 5  # torchrun's variables: GROUP_RANK
+    port = c.find_free_network_port()
+    assert 0 < port < 65536
 
 
 def test_bad_arguments_are_named(two):
