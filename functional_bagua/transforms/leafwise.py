@@ -170,43 +170,52 @@ def leafwise(
 
 
 class _ExpectedShapes:
-    """The shape of each state field that ``init_leaf`` makes for a parameter of a given shape
-    and dtype (``None`` for a field that is not a tensor), found once per (shape, dtype) by
-    running ``init_leaf`` on a meta tensor (no memory, no data)."""
+    """The shape of each state field that ``init_leaf`` makes for parameters of given shapes and
+    dtypes (``None`` for a field that is not a tensor), found by running ``init_leaf`` on meta
+    tensors (no memory, no data): per (shape, dtype) once, and per whole list of gradients once
+    (the same every step), so that checking a step compares lists, not leaves one by one."""
 
     def __init__(self, init_leaf: Callable[[torch.Tensor], NamedTuple], fields: tuple, name: str) -> None:
         self.init_leaf, self.fields, self.name = init_leaf, fields, name
         self.known: dict[tuple, Optional[tuple]] = {}
+        self.columns: dict[tuple, list] = {}  # the gradients' (shape, dtype)s -> per field, per leaf
 
-    def of(self, g: torch.Tensor) -> Optional[tuple]:
-        key = (g.shape, g.dtype)
+    def of(self, key: tuple) -> Optional[tuple]:
         if key not in self.known:
             try:
-                made = self.init_leaf(torch.empty(g.shape, dtype=g.dtype, device="meta"))
+                made = self.init_leaf(torch.empty(key[0], dtype=key[1], device="meta"))
             except Exception:  # a rule whose init reads values: nothing to compare with
                 self.known[key] = None
             else:
                 self.known[key] = tuple(f.shape if isinstance(f, torch.Tensor) else None for f in made)
         return self.known[key]
 
+    def for_grads(self, keys: tuple) -> list:
+        if keys not in self.columns:
+            per_leaf = [None if key is None else self.of(key) for key in keys]
+            self.columns[keys] = [
+                [None if shapes is None else shapes[f] for shapes in per_leaf] for f in range(len(self.fields))
+            ]
+        return self.columns[keys]
+
 
 def _check_state_shapes(grad_leaves: list, state_leaves: list, spec: Any, expected: _ExpectedShapes) -> None:
     """Raise unless each state tensor has the shape ``init_leaf`` makes for its parameter: a
     state made for other parameters would otherwise be broadcast into the update (and grow)."""
-    for i, g in enumerate(grad_leaves):
-        if g is None or g.layout != torch.strided:
+    keys = tuple((g.shape, g.dtype) if g is not None and g.layout == torch.strided else None for g in grad_leaves)
+    for field, leaves, shapes in zip(expected.fields, state_leaves, expected.for_grads(keys)):
+        actual = [
+            leaf.shape if isinstance(leaf, torch.Tensor) and shape is not None else shape
+            for leaf, shape in zip(leaves, shapes)
+        ]
+        if actual == shapes:
             continue
-        shapes = expected.of(g)
-        if shapes is None:
-            continue
-        for field, leaves, shape in zip(expected.fields, state_leaves, shapes):
-            leaf = leaves[i]
-            if shape is not None and isinstance(leaf, torch.Tensor) and leaf.shape != shape:
-                raise ValueError(
-                    f"{expected.name}: the state's {field!r} for {tree.leaf_name(spec, i)!r} has shape "
-                    f"{tuple(leaf.shape)}, where a parameter of shape {tuple(g.shape)} has {tuple(shape)}: the state "
-                    "was made for other parameters; make it for these, tx.init(params)"
-                )
+        i = next(i for i, (a, b) in enumerate(zip(actual, shapes)) if a != b)
+        raise ValueError(
+            f"{expected.name}: the state's {field!r} for {tree.leaf_name(spec, i)!r} has shape "
+            f"{tuple(actual[i])}, where a parameter of shape {tuple(grad_leaves[i].shape)} has {tuple(shapes[i])}: "
+            "the state was made for other parameters; make it for these, tx.init(params)"
+        )
 
 
 def stateless(
