@@ -535,6 +535,24 @@ def test_utils_flatten_and_apply_flattened_call():
     assert torch.equal(tensors[0], 3 * torch.arange(6.0).view(2, 3)) and torch.equal(tensors[1], 3 * torch.ones(4))
 
 
+def test_utils_group_by_type_check_contiguity_and_name_dtypes_as_bagua():
+    f32, f64 = torch.ones(3), torch.ones(2, dtype=torch.float64)
+    other = torch.zeros(4)
+    groups = bagua.utils._group_by_tensor_type([f32, f64, other])
+    assert list(groups) == ["torch.FloatTensor", "torch.DoubleTensor"] and groups["torch.FloatTensor"] == [f32, other]
+    bagua.utils.apply_flattened_call_all([f32, f64, other], lambda t: t.add_(1.0))  # once per type
+    assert torch.equal(f32, torch.full((3,), 2.0)) and torch.equal(f64, torch.full((2,), 2.0, dtype=torch.float64))
+    buffer = torch.arange(10.0)
+    assert bagua.utils.check_contiguous([buffer[:4], buffer[4:7], buffer[7:]])
+    assert not bagua.utils.check_contiguous([buffer[:4], buffer[5:]]) and not bagua.utils.check_contiguous([f32, other])
+    assert torch.equal(bagua.utils.get_flattened_tensor([f32, other]), torch.cat([f32, other]))
+    assert bagua.utils.get_flattened_tensor([]) is None
+    names = [bagua.utils.to_bagua_datatype(d) for d in (torch.float32, torch.float16, torch.uint8, torch.int64)]
+    assert names == ["f32", "f16", "u8", "i64"]
+    with pytest.raises(ValueError, match="unsupported data type torch.float64"):
+        bagua.utils.to_bagua_datatype(torch.float64)
+
+
 def test_qadam_is_adam_on_averaged_gradients_during_warmup_then_compressed(averaging_two):
     ours = [ok(r["qadam_runs"])["ours"] for r in averaging_two]
     ref = [ok(r["qadam_runs"])["torch"] for r in averaging_two]

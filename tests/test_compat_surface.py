@@ -334,16 +334,7 @@ NOT_YET = {
         "is_moe_param",
         "to_bagua_datatype",
     ],
-    "bagua.torch_api.utils": [
-        "LOGGER",
-        "StatisticalAverage",
-        "_group_by_tensor_type",
-        "apply_flattened_call_all",
-        "average_by_removing_extreme_values",
-        "check_contiguous",
-        "get_flattened_tensor",
-        "to_bagua_datatype",
-    ],
+    "bagua.torch_api.utils": ["StatisticalAverage", "average_by_removing_extreme_values"],
 }
 
 
