@@ -139,3 +139,33 @@ def test_large_parameters_on_the_cpu_are_stepped_alone(monkeypatch):
     # group 0: only (3,) and (3, 1) are small, and they are not neighbours: nothing to fuse there.
     # group 1: float64 (6,) sits between (3, 2) and (2, 3), all <= 6: one run; float32 (2, 2), (5,): one run
     assert seen[0] == [7, 2]
+
+
+def test_mutual_groups_of_back_to_back_tensors_as_bagua_computes_them():
+    """Bagua's contrib.fuse.optimizer.calculate_mutual_groups: per list, the runs of positions
+    whose tensors lie back to back (address order, two or more); across lists, the runs all share."""
+    from functional_bagua.compat.contrib.fuse.optimizer import (
+        _find_continuous_tensors,
+        _is_contiguous_tensor,
+        calculate_mutual_groups,
+    )
+
+    params, state = torch.zeros(60), torch.zeros(60)
+    p = [params[i * 6 : (i + 1) * 6] for i in range(10)]
+    s = [state[i * 6 : (i + 1) * 6] for i in range(10)]
+    assert (
+        _is_contiguous_tensor(p[2], p[1])
+        and _is_contiguous_tensor(p[1], p[2])
+        and not _is_contiguous_tensor(p[1], p[3])
+    )
+    # positions 0-2 hold pieces 5, 4, 6 (back to back in address order 1, 0, 2); 3 and 4 hold 8, 9
+    first = [p[5], p[4], p[6], p[8], p[9], torch.zeros(6)]
+    assert _find_continuous_tensors(first) == [[1, 0, 2], [3, 4]]
+    same_layout = [s[5], s[4], s[6], s[8], s[9], torch.zeros(6)]
+    assert calculate_mutual_groups([first, same_layout]) == [[1, 0, 2], [3, 4]]
+    broken = [s[5], s[4], torch.zeros(6), s[8], s[9], torch.zeros(6)]  # position 2 elsewhere
+    assert calculate_mutual_groups([first, broken]) == [[3, 4]]
+    apart = [torch.zeros(6) for _ in first]
+    assert calculate_mutual_groups([first, apart]) == [] and calculate_mutual_groups([]) == []
+    with pytest.raises(AssertionError, match="equal size"):
+        calculate_mutual_groups([first, first[:3]])
