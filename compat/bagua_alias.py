@@ -6,8 +6,9 @@
 ``data_parallel``, ``communication``...), and ``bagua`` as a package holding ``torch_api``. A
 script's ``import bagua.torch_api as bagua`` or ``from bagua.torch_api.algorithms import
 decentralized`` then gets this layer's modules, and a Bagua module this layer does not have
-raises ImportError as it would anywhere. A real ``bagua`` package, if installed, is left alone
-unless ``replace=True``.
+raises ImportError as it would anywhere. A real ``bagua`` already imported in the process is left
+alone (a RuntimeError) unless ``replace=True``; once installed, the aliases take precedence over
+an installed Bagua.
 
     python -m functional_bagua.compat.bagua_alias script.py [args]    # install, then run the script
 
@@ -17,6 +18,7 @@ unless ``replace=True``.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import runpy
 import sys
@@ -64,6 +66,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m functional_bagua.compat.bagua_alias script.py [args]")
     install()
     sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as python script.py puts it first
     runpy.run_path(argv[0], run_name="__main__")
 
 

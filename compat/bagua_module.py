@@ -95,7 +95,7 @@ class BaguaDistributedDataParallel:
         self._hooks += [o.register_step_post_hook(self._after_step) for o in self.bagua_optimizers]
         # what torch's Join asks of a joinable, on the wrapped module itself (see join_hook)
         vars(module).update(
-            join_hook=lambda **kwargs: self.join_hook(),
+            join_hook=self._module_join_hook,
             join_device=self.join_device,
             join_process_group=self.join_process_group,
         )
@@ -199,6 +199,12 @@ class BaguaDistributedDataParallel:
                 "model.eval(), whose forwards communicate nothing"
             )
         return _ShadowingJoinHook(self, before)
+
+    def _module_join_hook(self, **kwargs: Any) -> JoinHook:
+        """The wrapped module's ``join_hook`` (torch's Join calls it before reading ``join_device``,
+        which is refreshed here: the module may have moved since it was wrapped)."""
+        vars(self.module)["join_device"] = self.join_device
+        return self.join_hook()
 
     def shadow_step(self) -> None:
         self.bagua_algorithm.shadow(self)  # type: ignore[attr-defined]  # supports_join: it has one

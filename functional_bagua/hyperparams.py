@@ -14,10 +14,11 @@ change. A schedule is evaluated from the wrapper's count (the number of updates 
 the step of torch's LR schedulers), and its value is written into ``state.hyperparams``.
 
 Change a value in place, ``state.hyperparams["lr"].fill_(1e-4)``. A scheduled hyperparameter
-set so by hand takes effect too, and from then on holds that value: the schedule no longer
-drives it (an update tells a hand-set value by comparing the held one with what the schedule
-gave the last update, ``where(held == schedule(count - 1), schedule(count), held)``, branch-free
-and so also inside a compiled step). Assigning a Python number
+set so by hand takes effect too, and holds that value while the schedule's values differ from it:
+an update tells a hand-set value by comparing the held one with what the schedule gave the last
+update, ``where(held == schedule(count - 1), schedule(count), held)`` (branch-free, so also inside a
+compiled step). So a value the schedule itself passes through hands control back to the
+schedule there, and setting the value the schedule gave last changes nothing. Assigning a Python number
 (``state.hyperparams["lr"] = 1e-4``, the optax habit) works eagerly; under torch.compile it
 raises a TypeError, since every new number would compile the step again. A schedule receives the
 count as a 0-dim float64 tensor: one that uses it as a Python number (``if t < 3``,
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import numbers
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, overload
 
 import torch
@@ -291,7 +293,8 @@ def accepts_schedules(
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number, numpy's included (``numbers.Real``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def checked_argument(who: str, name: str, default: object, value: Any) -> Any:
@@ -312,13 +315,14 @@ def checked_argument(who: str, name: str, default: object, value: Any) -> Any:
     if _is_number(default):
         return _checked_scalar(who, name, value)
     if isinstance(default, tuple) and any(_is_number(d) for d in default):
-        if not isinstance(value, (tuple, list)) or len(value) != len(default):
+        sized = hasattr(value, "__len__") and not isinstance(value, (str, bytes, torch.Tensor))
+        if not sized or len(value) != len(default):
             raise ValueError(f"{who}: {name} takes {len(default)} values, as its default {default}; got {value!r}")
         checked = [
             v if d is None and v is None else _checked_scalar(who, f"{name}[{i}]", v)
             for i, (d, v) in enumerate(zip(default, value))
         ]
-        return type(value)(checked)
+        return type(value)(checked) if isinstance(value, (tuple, list)) else tuple(checked)  # numpy arrays too
     return value
 
 

@@ -62,7 +62,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -121,9 +121,6 @@ class Optimizer(torch.optim.Optimizer):
         **hyperparameters: Any,
     ) -> None:
         self._factory_defaults: dict[str, Any] = {}
-        built_from = getattr(tx.update, "built_from", None) if isinstance(tx, GradientTransformation) else None
-        if built_from is not None and not hyperparameters:  # a built alias: as its factory with these numbers
-            tx, hyperparameters = cast(Factory, built_from[0]), dict(built_from[1])
         _refuse_optimizer_class(tx)
         if tx is None or isinstance(tx, GradientTransformation):
             if hyperparameters:
@@ -194,8 +191,6 @@ class Optimizer(torch.optim.Optimizer):
         parts = partitioned(tx) if isinstance(tx, GradientTransformation) else None
         for label_group, label_tx in [(param_group, tx)] if parts is None else _split_by_label(param_group, parts):
             given = set(label_group)
-            if isinstance(label_tx, GradientTransformation):  # a missing number names the factory form
-                label_group = _ParamGroup(label_group)
             super().add_param_group(label_group)
             self._set_up_group(len(self.param_groups) - 1, label_tx, given)
 
@@ -586,6 +581,9 @@ def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any],
         for tensor, number in zip(tree.flatten(held)[0], tree.flatten(value)[0]):
             if not isinstance(tensor, torch.Tensor):
                 continue
+            if isinstance(number, torch.Tensor):  # a scheduler may change it in place: no cache
+                tensor.fill_(number)
+                continue
             known = written.get(id(tensor))
             if known is None or known[0]() is not tensor or known[1:] != (number, tensor._version):
                 tensor.fill_(number)
@@ -607,20 +605,6 @@ def _refuse_optimizer_class(tx: Any) -> None:
     else:
         fix = "pass a transform or a factory of one (fb.Optimizer(params, fb.adamw, lr=...)), or use the class itself"
     raise TypeError(f"{NAME}: tx is the optimizer class {tx.__name__}; {fix}")
-
-
-class _ParamGroup(dict):
-    """A param group of an optimizer built from a transform: it holds the numbers of the
-    transform that fb.Optimizer can show (an alias's, a schedule's adjustable ones) and no
-    others; asking for another (torch's lr schedulers read ``group["lr"]``) names the form in
-    which it would be there, instead of a bare KeyError."""
-
-    def __missing__(self, key: str) -> Any:
-        raise KeyError(
-            f"{key!r}: this param group holds no {key!r}, as its transform was built before fb.Optimizer got "
-            f"it; for torch's schedulers to drive {key!r}, pass the factory and its numbers, "
-            f"fb.Optimizer(params, fb.adamw, {key}=...), or an alias built with numbers, fb.adamw({key}=...)"
-        )
 
 
 def _same_numbers(a: tuple, b: tuple) -> bool:

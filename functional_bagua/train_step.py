@@ -220,6 +220,7 @@ def graphed(step: Callable, warmup: int) -> Callable:
                 torch.cuda.current_stream().wait_stream(side)
                 return out
             captured.update(params=params, state=state, batch=tree.tree_map(_static_copy, batch))
+            captured["leaves"] = tree.flatten((params, state))[0]
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
             try:
@@ -228,15 +229,20 @@ def graphed(step: Callable, warmup: int) -> Callable:
             except Exception as e:  # what the step did that a graph cannot hold, with what to do
                 captured.clear()
                 raise RuntimeError(
-                    f"make_train_step: capturing the step in a CUDA graph failed ({type(e).__name__}: {e}); some op "
-                    "of the model, loss or update cannot be captured (a host sync, a copy from CPU memory); "
-                    "try compile=False (or True), or build the step with cuda_graph=False"
+                    f"make_train_step: capturing the step in a CUDA graph failed ({type(e).__name__}: {e}); either the "
+                    "step itself fails on this batch, or some op of the model, loss or update cannot be captured (a "
+                    "host sync, a copy from CPU memory): try compile=False (or True), or cuda_graph=False"
                 ) from e
             captured.update(graph=graph, loss=loss)
-        elif params is not captured["params"] or state is not captured["state"]:
+        elif (
+            params is not captured["params"]
+            or state is not captured["state"]
+            or not _same_leaves(tree.flatten((params, state))[0], captured["leaves"])
+        ):
             raise ValueError(
                 "a CUDA-graphed train step updates the params and state it captured in place: pass the ones the "
-                "previous call returned (to start over from others, build a new step)"
+                "previous call returned, and change their values in place (state.hyperparams['lr'].fill_(x), not "
+                "an assignment); to start over from others, build a new step"
             )
         else:
             _copy_batch(captured["batch"], batch)
@@ -244,6 +250,10 @@ def graphed(step: Callable, warmup: int) -> Callable:
         return params, state, captured["loss"].clone()
 
     return graphed_step
+
+
+def _same_leaves(leaves: list, captured: list) -> bool:
+    return len(leaves) == len(captured) and all(a is b for a, b in zip(leaves, captured))
 
 
 def _check_cuda(params: PyTree) -> None:

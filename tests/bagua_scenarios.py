@@ -167,7 +167,41 @@ def no_sync_under_decentralized(rank: int, world_size: int) -> dict:
             opt.step()
             opt.zero_grad()
         out[name] = dict(params=[p.detach().clone() for p in model.parameters()], unwaited=_get_work_registry_size())
+    # every second synchronized step averages, however many micro-batches each accumulates
+    model = torch.nn.Linear(4, 1).to(DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algorithm = decentralized.DecentralizedAlgorithm(peer_selection_mode="all", communication_interval=2)
+    net = model.with_bagua([opt], algorithm)
+    for x, y in data:
+        with net.no_sync():
+            torch.nn.functional.mse_loss(net(x[0, :, :4]), y[0]).backward()
+        torch.nn.functional.mse_loss(net(x[1, :, :4]), y[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    out["averages_at_interval_2"] = net.bagua_algorithm.communications
     return out
+
+
+def join_with_no_sync_and_buffers(rank: int, world_size: int) -> dict:
+    """Bagua's DDP wrapper (buffers broadcast) under Join with a no_sync micro-batch per step and
+    2 and 4 steps on the two ranks: no forward broadcasts what the joined rank does not shadow
+    (before, this hung until the process group's timeout); the replicas end equal."""
+    from torch.distributed.algorithms.join import Join
+
+    gen = torch.Generator().manual_seed(40 + rank)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1)).to(DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = bagua.data_parallel.DistributedDataParallel(model, optimizers=[opt])
+    with Join([net]):
+        for _ in range(2 + 2 * rank):
+            x, y = torch.randn(2, 5, 4, generator=gen, dtype=DTYPE), torch.randn(2, 5, 1, generator=gen, dtype=DTYPE)
+            with net.no_sync():
+                torch.nn.functional.mse_loss(net(x[0]), y[0]).backward()
+            torch.nn.functional.mse_loss(net(x[1]), y[1]).backward()
+            opt.step()
+            opt.zero_grad()
+    return {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
 
 
 def uneven_inputs_under_join(rank: int, world_size: int) -> dict:

@@ -40,6 +40,7 @@ TWO_RANKS = [
     "no_sync_under_decentralized",
     "uneven_inputs_under_join",
     "coalesced_and_object_collectives",
+    "join_with_no_sync_and_buffers",
     "join_with_an_averaging_algorithm",
     "bad_arguments",
     "other_dtypes_and_compiled_modules",
@@ -259,6 +260,26 @@ def test_no_sync_accumulates_under_decentralized_without_unwaited_collectives(tw
         assert got["micro-batches"]["unwaited"] == 0, rank
         for a, b in zip(got["micro-batches"]["params"], got["one forward"]["params"]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_join_with_no_sync_micro_batches_and_broadcast_buffers_completes(two):
+    results = [ok(result["join_with_no_sync_and_buffers"]) for result in two]
+    for name, value in results[0].items():
+        assert torch.equal(value, results[1][name]), name
+
+
+def test_decentralized_interval_counts_synchronized_steps_not_micro_batches(two):
+    for result in two:
+        assert ok(result["no_sync_under_decentralized"])["averages_at_interval_2"] == 2  # 4 steps, every second
+
+
+def test_the_v1_9_0_class_refuses_the_old_argument_order():
+    from functional_bagua.compat.algorithms.decentralized import DecentralizedAlgorithm
+    from functional_bagua.compat.data_parallel.distributed import DistributedDataParallel_V1_9_0
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="pass optimizers and algorithm by keyword"):
+        DistributedDataParallel_V1_9_0(model, [torch.optim.SGD(model.parameters(), lr=0.1)], DecentralizedAlgorithm())
 
 
 def test_ranks_with_uneven_inputs_train_under_join_as_torch_ddp_does(two):

@@ -35,6 +35,7 @@ print(len(names))
 
 SCRIPT = """
 import torch
+from helper import STEPS  # a module beside the script, as python script.py finds it
 import torch.nn.functional as F
 import bagua.torch_api as bagua
 from bagua.torch_api.algorithms import gradient_allreduce
@@ -45,7 +46,7 @@ model = torch.nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())
 gen = torch.Generator().manual_seed(10 + bagua.get_rank())
-for _ in range(3):
+for _ in range(STEPS):
     optimizer.zero_grad()
     F.mse_loss(model(torch.randn(8, 4, generator=gen)), torch.randn(8, 1, generator=gen)).backward()
     optimizer.step()
@@ -69,6 +70,7 @@ def test_a_bagua_script_runs_unchanged_under_the_launcher(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
+    (tmp_path / "helper.py").write_text("STEPS = 3\n")
     command = [sys.executable, "-m", "functional_bagua.compat.launch", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--autotune_level", "1"]
     command += ["--enable_bagua_net", str(script)]

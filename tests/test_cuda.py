@@ -249,5 +249,11 @@ def test_cuda_graphed_step_refuses_other_buffers_and_shapes():
         step(params, state, (x[:-1], y[:-1]))
     with pytest.raises(ValueError, match="pass the ones the previous call returned"):
         step(fb.tree.clone(params), state, (x, y))
+    key = next(iter(params))
+    original = params[key]
+    params[key] = original.clone()  # the same dict, another tensor: the graph would not see it
+    with pytest.raises(ValueError, match="change their values in place"):
+        step(params, state, (x, y))
+    params[key] = original
     params, state, loss = step(params, state, (x, y))
     assert torch.isfinite(loss)

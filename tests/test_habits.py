@@ -264,3 +264,13 @@ def test_one_element_tensor_hyperparameters_of_any_shape_step_as_torchs():
 def test_hyperparameters_of_the_wrong_kind_are_refused_when_the_alias_is_built(build, error, says):
     with pytest.raises(error, match=says):
         build()
+
+
+def test_numpy_numbers_and_arrays_are_hyperparameters_as_in_torch():
+    import numpy as np
+
+    params, grads = {"w": torch.ones(3)}, {"w": torch.full((3,), 0.5)}
+    expected, _ = fb.adamw(lr=1e-2, betas=(0.8, 0.9)).update(grads, fb.adamw().init(params), params)
+    tx = fb.adamw(lr=np.float32(1e-2), betas=np.array([0.8, 0.9]))
+    actual, _ = tx.update(grads, tx.init(params), params)
+    torch.testing.assert_close(actual["w"], expected["w"])

@@ -92,25 +92,6 @@ def test_runs_torchs_fused_kernel_bit_for_bit(name):
     assert_models_equal(expected_fixed_lr, from_transform)
 
 
-@pytest.mark.parametrize("name", CLASSES)
-def test_a_built_alias_shows_its_numbers_to_torchs_schedulers(name):
-    """fb.Optimizer(params, fb.adamw(lr=...)), the first thing a torch user writes, takes a
-    scheduler as the factory form does: the alias's numbers are the param groups'."""
-    torch_cls, factory, hyper = CLASSES[name]
-    with default_dtype(DTYPE):
-        expected, _ = train(lambda m: torch_cls(m.parameters(), **hyper))
-        actual, opt = train(lambda m: fb.Optimizer(m.parameters(), factory(**hyper), fused=False))
-    assert_models_close(expected, actual)
-    assert opt.param_groups[0]["lr"] == pytest.approx(hyper["lr"] * 0.5 ** (STEPS // 3))
-
-
-def test_a_transform_without_numbers_to_show_names_the_factory_form_to_a_scheduler():
-    model = make_model("shapes", DTYPE)
-    opt = fb.Optimizer(model.parameters(), fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(1e-3)))
-    with pytest.raises(KeyError, match=r"holds no 'lr'.*fb.Optimizer\(params, fb.adamw, lr=...\)"):
-        torch.optim.lr_scheduler.StepLR(opt, step_size=1)
-
-
 @pytest.mark.parametrize(
     "cls, says",
     [
@@ -836,6 +817,27 @@ def test_under_torch_ddp_it_steps_as_the_torch_class():
         assert not isinstance(got, ScenarioError), f"scenario raised {got}"
         for name, expected in got["torch"].items():
             torch.testing.assert_close(got["fb"][name], expected, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_tensor_lr_changed_in_place_by_a_scheduler_reaches_the_update():
+    """torch's schedulers change a tensor lr with fill_ (the same object): every step writes the
+    group's value (reference: torch.optim.SGD with the same tensor lr and StepLR)."""
+    runs = []
+    for make in (
+        lambda m: torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1)),
+        lambda m: fb.Optimizer(m.parameters(), fb.sgd, lr=torch.tensor(0.1)),
+    ):
+        with default_dtype(DTYPE):
+            model = make_model("shapes", DTYPE)
+            opt = make(model)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            for x, y in batches(4, DTYPE):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                sched.step()
+        runs.append(model)
+    assert_models_close(runs[0], runs[1])
 
 
 def test_a_factory_is_built_again_only_when_its_groups_numbers_change():

@@ -60,10 +60,6 @@ __all__ = [
 ]
 
 
-def _is_communication_step(ddp: "BaguaDistributedDataParallel", interval: int) -> bool:
-    return (ddp.bagua_train_step_counter - 1) % interval == 0
-
-
 def _weights(ddp: "BaguaDistributedDataParallel") -> list[torch.Tensor]:
     return [p for _, p in ddp.named_parameters_to_sync()]
 
@@ -94,6 +90,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self.communications = 0
         self.peer_weight: Optional[list] = None  # the average launched before this step's forward
         self.sync = True  # False inside no_sync(): a forward of accumulated micro-batches launches nothing
+        self.synced_forwards = 0  # the interval counts these (no_sync forwards are not steps)
         self.last_average: Optional[list] = None  # the last average applied
         self.weights: list[torch.Tensor] = []  # the synchronized parameters, as of init
 
@@ -111,7 +108,11 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
     def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
         # under no_sync() the backward's end (which applies the average) does not come: launch
         # nothing; the synchronized forward that ends the accumulation averages
-        if not self.sync or not _is_communication_step(ddp, self.interval):
+        if not self.sync:
+            self.peer_weight = None
+            return
+        self.synced_forwards += 1
+        if (self.synced_forwards - 1) % self.interval != 0:
             self.peer_weight = None
             return
         weights = [p.detach() for p in self.weights]
@@ -178,6 +179,7 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         if not isinstance(communication_interval, int) or communication_interval < 1:
             raise ValueError(f"communication_interval must be an int >= 1, got {communication_interval!r}")
         self.hierarchical, self.interval = hierarchical, communication_interval
+        self.steps = 0
         self.layout: Optional[FlatLayout] = None
         self.weight: dict = {}  # x_hat, by flat-buffer key
         self.left_peer_weight: dict = {}  # L
@@ -203,7 +205,8 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
     def after_step(self, ddp: "BaguaDistributedDataParallel", optimizer: torch.optim.Optimizer) -> None:
         if self.layout is None or optimizer is not ddp.bagua_optimizers[-1]:
             return  # once per training step, after the last optimizer
-        if not _is_communication_step(ddp, self.interval):
+        self.steps += 1  # optimizer steps, whatever micro-batches were accumulated under no_sync()
+        if (self.steps - 1) % self.interval != 0:
             return
         weights = [p.detach() for p in self.weights]
         x = self.layout.flatten(weights)

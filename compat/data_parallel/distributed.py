@@ -50,6 +50,11 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):  # noqa: N801 - Bagua's n
         algorithm: Optional[Algorithm] = None,
     ) -> None:
         super().__init__()
+        if isinstance(output_device, Algorithm) or any(isinstance(d, torch.optim.Optimizer) for d in device_ids or ()):
+            raise TypeError(
+                "DistributedDataParallel_V1_9_0 takes Bagua's order: (module, device_ids, ..., optimizers=..., "
+                "algorithm=...); pass optimizers and algorithm by keyword"
+            )
         algorithm = GradientAllReduceAlgorithm() if algorithm is None else algorithm
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError("DistributedDataParallel: the module has no parameter that requires a gradient")
@@ -89,10 +94,12 @@ class DistributedDataParallel_V1_9_0(torch.nn.Module):  # noqa: N801 - Bagua's n
         return self.inner.join_process_group
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.module.training and torch.is_grad_enabled() and self.inner.require_backward_grad_sync:
-            if "_join_config" in vars(self):
-                Join.notify_join_context(self)  # type: ignore[arg-type]  # a Joinable by duck typing (torch's Join asks no more)
-        if self.broadcast_buffers and self.module.training:
+        synced = self.module.training and torch.is_grad_enabled() and self.inner.require_backward_grad_sync
+        joined_context = "_join_config" in vars(self)
+        if synced and joined_context:
+            Join.notify_join_context(self)  # type: ignore[arg-type]  # a Joinable by duck typing
+        # under Join a joined rank shadows one broadcast per synchronized step: none in between
+        if self.broadcast_buffers and self.module.training and (synced or not joined_context):
             self._broadcast_buffers()
         return self.module(*inputs, **kwargs)
 

@@ -184,10 +184,12 @@ def check_same_everywhere(params: PyTree, group: Group, who: str, settings: dict
                 f"rank {rank} runs {their_who}; every rank must build the same chain"
             )
         if their_settings != reference_settings:
+            ref, theirs_ = dict(reference_settings), dict(their_settings)
+            absent = "(none)"
             differ = [
-                f"{k}={dict(reference_settings).get(k)!r} on rank 0, {v!r} on rank {rank}"
-                for k, v in their_settings
-                if dict(reference_settings).get(k) != v
+                f"{k}={ref.get(k, absent)!r} on rank 0, {theirs_.get(k, absent)!r} on rank {rank}"
+                for k in sorted(set(ref) | set(theirs_))
+                if ref.get(k, absent) != theirs_.get(k, absent)
             ]
             raise ValueError(
                 f"{who}: ranks were built with different settings: {'; '.join(differ)}. Every rank must build "
