@@ -214,8 +214,7 @@ class BaguaDistributedDataParallel:
         """Every rank gets the parameters and buffers of the rank that joined last (it trained
         the most steps; the ranks that joined before it stopped updating theirs)."""
         group = self._group()
-        device = next(self.module.parameters()).device
-        flag = torch.tensor([group.rank if is_last_joiner else -1], device=device)
+        flag = torch.tensor([group.rank if is_last_joiner else -1], device=self.join_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.group)
         src = group_src(group, int(flag.item()))
         for tensor in self._states().values():

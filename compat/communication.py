@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from functional_bagua.compat.utils import flatten, unflatten
+from functional_bagua.compat.utils import apply_flattened_call, flatten, unflatten  # noqa: F401  # flatten, unflatten: Bagua's module exports them
 from functional_bagua.distributed import collectives
 
 __all__ = [
@@ -766,12 +766,8 @@ def allreduce_coalesced_inplace(
         op: the reduction.
         comm: a communicator, or ``None`` for the default group's.
     """
-    if _resolve(comm) is None or not tensors:
-        return
-    flat = flatten(tensors)
-    allreduce_inplace(flat, op, comm)
-    for tensor, reduced in zip(tensors, unflatten(flat, tensors)):
-        tensor.copy_(reduced)
+    if _resolve(comm) is not None and tensors:
+        apply_flattened_call(tensors, allreduce_inplace, [op, comm])
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, comm: object = None) -> None:
@@ -783,12 +779,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, comm: obj
         src: the rank (within the communicator's group) whose values everyone gets.
         comm: a communicator, or ``None`` for the default group's.
     """
-    if _resolve(comm) is None or not tensors:
-        return
-    flat = flatten(tensors)
-    broadcast(flat, src, comm)
-    for tensor, received in zip(tensors, unflatten(flat, tensors)):
-        tensor.copy_(received)
+    if _resolve(comm) is not None and tensors:
+        apply_flattened_call(tensors, broadcast, [src, comm])
 
 
 def broadcast_object(obj: object, src: int = 0, comm: object = None) -> object:

@@ -285,7 +285,7 @@ def accepts_schedules(
         kwargs = {k: checked_argument(who, k, defaults.get(k), v) for k, v in kwargs.items()}
         tx = build(args, kwargs)
         if not isinstance(tx.update, functools.partial) and not hasattr(tx.update, "adjustable"):
-            # built with numbers: how (fb.Optimizer shows them to torch's schedulers)
+            # built with numbers: how (a chain compares them across ranks, base.hyperparameters_of)
             tx.update.built_from = (wrapper, {**dict(zip(names, args)), **kwargs})  # type: ignore[attr-defined]
         return tx
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
 from functional_bagua.compat.communication import (  # noqa: F401  # Bagua's module exports them
     BaguaProcessGroup,
@@ -345,11 +345,4 @@ def _impl_of(bagua_module: Any, algorithm: AsyncModelAverageAlgorithm) -> AsyncM
     raise TypeError(f"{type(bagua_module).__name__} is not a model wrapped with this AsyncModelAverageAlgorithm")
 
 
-def __getattr__(name: str) -> object:
-    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
-    the engine's module imports this one)."""
-    if name == "BaguaDistributedDataParallel":
-        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
-
-        return BaguaDistributedDataParallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = engine_on_demand(__name__)  # Bagua's module exports BaguaDistributedDataParallel

@@ -173,11 +173,18 @@ class AlgorithmRegistry:
 GlobalAlgorithmRegistry = AlgorithmRegistry()
 
 
-def __getattr__(name: str) -> object:
-    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
-    the engine's module imports this one)."""
-    if name == "BaguaDistributedDataParallel":
-        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+def engine_on_demand(module: str) -> Callable[[str], object]:
+    """A module-level ``__getattr__`` for ``module``: Bagua's algorithm modules also export
+    ``BaguaDistributedDataParallel``, imported when asked for (the engine's module imports these)."""
 
-        return BaguaDistributedDataParallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def module_getattr(name: str) -> object:
+        if name == "BaguaDistributedDataParallel":
+            from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
+
+            return BaguaDistributedDataParallel
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return module_getattr
+
+
+__getattr__ = engine_on_demand(__name__)

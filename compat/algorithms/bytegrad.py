@@ -6,7 +6,7 @@ of the exact average (``minmax_uint8`` of :mod:`functional_bagua.distributed.com
 
 from __future__ import annotations
 
-from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl  # noqa: F401  # Bagua's module exports it
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
 from functional_bagua.compat.communication import BaguaProcessGroup
 
@@ -42,11 +42,4 @@ class ByteGradAlgorithm(Algorithm):
         return ByteGradAlgorithmImpl(process_group, self.hierarchical, self.average)
 
 
-def __getattr__(name: str) -> object:
-    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
-    the engine's module imports this one)."""
-    if name == "BaguaDistributedDataParallel":
-        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
-
-        return BaguaDistributedDataParallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = engine_on_demand(__name__)  # Bagua's module exports BaguaDistributedDataParallel

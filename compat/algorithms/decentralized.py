@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.compat.fuse import is_fused_optimizer  # noqa: F401  # Bagua's module exports it
 from functional_bagua.distributed import dequantize, quantize
@@ -283,11 +283,4 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         return LowPrecisionDecentralizedAlgorithmImpl(process_group, self.hierarchical, self.communication_interval)
 
 
-def __getattr__(name: str) -> object:
-    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
-    the engine's module imports this one)."""
-    if name == "BaguaDistributedDataParallel":
-        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
-
-        return BaguaDistributedDataParallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = engine_on_demand(__name__)  # Bagua's module exports BaguaDistributedDataParallel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.distributed import GradientReducer
 
@@ -92,11 +92,4 @@ class GradientAllReduceAlgorithm(Algorithm):
         return GradientAllReduceAlgorithmImpl(process_group, self.hierarchical, self.average)
 
 
-def __getattr__(name: str) -> object:
-    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
-    the engine's module imports this one)."""
-    if name == "BaguaDistributedDataParallel":
-        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
-
-        return BaguaDistributedDataParallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = engine_on_demand(__name__)  # Bagua's module exports BaguaDistributedDataParallel

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
-from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.distributed import buckets as bucketing
@@ -191,11 +191,4 @@ class QAdamAlgorithm(Algorithm):
         return QAdamAlgorithmImpl(process_group, self.optimizer, self.hierarchical)
 
 
-def __getattr__(name: str) -> object:
-    """Bagua's module also exports ``BaguaDistributedDataParallel`` (imported when asked for:
-    the engine's module imports this one)."""
-    if name == "BaguaDistributedDataParallel":
-        from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
-
-        return BaguaDistributedDataParallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = engine_on_demand(__name__)  # Bagua's module exports BaguaDistributedDataParallel

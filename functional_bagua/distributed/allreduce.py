@@ -83,9 +83,7 @@ def allreduce_gradients(
         agreement.check(leaves)
         return spec.unflatten(reduce_in_buckets(leaves, caps, g, average, compression)), state
 
-    update.agree_on_chain = lambda hyperparameters: agreement.agree_on_chain(  # type: ignore[attr-defined]
-        hyperparameters, resolve(group, NAME)
-    )  # chain.init calls it
+    update.agree_on_chain = functools.partial(agreement.agree_on_chain, group=group)  # type: ignore[attr-defined]
     # what make_train_step needs to run this reduction during backward instead (GradientReducer)
     update.reducer_settings = dict(  # type: ignore[attr-defined]
         bucket_cap_mb=bucket_cap_mb, average=average, compression=compression, group=group

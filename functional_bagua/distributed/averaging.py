@@ -188,9 +188,7 @@ def _averaging(
             out[i] = (n - param_leaves[i]).to(update_leaves[i].dtype)
         return spec.unflatten(out), AveragingState(state.count + 1)
 
-    update.agree_on_chain = lambda hyperparameters: agreement.agree_on_chain(  # type: ignore[attr-defined]
-        hyperparameters, resolve(group, name)
-    )  # chain.init calls it
+    update.agree_on_chain = functools.partial(agreement.agree_on_chain, group=group)  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 

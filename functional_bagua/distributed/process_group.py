@@ -110,12 +110,13 @@ class Agreement:
         self.who, self.settings, self.same_values = who, dict(settings), same_values
         self._checked: list = []  # shapes_of the parameter trees init checked
 
-    def agree_on_chain(self, hyperparameters: dict, group: Group) -> None:
-        """Raise the same ValueError on every rank of ``group`` unless all built the chain around
-        this transform with the same ``hyperparameters`` (``{where: value}``, as
-        :func:`functional_bagua.base.hyperparameters_of` describes a chain; ``chain.init`` calls
-        this after the transform's own ``init``, on every rank at the same point)."""
-        check_same_everywhere({}, group, f"the chain around {self.who}", hyperparameters)
+    def agree_on_chain(self, hyperparameters: dict, group: Optional[dist.ProcessGroup]) -> None:
+        """Raise the same ValueError on every rank of ``group`` (a transform's ``group`` argument,
+        resolved now) unless all built the chain around this transform with the same
+        ``hyperparameters`` (``{where: value}``, as :func:`functional_bagua.base.hyperparameters_of`
+        describes a chain; ``chain.init`` calls this after the transform's own ``init``, on every
+        rank at the same point)."""
+        check_same_everywhere({}, resolve(group, self.who), f"the chain around {self.who}", hyperparameters)
 
     def init(self, params: PyTree, group: Group) -> None:
         """Check across the ranks of ``group`` (class docstring) and remember the shapes and dtypes

@@ -19,6 +19,7 @@ Example (under torchrun)::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch
@@ -128,7 +129,5 @@ def shard(
         }
         return layout.unflatten(full), ShardState(state.rank, state.world_size, inner_state)
 
-    update.agree_on_chain = lambda hyperparameters: agreement.agree_on_chain(  # type: ignore[attr-defined]
-        hyperparameters, resolve(group, NAME)
-    )  # chain.init calls it
+    update.agree_on_chain = functools.partial(agreement.agree_on_chain, group=group)  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
