@@ -28,6 +28,10 @@ it under torch.compile (write it with ``torch.where``, ``torch.cos``, ...).
 Which arguments become tensors: floats, tensors and schedules (callables), also inside tuples
 (``betas=(0.9, 0.999)``). Ints, bools, strings and ``None`` stay static (``ns_steps``,
 ``amsgrad``...), as does every name in ``static_args``.
+
+An alias given a tensor hyperparameter (``fb.adamw(lr=torch.tensor(1e-3))``) reads it at every
+update, as torch.optim reads a tensor ``lr``: :func:`accepts_schedules` builds it through
+:func:`reading_tensors`, so ``lr.fill_(1e-4)`` takes effect at the next update.
 """
 
 from __future__ import annotations
@@ -79,6 +83,46 @@ def hyperparams_are_checked() -> bool:
     factory on an update (it validated their initial values when it was built). Factories read
     tensor hyperparameters only when this is False."""
     return torch.compiler.is_compiling() or _REBUILDING.get()
+
+
+def built_with_checked_values(
+    factory: Callable[..., GradientTransformation], *args: Any, **kwargs: Any
+) -> GradientTransformation:
+    """``factory(*args, **kwargs)`` with its tensor hyperparameters taken as validated already
+    (:func:`hyperparams_are_checked`): a transform that builds its factory anew at every update
+    from tensors it validated once, without reading them (a device sync each) every time."""
+    if torch.compiler.is_compiling():
+        return factory(*args, **kwargs)
+    token = _REBUILDING.set(True)
+    try:
+        return factory(*args, **kwargs)
+    finally:
+        _REBUILDING.reset(token)
+
+
+def reading_tensors(
+    factory: Callable[..., GradientTransformation], *args: Any, **kwargs: Any
+) -> GradientTransformation:
+    """``factory`` built anew from its arguments at every ``init`` and ``update``, where some are
+    tensors: a value written into one in place (a scheduler's ``fill_``, a hand-set
+    ``lr.fill_(1e-4)``) is read by the next update, as torch.optim reads a tensor ``lr``. Built
+    once, a factory would keep what it computed from the tensors then (``-lr``, ``1 - beta``).
+    The values are validated once, here.
+
+    Args:
+        factory: the alias.
+        *args: its arguments, some tensors.
+        **kwargs: its keyword arguments.
+    """
+    factory(*args, **kwargs)  # raises now for invalid values, as the factory does
+
+    def init(params: PyTree) -> Any:
+        return built_with_checked_values(factory, *args, **kwargs).init(params)
+
+    def update(updates: PyTree, state: Any, params: Optional[PyTree] = None) -> tuple[PyTree, Any]:
+        return built_with_checked_values(factory, *args, **kwargs).update(updates, state, params)
+
+    return GradientTransformation(init, update)
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -197,13 +241,7 @@ def inject_hyperparams(
             return out
 
         def rebuilt(hyperparams: dict) -> GradientTransformation:
-            if torch.compiler.is_compiling():
-                return factory(**static, **hyperparams)
-            token = _REBUILDING.set(True)
-            try:
-                return factory(**static, **hyperparams)
-            finally:
-                _REBUILDING.reset(token)
+            return built_with_checked_values(factory, **static, **hyperparams)
 
         def init(params: PyTree) -> InjectHyperparamsState:
             count = torch.zeros((), dtype=torch.int64, device=tree.device_of(params))
@@ -274,6 +312,8 @@ def accepts_schedules(
         arguments = [*zip(names, args), *kwargs.items()]
         if any(_holds_schedule(v) for k, v in arguments if k not in static_args):
             return inject_hyperparams(alias, static_args)(*args, **kwargs)
+        if not hyperparams_are_checked() and any(_holds_tensor(v) for k, v in arguments if k not in static_args):
+            return reading_tensors(alias, *args, **kwargs)
         return alias(*args, **kwargs)
 
     @functools.wraps(alias)
@@ -290,6 +330,12 @@ def accepts_schedules(
         return tx
 
     return wrapper
+
+
+def _holds_tensor(value: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)
 
 
 def _is_number(value: object) -> bool:

@@ -20,10 +20,22 @@ next step uses: it is copied into the state's tensors before the update, outside
 Groups may override hyperparameters, as torch's do; the factory receives each in the type of
 its default (``lr=1`` as 1.0, ``betas`` given as a list as a tuple), so a scheduler moves every
 number it would move in torch. Built from a transform
-(``fb.Optimizer(params, fb.chain(...))``), every group runs that transform, or the one its
-``"tx"`` entry names; its hyperparameters are fixed, and the group holds no ``"lr"``, unless the
-transform is made by :func:`~functional_bagua.inject_hyperparams`: then those no schedule
-drives are in the group, as numbers a scheduler may write.
+(``fb.Optimizer(params, fb.adamw(lr=1e-3))``), every group runs that transform, or the one its
+``"tx"`` entry names, and shows the numbers it was built with that a scheduler may write:
+
+- an alias's float hyperparameters (``lr``, ``betas``, ``weight_decay``), also of an alias
+  inside a :func:`~functional_bagua.chain` or given to another as its inner transform
+  (``fb.lookahead(fb.adamw(1e-3))``), where exactly one alias takes the name
+  (:mod:`functional_bagua.adjustable`). When a group's value changes (a scheduler, a
+  checkpoint, a value given in the group), the transform is built again with a 0-dim tensor
+  for it, which later values are written into; one whose state would change its structure
+  (``fb.sgd``'s momentum from 0 after the first step) raises a ValueError naming it;
+- the numbers of a transform made by :func:`~functional_bagua.inject_hyperparams` that no
+  schedule drives.
+
+A transform made of building blocks (``fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))``) has
+none: its group holds no ``"lr"``, and torch's schedulers raise ``KeyError: 'lr'`` on it; build
+it from an alias, or use the factory form above.
 
 Built from a :func:`~functional_bagua.partition`, it has one param group per label (``group["label"]``),
 each running that label's transform; the labels' function receives ``{name: tensor}`` when the
@@ -67,8 +79,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from functional_bagua import checkpoint, kernels, tree
+from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
+from functional_bagua.numerics import SCALAR_DTYPE
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
 from functional_bagua.transforms.wrappers import Partitioned, partitioned
 from functional_bagua.tree import copy_into
@@ -86,6 +100,19 @@ class _Group:
     layout: Optional[GroupLayout] = None  # where each tensor of the state belongs
     written: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # assigned through .state
     kernel: Optional[tuple] = None  # (the factory's numbers, the kernel they give), see _kernel_of
+    numbers: Optional[_Shown] = None  # a transform built with numbers: those its group shows
+
+
+@dataclasses.dataclass
+class _Shown:
+    """The adjustable numbers of a group's transform built with numbers, as the group shows them
+    (:mod:`functional_bagua.adjustable`). Until a group's number changes, the transform runs as
+    built; at the first change it is built again with a 0-dim tensor for each changed number,
+    which later changes are written into (:func:`_follow_numbers`)."""
+
+    found: Adjustable
+    runs_with: dict[str, Any]  # the values the transform now runs with, as the group held them
+    tensors: dict[str, Any] = dataclasses.field(default_factory=dict)  # what it was built again with
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -151,6 +178,7 @@ class Optimizer(torch.optim.Optimizer):
         self._make_state = torch.compiler.disable(_make_state)
         self._grow_state = torch.compiler.disable(_grow_state)
         self._kernel = torch.compiler.disable(self._kernel_of)  # Python decisions (the factory is called)
+        self._follow_numbers = torch.compiler.disable(_follow_numbers)
 
     @property
     def _from_factory(self) -> bool:
@@ -211,12 +239,17 @@ class Optimizer(torch.optim.Optimizer):
                 "(only fb.adamw, fb.adam and fb.sgd with number hyperparameters have one); pass fused=None"
             )
         if not self._from_factory:
-            adjustable = getattr(tx.update, "adjustable", {})
-            for name in [k for k in group if k not in given and k in self.defaults and k not in adjustable]:
+            injected = getattr(tx.update, "adjustable", {})  # an injected transform's numbers
+            found = Adjustable.of(tx) if not injected else None  # those of one built with numbers
+            shown = {k: _numbers(v) for k, v in injected.items()}
+            if found is not None:
+                shown = {k: _as_shown(v) for k, v in found.numbers.items()}
+                self._groups[-1].numbers = _Shown(found, dict(shown))
+            for name in [k for k in group if k not in given and k in self.defaults and k not in shown]:
                 del group[name]  # torch copied another group's number in: this transform has no such one
-            for name, value in adjustable.items():  # an injected transform's numbers, for schedulers
+            for name, value in shown.items():  # for schedulers; one given in the group replaces the built one
                 if name not in given:
-                    group[name] = _numbers(value)
+                    group[name] = value
                 self.defaults.setdefault(name, group[name])  # what OneCycleLR looks for ("betas")
 
     def _factory_arguments(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -302,6 +335,8 @@ class Optimizer(torch.optim.Optimizer):
             grads = {k: p.grad for k, p in zip(keys, group["params"])}
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
+            if ours.numbers is not None:
+                self._follow_numbers(self, i)
             state = self._state(i)
             if any(g is not None and k not in ours.tracked for k, g in grads.items()):
                 state = self._grow_state(self, i, grads)
@@ -337,23 +372,42 @@ class Optimizer(torch.optim.Optimizer):
         if self.fused is False:
             return None
         if self._from_factory:
-            assert self._tx is not None and not isinstance(self._tx, GradientTransformation)
+            factory = self._tx
+            assert factory is not None and not isinstance(factory, GradientTransformation)
             arguments = self._factory_arguments(self.param_groups[i])
-            # the alias is built again only when the group's numbers change (a scheduler's new lr)
             numbers = tuple(sorted(arguments.items()))
-            known = self._groups[i].kernel
-            if known is not None and _same_numbers(known[0], numbers):
-                return known[1]
-            spec = kernels.spec_of(self._tx(**arguments))
-            self._groups[i].kernel = (numbers, spec)
-            return spec
+            return self._kernel_for(i, numbers, lambda: factory(**arguments))
+        shown = self._groups[i].numbers
+        if shown is not None and shown.tensors:  # built again with tensors: the kernel of the numbers now
+            now = tuple(sorted(shown.runs_with.items()))
+            return self._kernel_for(i, now, lambda: shown.found.with_numbers(shown.runs_with))
         return kernels.spec_of(self._groups[i].tx)
+
+    def _kernel_for(
+        self, i: int, numbers: tuple, build: Callable[[], GradientTransformation]
+    ) -> Optional[kernels.KernelSpec]:
+        """The kernel of the transform ``build`` makes with ``numbers``; built again only when
+        the group's numbers change (a scheduler's new lr)."""
+        known = self._groups[i].kernel
+        if known is not None and _same_numbers(known[0], numbers):
+            return known[1]
+        spec = kernels.spec_of(build())
+        self._groups[i].kernel = (numbers, spec)
+        return spec
 
     def __getstate__(self) -> dict[str, Any]:
         """The chains and their states too (torch.optim keeps only defaults, state and
         param_groups), without what belongs to this object alone: the eager wrappers, hooks and
         a ``step`` that a scheduler wrapped (``__setstate__`` makes them anew, as torch's does)."""
-        own = {"step", "_write_hyperparameters", "_run_kernel", "_make_state", "_grow_state", "_kernel"}
+        own = {
+            "step",
+            "_write_hyperparameters",
+            "_run_kernel",
+            "_make_state",
+            "_grow_state",
+            "_kernel",
+            "_follow_numbers",
+        }
         return {k: v for k, v in self.__dict__.items() if k not in own and not k.endswith("_hooks")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -564,6 +618,92 @@ def _numbers(held: Any) -> Any:
     if isinstance(held, tuple):
         return tuple(_numbers(h) for h in held)
     return held.item() if isinstance(held, torch.Tensor) else held
+
+
+def _as_shown(value: Any) -> Any:
+    """A built number as its group shows it: a list (``betas=[0.9, 0.99]``) as a tuple, as torch's
+    groups hold it; numbers and tensors as they are (a scheduler fills a tensor in place)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _differs(held: Any, was: Any) -> bool:
+    """Whether a group's value is not the one its transform runs with: another number, or another
+    tensor object (a tensor changed in place is the same tensor, which the transform reads)."""
+    if isinstance(held, (tuple, list)) and isinstance(was, tuple):
+        return len(held) != len(was) or any(_differs(h, w) for h, w in zip(held, was))
+    if isinstance(held, torch.Tensor) or isinstance(was, torch.Tensor):
+        return held is not was
+    return type(held) is not type(was) or held != was
+
+
+def _follow_numbers(optimizer: Optimizer, i: int) -> None:
+    """Make group ``i``'s transform (built with numbers) run with the numbers its group holds now
+    (what a scheduler, ``load_state_dict`` or the user wrote there). The first time a number
+    changes, the transform is built again with a 0-dim tensor for it (a tensor the group holds
+    is taken as it is), and from then on a new value is written into that tensor: a compiled
+    step reads it as data. A transform whose state would change its shape (``fb.sgd``'s
+    momentum from 0, which keeps no buffer) raises a ValueError naming the number. Eager,
+    also inside a compiled step."""
+    ours, group = optimizer._groups[i], optimizer.param_groups[i]
+    shown = ours.numbers
+    assert shown is not None
+    changed = {k: group[k] for k, was in shown.runs_with.items() if k in group and _differs(group[k], was)}
+    if not changed:
+        return
+    device = group["params"][0].device
+    fresh = [k for k, v in changed.items() if k not in shown.tensors or _holds_tensor(v)]
+    for name, value in changed.items():
+        if name in fresh:
+            shown.tensors[name] = _held_as_tensors(name, value, device)
+        else:
+            _fill(name, shown.tensors[name], value)
+        shown.runs_with[name] = _as_shown(value)
+    if fresh:
+        tx = shown.found.with_numbers(shown.tensors)
+        if ours.state is not None:
+            _check_same_state_structure(optimizer, i, tx, fresh)
+        ours.tx = tx
+
+
+def _held_as_tensors(name: str, value: Any, device: torch.device) -> Any:
+    """A number (a tuple's each) as the 0-dim tensor a transform built again reads; a tensor as it is."""
+    if isinstance(value, (tuple, list)):
+        return tuple(None if v is None else _held_as_tensors(name, v, device) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{NAME}: param group {name!r} holds {value!r}; a number (or a tuple of them) was expected")
+    return torch.tensor(float(value), dtype=SCALAR_DTYPE, device=device)
+
+
+def _fill(name: str, tensors: Any, value: Any) -> None:
+    if isinstance(tensors, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(tensors):
+            raise ValueError(f"{NAME}: param group {name!r} holds {value!r}; {len(tensors)} values were expected")
+        for t, v in zip(tensors, value):
+            if t is not None:
+                _fill(name, t, v)
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{NAME}: param group {name!r} holds {value!r}; a number was expected")
+    tensors.fill_(value)
+
+
+def _check_same_state_structure(optimizer: Optimizer, i: int, tx: GradientTransformation, names: list) -> None:
+    """A ValueError if ``tx`` (group ``i``'s transform built with new numbers) keeps a state of
+    another structure than the group's (made on the meta device: nothing is allocated)."""
+    ours, params = optimizer._groups[i], optimizer.param_groups[i]["params"]
+    meta = {
+        k: torch.empty_like(p, device="meta") if k in ours.tracked else None
+        for k, p in zip(positions(len(params)), params)
+    }
+    if tree.flatten(tx.init(meta))[1] != tree.flatten(ours.state)[1]:
+        raise ValueError(
+            f"{NAME}: param group {i}'s {names} changed to {[optimizer.param_groups[i][k] for k in names]}, which "
+            "needs another optimizer state than the one its transform was built with (fb.sgd keeps no momentum "
+            "buffer for momentum=0); build the transform with a nonzero value, or use the factory form "
+            "fb.Optimizer(params, fb.sgd, lr=..., momentum=...), whose state holds every number"
+        )
 
 
 def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any], written: dict) -> None:

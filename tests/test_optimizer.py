@@ -639,11 +639,16 @@ def test_dcp_steps_no_group_whose_numbers_are_fixed():
 
 
 def test_a_groups_numbers_do_not_leak_into_another_groups():
-    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
     opt = fb.Optimizer(
-        [{"params": [a], "tx": fb.inject_hyperparams(fb.adamw)(lr=1e-2)}, {"params": [b], "tx": fb.adamw(1e-2)}]
+        [
+            {"params": [a], "tx": fb.inject_hyperparams(fb.adamw)(lr=1e-2)},
+            {"params": [b], "tx": fb.adamw(3e-3)},
+            {"params": [c], "tx": fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))},  # building blocks: no numbers
+        ]
     )
-    assert opt.param_groups[0]["lr"] == 1e-2 and "lr" not in opt.param_groups[1]
+    assert [g.get("lr") for g in opt.param_groups] == [1e-2, 3e-3, None]
+    assert "betas" not in opt.param_groups[2]
 
 
 def test_one_cycle_drives_a_partition_of_injected_transforms():

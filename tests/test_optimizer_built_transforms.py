@@ -1,0 +1,220 @@
+"""fb.Optimizer over a transform built with numbers (``fb.Optimizer(params, fb.adamw(lr=1e-3))``):
+its numbers in the param groups, driven by torch's lr schedulers as torch.optim's groups are
+(reference: the torch.optim class with the same scheduler, and the factory form)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import batches, default_dtype, loss_fn, make_model
+
+import functional_bagua as fb
+from functional_bagua.adjustable import Adjustable
+
+DTYPE = torch.float64
+STEPS = 8
+TOL = dict(rtol=1e-12, atol=1e-14)
+
+CLASSES = {
+    "adamw": (torch.optim.AdamW, fb.adamw, dict(lr=1e-2, weight_decay=0.1)),
+    "adam": (torch.optim.Adam, fb.adam, dict(lr=1e-2, betas=(0.8, 0.99), amsgrad=True)),
+    "sgd": (torch.optim.SGD, fb.sgd, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    "rmsprop": (torch.optim.RMSprop, fb.rmsprop, dict(lr=1e-2, momentum=0.5)),
+    "rprop": (torch.optim.Rprop, fb.rprop, dict(lr=1e-2)),
+}
+
+
+def step_lr(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
+def one_cycle(opt):
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
+
+
+def train(make_optimizer, make_scheduler=step_lr, steps=STEPS, model=None, optimizer=None, scheduler=None, start=0):
+    with default_dtype(DTYPE):
+        model = model or make_model("shapes", DTYPE)
+        optimizer = optimizer or make_optimizer(model)
+        scheduler = scheduler or make_scheduler(optimizer)
+        for x, y in batches(start + steps, DTYPE)[start:]:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+    return model, optimizer, scheduler
+
+
+def assert_models_equal(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{name}: largest difference {(p - q).abs().max().item()}"
+
+
+def assert_models_close(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_a_scheduler_drives_a_built_alias_as_the_torch_class(name):
+    """The group shows the alias's numbers; StepLR's lr reaches the update: the torch class's run."""
+    torch_cls, factory, hyper = CLASSES[name]
+    expected, *_ = train(lambda m: torch_cls(m.parameters(), **hyper))
+    actual, opt, _ = train(lambda m: fb.Optimizer(m.parameters(), factory(**hyper), fused=False))
+    assert_models_close(expected, actual)
+    assert opt.param_groups[0]["lr"] == pytest.approx(hyper["lr"] * 0.5 ** (STEPS // 3))
+    assert opt.param_groups[0]["initial_lr"] == hyper["lr"]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+def test_a_built_alias_with_a_kernel_runs_it_with_the_schedulers_lr(name):
+    """torch's fused kernel, bit for bit, the scheduler's lr included."""
+    torch_cls, factory, hyper = CLASSES[name]
+    expected, *_ = train(lambda m: torch_cls(m.parameters(), fused=True, **hyper))
+    actual, *_ = train(lambda m: fb.Optimizer(m.parameters(), factory(**hyper)))
+    assert_models_equal(expected, actual)
+
+
+def test_one_cycle_drives_lr_and_betas_of_an_alias_inside_a_chain():
+    """A chain's alias shows its numbers: OneCycleLR cycles lr and betas[0] as it does
+    torch.optim.AdamW's (the clipping bound is never reached, so the chain is AdamW)."""
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    expected, *_ = train(lambda m: torch.optim.AdamW(m.parameters(), **hyper), one_cycle)
+    actual, opt, _ = train(
+        lambda m: fb.Optimizer(m.parameters(), fb.chain(fb.clip_by_global_norm(1e6), fb.adamw(**hyper))), one_cycle
+    )
+    assert_models_close(expected, actual)
+    assert opt.defaults["betas"] == (0.9, 0.99)  # where OneCycleLR looks for them
+
+
+def test_an_inner_alias_shows_its_numbers_beside_its_wrappers():
+    """lookahead(adamw) shows adamw's lr and its own alpha; with alpha 1 synced every step it is
+    adamw, so StepLR gives torch.optim.AdamW's run."""
+    expected, *_ = train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    actual, opt, _ = train(
+        lambda m: fb.Optimizer(m.parameters(), fb.lookahead(fb.adamw(1e-2), sync_period=1, alpha=1.0), fused=False)
+    )
+    assert_models_close(expected, actual)
+    assert {"lr", "betas", "alpha"} <= set(opt.param_groups[0])
+    assert "sync_period" not in opt.param_groups[0]  # an int: structure, not a number a scheduler moves
+
+
+def test_a_number_given_in_a_group_replaces_the_built_one():
+    """As torch's groups override the defaults: the reference is torch.optim.SGD with the same groups."""
+
+    def groups(m):
+        return [{"params": [m.conv.weight, m.conv.bias], "lr": 0.05}, {"params": [m.fc.weight, m.fc.bias, m.scale]}]
+
+    expected, *_ = train(lambda m: torch.optim.SGD(groups(m), lr=0.1, momentum=0.9))
+    actual, opt, _ = train(lambda m: fb.Optimizer(groups(m), fb.sgd(0.1, momentum=0.9), fused=False))
+    assert_models_close(expected, actual)
+    assert [g["initial_lr"] for g in opt.param_groups] == [0.05, 0.1]
+
+
+def test_groups_of_different_built_transforms_each_show_their_own():
+    model = make_model("shapes", DTYPE)
+    opt = fb.Optimizer(
+        [
+            {"params": model.conv.parameters(), "tx": fb.adamw(3e-3)},
+            {"params": model.fc.parameters(), "tx": fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))},
+            {"params": [model.scale], "tx": fb.sgd(0.2)},
+        ]
+    )
+    shown = [{k: v for k, v in g.items() if k in ("lr", "betas", "momentum")} for g in opt.param_groups]
+    assert shown == [{"lr": 3e-3, "betas": (0.9, 0.999)}, {}, {"lr": 0.2, "momentum": 0.0}]
+
+
+def test_a_compiled_step_compiles_once_more_at_the_first_change_then_reads_the_tensor():
+    """The first lr change builds the transform again with a tensor lr (one new graph); the
+    later ones are written into it (no new graph), and the run is the eager one."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    runs = []
+    for compiled in (False, True):
+        with default_dtype(DTYPE):
+            model = make_model("shapes", DTYPE)
+            opt = fb.Optimizer(model.parameters(), fb.adamw(1e-2), fused=False)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            step = torch.compile(opt.step, backend=counter) if compiled else opt.step
+            for i, (x, y) in enumerate(batches(STEPS, DTYPE)):
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                step()
+                sched.step()
+                if compiled and i == 2:  # the step after the first change
+                    graphs = counter.frame_count
+        runs.append(model)
+    assert counter.frame_count == graphs
+    assert_models_equal(runs[0], runs[1])
+
+
+def test_a_checkpoint_resumes_the_scheduled_run_bit_for_bit():
+    def make(m):
+        return fb.Optimizer(m.parameters(), fb.adamw(1e-2), fused=False)
+
+    whole, *_ = train(make)
+    first, opt, sched = train(make, steps=STEPS // 2)
+    saved, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+    resumed = make_model("shapes", DTYPE, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = make(resumed)
+    sched2 = step_lr(opt2)
+    opt2.load_state_dict(saved)
+    sched2.load_state_dict(saved_sched)
+    train(None, model=resumed, optimizer=opt2, scheduler=sched2, steps=STEPS // 2, start=STEPS // 2)
+    assert_models_equal(whole, resumed)
+
+
+def test_a_change_that_needs_another_state_is_refused_by_name():
+    """fb.sgd(momentum=0) keeps no buffer: momentum set after its state is made raises, naming
+    it; set before the first step, the state is made with the buffer (torch.optim.SGD's run)."""
+    model = make_model("shapes", DTYPE)
+    opt = fb.Optimizer(model.parameters(), fb.sgd(0.1))
+    train(None, model=model, optimizer=opt, scheduler=step_lr(opt), steps=1)
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match=r"\['momentum'\] changed to \[0.9\].*fb.Optimizer\(params, fb.sgd"):
+        train(None, model=model, optimizer=opt, scheduler=step_lr(opt), steps=1, start=1)
+
+    def set_momentum(opt):
+        opt.param_groups[0]["momentum"] = 0.9
+        return step_lr(opt)
+
+    expected, *_ = train(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), set_momentum)
+    actual, *_ = train(lambda m: fb.Optimizer(m.parameters(), fb.sgd(0.1), fused=False), set_momentum)
+    assert_models_close(expected, actual)
+
+
+def test_numbers_two_aliases_share_are_not_adjustable():
+    """Which alias's lr a scheduler meant is unknown: neither is shown (each alias's own are)."""
+    found = Adjustable.of(fb.chain(fb.adamw(1e-3), fb.sgd(0.1, momentum=0.9)))
+    assert found is not None
+    assert "lr" not in found.numbers and found.numbers["momentum"] == 0.9 and found.numbers["eps"] == 1e-8
+    assert Adjustable.of(fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))) is None
+
+
+def test_a_tensor_hyperparameter_changed_in_place_reaches_the_next_update():
+    """The functional alias reads a tensor lr at every update, as torch.optim.AdamW does."""
+    lr = torch.tensor(1e-2, dtype=DTYPE)
+    torch_lr = torch.tensor(1e-2, dtype=DTYPE)
+    tx = fb.adamw(lr=lr)
+    with default_dtype(DTYPE):
+        model, reference = make_model("shapes", DTYPE), make_model("shapes", DTYPE)
+        opt = torch.optim.AdamW(reference.parameters(), lr=torch_lr)
+        state = tx.init(fb.params_of(model))
+        for i, (x, y) in enumerate(batches(4, DTYPE)):
+            lr.fill_(1e-2 / (i + 1))
+            torch_lr.fill_(1e-2 / (i + 1))
+            opt.zero_grad()
+            loss_fn(reference(x), y).backward()
+            opt.step()
+            params = fb.params_of(model)
+            grads = torch.func.grad(lambda p: loss_fn(torch.func.functional_call(model, p, (x,)), y))(params)
+            updates, state = tx.update(grads, state, params)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(fb.apply_updates(params, updates)[name])
+    assert_models_close(reference, model)
