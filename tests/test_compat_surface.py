@@ -235,6 +235,10 @@ BAGUA = {
         "is_moe_param",
         "to_bagua_datatype",
     ],
+    "bagua.torch_api.contrib.load_balancing_data_loader": [
+        "LoadBalancingDistributedBatchSampler",
+        "LoadBalancingDistributedSampler",
+    ],
     "bagua.torch_api.utils": [
         "LOGGER",
         "StatisticalAverage",
@@ -251,7 +255,7 @@ BAGUA = {
 }
 
 # what the layer does not provide yet (Bagua's autotuning service, its Rust-backed tensors and
-# buckets, its cached datasets and load-balancing samplers, ...): to be emptied, not grown
+# buckets, its cached datasets, ...): to be emptied, not grown
 NOT_YET = {
     "bagua.torch_api": ["BaguaModule", "BaguaTensor", "get_backend", "version"],
     "bagua.torch_api.communication": [
@@ -290,12 +294,8 @@ NOT_YET = {
         "_AsyncInternalState",
         "_pg_group_ranks",
     ],
-    "bagua.torch_api.contrib": [
-        "CacheLoader",
-        "CachedDataset",
-        "LoadBalancingDistributedBatchSampler",
-        "LoadBalancingDistributedSampler",
-    ],
+    "bagua.torch_api.contrib": ["CacheLoader", "CachedDataset"],
+    "bagua.torch_api.contrib.load_balancing_data_loader": [],
     "bagua.torch_api.contrib.fuse.optimizer": [
         "_can_reuse_tensor",
         "_create_tensor",
@@ -326,7 +326,7 @@ NOT_YET = {
         "is_moe_param",
         "to_bagua_datatype",
     ],
-    "bagua.torch_api.utils": ["StatisticalAverage", "average_by_removing_extreme_values"],
+    "bagua.torch_api.utils": [],
 }
 
 
