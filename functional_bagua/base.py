@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from functional_bagua import checks, foreach, tree
+from functional_bagua import checks, foreach, ownership, tree
 
 Params = Any
 Updates = Any
@@ -93,12 +93,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"{len(transforms)} inner states; was it made by this chain's init?"
             )
         new_state = []
+        owned = ownership.granted_to(update)  # the updates given may be overwritten (ownership module)
         for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+            updates, s = ownership.update_owning(t, owned, updates, s, params)
+            owned = ownership.returns_fresh_updates(t)
             new_state.append(s)
         return updates, tuple(new_state)
 
     update.transforms = transforms  # type: ignore[attr-defined]  # what it chains, for make_train_step
+    update.fresh_updates = bool(transforms) and ownership.returns_fresh_updates(transforms[-1])  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 

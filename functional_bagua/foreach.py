@@ -106,6 +106,7 @@ def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) ->
     raise PerTensorOnly(f"{getattr(fn, '__name__', fn)} gives per-tensor values that are not tensors")
 
 
+_HALF_TYPES = (torch.bfloat16, torch.float16)
 _TENSOR_OVERLOAD = {torch._foreach_add, torch._foreach_mul, torch._foreach_div}  # (tensors, 0-dim tensor)
 
 
@@ -254,6 +255,10 @@ class Leaves:
         return _binary_in_place(None, "add_", self, other, alpha=alpha)
 
     def mul_(self, other: Any) -> "Leaves":
+        if _is_scalar(other) and self.dtype in _HALF_TYPES:  # torch's _foreach_mul_ rounds these unlike
+            for t in self.items:  # mul_, mul and _foreach_mul (CPU, torch 2.13), which agree
+                t.mul_(other)
+            return self
         return _binary_in_place(torch._foreach_mul_, "mul_", self, other)
 
     def div_(self, other: Any) -> "Leaves":

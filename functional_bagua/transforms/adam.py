@@ -64,7 +64,9 @@ def second_moment(v: torch.Tensor, g: torch.Tensor, b2: Union[float, torch.Tenso
         The new second-moment estimate, a new tensor.
     """
     if is_number(b2):
-        return v.mul(b2).addcmul(g, g, value=1 - b2)
+        return v.mul(b2).addcmul(
+            g, g, value=1 - b2
+        )  # addcmul_ would save a tensor, but traced, torch decomposes it (other roundings)
     return v * b2 + (1 - b2) * g * g
 
 
@@ -125,10 +127,10 @@ def scale_by_adam(
             new_state = ScaleByAmsgradState(count, mu, nu, nu_max)
         else:
             nu_max, new_state = nu, ScaleByAdamState(count, mu, nu)
-        denom = (nu_max.sqrt() / bias_correction(b2, t).sqrt()).add_(eps)  # in place: our own temporaries
+        denom = nu_max.sqrt().div_(bias_correction(b2, t).sqrt()).add_(eps)  # in place: our own temporaries
         return (mu / bias_correction(b1, t)).div_(denom), new_state
 
-    return leafwise(state_type, init_leaf, update_leaf, name="scale_by_adam")
+    return leafwise(state_type, init_leaf, update_leaf, name="scale_by_adam", fresh_updates=True)
 
 
 class ScaleByAdamaxState(NamedTuple):

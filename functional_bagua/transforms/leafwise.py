@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import optree
 import torch
 
-from functional_bagua import checks, foreach, layout_context, tree
+from functional_bagua import checks, foreach, layout_context, ownership, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.flat import Segment
 from functional_bagua.tree import PyTree
@@ -42,6 +42,7 @@ def leafwise(
     needs_params: bool = False,
     per_tensor: bool = False,
     sparse_gradients: bool = False,
+    fresh_updates: bool = False,
 ) -> GradientTransformation:
     """A transform applying ``update_leaf(g, state_leaf, p) -> (u, new_state_leaf)`` per tensor.
 
@@ -72,6 +73,9 @@ def leafwise(
             rule gets complex tensors as their real views.
         sparse_gradients: ``True`` for a rule made for sparse COO gradients (and only those, as
             ``torch.optim.SparseAdam``); it refuses dense and complex ones and cannot run fused.
+        fresh_updates: ``True`` declares that ``u`` is always a new tensor that nothing else
+            holds (not ``g``, ``p``, nor a state tensor, old or new), so that the next link of a
+            chain may overwrite it (:mod:`functional_bagua.ownership`).
 
     Returns:
         A GradientTransformation whose state is a ``state_type`` with one tree per field.
@@ -166,6 +170,7 @@ def leafwise(
         new_state = state_type(*(spec.unflatten(column) for column in new_fields))
         return spec.unflatten(updates), new_state
 
+    update.fresh_updates = fresh_updates  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 
@@ -225,6 +230,7 @@ def stateless(
     needs_params: bool = False,
     per_tensor: bool = False,
     per_buffer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor], list], torch.Tensor]] = None,
+    in_place: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None,
 ) -> GradientTransformation:
     """A transform without state applying ``update_leaf(u, p) -> new_u`` per tensor.
 
@@ -243,6 +249,10 @@ def stateless(
         per_tensor: ``True`` for a rule that is not elementwise (as in :func:`leafwise`).
         per_buffer: ``per_buffer(u, p, lengths) -> new_u``, the rule for a whole flat buffer, used
             inside a fused update (only with ``per_tensor``); ``None`` loops over the segments.
+        in_place: the same rule computing its result in ``u`` (``u.mul_(s)`` for ``u * s``), to
+            the same bits, for an elementwise rule that returns new tensors: the transform then
+            declares its updates fresh, and runs ``in_place`` where the chain hands it updates
+            it may overwrite (:mod:`functional_bagua.ownership`).
 
     Returns:
         A GradientTransformation whose state is an ``EmptyState``.
@@ -252,13 +262,19 @@ def stateless(
         double = fb.stateless(lambda u, p: 2 * u, name="double")
     """
 
-    rule = update_leaf if per_tensor else _stateless_on_real_views(update_leaf)
+    if in_place is not None and per_tensor:
+        raise ValueError(f"{name}: in_place is for elementwise rules, not per_tensor ones")
+    own_rules = {  # (the rule, the rule on complex tensors' real views), by whether it may overwrite u
+        overwrite: (leaf_rule, leaf_rule if per_tensor else _stateless_on_real_views(leaf_rule))
+        for overwrite, leaf_rule in ((False, update_leaf), (True, in_place or update_leaf))
+    }
 
     def init(params: PyTree) -> EmptyState:
         del params
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
+        leaf_rule, rule = own_rules[in_place is not None and ownership.granted_to(update)]
         if params is None:
             if needs_params:
                 raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
@@ -274,7 +290,7 @@ def stateless(
         pending = [i for i, u in enumerate(update_leaves) if u is not None]
         if not per_tensor and foreach.grouped_enabled():
             ran, pending = foreach.run_groups(
-                update_leaf, [update_leaves, param_leaves], pending, key=lambda i: param_leaves[i] is None
+                leaf_rule, [update_leaves, param_leaves], pending, key=lambda i: param_leaves[i] is None
             )
             for members, us in ran:
                 for j, i in enumerate(members):
@@ -286,10 +302,11 @@ def stateless(
                 if keys is None
                 else per_buffer(u, p, [seg.numel for seg in _segments_of(keys[i])]).to(u.dtype)
                 if per_buffer
-                else _map_segments(update_leaf, u, p, _segments_of(keys[i]))
+                else _map_segments(leaf_rule, u, p, _segments_of(keys[i]))
             )
         return spec.unflatten(new), state
 
+    update.fresh_updates = in_place is not None  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 

@@ -40,7 +40,7 @@ def scale(step_size: Union[float, torch.Tensor]) -> GradientTransformation:
     Returns:
         A stateless GradientTransformation.
     """
-    return stateless(lambda u, p: u * step_size, name="scale")
+    return stateless(lambda u, p: u * step_size, name="scale", in_place=lambda u, p: u.mul_(step_size))
 
 
 def negate_if(flag: bool) -> GradientTransformation:

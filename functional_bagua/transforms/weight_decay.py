@@ -38,6 +38,8 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
         if weight_decay == 0:
             return identity()
         rule = lambda u, p: u.add(p, alpha=weight_decay)  # noqa: E731  (one fused kernel for a number)
+        in_place = lambda u, p: u.add_(p, alpha=weight_decay)  # noqa: E731
     else:
         rule = lambda u, p: u + weight_decay * p  # noqa: E731
-    return stateless(rule, name="add_decayed_weights", needs_params=True)
+        in_place = lambda u, p: u.add_(weight_decay * p)  # noqa: E731
+    return stateless(rule, name="add_decayed_weights", needs_params=True, in_place=in_place)

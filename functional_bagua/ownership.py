@@ -1,0 +1,65 @@
+"""Updates a link of a chain may overwrite: the temporaries its predecessor made for it.
+
+In :func:`~functional_bagua.chain`, each link's updates feed the next link and nothing else.
+A link that declares the updates it returns fresh (``update.fresh_updates = True``: new tensors
+that no gradient, parameter, state or other update shares memory with) hands them to the next
+link, which may then compute its result in them instead of in new tensors::
+
+    u = scale_by_adam(g)          # fresh
+    u = u.add_(p, alpha=wd)       # add_decayed_weights, in place: the numbers of u.add(p, alpha=wd)
+    u = u.mul_(-lr)               # scale_by_learning_rate, in place: those of u * -lr
+
+The numbers are the same bit for bit (the same kernels); each step writes two tensors fewer, which
+on large tensors is about a third of a pass each. The grant is to one transform: the chain names
+the ``update`` function it calls next, and only that function sees it (:func:`granted_to`), so a
+transform nested inside a link (a masked or lookahead's inner one) never overwrites what its
+container passes it. The state is a ``threading.local``, which torch.compile traces (a
+``ContextVar`` it cannot), and in a traced step the in-place ops are functionalized away.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:  # base imports this module
+    from functional_bagua.base import GradientTransformation
+
+
+class _Grant(threading.local):
+    def __init__(self) -> None:
+        self.to: Optional[Callable[..., Any]] = None
+
+
+_GRANT = _Grant()
+
+
+def granted_to(update: Callable[..., Any]) -> bool:
+    """Whether the chain running now handed ``update`` (a transform's update function) updates
+    it may overwrite.
+
+    Args:
+        update: the caller's own update function.
+    """
+    return _GRANT.to is update
+
+
+def update_owning(tx: "GradientTransformation", owned: bool, *args: Any) -> Any:
+    """``tx.update(*args)``, telling it whether it may overwrite the updates it is given.
+
+    Args:
+        tx: the link to run.
+        owned: whether the updates in ``args`` are fresh temporaries nothing else holds.
+        *args: ``update``'s arguments.
+    """
+    previous = _GRANT.to
+    _GRANT.to = tx.update if owned else None
+    try:
+        return tx.update(*args)
+    finally:
+        _GRANT.to = previous
+
+
+def returns_fresh_updates(tx: "GradientTransformation") -> bool:
+    """Whether ``tx`` declares its updates fresh (module docstring)."""
+    return getattr(tx.update, "fresh_updates", False)

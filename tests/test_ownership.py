@@ -1,0 +1,106 @@
+"""Links of a chain computing in their predecessor's fresh updates (functional_bagua.ownership):
+the same bits as the links run one by one outside a chain (where nothing is granted), the
+caller's gradients and the state untouched, and no grant reaching a transform nested in a link."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import seeded
+from helpers import assert_trees_equal, clone_tree
+
+import functional_bagua as fb
+from functional_bagua.base import GradientTransformation
+
+
+def problem(dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.complex64)):
+    gen = seeded(5)
+    params = {f"p{i}": torch.randn(3, 4, generator=gen).to(dt) for i, dt in enumerate(dtypes)}
+    grads = [{k: torch.randn(p.shape, generator=gen).to(p.dtype) for k, p in params.items()} for _ in range(3)]
+    return params, grads
+
+
+def link_by_link(tx, grads, state, params):
+    """The chain's links called one after the other by hand: no link is granted anything."""
+    updates, new_state = grads, []
+    for link, s in zip(tx.update.transforms, state):
+        updates, s = link.update(updates, s, params)
+        new_state.append(s)
+    return updates, tuple(new_state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fb.adamw(1e-2, weight_decay=0.1),
+        lambda: fb.adam(1e-2, weight_decay=0.1, amsgrad=True),
+        lambda: fb.chain(fb.scale_by_adam(), fb.add_decayed_weights(torch.tensor(0.1)), fb.scale(torch.tensor(-0.01))),
+        lambda: fb.chain(fb.scale_by_adam(), fb.add_decayed_weights(0.1), fb.scale(-1e-2), fb.scale(0.5)),
+    ],
+    ids=["adamw", "adam amsgrad L2", "tensor numbers", "hand chain"],
+)
+def test_a_chain_gives_the_bits_of_its_links_run_one_by_one(make):
+    tx = make()
+    params, steps = problem()
+    state_chain = state_hand = tx.init(params)
+    for grads in steps:
+        before = clone_tree(grads)
+        got, state_chain = tx.update(grads, state_chain, params)
+        expected, state_hand = link_by_link(tx, clone_tree(grads), state_hand, params)
+        assert_trees_equal(got, expected)
+        assert_trees_equal(state_chain, state_hand)
+        assert_trees_equal(grads, before)  # the caller's gradients are never overwritten
+        kept = {id(t) for t in fb.tree.flatten(state_chain)[0] if isinstance(t, torch.Tensor)}
+        assert not any(id(u) in kept for u in got.values())  # the updates alias no state
+
+
+def test_the_first_link_never_overwrites_the_callers_updates():
+    grads = {"w": torch.ones(3)}
+    tx = fb.chain(fb.scale(2.0), fb.scale(3.0))
+    updates, _ = tx.update(grads, tx.init(grads))
+    assert torch.equal(grads["w"], torch.ones(3)) and torch.equal(updates["w"], torch.full((3,), 6.0))
+
+
+def twice(inner: GradientTransformation) -> GradientTransformation:
+    """A container that gives its inner transform the same updates twice and adds the results:
+    an inner transform that overwrote what it was given would double count."""
+
+    def update(updates, state, params=None):
+        first, _ = inner.update(updates, state, params)
+        second, state = inner.update(updates, state, params)
+        return {k: first[k] + second[k] for k in updates}, state
+
+    return GradientTransformation(inner.init, update)
+
+
+def test_no_grant_reaches_a_transform_nested_in_a_link():
+    params, steps = problem(dtypes=(torch.float64,))
+    nested = fb.chain(fb.scale_by_adam(), twice(fb.scale(3.0)))
+    adam = fb.scale_by_adam()
+    got, _ = nested.update(steps[0], nested.init(params), params)
+    plain, _ = adam.update(steps[0], adam.init(params), params)
+    for k in params:
+        torch.testing.assert_close(got[k], 6.0 * plain[k], rtol=0, atol=0)
+
+
+def test_a_nested_chain_passes_its_grant_to_its_first_link():
+    """chain(adam, chain(scale, scale)): the inner chain was granted adam's fresh updates; the
+    bits are those of the links one by one either way."""
+    params, steps = problem(dtypes=(torch.float32,))
+    tx = fb.chain(fb.scale_by_adam(), fb.chain(fb.scale(-0.1), fb.scale(0.3)))
+    flat = fb.chain(fb.scale_by_adam(), fb.scale(-0.1), fb.scale(0.3))
+    a, _ = tx.update(steps[0], tx.init(params), params)
+    b, _ = link_by_link(flat, steps[0], flat.init(params), params)
+    assert_trees_equal(a, b)
+    assert tx.update.fresh_updates and not fb.chain(fb.trace(0.9)).update.fresh_updates
+
+
+def test_a_compiled_chain_gives_the_eager_bits():
+    params, steps = problem(dtypes=(torch.float32, torch.float64))
+    tx = fb.adamw(1e-2, weight_decay=0.1)
+    compiled = torch.compile(tx.update, fullgraph=True, backend="aot_eager")
+    state_c = state_e = tx.init(params)
+    for grads in steps:
+        got, state_c = compiled(grads, state_c, params)
+        expected, state_e = tx.update(grads, state_e, params)
+        assert_trees_equal(got, expected)
