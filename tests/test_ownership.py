@@ -4,10 +4,12 @@ caller's gradients and the state untouched, and no grant reaching a transform ne
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from devices import seeded
-from helpers import assert_trees_equal, clone_tree
+from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree
 
 import functional_bagua as fb
 from functional_bagua.base import GradientTransformation
@@ -52,6 +54,34 @@ def test_a_chain_gives_the_bits_of_its_links_run_one_by_one(make):
         assert_trees_equal(grads, before)  # the caller's gradients are never overwritten
         kept = {id(t) for t in fb.tree.flatten(state_chain)[0] if isinstance(t, torch.Tensor)}
         assert not any(id(u) in kept for u in got.values())  # the updates alias no state
+
+
+@pytest.mark.parametrize("alias", ALL_ALIASES, ids=lambda a: a.__name__)
+@pytest.mark.parametrize("weight_decay", [None, 0.1], ids=["own settings", "weight decay"])
+def test_every_alias_chain_gives_the_bits_of_its_links_one_by_one(alias, weight_decay):
+    """Every alias that is a chain, with its stateful paths on (and weight decay, whose link takes
+    the grant): updates, state and the caller's gradients as with nothing granted."""
+    settings = dict(RICH_SETTINGS.get(alias, {}))
+    if weight_decay is not None:
+        if "weight_decay" not in inspect.signature(alias).parameters:
+            pytest.skip(f"{alias.__name__} has no weight decay")
+        settings["weight_decay"] = weight_decay
+    tx = alias(**settings)
+    if not hasattr(tx.update, "transforms"):
+        pytest.skip(f"{alias.__name__} is not a chain")
+    shapes = {"w": (4, 3), "v": (3, 5)} if alias is fb.muon else {"w": (4, 3), "b": (3,), "k": (2, 1, 3, 3)}
+    gen = seeded(7)
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    state_chain = state_hand = tx.init(params)
+    for _ in range(3):
+        grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+        before = clone_tree(grads)
+        got, state_chain = tx.update(grads, state_chain, params)
+        expected, state_hand = link_by_link(tx, clone_tree(grads), state_hand, params)
+        assert_trees_equal(got, expected)
+        assert_trees_equal(state_chain, state_hand)
+        assert_trees_equal(grads, before)
+        params = fb.apply_updates(params, got)
 
 
 def test_the_first_link_never_overwrites_the_callers_updates():

@@ -169,7 +169,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
         u = mu / nu / bias_correction(b1, as_scalar(count))
         return u, ScaleByAdamaxState(count, mu, nu)
 
-    return leafwise(ScaleByAdamaxState, init_leaf, update_leaf, name="scale_by_adamax")
+    return leafwise(ScaleByAdamaxState, init_leaf, update_leaf, name="scale_by_adamax", fresh_updates=True)
 
 
 class ScaleByNadamState(NamedTuple):
@@ -222,7 +222,7 @@ def scale_by_nadam(
         u = (g / denom) * ((1 - mu_t) / (1 - mu_product)) + (mu / denom) * (mu_next / (1 - mu_product * mu_next))
         return u, ScaleByNadamState(count, mu_product, mu, nu)
 
-    return leafwise(ScaleByNadamState, init_leaf, update_leaf, name="scale_by_nadam")
+    return leafwise(ScaleByNadamState, init_leaf, update_leaf, name="scale_by_nadam", fresh_updates=True)
 
 
 class ScaleByRadamState(NamedTuple):
@@ -272,4 +272,4 @@ def scale_by_radam(
         u = torch.where(rho_t > threshold, mu_hat * adaptive * rect, mu_hat)
         return u, ScaleByRadamState(count, mu, nu)
 
-    return leafwise(ScaleByRadamState, init_leaf, update_leaf, name="scale_by_radam")
+    return leafwise(ScaleByRadamState, init_leaf, update_leaf, name="scale_by_radam", fresh_updates=True)

@@ -56,4 +56,4 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16) -> G
         u = mu / bias_correction(b1, t) / (nu.sqrt() / bias_correction(b2, t).sqrt()).add(eps)
         return u, ScaleByBeliefState(count, mu, nu)
 
-    return leafwise(ScaleByBeliefState, init_leaf, update_leaf, name="scale_by_belief")
+    return leafwise(ScaleByBeliefState, init_leaf, update_leaf, name="scale_by_belief", fresh_updates=True)

@@ -46,4 +46,4 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         u = lerp(s.mu, g, 1 - b1).sign()
         return u, ScaleByLionState(lerp(s.mu, g, 1 - b2))
 
-    return leafwise(ScaleByLionState, init_leaf, update_leaf, name="scale_by_lion")
+    return leafwise(ScaleByLionState, init_leaf, update_leaf, name="scale_by_lion", fresh_updates=True)

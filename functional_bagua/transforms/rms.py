@@ -87,7 +87,7 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8, centered: bool = False)
             rms, new_state = square_avg.sqrt(), ScaleByRmsState(square_avg)
         return g / rms.add(eps), new_state
 
-    return leafwise(state_type, init_leaf, update_leaf, name="scale_by_rms")
+    return leafwise(state_type, init_leaf, update_leaf, name="scale_by_rms", fresh_updates=True)
 
 
 class ScaleByAdagradState(NamedTuple):
@@ -128,7 +128,7 @@ def scale_by_adagrad(
             u = u / (1 + (as_scalar(count) - 1) * lr_decay)
         return u, ScaleByAdagradState(count, sum_of_squares)
 
-    return leafwise(ScaleByAdagradState, init_leaf, update_leaf, name="scale_by_adagrad")
+    return leafwise(ScaleByAdagradState, init_leaf, update_leaf, name="scale_by_adagrad", fresh_updates=True)
 
 
 class ScaleByAdadeltaState(NamedTuple):
@@ -164,4 +164,4 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
         acc_delta = second_moment(s.acc_delta, delta, rho)
         return delta, ScaleByAdadeltaState(square_avg, acc_delta)
 
-    return leafwise(ScaleByAdadeltaState, init_leaf, update_leaf, name="scale_by_adadelta")
+    return leafwise(ScaleByAdadeltaState, init_leaf, update_leaf, name="scale_by_adadelta", fresh_updates=True)

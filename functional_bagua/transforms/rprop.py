@@ -66,4 +66,4 @@ def scale_by_rprop(
         g = g.masked_fill(flipped, 0)
         return g.sign() * step_size, ScaleByRpropState(g, step_size)
 
-    return leafwise(ScaleByRpropState, init_leaf, update_leaf, name="scale_by_rprop")
+    return leafwise(ScaleByRpropState, init_leaf, update_leaf, name="scale_by_rprop", fresh_updates=True)
