@@ -10,8 +10,8 @@ arguments (``tx.update.built_from``). A transform made of such aliases, chained
     tx = found.with_numbers({"lr": lr_tensor})  # the chain, with fb.adamw(lr_tensor)
 
 The adjustable numbers are the aliases' float hyperparameters (those whose default is a float,
-or a tuple of them: ``lr``, ``betas``, ``weight_decay``), each under its own name where exactly
-one alias of the transform takes it (a chain of two aliases with an ``lr`` each has no
+or a tuple of them: ``lr``, ``betas``, ``weight_decay``; and :func:`~functional_bagua.scale_by_learning_rate`'s
+``learning_rate``, as ``lr``), each under its own name where exactly one alias of the transform takes it (a chain of two aliases with an ``lr`` each has no
 adjustable ``lr``). :class:`~functional_bagua.Optimizer` shows them in its param groups, so
 that torch's lr schedulers drive a transform built with numbers as they drive torch.optim's
 groups. Built again with 0-dim tensors, a transform reads the tensors' values at every update,
@@ -40,15 +40,18 @@ class _Alias:
     factory: Callable[..., GradientTransformation]
     arguments: dict[str, Any]
 
-    def float_hyperparameters(self) -> dict[str, Any]:
-        """Its arguments (given, or defaults) whose default is a float or a tuple of floats, where
-        their value is a number, a one-element tensor, or a tuple of those."""
+    def float_hyperparameters(self) -> dict[str, tuple[str, Any]]:
+        """``{shown name: (argument, value)}``: its arguments (given, or defaults) whose default is
+        a float or a tuple of floats, or that the factory names in its ``shown_as`` (with the name
+        to show: ``scale_by_learning_rate``'s ``learning_rate`` is an ``"lr"``), where their value
+        is a number, a one-element tensor, or a tuple of those."""
+        shown_as = getattr(self.factory, "shown_as", {})
         found = {}
         for name, p in inspect.signature(self.factory).parameters.items():
-            if _is_float_default(p.default):
+            if _is_float_default(p.default) or name in shown_as:
                 value = self.arguments.get(name, p.default)
                 if _is_numeric(value):
-                    found[name] = value
+                    found[shown_as.get(name, name)] = (name, value)
         return found
 
 
@@ -63,21 +66,21 @@ class Adjustable:
 
     tx: GradientTransformation
     numbers: dict[str, Any]
-    _owner: dict[str, Path]  # the alias that takes each name
+    _owner: dict[str, tuple[Path, str]]  # the alias that takes each name, and its argument
 
     @classmethod
     def of(cls, tx: GradientTransformation) -> Optional[Adjustable]:
         """``tx``'s adjustable numbers; ``None`` where it has none (a transform made of building
         blocks, an injected one, or one whose aliases all share their names)."""
-        takers: dict[str, list[tuple[_Alias, Any]]] = {}
+        takers: dict[str, list[tuple[_Alias, str, Any]]] = {}
         for alias in _aliases(tx, ()):
-            for name, value in alias.float_hyperparameters().items():
-                takers.setdefault(name, []).append((alias, value))
+            for name, (argument, value) in alias.float_hyperparameters().items():
+                takers.setdefault(name, []).append((alias, argument, value))
         unique = {name: found[0] for name, found in takers.items() if len(found) == 1}
         if not unique:
             return None
-        numbers = {name: value for name, (_, value) in unique.items()}
-        return cls(tx, numbers, {name: alias.path for name, (alias, _) in unique.items()})
+        numbers = {name: value for name, (_, _, value) in unique.items()}
+        return cls(tx, numbers, {name: (alias.path, argument) for name, (alias, argument, _) in unique.items()})
 
     def with_numbers(self, values: dict[str, Any]) -> GradientTransformation:
         """The transform built again with ``values`` (``{name: value}``, adjustable names only:
@@ -90,7 +93,8 @@ class Adjustable:
         for name, value in values.items():
             if name not in self._owner:
                 raise KeyError(f"{name!r} is not an adjustable number of this transform ({sorted(self._owner)})")
-            by_alias.setdefault(self._owner[name], {})[name] = value
+            path, argument = self._owner[name]
+            by_alias.setdefault(path, {})[argument] = value
         return _rebuilt(self.tx, (), by_alias)
 
 

@@ -23,7 +23,8 @@ number it would move in torch. Built from a transform
 (``fb.Optimizer(params, fb.adamw(lr=1e-3))``), every group runs that transform, or the one its
 ``"tx"`` entry names, and shows the numbers it was built with that a scheduler may write:
 
-- an alias's float hyperparameters (``lr``, ``betas``, ``weight_decay``), also of an alias
+- an alias's float hyperparameters (``lr``, ``betas``, ``weight_decay``; and
+  :func:`~functional_bagua.scale_by_learning_rate`'s rate, as ``lr``), also of an alias
   inside a :func:`~functional_bagua.chain` or given to another as its inner transform
   (``fb.lookahead(fb.adamw(1e-3))``), where exactly one alias takes the name
   (:mod:`functional_bagua.adjustable`). When a group's value changes (a scheduler, a

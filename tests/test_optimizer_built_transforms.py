@@ -188,6 +188,26 @@ def test_a_change_that_needs_another_state_is_refused_by_name():
     assert_models_close(expected, actual)
 
 
+def test_an_optax_style_chain_takes_a_scheduler_through_scale_by_learning_rate():
+    """chain(scale_by_adam(), scale_by_learning_rate(lr)) shows lr, and StepLR gives
+    torch.optim.Adam's run."""
+    expected, *_ = train(lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
+    tx = fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(1e-2))
+    actual, opt, _ = train(lambda m: fb.Optimizer(m.parameters(), tx))
+    assert_models_close(expected, actual)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** (STEPS // 3))
+
+
+def test_a_tensor_learning_rate_changed_in_place_reaches_scale_by_learning_rate():
+    lr = torch.tensor(0.5, dtype=DTYPE)
+    tx = fb.scale_by_learning_rate(lr)
+    g = {"w": torch.ones(2, dtype=DTYPE)}
+    first, _ = tx.update(g, tx.init(g))
+    lr.fill_(0.25)
+    second, _ = tx.update(g, tx.init(g))
+    assert first["w"].tolist() == [-0.5, -0.5] and second["w"].tolist() == [-0.25, -0.25]
+
+
 def test_numbers_two_aliases_share_are_not_adjustable():
     """Which alias's lr a scheduler meant is unknown: neither is shown (each alias's own are)."""
     found = Adjustable.of(fb.chain(fb.adamw(1e-3), fb.sgd(0.1, momentum=0.9)))

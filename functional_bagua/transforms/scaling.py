@@ -115,8 +115,10 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
             it is ``+lr * g``.
 
     Returns:
-        A GradientTransformation: a stateless one for a fixed ``learning_rate``, a
-        :func:`scale_by_schedule` one for a schedule.
+        A GradientTransformation: a stateless one for a fixed ``learning_rate`` (a tensor is read
+        at every update, so a value written into it in place takes effect), a
+        :func:`scale_by_schedule` one for a schedule. In :class:`~functional_bagua.Optimizer`,
+        a fixed ``learning_rate`` is its param group's ``"lr"``, for torch's schedulers.
     """
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
@@ -126,4 +128,17 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
             return sign * learning_rate(count)
 
         return scale_by_schedule(signed)
-    return scale(sign * learning_rate)
+    if isinstance(learning_rate, torch.Tensor):  # read at every update: a scheduler's fill_ reaches it
+        tx = stateless(
+            lambda u, p: u * (sign * learning_rate),
+            name="scale_by_learning_rate",
+            in_place=lambda u, p: u.mul_(sign * learning_rate),
+        )
+    else:
+        tx = scale(sign * learning_rate)
+    # how it was built: fb.Optimizer shows the number as its group's "lr" (functional_bagua.adjustable)
+    tx.update.built_from = (scale_by_learning_rate, {"learning_rate": learning_rate, "flip_sign": flip_sign})  # type: ignore[attr-defined]
+    return tx
+
+
+scale_by_learning_rate.shown_as = {"learning_rate": "lr"}  # type: ignore[attr-defined]  # its number in a param group
