@@ -304,19 +304,8 @@ NOT_YET = {
         "sync_optimizer_state",
     ],
     "bagua.torch_api.data_parallel": [],
-    "bagua.torch_api.data_parallel.distributed": ["DistributedDataParallel_V1_9_0_Interface"],
-    "bagua.torch_api.data_parallel.bagua_distributed": [
-        "BaguaDistributedDataParallel",
-        "BaguaHyperparameter",
-        "BaguaProcessGroup",
-        "StatisticalAverage",
-        "TensorDeclaration",
-        "broadcast",
-        "get_backend",
-        "get_hyperparameters_service_client",
-        "is_moe_param",
-        "to_bagua_datatype",
-    ],
+    "bagua.torch_api.data_parallel.distributed": [],
+    "bagua.torch_api.data_parallel.bagua_distributed": ["get_backend", "get_hyperparameters_service_client"],
     "bagua.torch_api.utils": [],
 }
 

@@ -25,10 +25,51 @@ from functional_bagua.compat.bagua_module import ENGINE_ATTRIBUTE, BaguaDistribu
 from functional_bagua.compat.communication import BaguaProcessGroup, to_bagua_process_group  # noqa: F401  # as Bagua's
 from functional_bagua.distributed.process_group import broadcast_params
 
-__all__ = ["DistributedDataParallel", "DistributedDataParallel_V1_9_0"]
+__all__ = ["DistributedDataParallel", "DistributedDataParallel_V1_9_0", "DistributedDataParallel_V1_9_0_Interface"]
 
 
-class DistributedDataParallel_V1_9_0(torch.nn.Module):  # noqa: N801 - Bagua's name
+class DistributedDataParallel_V1_9_0_Interface(torch.nn.Module):  # noqa: N801 - Bagua's name
+    """Bagua's interface of torch 1.9's ``DistributedDataParallel``: the methods a wrapper module
+    offers, each raising ``NotImplementedError`` where a subclass does not implement it (as
+    Bagua's; :class:`DistributedDataParallel_V1_9_0` implements ``forward`` and ``no_sync``)."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        raise NotImplementedError
+        yield  # a generator, as Bagua's context manager
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+        raise NotImplementedError
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: Any) -> Any:
+        raise NotImplementedError
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        raise NotImplementedError
+
+    def train(self, mode: bool = True) -> "DistributedDataParallel_V1_9_0_Interface":
+        super().train(mode)
+        return self
+
+    @contextlib.contextmanager
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Iterator[None]:
+        """Not implemented (as in Bagua): use ``torch.distributed.algorithms.join.Join([net])``."""
+        raise NotImplementedError
+        yield
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise NotImplementedError
+
+    def will_sync_module_buffers(self) -> bool:
+        raise NotImplementedError
+
+
+class DistributedDataParallel_V1_9_0(DistributedDataParallel_V1_9_0_Interface):  # noqa: N801 - Bagua's name
     """The wrapper module (module docstring). Arguments as :func:`DistributedDataParallel`, in
     Bagua's order: torch DDP's first, then ``optimizers`` (default: none) and ``algorithm``
     (default: ``None``, for ``GradientAllReduceAlgorithm()``), so that Bagua's own tests, which
