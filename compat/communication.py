@@ -27,7 +27,7 @@ import functools
 import gc
 import os
 import socket
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -189,6 +189,8 @@ class BaguaProcessGroup:
         node = rank // local_size
         self.intra_ranks = [r for r in ranks if r // local_size == node]
         self.inter_ranks = [r for r in ranks if r % local_size == ranks[0] % local_size]
+        _pg_group_ranks[self] = {global_rank: group_rank for group_rank, global_rank in enumerate(ranks)}
+        _pg_map[group_name] = self
 
     def is_member(self) -> bool:
         """Whether this process is in the group."""
@@ -200,6 +202,64 @@ class BaguaProcessGroup:
 
     def __repr__(self) -> str:
         return f"BaguaProcessGroup(name={self.group_name!r}, ranks={self.ranks})"
+
+
+# Bagua's records of the groups made in this process (its module keeps them so): each group's global
+# rank -> rank in the group, and each group by name. The default group, the number of groups
+# named so far and the default store are read live (module __getattr__).
+_pg_group_ranks: dict = {}
+_pg_map: dict = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_default_pg":
+        return _groups.default
+    if name == "_group_count":
+        return _groups.count
+    if name == "_default_store":
+        return _default_store_now()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _default_store_now() -> Optional[dist.Store]:
+    """torch.distributed's default store (the one the default process group rendezvoused with), or
+    ``None`` before it is initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _check_default_pg() -> None:
+    """An AssertionError unless the default Bagua group exists (Bagua's helper)."""
+    assert _groups.default is not None, "Default process group is not initialized"
+
+
+def _get_rank_mappings() -> dict[int, tuple[int, int]]:
+    """``{global rank: (node rank, local rank)}`` for every process of the default group, gathered
+    from all of them (every process must call it)."""
+    _check_default_pg()
+    gathered: list = [None] * get_world_size()
+    dist.all_gather_object(gathered, (get_node_rank(), get_local_rank()))
+    return {rank: tuple(pair) for rank, pair in enumerate(gathered)}
+
+
+def _find_free_bagua_service_port(store: dist.Store) -> int:
+    """The port of Bagua's service: ``BAGUA_SERVICE_PORT`` where set, else a free port found by
+    rank 0 and shared through ``store`` (every process must call it).
+
+    Args:
+        store: a store every process can reach (the default group's).
+    """
+    port = get_bagua_service_port()
+    if port > 0:
+        return port
+    if get_rank() == 0:
+        port = find_free_network_port()
+        store.set("bagua_service_port", str(port))
+        return port
+    return int(store.get("bagua_service_port"))
 
 
 class _Registry:
@@ -260,6 +320,8 @@ def _destroy_at_exit() -> None:
     interpreter's shutdown then aborts the process ("terminate called without an active exception")."""
     _groups.default = None
     _groups.of_torch_group.clear()
+    _pg_group_ranks.clear()
+    _pg_map.clear()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -528,7 +528,18 @@ def communication_api(rank: int, world_size: int) -> dict:
         bagua.recv(message, src=0)
     out["recv"] = message
     bagua.barrier()
-    group = bagua.communication.new_group(ranks=[0, n - 1])
+    comm = bagua.communication
+    count_before = comm._group_count
+    group = comm.new_group(ranks=[0, n - 1])
+    comm._check_default_pg()
+    out["internals"] = dict(
+        default_pg_is_default=comm._default_pg is comm._get_default_group(),
+        named_one_more=comm._group_count == count_before + 1,
+        group_ranks=comm._pg_group_ranks[group],
+        by_name=comm._pg_map[group.group_name] is group,
+        rank_mappings=comm._get_rank_mappings(),
+        service_port=comm._find_free_bagua_service_port(comm._default_store),
+    )
     t = fresh()
     bagua.allreduce_inplace(t, comm=group.get_global_communicator())
     out["subgroup_allreduce"] = t
@@ -631,6 +642,7 @@ def async_average(rank: int, world_size: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     algorithm = async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=2, warmup_steps=2)
     model.with_bagua([opt], algorithm)
+    statuses = [model.bagua_algorithm.status]
     data = local_batches(rank, world_size, steps=12, seed=rank + 5)
     for step, (x, y) in enumerate(data):
         opt.zero_grad()
@@ -639,20 +651,25 @@ def async_average(rank: int, world_size: int) -> dict:
         if step == 1:
             after_warmup = {n: p.detach().clone() for n, p in model.named_parameters()}
         if step == 6:
+            statuses.append(model.bagua_algorithm.status)
             model.bagua_algorithm.abort(model)
             model.bagua_algorithm.abort(model)  # twice: a no-op
+            statuses.append(model.bagua_algorithm.status)
             model.bagua_algorithm.resume(model)
             model.bagua_algorithm.resume(model)
+            statuses.append(model.bagua_algorithm.status)
         time.sleep(0.005)
     rounds_while_training = model.bagua_algorithm.rounds()
     time.sleep(0.2)  # idle: the thread averages the replicas
     algorithm.abort(model)
+    statuses.append(model.bagua_algorithm.status)
     threads = [t.name for t in threading.enumerate() if t.name == "bagua-async-average"]
     return dict(
         after_warmup=after_warmup,
         final={n: p.detach().clone() for n, p in model.named_parameters()},
         rounds=rounds_while_training,
         threads=threads,
+        statuses=[status.name for status in statuses],
     )
 
 

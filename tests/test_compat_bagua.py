@@ -382,6 +382,11 @@ def test_communication_api_matches_torch_collectives():
     for rank, got in enumerate(results):
         assert got["initialized"] and (got["rank"], got["world_size"]) == (rank, n)
         assert (got["local_rank"], got["local_size"], got["backend"]) == (rank, n, "gloo")
+        internals = got["internals"]  # Bagua's module-level records and helpers
+        assert internals["default_pg_is_default"] and internals["named_one_more"] and internals["by_name"]
+        assert internals["group_ranks"] == {0: 0, n - 1: 1}
+        assert internals["rank_mappings"] == {r: (0, r) for r in range(n)}  # one node
+        assert internals["service_port"] == results[0]["internals"]["service_port"] > 0
         assert torch.equal(got["allreduce_avg"], sum(xs) / n)
         assert torch.equal(got["allreduce_max"], torch.maximum(*xs))
         assert torch.equal(got["broadcast"], xs[n - 1])
@@ -612,6 +617,8 @@ def test_async_averaging_runs_in_the_background_and_stops_cleanly(averaging_two)
     for name in results[0]["final"]:  # idle replicas averaged by the thread
         torch.testing.assert_close(results[0]["final"][name], results[1]["final"][name], rtol=1e-12, atol=1e-14)
     assert all(r["threads"] == [] for r in results)
+    # Bagua's _AsyncInternalState: new at wrap time, started, stopped by abort, started by resume
+    assert all(r["statuses"] == ["NEW", "STARTED", "STOPPED", "STARTED", "STOPPED"] for r in results)
 
 
 def test_one_model_through_all_six_algorithms(averaging_two):

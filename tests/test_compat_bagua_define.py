@@ -50,3 +50,13 @@ def test_moe_parameters_are_those_marked_expert():
     expert.expert = True
     assert not bagua_distributed.is_moe_param(plain) and bagua_distributed.is_moe_param(expert)
     assert bagua_distributed.BaguaDistributedDataParallel is BaguaDistributedDataParallel
+
+
+def test_the_algorithm_registry_lists_its_names_as_bagua_does():
+    from functional_bagua.compat.algorithms import base
+
+    registry = base.GlobalAlgorithmRegistry
+    assert isinstance(registry, base._AlgorithmRegistry)
+    names = registry.available_algorithms()
+    assert "gradient_allreduce" in names and sorted(names) == registry.names()
+    assert str(registry) == "Registered Algorithms: " + ", ".join(names)

@@ -27,6 +27,7 @@ exits, before the process group is destroyed.
 from __future__ import annotations
 
 import atexit
+import enum
 import threading
 import time
 import weakref
@@ -39,6 +40,7 @@ from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, en
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
 from functional_bagua.compat.communication import (  # noqa: F401  # Bagua's module exports them
     BaguaProcessGroup,
+    _pg_group_ranks,
     barrier,
     get_rank,
     new_group,
@@ -51,6 +53,18 @@ if TYPE_CHECKING:
 __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 
 JOIN_TIMEOUT_S = 60.0
+
+
+class _AsyncInternalState(enum.IntEnum):
+    """Where an implementation's averaging thread stands (Bagua's names): ``NEW`` before it first
+    starts, ``STARTED`` while it runs, ``STOPPED`` after ``abort``. ``SCHEDULED`` is Bagua's state
+    between submitting its loop and its running; a thread here runs once started, so it is never
+    reported."""
+
+    NEW = 0
+    SCHEDULED = 1
+    STARTED = 2
+    STOPPED = 3
 
 
 class _AveragingThread:
@@ -160,6 +174,14 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self.weights: list = []
         self._holding = False  # whether the training thread holds the lock (a step is under way)
         self._exit_hook = False
+        self._stopped = False  # aborted (or detached) since the thread last ran
+
+    @property
+    def status(self) -> _AsyncInternalState:
+        """The averaging thread's state (:class:`_AsyncInternalState`)."""
+        if self.averager is not None:
+            return _AsyncInternalState.STARTED
+        return _AsyncInternalState.STOPPED if self._stopped else _AsyncInternalState.NEW
 
     @property
     def averaging(self) -> bool:
@@ -202,6 +224,7 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
     def _start(self) -> None:
         assert self.thread_group is not None
         self.averager = _AveragingThread(self.weights, self.thread_group, self.lock, self.sync_interval_ms / 1000)
+        self._stopped = False
         if not self._exit_hook:
             atexit.register(self._stop_at_exit)
             self._exit_hook = True
@@ -234,6 +257,7 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self._release()
         averager, self.averager = self.averager, None
         averager.join()
+        self._stopped = True
 
     def resume(self, bagua_module: Any) -> None:
         """Start the averaging thread again (after :meth:`abort`); every rank must call it. Does

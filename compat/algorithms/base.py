@@ -169,7 +169,15 @@ class AlgorithmRegistry:
         """The registered names."""
         return sorted(self._classes)
 
+    def available_algorithms(self) -> list[str]:
+        """The registered names, in the order they were registered (Bagua's method)."""
+        return list(self._classes)
 
+    def __str__(self) -> str:
+        return "Registered Algorithms: {}".format(", ".join(self._classes))
+
+
+_AlgorithmRegistry = AlgorithmRegistry  # Bagua's name of the class
 GlobalAlgorithmRegistry = AlgorithmRegistry()
 
 
