@@ -14,6 +14,8 @@ A Bagua script runs after replacing ``import bagua.torch_api as bagua`` with
   Bagua's fused optimizer for any ``torch.optim.Optimizer`` (:mod:`functional_bagua.compat.fuse`).
 """
 
+import torch as _torch
+
 from functional_bagua.compat import algorithms, communication, contrib, data_parallel, optim, utils
 from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel, patch_torch_module
 from functional_bagua.compat.communication import (
@@ -55,6 +57,8 @@ from functional_bagua.compat.fuse import (
 )
 
 patch_torch_module()
+
+version = _torch.__version__  # Bagua's: the torch version it runs on
 
 __all__ = [
     "fuse_optimizer",
