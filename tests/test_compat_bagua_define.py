@@ -60,3 +60,9 @@ def test_the_algorithm_registry_lists_its_names_as_bagua_does():
     names = registry.available_algorithms()
     assert "gradient_allreduce" in names and sorted(names) == registry.names()
     assert str(registry) == "Registered Algorithms: " + ", ".join(names)
+
+
+def test_version_is_the_torch_version_as_in_bagua():
+    import functional_bagua.compat as bagua
+
+    assert bagua.version == torch.__version__
