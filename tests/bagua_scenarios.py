@@ -830,3 +830,27 @@ def wrapper_attributes(rank: int, world_size: int) -> dict:
     loss_fn(reference(x), y).backward()
     out["reference_local_grad"] = reference.fc.weight.grad.clone()
     return out
+
+
+def cache_shared_between_ranks(rank: int, world_size: int) -> dict:
+    """CachedDataset on the default store: rank 0 makes every sample, the others read them back."""
+    from functional_bagua.compat.contrib import CachedDataset
+
+    made: list = []
+
+    class Counting(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            made.append(i)
+            return torch.full((2,), float(i))
+
+    dataset = CachedDataset(Counting(), backend="store", dataset_name="shared", writer_buffer_size=4)
+    if rank == 0:
+        first = [dataset[i] for i in range(6)]
+        dataset.cache_loader.flush()
+    dist.barrier()
+    if rank != 0:
+        first = [dataset[i] for i in range(6)]
+    return dict(made=made, samples=first, keys=dataset.cache_loader.num_keys())

@@ -24,6 +24,7 @@ from functional_bagua.compat.algorithms import Algorithm, GlobalAlgorithmRegistr
 pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: test_cuda_distributed.py)")
 
 TWO_RANKS = [
+    "cache_shared_between_ranks",
     "gradient_allreduce_against_torch_ddp",
     "v1_9_0_with_bagua_defaults",
     "buckets_launch_during_backward",
@@ -368,6 +369,13 @@ def test_importing_compat_gives_modules_baguas_methods():
     model = torch.nn.Linear(2, 2)
     assert callable(model.with_bagua) and callable(model.bagua_build_params)
     assert [name for name, _ in model.bagua_build_params()] == [".weight", ".bias"]
+
+
+def test_a_cached_dataset_on_the_default_store_is_made_once_for_all_ranks(two):
+    results = [ok(r["cache_shared_between_ranks"]) for r in two]
+    assert results[0]["made"] == list(range(6)) and all(r["made"] == [] for r in results[1:])
+    for r in results:
+        assert r["keys"] == 6 and all(torch.equal(s, torch.full((2,), float(i))) for i, s in enumerate(r["samples"]))
 
 
 # ---- communication ---------------------------------------------------------------------------------

@@ -281,7 +281,7 @@ NOT_YET = {
     "bagua.torch_api.algorithms.decentralized": ["BaguaBucket", "BaguaTensor"],
     "bagua.torch_api.algorithms.q_adam": ["BaguaBucket", "BaguaTensor"],
     "bagua.torch_api.algorithms.async_model_average": ["BaguaBucket", "BaguaTensor"],
-    "bagua.torch_api.contrib": ["CacheLoader", "CachedDataset"],
+    "bagua.torch_api.contrib": [],
     "bagua.torch_api.contrib.load_balancing_data_loader": [],
     # the steps of Bagua's second, flat optimizer, which this layer does not keep (the module's docstring)
     "bagua.torch_api.contrib.fuse.optimizer": [
