@@ -28,9 +28,11 @@ number it would move in torch. Built from a transform
   inside a :func:`~functional_bagua.chain` or given to another as its inner transform
   (``fb.lookahead(fb.adamw(1e-3))``), where exactly one alias takes the name
   (:mod:`functional_bagua.adjustable`). When a group's value changes (a scheduler, a
-  checkpoint, a value given in the group), the transform is built again with a 0-dim tensor
-  for it, which later values are written into; one whose state would change its structure
-  (``fb.sgd``'s momentum from 0 after the first step) raises a ValueError naming it;
+  checkpoint, a value given in the group), it is validated as the alias validates it, and the
+  transform is built again with a 0-dim tensor for it, which later values are written into
+  (a saved group lists those under ``"numbers_as_tensors"``, so that a resumed run reads them
+  so too); one whose state would change its structure (``fb.sgd``'s momentum from 0 after the
+  first step) raises a ValueError naming it;
 - the numbers of a transform made by :func:`~functional_bagua.inject_hyperparams` that no
   schedule drives.
 
@@ -73,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import numbers
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
@@ -89,6 +92,7 @@ from functional_bagua.transforms.wrappers import Partitioned, partitioned
 from functional_bagua.tree import copy_into
 
 Factory = Callable[..., GradientTransformation]
+TENSOR_NUMBERS = "numbers_as_tensors"  # a saved group's entry: the numbers its transform read from tensors
 
 
 @dataclasses.dataclass
@@ -114,6 +118,13 @@ class _Shown:
     found: Adjustable
     runs_with: dict[str, Any]  # the values the transform now runs with, as the group held them
     tensors: dict[str, Any] = dataclasses.field(default_factory=dict)  # what it was built again with
+
+    def transform_now(self, built: GradientTransformation) -> GradientTransformation:
+        """The transform reading this record's tensors (those it was built again with, and those
+        the group itself holds); ``built`` where there are none."""
+        held = {k: v for k, v in self.runs_with.items() if _holds_tensor(v)}
+        values = {**held, **self.tensors}
+        return self.found.with_numbers(values) if values else built
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -349,6 +360,12 @@ class Optimizer(torch.optim.Optimizer):
                 amp = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
                 ours.state = self._run_kernel(kernel, grads, state, group["params"], *amp)
                 continue  # on the parameters themselves, as torch.optim's fused step
+            scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+            if scale is not None or found_inf is not None:  # GradScaler counted on a kernel: unscale here
+                if found_inf is not None and bool(found_inf):
+                    continue  # skipped, as the kernel skips a step with an inf
+                if scale is not None:
+                    grads = {k: None if g is None else g / scale.to(g.device) for k, g in grads.items()}
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
             updates, ours.state = ours.tx.update(grads, state, params)
             copy_into(params, apply_updates(params, updates))
@@ -363,6 +380,8 @@ class Optimizer(torch.optim.Optimizer):
         optimizer."""
         for i, group in enumerate(self.param_groups):
             grads = [p.grad for p in group["params"] if p.grad is not None]
+            if grads and self._groups[i].numbers is not None:
+                self._follow_numbers(self, i)  # as step will first: the kernel of the numbers now
             if grads and (self._kernel(i) is None or any(g.is_sparse for g in grads)):
                 return False
         return True
@@ -376,10 +395,14 @@ class Optimizer(torch.optim.Optimizer):
             factory = self._tx
             assert factory is not None and not isinstance(factory, GradientTransformation)
             arguments = self._factory_arguments(self.param_groups[i])
+            if any(_holds_tensor(v) for v in arguments.values()):
+                return None  # torch's kernels here take numbers (kernels.spec_of): no need to build it
             numbers = tuple(sorted(arguments.items()))
             return self._kernel_for(i, numbers, lambda: factory(**arguments))
         shown = self._groups[i].numbers
         if shown is not None and shown.tensors:  # built again with tensors: the kernel of the numbers now
+            if any(_holds_tensor(v) for v in shown.runs_with.values()):
+                return None
             now = tuple(sorted(shown.runs_with.items()))
             return self._kernel_for(i, now, lambda: shown.found.with_numbers(shown.runs_with))
         return kernels.spec_of(self._groups[i].tx)
@@ -414,6 +437,9 @@ class Optimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._set_eager_parts()
+        for ours in self._groups:  # a copy's transforms read the copy's tensors, not the original's
+            if ours.numbers is not None:
+                ours.tx = ours.numbers.transform_now(ours.tx)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -436,6 +462,9 @@ class Optimizer(torch.optim.Optimizer):
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(group["params"])))
             packed["shared_state"] = shared
+            shown = self._groups[i].numbers
+            if shown is not None and shown.tensors:  # so that a resumed run computes as this one
+                packed[TENSOR_NUMBERS] = sorted(shown.tensors)
             groups.append(packed)
             start += len(group["params"])
         state_dict = {"state": per_param, "param_groups": groups}
@@ -471,9 +500,27 @@ class Optimizer(torch.optim.Optimizer):
         for ours, (state, tracked), saved, group in zip(self._groups, loaded, groups, self.param_groups):
             ours.state, ours.tracked, ours.layout = state, tracked, None  # all read: now assigned
             ours.written.clear()
-            group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state")})
+            group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state", TENSOR_NUMBERS)})
+        for i, (ours, saved) in enumerate(zip(self._groups, groups)):
+            if ours.numbers is not None:  # the saved numbers, as they ran (tensors where they were)
+                _follow_numbers(self, i, force=saved.get(TENSOR_NUMBERS, ()))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _transform_for_saved(self, i: int, saved: dict[str, Any]) -> GradientTransformation:
+        """Group ``i``'s transform with the numbers of the saved group (whose state it made)."""
+        ours = self._groups[i]
+        shown = ours.numbers
+        if shown is None:
+            return ours.tx
+        device = self.param_groups[i]["params"][0].device
+        forced = set(saved.get(TENSOR_NUMBERS, ()))
+        values = {
+            k: _held_as_tensors(k, saved[k], device)
+            for k, was in shown.runs_with.items()
+            if k in saved and (k in forced or _differs(saved[k], was))
+        }
+        return shown.found.with_numbers({**shown.tensors, **values}) if values else ours.tx
 
     def _loaded_group(
         self, i: int, saved: dict[str, Any], per_param: dict[int, dict[str, Any]]
@@ -485,7 +532,7 @@ class Optimizer(torch.optim.Optimizer):
         if not saved["shared_state"] and not any(entries.values()):
             return None, frozenset()
         tracked = frozenset(at for at, held in entries.items() if held) or _requiring_grad(self.param_groups[i])
-        template = _make_state(self, i, tracked, assign=False)
+        template = _make_state(self, i, tracked, assign=False, tx=self._transform_for_saved(i, saved))
         layout = GroupLayout.of(template)
         flat = {}  # the template's keys (fb.state_dict's), the saved tensors
         for key, position, name, leaf in zip(layout.keys, layout.positions, layout.names, tree.flatten(template)[0]):
@@ -550,14 +597,22 @@ def _split_by_label(
             yield {**param_group, "params": chosen, "label": label}, tx
 
 
-def _make_state(optimizer: Optimizer, i: int, tracked: Optional[frozenset[int]], assign: bool = True) -> OptState:
+def _make_state(
+    optimizer: Optimizer,
+    i: int,
+    tracked: Optional[frozenset[int]],
+    assign: bool = True,
+    tx: Optional[GradientTransformation] = None,
+) -> OptState:
     """Group ``i``'s state over the parameters at positions ``tracked`` (``None``: those that
-    require gradients), kept as the group's with ``assign`` (eager: a compiled step that makes
-    it reads numbers the state holds as Python values until then)."""
+    require gradients), made by ``tx`` (the group's transform by default), kept as the group's
+    with ``assign`` (eager: a compiled step that makes it reads numbers the state holds as Python
+    values until then)."""
     params = optimizer.param_groups[i]["params"]
     tracked = tracked if tracked is not None else _requiring_grad(optimizer.param_groups[i])
     ours = optimizer._groups[i]
-    state = ours.tx.init({k: p.detach() if k in tracked else None for k, p in zip(positions(len(params)), params)})
+    tx = ours.tx if tx is None else tx
+    state = tx.init({k: p.detach() if k in tracked else None for k, p in zip(positions(len(params)), params)})
     if assign:
         ours.state, ours.tracked = state, tracked
     return state
@@ -637,33 +692,54 @@ def _differs(held: Any, was: Any) -> bool:
     return type(held) is not type(was) or held != was
 
 
-def _follow_numbers(optimizer: Optimizer, i: int) -> None:
+def _follow_numbers(optimizer: Optimizer, i: int, force: Any = ()) -> None:
     """Make group ``i``'s transform (built with numbers) run with the numbers its group holds now
-    (what a scheduler, ``load_state_dict`` or the user wrote there). The first time a number
-    changes, the transform is built again with a 0-dim tensor for it (a tensor the group holds
-    is taken as it is), and from then on a new value is written into that tensor: a compiled
-    step reads it as data. A transform whose state would change its shape (``fb.sgd``'s
-    momentum from 0, which keeps no buffer) raises a ValueError naming the number. Eager,
-    also inside a compiled step."""
+    (what a scheduler, ``load_state_dict`` or the user wrote there). New values are validated as
+    the alias validates its arguments (its ValueError, naming the argument). The first time a
+    number changes (or where ``force`` names it: a checkpoint's group ran it so), the transform
+    is built again with a 0-dim tensor for it (a tensor the group holds is taken as it is), and
+    from then on a new value is written into that tensor: a compiled step reads it as data. A
+    transform whose state would change its shape (``fb.sgd``'s momentum from 0, which keeps no
+    buffer) raises a ValueError naming the number. Eager, also inside a compiled step."""
     ours, group = optimizer._groups[i], optimizer.param_groups[i]
     shown = ours.numbers
     assert shown is not None
     changed = {k: group[k] for k, was in shown.runs_with.items() if k in group and _differs(group[k], was)}
-    if not changed:
+    forced = [k for k in force if k in shown.runs_with and k not in shown.tensors and k not in changed]
+    if not changed and not forced:
         return
-    device = group["params"][0].device
-    fresh = [k for k, v in changed.items() if k not in shown.tensors or _holds_tensor(v)]
     for name, value in changed.items():
-        if name in fresh:
-            shown.tensors[name] = _held_as_tensors(name, value, device)
-        else:
-            _fill(name, shown.tensors[name], value)
-        shown.runs_with[name] = _as_shown(value)
-    if fresh:
-        tx = shown.found.with_numbers(shown.tensors)
+        _check_kind(name, value)
+    now = {**shown.runs_with, **{k: _as_shown(v) for k, v in changed.items()}}
+    shown.found.with_numbers({k: v for k, v in now.items() if not _holds_tensor(v)})  # the alias's checks
+    device = group["params"][0].device
+    fresh = [k for k, v in changed.items() if k not in shown.tensors or _holds_tensor(v)] + forced
+    tensors = {**shown.tensors, **{k: _held_as_tensors(k, now[k], device) for k in fresh}}
+    tx = ours.tx
+    if fresh:  # checked before anything changes: a refused value leaves the group as it ran
+        tx = shown.found.with_numbers(tensors)
         if ours.state is not None:
             _check_same_state_structure(optimizer, i, tx, fresh)
-        ours.tx = tx
+    for name in changed.keys() - set(fresh):
+        _fill(name, tensors[name], now[name])
+    shown.tensors, shown.runs_with, ours.tx = tensors, now, tx
+
+
+def _is_real(value: Any) -> bool:
+    """A real number, numpy's included, not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_kind(name: str, value: Any) -> None:
+    """A TypeError unless ``value`` is a number, a one-element tensor, or a tuple of those (or ``None``)."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if v is not None:
+                _check_kind(name, v)
+        return
+    if isinstance(value, torch.Tensor) and value.numel() == 1 or _is_real(value):
+        return
+    raise TypeError(f"{NAME}: param group {name!r} holds {value!r}; a number (or a tuple of them) was expected")
 
 
 def _held_as_tensors(name: str, value: Any, device: torch.device) -> Any:
@@ -672,8 +748,7 @@ def _held_as_tensors(name: str, value: Any, device: torch.device) -> Any:
         return tuple(None if v is None else _held_as_tensors(name, v, device) for v in value)
     if isinstance(value, torch.Tensor):
         return value
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{NAME}: param group {name!r} holds {value!r}; a number (or a tuple of them) was expected")
+    _check_kind(name, value)
     return torch.tensor(float(value), dtype=SCALAR_DTYPE, device=device)
 
 
@@ -685,9 +760,8 @@ def _fill(name: str, tensors: Any, value: Any) -> None:
             if t is not None:
                 _fill(name, t, v)
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{NAME}: param group {name!r} holds {value!r}; a number was expected")
-    tensors.fill_(value)
+    _check_kind(name, value)
+    tensors.fill_(float(value))
 
 
 def _check_same_state_structure(optimizer: Optimizer, i: int, tx: GradientTransformation, names: list) -> None:

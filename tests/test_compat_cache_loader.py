@@ -90,3 +90,32 @@ def test_bad_input_is_named(make, error, says):
         pytest.skip("torch.distributed is initialized in this process")
     with pytest.raises(error, match=says):
         make()
+
+
+def test_dataloader_workers_share_the_store_through_their_own_connections():
+    """A TCPStore made here; two forked DataLoader workers fill the cache; this process reads it."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    made: list = []
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            made.append(i)  # in a worker: this process's list stays empty
+            return torch.tensor([float(i)])
+
+    dataset = CachedDataset(Slow(), backend="store", dataset_name="workers", writer_buffer_size=1, store=store)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=2, timeout=60)
+    assert torch.cat(list(loader)).flatten().tolist() == [float(i) for i in range(8)]
+    assert dataset.cache_loader.num_keys() == 8 and made == []
+    assert [dataset[i].item() for i in range(8)] == [float(i) for i in range(8)] and made == []  # read back here
+
+
+def test_numpy_complexities_and_numbers_are_numbers():
+    from functional_bagua.compat.contrib import LoadBalancingDistributedSampler
+
+    np = pytest.importorskip("numpy", reason="numpy numbers")
+    data = torch.utils.data.TensorDataset(torch.arange(4.0))
+    sampler = LoadBalancingDistributedSampler(data, lambda s: np.int64(-s[0].item()), 1, 0, shuffle=False)
+    assert list(sampler) == [3, 2, 1, 0]

@@ -623,17 +623,20 @@ def test_a_label_transforms_shared_state_under_int_labels_is_shared_state():
 
 def test_dcp_steps_no_group_whose_numbers_are_fixed():
     """Before the first step, DCP steps an optimizer that reads as fresh (lr 0, zero gradients):
-    a group with fixed weight decay beside one with an lr must not move."""
+    a group of building blocks with fixed weight decay (no lr to set to 0) beside one with an lr
+    must not move."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)).double()
     before = [p.clone() for p in model.parameters()]
+    fixed = fb.chain(fb.scale_by_adam(), fb.add_decayed_weights(0.1), fb.scale(-1e-2))
     opt = fb.Optimizer(
         [
             {"params": model[0].parameters(), "tx": fb.inject_hyperparams(fb.adamw)(lr=1e-2)},
-            {"params": model[1].parameters(), "tx": fb.adamw(1e-2, weight_decay=0.1)},
+            {"params": model[1].parameters(), "tx": fixed},
         ]
     )
+    assert "lr" not in opt.param_groups[1]
     get_optimizer_state_dict(model, opt)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
@@ -688,15 +691,18 @@ def test_one_cycle_drives_a_partition_of_injected_transforms():
 
 
 def test_dcp_reads_a_stateless_chain_without_stepping_it():
-    """torch.distributed.checkpoint steps an optimizer whose state looks empty (to make it); a
-    plain SGD with weight decay built from a transform must not move for that."""
+    """torch.distributed.checkpoint steps an optimizer whose state looks empty (to make it), with
+    lr 0 where a group holds one: a built fb.sgd with weight decay (whose lr its group shows, as
+    torch.optim.SGD's) and a chain of building blocks (no lr: made, not stepped) must not move."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    model = make_model("shapes", DTYPE)
-    opt = fb.Optimizer(model.parameters(), fb.sgd(0.1, weight_decay=0.1))
-    before = [p.clone() for p in model.parameters()]
-    get_optimizer_state_dict(model, opt)
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    for tx in (fb.sgd(0.1, weight_decay=0.1), fb.chain(fb.add_decayed_weights(0.1), fb.scale(-0.1))):
+        model = make_model("shapes", DTYPE)
+        opt = fb.Optimizer(model.parameters(), tx)
+        before = [p.clone() for p in model.parameters()]
+        get_optimizer_state_dict(model, opt)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert opt.param_groups[0].get("lr", 0.1) == 0.1  # DCP put the lr back
 
 
 def test_state_dict_hooks_run_as_torchs_do():

@@ -238,3 +238,126 @@ def test_a_tensor_hyperparameter_changed_in_place_reaches_the_next_update():
                 for name, p in model.named_parameters():
                     p.copy_(fb.apply_updates(params, updates)[name])
     assert_models_close(reference, model)
+
+
+def test_a_deep_copy_runs_on_its_own_numbers_after_a_change():
+    """The copy's transform reads the copy's tensors: setting its lr to 0 freezes it, the
+    original moves on with its own (reference: the copy left as it was)."""
+    for make in (lambda: fb.sgd(0.1), lambda: fb.sgd(torch.tensor(0.1, dtype=DTYPE))):
+        model, opt, sched = train(lambda m: fb.Optimizer(m.parameters(), make(), fused=False), steps=4)
+        twin = copy.deepcopy(model)
+        opt2 = copy.deepcopy(opt)
+        opt2.param_groups[0]["params"] = list(twin.parameters())
+        lr = opt2.param_groups[0]["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr.fill_(0.0)
+        else:
+            opt2.param_groups[0]["lr"] = 0.0
+        frozen = [p.clone() for p in twin.parameters()]
+        train(None, model=twin, optimizer=opt2, scheduler=step_lr(opt2), steps=2, start=4)
+        assert all(torch.equal(p, q) for p, q in zip(twin.parameters(), frozen))
+        before = [p.clone() for p in model.parameters()]
+        train(None, model=model, optimizer=opt, scheduler=sched, steps=2, start=4)
+        assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_grad_scaler_with_a_tensor_lr_in_a_built_group_steps_as_torchs():
+    """A tensor lr in the group has no fused kernel: the scaler is told so, and unscales."""
+
+    def run(make):
+        with default_dtype(torch.float32):
+            model = make_model("shapes", torch.float32)
+            opt = make(model)
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            for x, y in batches(3, torch.float32):
+                opt.zero_grad()
+                scaler.scale(loss_fn(model(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+        return model
+
+    def ours(m):
+        opt = fb.Optimizer(m.parameters(), fb.sgd(0.1))
+        opt.param_groups[0]["lr"] = torch.tensor(0.1)
+        return opt
+
+    expected = run(lambda m: torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1)))
+    for p, q in zip(run(ours).parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_numbers_set_before_the_first_step_resume_bit_for_bit():
+    """fb.sgd(0.1) given momentum 0.9 in its group before its first step keeps a momentum buffer;
+    a checkpoint of it loads into a fresh one (built the same way) and resumes exactly."""
+
+    def make(m):
+        opt = fb.Optimizer(m.parameters(), fb.sgd(0.1), fused=False)
+        opt.param_groups[0]["momentum"] = 0.9
+        return opt
+
+    whole, *_ = train(make)
+    first, opt, sched = train(make, steps=STEPS // 2)
+    saved, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+    resumed = make_model("shapes", DTYPE, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = fb.Optimizer(resumed.parameters(), fb.sgd(0.1), fused=False)
+    sched2 = step_lr(opt2)
+    opt2.load_state_dict(saved)
+    sched2.load_state_dict(saved_sched)
+    train(None, model=resumed, optimizer=opt2, scheduler=sched2, steps=STEPS // 2, start=STEPS // 2)
+    assert_models_equal(whole, resumed)
+
+
+def test_a_resumed_run_reads_its_numbers_from_tensors_as_the_saved_one_did():
+    """betas changed and set back before the checkpoint: the saved run reads them from tensors,
+    so the resumed one must too, though its numbers equal those built (the same bits)."""
+
+    def make(m):
+        return fb.Optimizer(m.parameters(), fb.adam(1e-2, betas=(0.9, 0.999)), fused=False)
+
+    def betas_there_and_back(opt):
+        opt.param_groups[0]["betas"] = (0.8, 0.99)
+        return step_lr(opt)
+
+    model, opt, sched = train(make, betas_there_and_back, steps=1)
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    whole = copy.deepcopy(model)
+    whole_opt = copy.deepcopy(opt)
+    whole_opt.param_groups[0]["params"] = list(whole.parameters())
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["param_groups"][0]["numbers_as_tensors"] == ["betas"]
+    resumed = copy.deepcopy(model)
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved)
+    train(None, model=whole, optimizer=whole_opt, scheduler=step_lr(whole_opt), steps=3, start=1)
+    train(None, model=resumed, optimizer=opt2, scheduler=step_lr(opt2), steps=3, start=1)
+    assert_models_equal(whole, resumed)
+
+
+def test_numpy_numbers_in_a_group_are_numbers():
+    np = pytest.importorskip("numpy", reason="numpy numbers")
+    expected, *_ = train(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), lambda o: _set_lr(o, np.float32(0.05)))
+    actual, *_ = train(
+        lambda m: fb.Optimizer(m.parameters(), fb.sgd(0.1), fused=False), lambda o: _set_lr(o, np.float32(0.05))
+    )
+    assert_models_close(expected, actual)
+
+
+def _set_lr(opt, value):
+    opt.param_groups[0]["lr"] = value
+    return step_lr(opt)
+
+
+@pytest.mark.parametrize(
+    "name, value, says",
+    [("lr", -1.0, "Invalid learning rate"), ("betas", (0.9, 1.5), "beta"), ("lr", "fast", "a number")],
+)
+def test_a_bad_value_written_later_is_refused_by_name_and_nothing_changes(name, value, says):
+    model, opt, _ = train(lambda m: fb.Optimizer(m.parameters(), fb.adam(1e-2), fused=False), steps=2)
+    opt.param_groups[0]["lr"] = 5e-3  # a first change: the lr is a tensor from now on
+    train(None, model=model, optimizer=opt, scheduler=step_lr(opt), steps=1, start=2)
+    opt.param_groups[0][name] = value
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises((ValueError, TypeError), match=says):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -14,11 +14,14 @@ cluster, the stores here are torch's and this process's own:
   redis servers.
 
 Writes are buffered (``writer_buffer_size`` values per write to the store) and read back from the
-buffer until written.
+buffer until written. A process forked from the one that made the loader (a ``DataLoader``
+worker) talks to the store through a connection of its own (``Store.clone``); with ``"memory"``,
+each worker has its own cache.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
 from typing import Any, Callable, Optional
@@ -66,6 +69,7 @@ class CacheLoader:
         self.dataset_name = dataset_name
         self.writer_buffer_size = writer_buffer_size
         self.store = _store_for(backend, store)
+        self._pid = os.getpid()  # the process whose connection self.store is
         self._pending: dict[str, bytes] = {}
         del kwargs  # Bagua's redis settings
 
@@ -78,8 +82,8 @@ class CacheLoader:
         """
         cache_key = f"{self.dataset_name}_{key}"
         held = self._pending.get(cache_key)
-        if held is None and self.store.check([cache_key]):
-            held = self.store.get(cache_key)
+        if held is None and self._store().check([cache_key]):
+            held = self._store().get(cache_key)
         if held is not None:
             return pickle.loads(held)
         value = load_fn(key)
@@ -93,15 +97,23 @@ class CacheLoader:
         if not self._pending:
             return
         keys, values = list(self._pending), list(self._pending.values())
-        self.store.multi_set(keys, values)  # type: ignore[attr-defined]  # in torch, not in its stubs
+        store = self._store()
+        store.multi_set(keys, values)  # type: ignore[attr-defined]  # in torch, not in its stubs
         for key in keys:  # counted once, by whichever rank wrote a key first
-            if self.store.add(f"{key}#written", 1) == 1:
-                self.store.add(self._count_key(), 1)
+            if store.add(f"{key}#written", 1) == 1:
+                store.add(self._count_key(), 1)
         self._pending.clear()
 
     def num_keys(self) -> int:
         """The number of keys cached under this loader's ``dataset_name`` (written ones)."""
-        return self.store.add(self._count_key(), 0)
+        return self._store().add(self._count_key(), 0)
+
+    def _store(self) -> dist.Store:
+        """The store, through a connection of this process's own (a forked DataLoader worker's
+        copy of the parent's would share its socket)."""
+        if os.getpid() != self._pid:
+            self.store, self._pid = self.store.clone(), os.getpid()  # type: ignore[attr-defined]  # not in the stubs
+        return self.store
 
     def _count_key(self) -> str:
         return f"{self.dataset_name}#count"

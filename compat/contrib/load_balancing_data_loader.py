@@ -25,6 +25,7 @@ every rank as many batches.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Sized
 
@@ -236,6 +237,6 @@ def _number(cost: Any) -> Any:
         if cost.numel() != 1:
             raise ValueError(f"complexity_fn must give a number per sample, got a tensor of shape {tuple(cost.shape)}")
         return cost.item()
-    if not isinstance(cost, (int, float)) or isinstance(cost, bool):
+    if not isinstance(cost, numbers.Real) or isinstance(cost, bool):
         raise TypeError(f"complexity_fn must give a number per sample, got {type(cost).__name__}")
     return cost

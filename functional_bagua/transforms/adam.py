@@ -127,7 +127,8 @@ def scale_by_adam(
             new_state = ScaleByAmsgradState(count, mu, nu, nu_max)
         else:
             nu_max, new_state = nu, ScaleByAdamState(count, mu, nu)
-        denom = nu_max.sqrt().div_(bias_correction(b2, t).sqrt()).add_(eps)  # in place: our own temporaries
+        # add_ in place on our own temporary; not sqrt's output, which autograd keeps for the backward
+        denom = (nu_max.sqrt() / bias_correction(b2, t).sqrt()).add_(eps)
         return (mu / bias_correction(b1, t)).div_(denom), new_state
 
     return leafwise(state_type, init_leaf, update_leaf, name="scale_by_adam", fresh_updates=True)
