@@ -57,6 +57,7 @@ from functional_bagua.compat.fuse import (
 )
 
 patch_torch_module()
+communication.patch_torch_process_group()
 
 version = _torch.__version__  # Bagua's: the torch version it runs on
 

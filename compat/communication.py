@@ -27,6 +27,7 @@ import functools
 import gc
 import os
 import socket
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -182,9 +183,18 @@ class BaguaProcessGroup:
     """
 
     def __init__(
-        self, ranks: list[int], torch_group: Optional[dist.ProcessGroup], group_name: str, stream: object = None
+        self,
+        ranks: list[int],
+        torch_group: Optional[dist.ProcessGroup],
+        group_name: str,
+        stream: object = None,
+        *,
+        borrowed: bool = False,
     ) -> None:
-        self.ranks, self.torch_group, self.group_name, self.stream = ranks, torch_group, group_name, stream
+        # a torch group given by the caller (from_torch_group) is borrowed: held weakly, so that it
+        # goes when its owner and torch.distributed let it go (as Bagua's cache lets it)
+        self._torch_group: Any = weakref.ref(torch_group) if borrowed and torch_group is not None else torch_group
+        self.ranks, self.group_name, self.stream = ranks, group_name, stream
         local_size, rank = get_local_size(), dist.get_rank()
         node = rank // local_size
         self.intra_ranks = [r for r in ranks if r // local_size == node]
@@ -192,9 +202,24 @@ class BaguaProcessGroup:
         _pg_group_ranks[self] = {global_rank: group_rank for group_rank, global_rank in enumerate(ranks)}
         _pg_map[group_name] = self
 
+    @property
+    def torch_group(self) -> Optional[dist.ProcessGroup]:
+        """The torch process group (``None`` outside it, or once a borrowed one is gone)."""
+        held = self._torch_group
+        return held() if isinstance(held, weakref.ref) else held
+
     def is_member(self) -> bool:
         """Whether this process is in the group."""
         return dist.get_rank() in self.ranks
+
+    def get_inter_node_communicator(self) -> Union[Communicator, CommMember]:
+        """The communicator over the group's ranks with the first rank's local rank, one per node
+        (:func:`get_communicator`)."""
+        return get_communicator(self.group_name, "inter")
+
+    def get_intra_node_communicator(self) -> Union[Communicator, CommMember]:
+        """The communicator over the group's ranks on this process's node (:func:`get_communicator`)."""
+        return get_communicator(self.group_name, "intra")
 
     def get_global_communicator(self) -> Union[Communicator, CommMember]:
         """The communicator over all ranks of the group (:data:`CommMember.NON_COMM_MEMBER` outside it)."""
@@ -269,7 +294,8 @@ class _Registry:
     def __init__(self) -> None:
         self.default: Optional[BaguaProcessGroup] = None
         self.count = 0
-        self.of_torch_group: dict = {}  # id(torch group) -> BaguaProcessGroup
+        self.of_torch_group: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch group -> ours
+        self.communicators: dict = {}  # (group name, "inter" or "intra") -> Communicator
 
     def name(self) -> str:
         self.count += 1
@@ -320,6 +346,7 @@ def _destroy_at_exit() -> None:
     interpreter's shutdown then aborts the process ("terminate called without an active exception")."""
     _groups.default = None
     _groups.of_torch_group.clear()
+    _groups.communicators.clear()
     _pg_group_ranks.clear()
     _pg_map.clear()
     gc.collect()
@@ -372,12 +399,74 @@ def from_torch_group(group: dist.ProcessGroup, stream: object = None) -> BaguaPr
         group: a torch process group this process belongs to.
         stream: a CUDA stream, kept for Bagua's signature.
     """
-    known = _groups.of_torch_group.get(id(group))
-    if known is not None and known.torch_group is group:
+    known = _groups.of_torch_group.get(group)
+    if known is not None:
         return known
-    made = BaguaProcessGroup(sorted(dist.get_process_group_ranks(group)), group, _groups.name(), stream)
-    _groups.of_torch_group[id(group)] = made
+    made = BaguaProcessGroup(sorted(dist.get_process_group_ranks(group)), group, _groups.name(), stream, borrowed=True)
+    _groups.of_torch_group[group] = made
     return made
+
+
+def get_communicator(group_name: str, comm_name: str) -> Union[Communicator, CommMember]:
+    """The communicator ``comm_name`` of the group named ``group_name``: ``"global"`` (all its
+    ranks), ``"intra"`` (its ranks on this process's node) or ``"inter"`` (its ranks whose local
+    rank is its first rank's: one per node); :data:`CommMember.NON_COMM_MEMBER` on a process
+    outside it. The intra- and inter-node ones are made at their first use, by their members only
+    (``new_group(..., use_local_synchronization=True)``), and kept.
+
+    Args:
+        group_name: a group's ``group_name`` (``_pg_map``'s keys).
+        comm_name: ``"global"``, ``"inter"`` or ``"intra"``.
+    """
+    if comm_name not in ("global", "inter", "intra"):
+        raise ValueError(f"comm_name should be one of ['global', 'inter', 'intra'], got {comm_name!r}")
+    if group_name not in _pg_map:
+        raise KeyError(f"no process group is named {group_name!r}; known: {sorted(_pg_map)}")
+    group = _pg_map[group_name]
+    if comm_name == "global":
+        return group.get_global_communicator()
+    ranks = group.inter_ranks if comm_name == "inter" else group.intra_ranks
+    if dist.get_rank() not in ranks:
+        return CommMember.NON_COMM_MEMBER
+    key = (group_name, comm_name)
+    if key not in _groups.communicators:
+        torch_group = dist.new_group(ranks, use_local_synchronization=True)
+        sub = BaguaProcessGroup(ranks, torch_group, f"{group_name}_{comm_name}", group.stream)
+        _groups.communicators[key] = Communicator(sub)
+    return _groups.communicators[key]
+
+
+class BaguaProcessGroupPatch:
+    """Bagua's methods on torch's ``ProcessGroup`` (given to it on import,
+    :func:`patch_torch_process_group`): ``pg.bagua_patch()`` makes (once) the Bagua group of a
+    torch group, ``pg.bagua_pg`` is it, and ``pg.bagua_get_*_communicator()`` its communicators."""
+
+    def bagua_patch(self, stream: object = None) -> Any:
+        from_torch_group(self, stream)  # type: ignore[arg-type]
+        return self
+
+    @property
+    def bagua_pg(self) -> BaguaProcessGroup:
+        known = _groups.of_torch_group.get(self)
+        if known is None:
+            raise RuntimeError("this torch process group has no Bagua process group yet: call pg.bagua_patch() first")
+        return known
+
+    def bagua_get_global_communicator(self) -> Union[Communicator, CommMember]:
+        return get_communicator(self.bagua_pg.group_name, "global")
+
+    def bagua_get_inter_node_communicator(self) -> Union[Communicator, CommMember]:
+        return get_communicator(self.bagua_pg.group_name, "inter")
+
+    def bagua_get_intra_node_communicator(self) -> Union[Communicator, CommMember]:
+        return get_communicator(self.bagua_pg.group_name, "intra")
+
+
+def patch_torch_process_group() -> None:
+    """Give torch's ``ProcessGroup`` the methods of :class:`BaguaProcessGroupPatch` (Bagua's patch)."""
+    for name, member in vars(BaguaProcessGroupPatch).items():
+        if name.startswith("bagua"):
+            setattr(dist.ProcessGroup, name, member)
 
 
 def to_bagua_process_group(process_group: object = None) -> BaguaProcessGroup:

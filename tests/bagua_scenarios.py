@@ -540,6 +540,21 @@ def communication_api(rank: int, world_size: int) -> dict:
         rank_mappings=comm._get_rank_mappings(),
         service_port=comm._find_free_bagua_service_port(comm._default_store),
     )
+    pg = dist.new_group(list(range(n)))  # Bagua's patch of torch's ProcessGroup
+    pg.bagua_patch()
+    intra, inter = pg.bagua_get_intra_node_communicator(), pg.bagua_get_inter_node_communicator()
+    t = fresh()
+    bagua.allreduce_inplace(t, comm=intra)
+    out["patched"] = dict(
+        in_map=pg in comm._torch_to_bagua_pg_map,
+        ranks=pg.bagua_pg.ranks,
+        once=pg.bagua_patch().bagua_pg is pg.bagua_pg,
+        global_nranks=pg.bagua_get_global_communicator().nranks(),
+        intra_nranks=intra.nranks(),
+        intra_sum=t,
+        inter=inter.nranks() if inter is not bagua.communication.CommMember.NON_COMM_MEMBER else "outside",
+        named=comm.get_communicator(pg.bagua_pg.group_name, "intra") is intra,
+    )
     t = fresh()
     bagua.allreduce_inplace(t, comm=group.get_global_communicator())
     out["subgroup_allreduce"] = t

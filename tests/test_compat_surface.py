@@ -261,7 +261,6 @@ NOT_YET = {
     "bagua.torch_api.communication": [
         "AutotuneClient",
         "AutotuneService",
-        "BaguaProcessGroupPatch",
         "_autotune_server",
         "_autotune_service_port",
         "_bagua_backend_comm",
@@ -269,7 +268,6 @@ NOT_YET = {
         "comm",
         "get_autotune_server_wait_time",
         "get_backend",
-        "get_communicator",
         "get_hyperparameters_service_client",
         "run_flask_app",
         "start_autotune_server",
