@@ -972,6 +972,22 @@ def get_default_bucket_size() -> int:
     return int(os.environ.get("BAGUA_DEFAULT_BUCKET_SIZE", 10 * 1024**2))
 
 
+def get_autotune_server_wait_time() -> int:
+    """Seconds Bagua waits for its autotuning service (``BAGUA_AUTOTUNE_SERVER_WAIT_TIME``, 300 if
+    unset). There is no such service here; Bagua's scripts read the number."""
+    return int(os.environ.get("BAGUA_AUTOTUNE_SERVER_WAIT_TIME", 300))
+
+
+# Bagua's autotuning service, which does not run here (these stay None)
+_autotune_server: Optional[object] = None
+_autotune_service_port: Optional[int] = None
+
+
+def _bagua_backend_comm(comm: object = None) -> object:
+    """``comm``, or ``None`` where this process is outside it (Bagua's helper)."""
+    return None if _rank_not_in_comm(comm) else comm
+
+
 def get_bagua_service_port() -> int:
     """The port of Bagua's autotuning service (``BAGUA_SERVICE_PORT``; -1 if unset). There is no
     such service here; Bagua's scripts read the number."""

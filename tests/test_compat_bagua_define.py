@@ -66,3 +66,16 @@ def test_version_is_the_torch_version_as_in_bagua():
     import functional_bagua.compat as bagua
 
     assert bagua.version == torch.__version__
+
+
+def test_bagua_environment_helpers_and_backend_comm(monkeypatch):
+    from functional_bagua.compat import communication
+
+    monkeypatch.delenv("BAGUA_AUTOTUNE_SERVER_WAIT_TIME", raising=False)
+    assert communication.get_autotune_server_wait_time() == 300
+    monkeypatch.setenv("BAGUA_AUTOTUNE_SERVER_WAIT_TIME", "12")
+    assert communication.get_autotune_server_wait_time() == 12
+    assert communication._autotune_server is None and communication._autotune_service_port is None
+    marker = object()
+    assert communication._bagua_backend_comm(marker) is marker
+    assert communication._bagua_backend_comm(communication.CommMember.NON_COMM_MEMBER) is None

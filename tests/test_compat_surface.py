@@ -261,12 +261,8 @@ NOT_YET = {
     "bagua.torch_api.communication": [
         "AutotuneClient",
         "AutotuneService",
-        "_autotune_server",
-        "_autotune_service_port",
-        "_bagua_backend_comm",
         "broadcast_nccl_unique_id",
         "comm",
-        "get_autotune_server_wait_time",
         "get_backend",
         "get_hyperparameters_service_client",
         "run_flask_app",
