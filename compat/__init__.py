@@ -17,7 +17,7 @@ A Bagua script runs after replacing ``import bagua.torch_api as bagua`` with
 import torch as _torch
 
 from functional_bagua.compat import algorithms, communication, contrib, data_parallel, optim, utils
-from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel, patch_torch_module
+from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel, BaguaModule, patch_torch_module
 from functional_bagua.compat.communication import (
     BaguaProcessGroup,
     ReduceOp,
@@ -75,6 +75,7 @@ __all__ = [
     "get_local_size",
     "BaguaProcessGroup",
     "BaguaDistributedDataParallel",
+    "BaguaModule",
     "ReduceOp",
     "send",
     "recv",

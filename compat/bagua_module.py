@@ -399,12 +399,23 @@ class _ShadowingJoinHook(JoinHook):
         self.engine.sync_final(is_last_joiner)
 
 
+class BaguaModule:
+    """Bagua's methods of ``torch.nn.Module``, given to it when functional_bagua.compat is
+    imported (:func:`patch_torch_module`): ``model.with_bagua(optimizers, algorithm)``,
+    ``model.bagua_build_params()`` and ``model.no_sync()`` (where torch's module has none)."""
+
+    with_bagua = with_bagua
+    bagua_build_params = bagua_build_params
+    no_sync = no_sync
+
+
 def patch_torch_module() -> None:
-    """Give ``torch.nn.Module`` Bagua's methods (done once when functional_bagua.compat is imported)."""
-    for name, method in (("with_bagua", with_bagua), ("bagua_build_params", bagua_build_params)):
-        setattr(torch.nn.Module, name, method)
+    """Give ``torch.nn.Module`` the methods of :class:`BaguaModule` (done once when
+    functional_bagua.compat is imported)."""
+    for name in ("with_bagua", "bagua_build_params"):
+        setattr(torch.nn.Module, name, vars(BaguaModule)[name])
     if not hasattr(torch.nn.Module, "no_sync"):
-        torch.nn.Module.no_sync = no_sync  # type: ignore[attr-defined]
+        torch.nn.Module.no_sync = BaguaModule.no_sync  # type: ignore[attr-defined]
 
 
 def _on_cpu(state: Any) -> Any:

@@ -79,3 +79,11 @@ def test_bagua_environment_helpers_and_backend_comm(monkeypatch):
     marker = object()
     assert communication._bagua_backend_comm(marker) is marker
     assert communication._bagua_backend_comm(communication.CommMember.NON_COMM_MEMBER) is None
+
+
+def test_modules_get_bagua_module_methods():
+    from functional_bagua.compat import BaguaModule
+
+    assert torch.nn.Module.with_bagua is BaguaModule.with_bagua
+    assert torch.nn.Module.bagua_build_params is BaguaModule.bagua_build_params
+    assert [name for name, _ in torch.nn.Linear(2, 1).bagua_build_params()] == [".weight", ".bias"]
