@@ -204,9 +204,18 @@ class BaguaProcessGroup:
 
     @property
     def torch_group(self) -> Optional[dist.ProcessGroup]:
-        """The torch process group (``None`` outside it, or once a borrowed one is gone)."""
+        """The torch process group (``None`` on a process outside it); a RuntimeError once a
+        borrowed one is gone (``None`` would mean the default group to torch's collectives)."""
         held = self._torch_group
-        return held() if isinstance(held, weakref.ref) else held
+        if not isinstance(held, weakref.ref):
+            return held
+        group = held()
+        if group is None:
+            raise RuntimeError(
+                f"the torch process group Bagua group {self.group_name!r} was made from is gone (destroyed); "
+                "make a new one and call from_torch_group (or pg.bagua_patch()) again"
+            )
+        return group
 
     def is_member(self) -> bool:
         """Whether this process is in the group."""
@@ -411,8 +420,13 @@ def get_communicator(group_name: str, comm_name: str) -> Union[Communicator, Com
     """The communicator ``comm_name`` of the group named ``group_name``: ``"global"`` (all its
     ranks), ``"intra"`` (its ranks on this process's node) or ``"inter"`` (its ranks whose local
     rank is its first rank's: one per node); :data:`CommMember.NON_COMM_MEMBER` on a process
-    outside it. The intra- and inter-node ones are made at their first use, by their members only
-    (``new_group(..., use_local_synchronization=True)``), and kept.
+    outside it.
+
+    The intra- and inter-node communicators are torch subgroups, made at their first use and kept.
+    As torch's ``new_group``, that first call must be made by every process of the job, in the
+    same order (Bagua asks it of the group's processes): the group must be one every process made
+    (:func:`new_group`, the default group), not one made from a torch group on its members only
+    (a RuntimeError says so).
 
     Args:
         group_name: a group's ``group_name`` (``_pg_map``'s keys).
@@ -425,15 +439,33 @@ def get_communicator(group_name: str, comm_name: str) -> Union[Communicator, Com
     group = _pg_map[group_name]
     if comm_name == "global":
         return group.get_global_communicator()
-    ranks = group.inter_ranks if comm_name == "inter" else group.intra_ranks
-    if dist.get_rank() not in ranks:
-        return CommMember.NON_COMM_MEMBER
     key = (group_name, comm_name)
     if key not in _groups.communicators:
-        torch_group = dist.new_group(ranks, use_local_synchronization=True)
-        sub = BaguaProcessGroup(ranks, torch_group, f"{group_name}_{comm_name}", group.stream)
-        _groups.communicators[key] = Communicator(sub)
+        if isinstance(group._torch_group, weakref.ref):
+            raise RuntimeError(
+                f"the {comm_name}-node communicator of group {group_name!r} would be made by every process, but this "
+                "group was made from a torch process group on its members only; make it with "
+                "bagua.communication.new_group(ranks) on every process instead"
+            )
+        _groups.communicators[key] = _subgroup_communicator(group, comm_name)
     return _groups.communicators[key]
+
+
+def _subgroup_communicator(group: BaguaProcessGroup, comm_name: str) -> Union[Communicator, CommMember]:
+    """The intra- or inter-node subgroup of ``group`` holding this process, made by every process
+    in one order (every node's intra-node group, or the one inter-node group), as torch requires."""
+    local_size = get_local_size()
+    if comm_name == "inter":
+        layouts = [[r for r in group.ranks if r % local_size == group.ranks[0] % local_size]]
+    else:
+        nodes = sorted({r // local_size for r in group.ranks})
+        layouts = [[r for r in group.ranks if r // local_size == node] for node in nodes]
+    mine: Union[Communicator, CommMember] = CommMember.NON_COMM_MEMBER
+    for ranks in layouts:
+        torch_group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = Communicator(BaguaProcessGroup(ranks, torch_group, f"{group.group_name}_{comm_name}", group.stream))
+    return mine
 
 
 class BaguaProcessGroupPatch:

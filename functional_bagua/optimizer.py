@@ -365,7 +365,7 @@ class Optimizer(torch.optim.Optimizer):
                 if found_inf is not None and bool(found_inf):
                     continue  # skipped, as the kernel skips a step with an inf
                 if scale is not None:
-                    grads = {k: None if g is None else g / scale.to(g.device) for k, g in grads.items()}
+                    grads = _unscaled(grads, scale)
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
             updates, ours.state = ours.tx.update(grads, state, params)
             copy_into(params, apply_updates(params, updates))
@@ -676,10 +676,22 @@ def _numbers(held: Any) -> Any:
     return held.item() if isinstance(held, torch.Tensor) else held
 
 
+def _unscaled(grads: dict, scale: torch.Tensor) -> dict:
+    """The gradients times ``1 / scale`` in their own shapes and dtypes, as GradScaler's own
+    unscaling computes them (the reciprocal in float64, then float32)."""
+    inverse = scale.double().reciprocal().float().reshape(())
+    return {k: None if g is None else g.mul(inverse.to(g.device)).to(g.dtype) for k, g in grads.items()}
+
+
 def _as_shown(value: Any) -> Any:
-    """A built number as its group shows it: a list (``betas=[0.9, 0.99]``) as a tuple, as torch's
-    groups hold it; numbers and tensors as they are (a scheduler fills a tensor in place)."""
-    return tuple(value) if isinstance(value, list) else value
+    """A number as the transform takes it: a list (``betas=[0.9, 0.99]``) as a tuple, as torch's
+    groups hold it; a numpy number as Python's (an alias's fused kernel takes those only); numbers
+    and tensors as they are (a scheduler fills a tensor in place)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_as_shown(v) for v in value)
+    if _is_real(value) and not isinstance(value, (int, float)):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value
 
 
 def _differs(held: Any, was: Any) -> bool:
@@ -689,6 +701,8 @@ def _differs(held: Any, was: Any) -> bool:
         return len(held) != len(was) or any(_differs(h, w) for h, w in zip(held, was))
     if isinstance(held, torch.Tensor) or isinstance(was, torch.Tensor):
         return held is not was
+    if _is_real(held) and _is_real(was):  # by value: a numpy number runs as the Python one it equals
+        return float(held) != float(was)
     return type(held) is not type(was) or held != was
 
 

@@ -540,9 +540,17 @@ def communication_api(rank: int, world_size: int) -> dict:
         rank_mappings=comm._get_rank_mappings(),
         service_port=comm._find_free_bagua_service_port(comm._default_store),
     )
+    import gc
+
     pg = dist.new_group(list(range(n)))  # Bagua's patch of torch's ProcessGroup
     pg.bagua_patch()
-    intra, inter = pg.bagua_get_intra_node_communicator(), pg.bagua_get_inter_node_communicator()
+    try:
+        pg.bagua_get_intra_node_communicator()
+        borrowed_intra = None
+    except RuntimeError as e:  # made on the torch group's members only: refused, not a hang
+        borrowed_intra = str(e)
+    made_everywhere = comm.new_group(list(range(n)))
+    intra, inter = made_everywhere.get_intra_node_communicator(), made_everywhere.get_inter_node_communicator()
     t = fresh()
     bagua.allreduce_inplace(t, comm=intra)
     out["patched"] = dict(
@@ -550,11 +558,20 @@ def communication_api(rank: int, world_size: int) -> dict:
         ranks=pg.bagua_pg.ranks,
         once=pg.bagua_patch().bagua_pg is pg.bagua_pg,
         global_nranks=pg.bagua_get_global_communicator().nranks(),
+        borrowed_intra=borrowed_intra,
         intra_nranks=intra.nranks(),
         intra_sum=t,
         inter=inter.nranks() if inter is not bagua.communication.CommMember.NON_COMM_MEMBER else "outside",
-        named=comm.get_communicator(pg.bagua_pg.group_name, "intra") is intra,
+        named=comm.get_communicator(made_everywhere.group_name, "intra") is intra,
     )
+    borrowed = pg.bagua_pg
+    dist.destroy_process_group(pg)
+    del pg
+    gc.collect()
+    try:
+        out["gone"] = repr(borrowed.torch_group)
+    except RuntimeError as e:  # never None, which torch would read as the default group
+        out["gone"] = str(e)
     t = fresh()
     bagua.allreduce_inplace(t, comm=group.get_global_communicator())
     out["subgroup_allreduce"] = t

@@ -397,9 +397,11 @@ def test_communication_api_matches_torch_collectives():
         assert internals["service_port"] == results[0]["internals"]["service_port"] > 0
         patched = got["patched"]  # torch's ProcessGroup with Bagua's methods; one node: intra is everyone
         assert patched["in_map"] and patched["once"] and patched["named"] and patched["ranks"] == list(range(n))
+        assert "made from a torch process group on its members only" in patched["borrowed_intra"]
         assert (patched["global_nranks"], patched["intra_nranks"]) == (n, n)
         assert torch.equal(patched["intra_sum"], sum(xs))
         assert patched["inter"] == (1 if rank == 0 else "outside")  # one rank per node: the first's local rank
+        assert "is gone (destroyed)" in got["gone"]
         assert torch.equal(got["allreduce_avg"], sum(xs) / n)
         assert torch.equal(got["allreduce_max"], torch.maximum(*xs))
         assert torch.equal(got["broadcast"], xs[n - 1])

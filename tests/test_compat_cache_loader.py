@@ -5,6 +5,8 @@ store: test_compat_bagua.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,11 +107,23 @@ def test_dataloader_workers_share_the_store_through_their_own_connections():
             made.append(i)  # in a worker: this process's list stays empty
             return torch.tensor([float(i)])
 
-    dataset = CachedDataset(Slow(), backend="store", dataset_name="workers", writer_buffer_size=1, store=store)
+    class Reporting(CachedDataset):
+        """Each sample with whether the worker that served it talks to the store through a
+        connection of its own (made in that process), not the parent's copy."""
+
+        def __getitem__(self, item):
+            sample = super().__getitem__(item)
+            loader = self.cache_loader
+            return sample, loader._pid == os.getpid() and loader.store is not parents_store
+
+    dataset = Reporting(Slow(), backend="store", dataset_name="workers", writer_buffer_size=1, store=store)
+    parents_store = dataset.cache_loader.store
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=2, timeout=60)
-    assert torch.cat(list(loader)).flatten().tolist() == [float(i) for i in range(8)]
+    batches = list(loader)
+    assert torch.cat([x for x, _ in batches]).flatten().tolist() == [float(i) for i in range(8)]
+    assert all(bool(own.all()) for _, own in batches)
     assert dataset.cache_loader.num_keys() == 8 and made == []
-    assert [dataset[i].item() for i in range(8)] == [float(i) for i in range(8)] and made == []  # read back here
+    assert [dataset[i][0].item() for i in range(8)] == [float(i) for i in range(8)] and made == []  # read back here
 
 
 def test_numpy_complexities_and_numbers_are_numbers():

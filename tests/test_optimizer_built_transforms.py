@@ -335,12 +335,43 @@ def test_a_resumed_run_reads_its_numbers_from_tensors_as_the_saved_one_did():
 
 
 def test_numpy_numbers_in_a_group_are_numbers():
+    """As torch.optim takes them; a numpy lr keeps torch's fused kernel (bit for bit)."""
     np = pytest.importorskip("numpy", reason="numpy numbers")
     expected, *_ = train(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), lambda o: _set_lr(o, np.float32(0.05)))
     actual, *_ = train(
         lambda m: fb.Optimizer(m.parameters(), fb.sgd(0.1), fused=False), lambda o: _set_lr(o, np.float32(0.05))
     )
     assert_models_close(expected, actual)
+    fused, *_ = train(
+        lambda m: torch.optim.Adam(m.parameters(), lr=0.1, fused=True), lambda o: _set_lr(o, np.float32(0.05))
+    )
+    ours, opt, _ = train(
+        lambda m: fb.Optimizer(m.parameters(), fb.adam(0.1), fused=True), lambda o: _set_lr(o, np.float32(0.05))
+    )
+    assert opt._kernel(0) is not None
+    assert_models_equal(fused, ours)
+
+
+def test_the_step_unscales_where_grad_scaler_left_it_a_kernel_that_is_not_there():
+    """GradScaler hands grad_scale / found_inf to an optimizer that said its step takes them; a
+    group on the pure path then unscales as the scaler would (times the float32 reciprocal), in
+    each gradient's shape and dtype (a 0-dim and a bfloat16 parameter here), and skips on an inf."""
+    params = [torch.nn.Parameter(torch.tensor(1.5)), torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]
+    grads = [torch.tensor(64.0), torch.full((3,), 32.0, dtype=torch.bfloat16)]
+    scale = torch.full((1,), 16.0)
+    inverse = scale.double().reciprocal().float().reshape(())  # GradScaler's inv_scale, one number
+    expected = [p.detach() - 0.1 * (g * inverse).to(p.dtype) for p, g in zip(params, grads)]
+    opt = fb.Optimizer(params, fb.sgd(0.1), fused=False)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.grad_scale, opt.found_inf = scale, torch.zeros(1)
+    opt.step()
+    for p, e in zip(params, expected):
+        assert p.dtype == e.dtype and torch.equal(p.detach(), e)
+    opt.found_inf = torch.ones(1)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
 def _set_lr(opt, value):
