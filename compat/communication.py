@@ -180,6 +180,8 @@ class BaguaProcessGroup:
         torch_group: the torch process group over those ranks (``None`` on a process outside it).
         group_name: the group's name (a counter, as Bagua's).
         stream: a CUDA stream, kept for Bagua's signature (torch's backends choose their own).
+        borrowed: ``torch_group`` belongs to the caller (:func:`from_torch_group`): held weakly,
+            and a RuntimeError once it is gone.
     """
 
     def __init__(
