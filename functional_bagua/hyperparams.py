@@ -39,14 +39,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import numbers
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, overload
 
 import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import SCALAR_DTYPE
+from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number
 from functional_bagua.schedules import (
     describe,
     reads_count_as_number,
@@ -312,7 +311,7 @@ def accepts_schedules(
         arguments = [*zip(names, args), *kwargs.items()]
         if any(_holds_schedule(v) for k, v in arguments if k not in static_args):
             return inject_hyperparams(alias, static_args)(*args, **kwargs)
-        if not hyperparams_are_checked() and any(_holds_tensor(v) for k, v in arguments if k not in static_args):
+        if not hyperparams_are_checked() and any(holds_tensor(v) for k, v in arguments if k not in static_args):
             return reading_tensors(alias, *args, **kwargs)
         return alias(*args, **kwargs)
 
@@ -332,17 +331,6 @@ def accepts_schedules(
     return wrapper
 
 
-def _holds_tensor(value: object) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_holds_tensor(v) for v in value)
-    return isinstance(value, torch.Tensor)
-
-
-def _is_number(value: object) -> bool:
-    """A real number, numpy's included (``numbers.Real``), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def checked_argument(who: str, name: str, default: object, value: Any) -> Any:
     """``value`` as the alias ``who`` takes it for the argument ``name`` whose default is
     ``default``: a numeric hyperparameter (number default) must be a number, a schedule, or a
@@ -358,9 +346,9 @@ def checked_argument(who: str, name: str, default: object, value: Any) -> Any:
         default: its default in the alias's signature.
         value: what was given.
     """
-    if _is_number(default):
+    if is_real_number(default):
         return _checked_scalar(who, name, value)
-    if isinstance(default, tuple) and any(_is_number(d) for d in default):
+    if isinstance(default, tuple) and any(is_real_number(d) for d in default):
         sized = hasattr(value, "__len__") and not isinstance(value, (str, bytes, torch.Tensor))
         if not sized or len(value) != len(default):
             raise ValueError(f"{who}: {name} takes {len(default)} values, as its default {default}; got {value!r}")
@@ -373,7 +361,7 @@ def checked_argument(who: str, name: str, default: object, value: Any) -> Any:
 
 
 def _checked_scalar(who: str, name: str, value: Any) -> Any:
-    if _is_number(value) or callable(value):
+    if is_real_number(value) or callable(value):
         return value
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:

@@ -8,6 +8,7 @@ it multiplies, so a float32 parameter's update stays float32.
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Union
 
 import torch
@@ -60,6 +61,26 @@ def is_number(x: object) -> TypeIs[float]:
         ``True`` for an ``int`` or ``float`` that is not a ``bool``, else ``False``.
     """
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_real_number(x: object) -> bool:
+    """A real number, numpy's included (``numbers.Real``), not a bool.
+
+    Args:
+        x: any value, typically a hyperparameter as a user gave it.
+    """
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def holds_tensor(value: object) -> bool:
+    """Whether ``value`` is a tensor, or a tuple or list holding one (``betas``).
+
+    Args:
+        value: a hyperparameter.
+    """
+    if isinstance(value, (tuple, list)):
+        return any(holds_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)
 
 
 def lerp(start: torch.Tensor, end: torch.Tensor, weight: Union[float, torch.Tensor]) -> torch.Tensor:

@@ -86,7 +86,7 @@ from functional_bagua import checkpoint, kernels, tree
 from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
-from functional_bagua.numerics import SCALAR_DTYPE
+from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
 from functional_bagua.transforms.wrappers import Partitioned, partitioned
 from functional_bagua.tree import copy_into
@@ -122,7 +122,7 @@ class _Shown:
     def transform_now(self, built: GradientTransformation) -> GradientTransformation:
         """The transform reading this record's tensors (those it was built again with, and those
         the group itself holds); ``built`` where there are none."""
-        held = {k: v for k, v in self.runs_with.items() if _holds_tensor(v)}
+        held = {k: v for k, v in self.runs_with.items() if holds_tensor(v)}
         values = {**held, **self.tensors}
         return self.found.with_numbers(values) if values else built
 
@@ -395,13 +395,13 @@ class Optimizer(torch.optim.Optimizer):
             factory = self._tx
             assert factory is not None and not isinstance(factory, GradientTransformation)
             arguments = self._factory_arguments(self.param_groups[i])
-            if any(_holds_tensor(v) for v in arguments.values()):
+            if any(holds_tensor(v) for v in arguments.values()):
                 return None  # torch's kernels here take numbers (kernels.spec_of): no need to build it
             numbers = tuple(sorted(arguments.items()))
             return self._kernel_for(i, numbers, lambda: factory(**arguments))
         shown = self._groups[i].numbers
         if shown is not None and shown.tensors:  # built again with tensors: the kernel of the numbers now
-            if any(_holds_tensor(v) for v in shown.runs_with.values()):
+            if any(holds_tensor(v) for v in shown.runs_with.values()):
                 return None
             now = tuple(sorted(shown.runs_with.items()))
             return self._kernel_for(i, now, lambda: shown.found.with_numbers(shown.runs_with))
@@ -689,7 +689,7 @@ def _as_shown(value: Any) -> Any:
     and tensors as they are (a scheduler fills a tensor in place)."""
     if isinstance(value, (list, tuple)):
         return tuple(_as_shown(v) for v in value)
-    if _is_real(value) and not isinstance(value, (int, float)):
+    if is_real_number(value) and not isinstance(value, (int, float)):
         return int(value) if isinstance(value, numbers.Integral) else float(value)
     return value
 
@@ -701,7 +701,7 @@ def _differs(held: Any, was: Any) -> bool:
         return len(held) != len(was) or any(_differs(h, w) for h, w in zip(held, was))
     if isinstance(held, torch.Tensor) or isinstance(was, torch.Tensor):
         return held is not was
-    if _is_real(held) and _is_real(was):  # by value: a numpy number runs as the Python one it equals
+    if is_real_number(held) and is_real_number(was):  # by value: a numpy number runs as the Python one it equals
         return float(held) != float(was)
     return type(held) is not type(was) or held != was
 
@@ -725,9 +725,12 @@ def _follow_numbers(optimizer: Optimizer, i: int, force: Any = ()) -> None:
     for name, value in changed.items():
         _check_kind(name, value)
     now = {**shown.runs_with, **{k: _as_shown(v) for k, v in changed.items()}}
-    shown.found.with_numbers({k: v for k, v in now.items() if not _holds_tensor(v)})  # the alias's checks
+    numbers_now = {k: v for k, v in now.items() if not holds_tensor(v)}
+    checked = shown.found.with_numbers(numbers_now)  # the alias's checks
+    if len(numbers_now) == len(now):  # the transform whose kernel _kernel_of looks up: built once
+        ours.kernel = (tuple(sorted(now.items())), kernels.spec_of(checked))
     device = group["params"][0].device
-    fresh = [k for k, v in changed.items() if k not in shown.tensors or _holds_tensor(v)] + forced
+    fresh = [k for k, v in changed.items() if k not in shown.tensors or holds_tensor(v)] + forced
     tensors = {**shown.tensors, **{k: _held_as_tensors(k, now[k], device) for k in fresh}}
     tx = ours.tx
     if fresh:  # checked before anything changes: a refused value leaves the group as it ran
@@ -739,11 +742,6 @@ def _follow_numbers(optimizer: Optimizer, i: int, force: Any = ()) -> None:
     shown.tensors, shown.runs_with, ours.tx = tensors, now, tx
 
 
-def _is_real(value: Any) -> bool:
-    """A real number, numpy's included, not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _check_kind(name: str, value: Any) -> None:
     """A TypeError unless ``value`` is a number, a one-element tensor, or a tuple of those (or ``None``)."""
     if isinstance(value, (tuple, list)):
@@ -751,7 +749,7 @@ def _check_kind(name: str, value: Any) -> None:
             if v is not None:
                 _check_kind(name, v)
         return
-    if isinstance(value, torch.Tensor) and value.numel() == 1 or _is_real(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1 or is_real_number(value):
         return
     raise TypeError(f"{NAME}: param group {name!r} holds {value!r}; a number (or a tuple of them) was expected")
 
@@ -842,10 +840,6 @@ def _same_numbers(a: tuple, b: tuple) -> bool:
     if len(a) != len(b):
         return False
     for (name_a, x), (name_b, y) in zip(a, b):
-        if name_a != name_b or type(x) is not type(y) or _holds_tensor(x) or _holds_tensor(y) or x != y:
+        if name_a != name_b or type(x) is not type(y) or holds_tensor(x) or holds_tensor(y) or x != y:
             return False
     return True
-
-
-def _holds_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(_holds_tensor(v) for v in value))

@@ -47,6 +47,22 @@ def train(make_optimizer, make_scheduler=step_lr, steps=STEPS, model=None, optim
     return model, optimizer, scheduler
 
 
+def uninterrupted_and_resumed(make, make_fresh):
+    """The model after STEPS steps with StepLR, and after half of them, a checkpoint (optimizer
+    and scheduler), a fresh model and optimizer (``make_fresh``) loaded from it, and the rest."""
+    whole, *_ = train(make)
+    first, opt, sched = train(make, steps=STEPS // 2)
+    saved, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+    resumed = make_model("shapes", DTYPE, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = make_fresh(resumed)
+    sched2 = step_lr(opt2)
+    opt2.load_state_dict(saved)
+    sched2.load_state_dict(saved_sched)
+    train(None, model=resumed, optimizer=opt2, scheduler=sched2, steps=STEPS // 2, start=STEPS // 2)
+    return whole, resumed
+
+
 def assert_models_equal(a, b):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), f"{name}: largest difference {(p - q).abs().max().item()}"
@@ -156,16 +172,7 @@ def test_a_checkpoint_resumes_the_scheduled_run_bit_for_bit():
     def make(m):
         return fb.Optimizer(m.parameters(), fb.adamw(1e-2), fused=False)
 
-    whole, *_ = train(make)
-    first, opt, sched = train(make, steps=STEPS // 2)
-    saved, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
-    resumed = make_model("shapes", DTYPE, seed=3)
-    resumed.load_state_dict(first.state_dict())
-    opt2 = make(resumed)
-    sched2 = step_lr(opt2)
-    opt2.load_state_dict(saved)
-    sched2.load_state_dict(saved_sched)
-    train(None, model=resumed, optimizer=opt2, scheduler=sched2, steps=STEPS // 2, start=STEPS // 2)
+    whole, resumed = uninterrupted_and_resumed(make, make)
     assert_models_equal(whole, resumed)
 
 
@@ -295,16 +302,7 @@ def test_numbers_set_before_the_first_step_resume_bit_for_bit():
         opt.param_groups[0]["momentum"] = 0.9
         return opt
 
-    whole, *_ = train(make)
-    first, opt, sched = train(make, steps=STEPS // 2)
-    saved, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
-    resumed = make_model("shapes", DTYPE, seed=3)
-    resumed.load_state_dict(first.state_dict())
-    opt2 = fb.Optimizer(resumed.parameters(), fb.sgd(0.1), fused=False)
-    sched2 = step_lr(opt2)
-    opt2.load_state_dict(saved)
-    sched2.load_state_dict(saved_sched)
-    train(None, model=resumed, optimizer=opt2, scheduler=sched2, steps=STEPS // 2, start=STEPS // 2)
+    whole, resumed = uninterrupted_and_resumed(make, lambda m: fb.Optimizer(m.parameters(), fb.sgd(0.1), fused=False))
     assert_models_equal(whole, resumed)
 
 
