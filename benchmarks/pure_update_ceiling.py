@@ -8,7 +8,9 @@ and fused steps (in place), functional_bagua's pure update on the tree (``tx.upd
 torchopt's (when installed: an optional peer, not a dependency), and hand-written pure updates: one out-of-place ``torch._foreach_*`` op per
 line of the update rule (the fewest Python calls a multi-op pure update can make), torch's fused
 AdamW kernel in its functional form (one pass, new tensors out), and the multi-op math over one
-flat buffer, whole or in cache-sized pieces (what a pure ``fuse`` update could reach). Medians
+flat buffer, whole or in cache-sized pieces (what a pure ``fuse`` update could reach), and the
+multi-tensor calls the tree path itself makes, in its order and roundings, with no Python around
+them (the floor of the tree path for its bits). Medians
 of ``--rounds`` rounds with their range; ratios to torch's foreach step of the same round.
 """
 
@@ -48,6 +50,33 @@ def pure_foreach_sgd(ps: list, gs: list, bufs: list) -> tuple:
     buf = torch._foreach_mul(bufs, MOMENTUM)
     torch._foreach_add_(buf, gs)
     return torch._foreach_add(ps, buf, alpha=-LR), buf
+
+
+def chain_ops_adamw(ps: list, gs: list, ms: list, vs: list, step: int) -> list:
+    """The multi-tensor calls ``fb.adamw``'s pure update and ``apply_updates`` make, in their
+    order and with their roundings (the chain's links: Adam's direction, the decayed weights, the
+    learning rate; then the sum), without any of the Python around them: the floor of the tree
+    path for these bits."""
+    bc1, bc2 = torch.tensor(1 - B1**step, dtype=torch.float64), torch.tensor(1 - B2**step, dtype=torch.float64)
+    m = torch._foreach_lerp(ms, gs, 1 - B1)
+    v = torch._foreach_mul(vs, B2)
+    torch._foreach_addcmul_(v, gs, gs, 1 - B2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2.sqrt())
+    torch._foreach_add_(denom, EPS)
+    u = torch._foreach_div(m, bc1)
+    torch._foreach_div_(u, denom)
+    torch._foreach_add_(u, ps, alpha=WD)
+    torch._foreach_mul_(u, -LR)
+    return torch._foreach_add(ps, u)
+
+
+def chain_ops_sgd(ps: list, gs: list, bufs: list) -> list:
+    """``fb.sgd``'s multi-tensor calls with momentum (the buffer, the learning rate, the sum),
+    without the Python around them."""
+    buf = torch._foreach_mul(bufs, MOMENTUM)
+    torch._foreach_add_(buf, gs)
+    return torch._foreach_add(ps, torch._foreach_mul(buf, -LR))
 
 
 def pure_flat_adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, piece: int) -> tuple:
@@ -127,6 +156,7 @@ def adamw_ceilings(ps: list, gs: list) -> dict:
     flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in (ps, gs)] + [torch.zeros(sum(p.numel() for p in ps))] * 2
     return {
         "pure foreach (ceiling of the tree path)": lambda: pure_foreach_adamw(ps, gs, ms, vs, 3),
+        "fb.adamw's own multi-tensor calls, no Python": lambda: chain_ops_adamw(ps, gs, ms, vs, 3),
         "pure fused kernel (aten::_fused_adamw)": pure_fused_adamw(ps, gs),
         "pure flat, whole buffer": lambda: pure_flat_adamw(*flat, 3, 0),
         "pure flat, pieces of 65536": lambda: pure_flat_adamw(*flat, 3, 1 << 16),
@@ -135,7 +165,10 @@ def adamw_ceilings(ps: list, gs: list) -> dict:
 
 def sgd_ceilings(ps: list, gs: list) -> dict:
     bufs = [torch.zeros_like(p) for p in ps]
-    return {"pure foreach (ceiling of the tree path)": lambda: pure_foreach_sgd(ps, gs, bufs)}
+    return {
+        "pure foreach (ceiling of the tree path)": lambda: pure_foreach_sgd(ps, gs, bufs),
+        "fb.sgd's own multi-tensor calls, no Python": lambda: chain_ops_sgd(ps, gs, bufs),
+    }
 
 
 OPTIMIZERS = {  # torch's class, functional_bagua's transform, the ceilings, torchopt's transform

@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from functional_bagua import checks, foreach, ownership, tree
+from functional_bagua.leaf_lists import LeafLists
 
 Params = Any
 Updates = Any
@@ -51,6 +52,11 @@ def identity() -> GradientTransformation:
         del params
         return grads, state
 
+    def on_lists(x: LeafLists, state: EmptyState, overwrite: bool) -> tuple[list, EmptyState]:
+        del overwrite
+        return x.updates, state
+
+    update.on_lists = on_lists  # type: ignore[attr-defined]  # a chain's link on lists (leaf_lists)
     return GradientTransformation(init, update)
 
 
@@ -75,6 +81,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation")
 
+    # every link elementwise (on_lists), at least one checking its input: the chain runs them on lists
+    names = [getattr(t.update, "input_name", None) for t in transforms]  # who checks its input
+    next_names = [next((n for n in names[k + 1 :] if n), None) for k in range(len(transforms))]
+    first_name = next((n for n in names if n), "")
+    link_runs: list[Any] = [getattr(t.update, "on_lists", None) for t in transforms]
+    on_lists = bool(first_name) and all(run is not None for run in link_runs)
+    needs_params = any(getattr(t.update, "needs_params", False) for t in transforms)
+
     def init(params: Params) -> tuple[OptState, ...]:
         check_params(params, "init")
         states = tuple(t.init(params) for t in transforms)
@@ -94,6 +108,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             )
         new_state = []
         owned = ownership.granted_to(update)  # the updates given may be overwritten (ownership module)
+        # checked and grouped once (leaf_lists module); without the params a link needs, the links
+        # one by one raise (each in its turn, as always)
+        if on_lists and foreach.grouped_enabled() and not (needs_params and params is None):
+            x = LeafLists.of(updates, params, who=first_name)
+            for t, run, s, next_name in zip(transforms, link_runs, state, next_names):
+                leaves, s = run(x, s, owned)
+                if leaves is not x.updates:  # a result checked where the next link would check its input
+                    x = x.followed_by(leaves, who=next_name) if next_name else x._replace(updates=leaves)
+                owned = ownership.returns_fresh_updates(t)
+                new_state.append(s)
+            return x.unflatten(x.updates), tuple(new_state)
         for t, s in zip(transforms, state):
             updates, s = ownership.update_owning(t, owned, updates, s, params)
             owned = ownership.returns_fresh_updates(t)

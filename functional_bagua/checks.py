@@ -14,7 +14,9 @@ never broadcast, truncated or dropped:
 
 Every building block runs these checks (:func:`~functional_bagua.leafwise`,
 :func:`~functional_bagua.stateless`, ``apply_updates``), so a chain of them, and every optimizer,
-checks its input before any math that could broadcast it.
+checks its input before any math that could broadcast it. A chain of elementwise blocks checks
+its input once and then only that each link's result keeps every leaf's shape and dtype
+(:mod:`functional_bagua.leaf_lists`).
 """
 
 from __future__ import annotations

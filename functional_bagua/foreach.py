@@ -176,6 +176,11 @@ class Leaves:
     def device(self) -> torch.device:
         return self._common("device")
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether autograd records any of the tensors."""
+        return any(t.requires_grad for t in self.items)
+
     def is_complex(self) -> bool:
         return any(t.is_complex() for t in self.items)
 
@@ -263,6 +268,14 @@ class Leaves:
 
     def div_(self, other: Any) -> "Leaves":
         return _binary_in_place(torch._foreach_div_, "div_", self, other)
+
+    def addcmul_(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
+        if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
+            torch._foreach_addcmul_(self.items, t1.items, t2.items, value)
+        else:
+            for t, a, b in zip(self.items, _items(t1, len(self)), _items(t2, len(self))):
+                t.addcmul_(a, b, value=value)
+        return self
 
     def clamp_min(self, minimum: Any) -> "Leaves":
         return _binary(torch._foreach_clamp_min, torch.clamp_min, self, minimum)
@@ -385,11 +398,14 @@ def groups(
         indices: which tensors to group.
         key: anything else that must be equal within a group (say, whether a parameter is given).
     """
+    indices = list(indices)
+    keyed = [(tensors[i].device, tensors[i].dtype, key(i)) for i in indices]
+    if keyed and keyed.count(keyed[0]) == len(keyed):  # one group, the usual case
+        return [] if keyed[0][1].is_complex else [indices]
     found: dict[tuple, list[int]] = {}
-    for i in indices:
-        t = tensors[i]
-        if not t.is_complex():
-            found.setdefault((t.device, t.dtype, key(i)), []).append(i)
+    for i, k in zip(indices, keyed):
+        if not k[1].is_complex:
+            found.setdefault(k, []).append(i)
     return list(found.values())
 
 
@@ -430,13 +446,15 @@ def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indi
             ``None`` s is passed as ``None``, one with some ``None`` s makes the group run per tensor.
         indices: which tensors form the group.
     """
-    args = []
+    args: list[Any] = []
     for column in columns:
         picked = [column[i] for i in indices]
-        nones = sum(v is None for v in picked)
-        if 0 < nones < len(picked):
+        if picked[0] is None and all(v is None for v in picked):
+            args.append(None)
+        elif any(v is None for v in picked):  # some tensors without: one at a time
             return None
-        args.append(None if nones else _shared_or_leaves(picked))
+        else:
+            args.append(_shared_or_leaves(picked))
     try:
         result = rule(*args)
     except Exception:  # anything a rule cannot do grouped (PerTensorOnly, ...): it runs per tensor,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import foreach, tree
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -49,6 +49,17 @@ def as_scalar(count: torch.Tensor) -> torch.Tensor:
         ``count`` converted to float64.
     """
     return count.to(SCALAR_DTYPE)
+
+
+def holds_scalar_tensors(x: object) -> bool:
+    """Whether ``x`` is a 0-dim tensor, or :class:`~functional_bagua.foreach.Leaves` holding one.
+
+    Args:
+        x: a tensor, or the ``Leaves`` a grouped rule gets in its place.
+    """
+    if isinstance(x, foreach.Leaves):
+        return any(t.dim() == 0 for t in x.items)
+    return isinstance(x, torch.Tensor) and x.dim() == 0
 
 
 def is_number(x: object) -> TypeIs[float]:

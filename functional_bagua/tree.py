@@ -106,6 +106,15 @@ def leaves_matching(spec: optree.PyTreeSpec, tree: PyTree, name: str, reference:
         if not all(optree.tree_is_leaf(leaf, none_is_leaf=NONE_IS_LEAF) for leaf in leaves):
             raise ValueError(describe_mismatch(spec, flatten(tree)[1], name, reference))
         return leaves
+    one_container = spec.num_nodes == spec.num_leaves + 1 and type(tree) is spec.type  # of the spec's type
+    if one_container:
+        try:  # the usual case, a dict of tensors (or None): flatten_up_to reads it in one pass
+            leaves = spec.flatten_up_to(tree)
+        except (ValueError, TypeError):
+            pass
+        else:
+            if all(leaf is None or isinstance(leaf, torch.Tensor) for leaf in leaves):
+                return leaves
     leaves, tree_spec = flatten(tree)
     if tree_spec != spec:
         raise ValueError(describe_mismatch(spec, tree_spec, name, reference))

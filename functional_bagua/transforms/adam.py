@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional, Union, cast
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import as_scalar, is_number, lerp, zero_count
+from functional_bagua.numerics import as_scalar, holds_scalar_tensors, is_number, lerp, zero_count
 from functional_bagua.transforms.leafwise import leafwise
 
 
@@ -63,11 +63,29 @@ def second_moment(v: torch.Tensor, g: torch.Tensor, b2: Union[float, torch.Tenso
     Returns:
         The new second-moment estimate, a new tensor.
     """
-    if is_number(b2):
-        return v.mul(b2).addcmul(
-            g, g, value=1 - b2
-        )  # addcmul_ would save a tensor, but traced, torch decomposes it (other roundings)
-    return v * b2 + (1 - b2) * g * g
+    if not is_number(b2):
+        return v * b2 + (1 - b2) * g * g
+    if torch.compiler.is_compiling():  # traced, torch decomposes addcmul_ into other roundings than addcmul's
+        return v.mul(b2).addcmul(g, g, value=1 - b2)
+    return v.mul(b2).addcmul_(g, g, value=1 - b2)  # in place on our own temporary: the same bits, one tensor less
+
+
+def divided_root(v: torch.Tensor, divisor: Union[float, torch.Tensor]) -> torch.Tensor:
+    """``sqrt(v) / divisor``, a new tensor; the root is divided in place where that gives the
+    same numbers and autograd allows it.
+
+    Args:
+        v: the tensor whose square root is taken (left unmodified).
+        divisor: a number or a 0-dim tensor.
+
+    Returns:
+        A new tensor of ``v``'s shape (float64 for a 0-dim ``v`` and a 0-dim float64 ``divisor``:
+        0-dim by 0-dim arithmetic promotes, in place it could not).
+    """
+    root = v.sqrt()
+    if torch.is_grad_enabled() and v.requires_grad or holds_scalar_tensors(root):  # autograd keeps sqrt's output
+        return root / divisor
+    return root.div_(divisor)
 
 
 class ScaleByAdamState(NamedTuple):
@@ -127,8 +145,7 @@ def scale_by_adam(
             new_state = ScaleByAmsgradState(count, mu, nu, nu_max)
         else:
             nu_max, new_state = nu, ScaleByAdamState(count, mu, nu)
-        # add_ in place on our own temporary; not sqrt's output, which autograd keeps for the backward
-        denom = (nu_max.sqrt() / bias_correction(b2, t).sqrt()).add_(eps)
+        denom = divided_root(nu_max, bias_correction(b2, t).sqrt()).add_(eps)
         return (mu / bias_correction(b1, t)).div_(denom), new_state
 
     return leafwise(state_type, init_leaf, update_leaf, name="scale_by_adam", fresh_updates=True)

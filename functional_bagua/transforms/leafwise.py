@@ -30,6 +30,7 @@ import torch
 from functional_bagua import checks, foreach, layout_context, ownership, tree
 from functional_bagua.base import EmptyState, GradientTransformation
 from functional_bagua.flat import Segment
+from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.tree import PyTree
 
 
@@ -114,52 +115,45 @@ def leafwise(
     def update(grads: PyTree, state: NamedTuple, params: Optional[PyTree] = None) -> tuple[PyTree, NamedTuple]:
         if needs_params and params is None:
             raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
-        if params is None:
-            grad_leaves, spec = tree.flatten(grads)
-            param_leaves = [None] * len(grad_leaves)
-        else:
-            grad_leaves, param_leaves, spec = tree.leaves_with_params(grads, params)
-        checks.check_grads(
-            grad_leaves,
-            param_leaves,
-            functools.partial(tree.leaf_name, spec),
-            name,
-            complex_ok=complex_ok,
-            layout=layout,
+        grouped = not (per_tensor and layout_context.active_layout() is not None or sparse_gradients)
+        x = LeafLists.of(
+            grads, params, who=name, complex_ok=complex_ok, layout=layout, grouped=grouped and foreach.grouped_enabled()
         )
+        updates, new_state = on_lists(x, state, False)
+        return x.unflatten(updates), new_state
+
+    def on_lists(x: LeafLists, state: NamedTuple, overwrite: bool) -> tuple[list, NamedTuple]:
+        """The update on checked lists (:mod:`functional_bagua.leaf_lists`); the rule never
+        writes in its input, so ``overwrite`` is unused."""
+        del overwrite
+        if needs_params and not x.params_given:
+            raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
         if not isinstance(state, state_type):
             raise ValueError(
                 f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the "
                 f"state this transform's init made (not another transform's, nor the whole chain's)"
             )
-        keys = _segmented_keys(spec, per_tensor)
-        state_leaves = [_field_leaves(spec, state, f, name, segmented=keys is not None) for f in fields]
+        keys = _segmented_keys(x.spec, per_tensor)
+        state_leaves = [_field_leaves(x.spec, state, f, name, segmented=keys is not None) for f in fields]
         if keys is None and not torch.compiler.is_compiling():
-            _check_state_shapes(grad_leaves, state_leaves, spec, expected_shapes)
+            kinds = [None] * len(x.kinds) if sparse_gradients else x.kinds
+            _check_state_shapes(x.updates, state_leaves, x.spec, expected_shapes, kinds)
 
-        updates: list[Optional[torch.Tensor]] = [None] * len(grad_leaves)
+        updates: list[Optional[torch.Tensor]] = [None] * len(x.updates)
         new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state
-        pending = [i for i, g in enumerate(grad_leaves) if g is not None]
-        if keys is None and not sparse_gradients and foreach.grouped_enabled():
-
-            def rule_of_fields(g: Any, p: Any, *fields: Any) -> Any:
-                return update_leaf(g, state_type(*fields), p)
-
-            ran, pending = foreach.run_groups(
-                rule_of_fields,
-                [grad_leaves, param_leaves, *state_leaves],
-                pending,
-                key=lambda i: param_leaves[i] is None,
-            )
-            for members, (us, new_s) in ran:
-                for j, i in enumerate(members):
-                    updates[i] = _in_dtype(us[j], grad_leaves[i].dtype)
-                for f, column in enumerate(new_s):
-                    old_column, new_column = state_leaves[f], new_fields[f]
-                    for j, i in enumerate(members):
-                        new_column[i] = _like(column[j], old_column[i])
-        for i in pending:
-            g, p, s = grad_leaves[i], param_leaves[i], state_type(*(leaves[i] for leaves in state_leaves))
+        singles = list(x.singles)
+        columns = [x.updates, x.params, *state_leaves]
+        for members in x.groups:
+            result = foreach.run_grouped(rule_of_fields, columns, members)
+            if result is None:  # the rule needs single tensors
+                singles.extend(members)
+                continue
+            us, new_s = result
+            _place(us, members, updates, x.updates, updates_of=name)  # each in its gradient's dtype
+            for column, old_column, new_column in zip(new_s, state_leaves, new_fields):
+                _place(column, members, new_column, old_column)  # each state tensor in its old one's
+        for i in sorted(singles):
+            g, p, s = x.updates[i], x.params[i], state_type(*(leaves[i] for leaves in state_leaves))
             if keys is None:
                 u, new_s = rule(g, s, p)
             else:
@@ -167,10 +161,16 @@ def leafwise(
             updates[i] = u.to(g.dtype)
             for f, value in enumerate(_with_dtypes_of(new_s, s)):
                 new_fields[f][i] = value
-        new_state = state_type(*(spec.unflatten(column) for column in new_fields))
-        return spec.unflatten(updates), new_state
+        return updates, state_type(*(x.unflatten(column) for column in new_fields))
+
+    def rule_of_fields(g: Any, p: Any, *fields: Any) -> Any:
+        return update_leaf(g, state_type(*fields), p)
 
     update.fresh_updates = fresh_updates  # type: ignore[attr-defined]
+    if not (per_tensor or sparse_gradients):  # a chain may run it on its checked lists (leaf_lists)
+        update.on_lists = on_lists  # type: ignore[attr-defined]
+        update.input_name = name  # type: ignore[attr-defined]
+        update.needs_params = needs_params  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 
@@ -204,11 +204,15 @@ class _ExpectedShapes:
         return self.columns[keys]
 
 
-def _check_state_shapes(grad_leaves: list, state_leaves: list, spec: Any, expected: _ExpectedShapes) -> None:
+def _check_state_shapes(
+    grad_leaves: list, state_leaves: list, spec: Any, expected: _ExpectedShapes, kinds: list
+) -> None:
     """Raise unless each state tensor has the shape ``init_leaf`` makes for its parameter: a
-    state made for other parameters would otherwise be broadcast into the update (and grow)."""
-    keys = tuple((g.shape, g.dtype) if g is not None and g.layout == torch.strided else None for g in grad_leaves)
-    for field, leaves, shapes in zip(expected.fields, state_leaves, expected.for_grads(keys)):
+    state made for other parameters would otherwise be broadcast into the update (and grow).
+    ``kinds`` holds each dense gradient's ``(shape, dtype)`` (``None`` for the others)."""
+    for field, leaves, shapes in zip(expected.fields, state_leaves, expected.for_grads(tuple(kinds))):
+        if _shapes_if_tensors(leaves) == shapes:  # the usual case, in one comparison of lists
+            continue
         actual = [
             leaf.shape if isinstance(leaf, torch.Tensor) and shape is not None else shape
             for leaf, shape in zip(leaves, shapes)
@@ -221,6 +225,14 @@ def _check_state_shapes(grad_leaves: list, state_leaves: list, spec: Any, expect
             f"{tuple(actual[i])}, where a parameter of shape {tuple(grad_leaves[i].shape)} has {tuple(shapes[i])}: "
             "the state was made for other parameters; make it for these, tx.init(params)"
         )
+
+
+def _shapes_if_tensors(leaves: list) -> Optional[list]:
+    """Each leaf's shape, or ``None`` if a leaf is not a tensor."""
+    try:
+        return [leaf.shape for leaf in leaves]
+    except AttributeError:
+        return None
 
 
 def stateless(
@@ -274,29 +286,31 @@ def stateless(
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
-        leaf_rule, rule = own_rules[in_place is not None and ownership.granted_to(update)]
-        if params is None:
-            if needs_params:
-                raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
-            update_leaves, spec = tree.flatten(updates)
-            param_leaves = [None] * len(update_leaves)
-        else:
-            update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
-        checks.check_grads(
-            update_leaves, param_leaves, functools.partial(tree.leaf_name, spec), name, complex_ok=not per_tensor
-        )
-        keys = _segmented_keys(spec, per_tensor)
-        new: list[Optional[torch.Tensor]] = [None] * len(update_leaves)
-        pending = [i for i, u in enumerate(update_leaves) if u is not None]
-        if not per_tensor and foreach.grouped_enabled():
-            ran, pending = foreach.run_groups(
-                leaf_rule, [update_leaves, param_leaves], pending, key=lambda i: param_leaves[i] is None
-            )
-            for members, us in ran:
-                for j, i in enumerate(members):
-                    new[i] = _in_dtype(us[j], update_leaves[i].dtype)
-        for i in pending:
-            u, p = update_leaves[i], param_leaves[i]
+        if params is None and needs_params:
+            raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
+        grouped = not per_tensor and foreach.grouped_enabled()
+        x = LeafLists.of(updates, params, who=name, complex_ok=not per_tensor, grouped=grouped)
+        new, state = on_lists(x, state, ownership.granted_to(update))
+        return x.unflatten(new), state
+
+    def on_lists(x: LeafLists, state: EmptyState, overwrite: bool) -> tuple[list, EmptyState]:
+        """The update on checked lists (:mod:`functional_bagua.leaf_lists`), computed in the
+        given updates when ``overwrite`` grants them and the rule can."""
+        if needs_params and not x.params_given:
+            raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
+        leaf_rule, rule = own_rules[in_place is not None and overwrite]
+        keys = _segmented_keys(x.spec, per_tensor)
+        new: list[Optional[torch.Tensor]] = [None] * len(x.updates)
+        singles = list(x.singles)
+        columns = [x.updates, x.params]
+        for members in x.groups:
+            us = foreach.run_grouped(leaf_rule, columns, members)
+            if us is None:  # the rule needs single tensors
+                singles.extend(members)
+                continue
+            _place(us, members, new, x.updates, updates_of=name)
+        for i in sorted(singles):
+            u, p = x.updates[i], x.params[i]
             new[i] = (
                 rule(u, p).to(u.dtype)
                 if keys is None
@@ -304,9 +318,13 @@ def stateless(
                 if per_buffer
                 else _map_segments(leaf_rule, u, p, _segments_of(keys[i]))
             )
-        return spec.unflatten(new), state
+        return new, state
 
     update.fresh_updates = in_place is not None  # type: ignore[attr-defined]
+    if not per_tensor:  # a chain may run it on its checked lists (leaf_lists)
+        update.on_lists = on_lists  # type: ignore[attr-defined]
+        update.input_name = name  # type: ignore[attr-defined]
+        update.needs_params = needs_params  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 
@@ -384,6 +402,27 @@ def _with_dtypes_of(new: Any, old: Any) -> Any:
 def _like(new: Any, old: Any) -> Any:
     """``new`` in ``old``'s dtype when both are tensors (:func:`_with_dtypes_of` for one field)."""
     return _in_dtype(new, old.dtype) if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) else new
+
+
+def _place(values: list, members: list, into: list, like: list, *, updates_of: Optional[str] = None) -> None:
+    """``into[i] = values[j]`` for the ``j``-th index ``i`` of ``members``, each tensor in the
+    dtype of ``like[i]`` when that is a tensor (:func:`_like` for a group's results: in the usual
+    case, where every dtype is already right, one comparison of two lists). ``updates_of``: the
+    values are the updates of the rule of that transform, which must be tensors (a TypeError
+    names it otherwise); ``like`` holds their inputs."""
+    olds = [like[i] for i in members]
+    try:
+        kept = [v.dtype for v in values] == [o.dtype for o in olds]
+    except AttributeError:  # a value or an old leaf that is not a tensor
+        kept = False
+    if kept:
+        for i, value in zip(members, values):
+            into[i] = value
+    else:
+        for i, value, old in zip(members, values, olds):
+            if updates_of is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{updates_of}: the rule gave a {type(value).__name__} as an update, not a tensor")
+            into[i] = _in_dtype(value, old.dtype) if updates_of is not None else _like(value, old)
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""A chain's input flattened, checked and grouped once, for links that work on lists of leaves.
+
+Each building block (:func:`~functional_bagua.leafwise`, :func:`~functional_bagua.stateless`)
+takes trees: it flattens its input, checks each gradient against its parameter, groups the
+tensors by device and dtype, runs its rule once per group, and builds a tree of its result. In a
+:func:`~functional_bagua.chain` of such blocks, the next link would flatten that tree again, check
+it again and group it again, though only the values changed. The chain does this work once
+instead: it makes a :class:`LeafLists` of its input, and each elementwise link takes the lists and
+returns its updates as a list in the same order, shapes and dtypes, the next link's input::
+
+    x = LeafLists.of(grads, params, who="scale_by_adam")   # flatten, check, group: once
+    u, s1 = on_lists_1(x, s1, False)                       # each link: its rule per group
+    x = x.followed_by(u, who="add_decayed_weights")        # the shapes compared, nothing regrouped
+
+The links run the same rules on the same groups as one by one, so the numbers are the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import optree
+import torch
+
+from functional_bagua import checks, foreach, tree
+from functional_bagua.tree import PyTree
+
+
+class LeafLists(NamedTuple):
+    """An update's leaves with their parameters, checked and grouped.
+
+    Attributes:
+        updates: the gradients or updates, one per leaf (``None`` where there is none).
+        params: the parameters, one per leaf (all ``None`` when ``update`` got no ``params``).
+        spec: the tree structure the leaves came from.
+        groups: the indices of the leaves that run together (one device, dtype, and whether a
+            parameter is given), as :func:`functional_bagua.foreach.groups` makes them.
+        singles: the indices of the other leaves with an update (complex tensors, or all of them
+            when the grouped path is off), which run one tensor at a time.
+        params_given: whether ``update`` got ``params``.
+        kinds: each update's ``(shape, dtype)`` (``None`` where there is no update), which every
+            link's result keeps.
+    """
+
+    updates: list
+    params: list
+    spec: optree.PyTreeSpec
+    groups: list
+    singles: list
+    params_given: bool
+    kinds: list
+
+    @classmethod
+    def of(
+        cls,
+        updates: PyTree,
+        params: Optional[PyTree],
+        *,
+        who: str,
+        complex_ok: bool = True,
+        layout: torch.layout = checks.STRIDED,
+        grouped: bool = True,
+    ) -> "LeafLists":
+        """``updates`` (and ``params``) flattened, checked as ``who``'s input
+        (:func:`functional_bagua.checks.check_grads`) and, with ``grouped``, grouped.
+
+        Args:
+            updates: a tree of gradients or updates.
+            params: the parameter tree, the reference structure; ``None`` when not given.
+            who: the transform named in error messages.
+            complex_ok: whether complex tensors are accepted.
+            layout: the layout gradients must have (``torch.strided``, or ``torch.sparse_coo``).
+            grouped: whether to group the leaves; ``False`` puts every leaf in ``singles``.
+        """
+        if params is None:
+            update_leaves, spec = tree.flatten(updates)
+            param_leaves: list = [None] * len(update_leaves)
+        else:
+            update_leaves, param_leaves, spec = tree.leaves_with_params(updates, params)
+        checks.check_grads(
+            update_leaves,
+            param_leaves,
+            functools.partial(tree.leaf_name, spec),
+            who,
+            complex_ok=complex_ok,
+            layout=layout,
+        )
+        present = [i for i, u in enumerate(update_leaves) if u is not None]
+        groups = foreach.groups(update_leaves, present, key=lambda i: param_leaves[i] is None) if grouped else []
+        in_groups = sum(len(members) for members in groups)
+        singles = present if not grouped else [] if in_groups == len(present) else _outside(present, groups)
+        kinds = [None if u is None else (u.shape, u.dtype) for u in update_leaves]
+        return cls(update_leaves, param_leaves, spec, groups, singles, params is not None, kinds)
+
+    def followed_by(self, updates: list, *, who: str) -> "LeafLists":
+        """These lists with the next link's input ``updates`` (the previous link's result, which
+        keeps each leaf's shape and dtype): a ValueError/TypeError names a leaf that does not,
+        as ``who``'s own input check would.
+
+        Args:
+            updates: the new updates, one per leaf, ``None`` where these have ``None``.
+            who: the link that takes them, named in error messages.
+        """
+        try:
+            kept = [None if u is None else (u.shape, u.dtype) for u in updates] == self.kinds
+        except AttributeError:  # a leaf that is not a tensor: check_grads names it
+            kept = False
+        if not kept:
+            self._refuse(updates, who)
+        return self._replace(updates=updates)
+
+    def _refuse(self, updates: list, who: str) -> None:
+        """Raise, naming the first leaf of ``updates`` that is not its predecessor's shape and
+        dtype (as ``who``'s own input check: against the parameter where there is one)."""
+        name = functools.partial(tree.leaf_name, self.spec)
+        if self.params_given:
+            checks.check_grads(updates, self.params, name, who)
+        for i, (new, old) in enumerate(zip(updates, self.updates)):
+            if new is None or old is None:
+                if new is not old:
+                    raise ValueError(f"{who}: the update of {name(i)!r} is {new!r} where its input was {old!r}")
+                continue
+            checks.check_grad(new, None, functools.partial(name, i), who)
+            if (new.shape, new.dtype) != (old.shape, old.dtype):
+                raise ValueError(
+                    f"{who}: the update of {name(i)!r} is {new.dtype} of shape {tuple(new.shape)}, where the link "
+                    f"before it was given {old.dtype} of shape {tuple(old.shape)}; a link of a chain keeps each "
+                    "update's shape and dtype (its rule is elementwise)"
+                )
+
+    def unflatten(self, leaves: list) -> Any:
+        """``leaves`` (one per leaf) in the tree structure these came from."""
+        return self.spec.unflatten(leaves)
+
+
+def _outside(indices: list, groups: list) -> list:
+    """The ``indices`` in none of the ``groups``."""
+    grouped = {i for members in groups for i in members}
+    return [i for i in indices if i not in grouped]
