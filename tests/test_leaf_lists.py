@@ -95,12 +95,18 @@ def test_without_params_a_link_that_changes_a_shape_is_refused_naming_both_shape
         tx.update(grads, tx.init(grads))
 
 
-def test_a_rule_that_returns_no_tensor_is_refused_inside_a_chain():
-    number = fb.stateless(lambda u, p: 0.5, name="number")
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["grouped", "per tensor"])
+@pytest.mark.parametrize("stateful", [False, True], ids=["stateless", "leafwise"])
+def test_a_rule_that_returns_no_tensor_is_refused_inside_a_chain(per_tensor, stateful):
+    if stateful:
+        number = fb.leafwise(fb.EmptyState, lambda p: fb.EmptyState(), lambda g, s, p: (0.5, s), name="number")
+    else:
+        number = fb.stateless(lambda u, p: 0.5, name="number")
     tx = fb.chain(number, fb.scale(-0.1))
     params, grads = problem()
-    with pytest.raises(TypeError, match="number: the rule gave a float as an update, not a tensor"):
-        tx.update(grads, tx.init(params), params)
+    with foreach.per_tensor() if per_tensor else contextlib.nullcontext():
+        with pytest.raises(TypeError, match="number: the rule gave a float as an update, not a tensor"):
+            tx.update(grads, tx.init(params), params)
 
 
 def test_zero_dim_parameters_divide_in_float64_on_every_path():

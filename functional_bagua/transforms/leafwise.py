@@ -158,7 +158,7 @@ def leafwise(
                 u, new_s = rule(g, s, p)
             else:
                 u, new_s = _update_segments(update_leaf, state_type, g, s, p, _segments_of(keys[i]))
-            updates[i] = u.to(g.dtype)
+            updates[i] = _update_in(u, g.dtype, name)
             for f, value in enumerate(_with_dtypes_of(new_s, s)):
                 new_fields[f][i] = value
         return updates, state_type(*(x.unflatten(column) for column in new_fields))
@@ -312,7 +312,7 @@ def stateless(
         for i in sorted(singles):
             u, p = x.updates[i], x.params[i]
             new[i] = (
-                rule(u, p).to(u.dtype)
+                _update_in(rule(u, p), u.dtype, name)
                 if keys is None
                 else per_buffer(u, p, [seg.numel for seg in _segments_of(keys[i])]).to(u.dtype)
                 if per_buffer
@@ -420,9 +420,14 @@ def _place(values: list, members: list, into: list, like: list, *, updates_of: O
             into[i] = value
     else:
         for i, value, old in zip(members, values, olds):
-            if updates_of is not None and not isinstance(value, torch.Tensor):
-                raise TypeError(f"{updates_of}: the rule gave a {type(value).__name__} as an update, not a tensor")
-            into[i] = _in_dtype(value, old.dtype) if updates_of is not None else _like(value, old)
+            into[i] = _update_in(value, old.dtype, updates_of) if updates_of is not None else _like(value, old)
+
+
+def _update_in(u: Any, dtype: torch.dtype, who: str) -> torch.Tensor:
+    """A rule's update ``u`` in ``dtype``; a TypeError naming ``who`` if it is not a tensor."""
+    if not isinstance(u, torch.Tensor):
+        raise TypeError(f"{who}: the rule gave a {type(u).__name__} as an update, not a tensor")
+    return u.to(dtype)
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
