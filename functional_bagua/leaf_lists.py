@@ -88,8 +88,7 @@ class LeafLists(NamedTuple):
         )
         present = [i for i, u in enumerate(update_leaves) if u is not None]
         groups = foreach.groups(update_leaves, present, key=lambda i: param_leaves[i] is None) if grouped else []
-        in_groups = sum(len(members) for members in groups)
-        singles = present if not grouped else [] if in_groups == len(present) else _outside(present, groups)
+        singles = _outside(present, groups)
         kinds = [None if u is None else (u.shape, u.dtype) for u in update_leaves]
         return cls(update_leaves, param_leaves, spec, groups, singles, params is not None, kinds)
 
@@ -135,6 +134,8 @@ class LeafLists(NamedTuple):
 
 
 def _outside(indices: list, groups: list) -> list:
-    """The ``indices`` in none of the ``groups``."""
+    """The ``indices`` in none of the ``groups`` (which hold only some of them)."""
+    if sum(len(members) for members in groups) == len(indices):
+        return []
     grouped = {i for members in groups for i in members}
     return [i for i in indices if i not in grouped]

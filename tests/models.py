@@ -100,3 +100,29 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def eager_and_compiled_runs(make_optimizer, steps: int, dtype: torch.dtype, graphs_after: int):
+    """One model trained with ``make_optimizer(model)``'s eager ``step`` and one with
+    ``torch.compile(opt.step)``, each under a StepLR halving the lr every 2 steps: the two models,
+    the number of graphs compiled once step ``graphs_after`` (counting from 0) was taken, and the
+    number at the end."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    runs, graphs = [], None
+    for compiled in (False, True):
+        model = make_model("shapes", dtype)
+        opt = make_optimizer(model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        step = torch.compile(opt.step, backend=counter) if compiled else opt.step
+        for i, (x, y) in enumerate(batches(steps, dtype)):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            step()
+            sched.step()
+            if compiled and i == graphs_after:
+                graphs = counter.frame_count
+        runs.append(model)
+    return runs[0], runs[1], graphs, counter.frame_count

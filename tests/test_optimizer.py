@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 from devices import DEVICE, ON_CUDA, seeded
-from models import batches, default_dtype, loss_fn, make_model
+from models import batches, default_dtype, eager_and_compiled_runs, loss_fn, make_model
 
 import functional_bagua as fb
 
@@ -792,28 +792,13 @@ def test_compiled_step_follows_the_scheduler_without_recompiling(fused):
     """torch.compile(opt.step): the lr a scheduler writes reaches the graph as data (no number
     baked in, no new graph after the first step), and the run is the eager one (torch's fused
     kernel runs eagerly inside the compiled step)."""
-    from torch._dynamo.testing import CompileCounter
-
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    runs = []
-    for compiled in (False, True):
-        model = make_model("shapes", DTYPE)
-        opt = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2, fused=fused)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        step = torch.compile(opt.step, backend=counter) if compiled else opt.step
-        for i, (x, y) in enumerate(batches(STEPS, DTYPE)):
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            step()
-            sched.step()
-            if compiled and i == 0:
-                graphs_after_first_step = counter.frame_count
-        runs.append(model)
-    assert counter.frame_count == graphs_after_first_step
+    eager, compiled, graphs_after_first_step, graphs_at_the_end = eager_and_compiled_runs(
+        lambda model: fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2, fused=fused), STEPS, DTYPE, graphs_after=0
+    )
+    assert graphs_at_the_end == graphs_after_first_step
     if fused is False:  # the pure update was compiled (the kernel's step is eager: no graph of its own)
         assert graphs_after_first_step > 0
-    assert_models_equal(runs[0], runs[1])
+    assert_models_equal(eager, compiled)
 
 
 @pytest.mark.slow

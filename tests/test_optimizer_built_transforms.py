@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from models import batches, default_dtype, loss_fn, make_model
+from models import batches, default_dtype, eager_and_compiled_runs, loss_fn, make_model
 
 import functional_bagua as fb
 from functional_bagua.adjustable import Adjustable
@@ -145,27 +145,12 @@ def test_groups_of_different_built_transforms_each_show_their_own():
 def test_a_compiled_step_compiles_once_more_at_the_first_change_then_reads_the_tensor():
     """The first lr change builds the transform again with a tensor lr (one new graph); the
     later ones are written into it (no new graph), and the run is the eager one."""
-    from torch._dynamo.testing import CompileCounter
-
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    runs = []
-    for compiled in (False, True):
-        with default_dtype(DTYPE):
-            model = make_model("shapes", DTYPE)
-            opt = fb.Optimizer(model.parameters(), fb.adamw(1e-2), fused=False)
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-            step = torch.compile(opt.step, backend=counter) if compiled else opt.step
-            for i, (x, y) in enumerate(batches(STEPS, DTYPE)):
-                opt.zero_grad()
-                loss_fn(model(x), y).backward()
-                step()
-                sched.step()
-                if compiled and i == 2:  # the step after the first change
-                    graphs = counter.frame_count
-        runs.append(model)
-    assert counter.frame_count == graphs
-    assert_models_equal(runs[0], runs[1])
+    with default_dtype(DTYPE):  # after step 2: the step after the first change
+        eager, compiled, graphs, graphs_at_the_end = eager_and_compiled_runs(
+            lambda model: fb.Optimizer(model.parameters(), fb.adamw(1e-2), fused=False), STEPS, DTYPE, graphs_after=2
+        )
+    assert graphs_at_the_end == graphs
+    assert_models_equal(eager, compiled)
 
 
 def test_a_checkpoint_resumes_the_scheduled_run_bit_for_bit():

@@ -126,8 +126,6 @@ def leafwise(
         """The update on checked lists (:mod:`functional_bagua.leaf_lists`); the rule never
         writes in its input, so ``overwrite`` is unused."""
         del overwrite
-        if needs_params and not x.params_given:
-            raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
         if not isinstance(state, state_type):
             raise ValueError(
                 f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the "
@@ -296,8 +294,6 @@ def stateless(
     def on_lists(x: LeafLists, state: EmptyState, overwrite: bool) -> tuple[list, EmptyState]:
         """The update on checked lists (:mod:`functional_bagua.leaf_lists`), computed in the
         given updates when ``overwrite`` grants them and the rule can."""
-        if needs_params and not x.params_given:
-            raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
         leaf_rule, rule = own_rules[in_place is not None and overwrite]
         keys = _segmented_keys(x.spec, per_tensor)
         new: list[Optional[torch.Tensor]] = [None] * len(x.updates)
