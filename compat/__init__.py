@@ -7,7 +7,10 @@ A Bagua script runs after replacing ``import bagua.torch_api as bagua`` with
 - ``init_process_group``, ``get_rank``, ``get_world_size``, ``get_local_rank``, ``get_local_size``,
   the collectives and ``ReduceOp`` (:mod:`~functional_bagua.compat.communication`);
 - ``model.with_bagua(optimizers, algorithm)`` on every ``torch.nn.Module`` once this package is
-  imported (:mod:`~functional_bagua.compat.bagua_module`);
+  imported (:mod:`~functional_bagua.compat.bagua_module`), and Bagua's tensor methods
+  (``ensure_bagua_tensor``...) on every ``torch.Tensor`` (:mod:`~functional_bagua.compat.tensor`),
+  for algorithms written to Bagua's interface (buckets and their operations:
+  :mod:`~functional_bagua.compat.bucket`);
 - ``algorithms`` (gradient_allreduce, bytegrad, decentralized, q_adam, async_model_average),
   ``data_parallel.DistributedDataParallel``, ``contrib.fuse_optimizer``;
 - :func:`fuse_optimizer`, :func:`fuse_step`, :func:`is_fused_optimizer`, :func:`fused_steps`:
@@ -16,7 +19,7 @@ A Bagua script runs after replacing ``import bagua.torch_api as bagua`` with
 
 import torch as _torch
 
-from functional_bagua.compat import algorithms, communication, contrib, data_parallel, optim, utils
+from functional_bagua.compat import algorithms, communication, contrib, data_parallel, optim, tensor, utils
 from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel, BaguaModule, patch_torch_module
 from functional_bagua.compat.communication import (
     BaguaProcessGroup,
@@ -33,6 +36,7 @@ from functional_bagua.compat.communication import (
     broadcast,
     gather,
     gather_inplace,
+    get_backend,
     get_local_rank,
     get_local_size,
     get_rank,
@@ -55,9 +59,11 @@ from functional_bagua.compat.fuse import (
     fused_steps,
     is_fused_optimizer,
 )
+from functional_bagua.compat.tensor import BaguaTensor
 
 patch_torch_module()
 communication.patch_torch_process_group()
+tensor.patch_torch_tensor()
 
 version = _torch.__version__  # Bagua's: the torch version it runs on
 
@@ -76,7 +82,9 @@ __all__ = [
     "BaguaProcessGroup",
     "BaguaDistributedDataParallel",
     "BaguaModule",
+    "BaguaTensor",
     "ReduceOp",
+    "get_backend",
     "send",
     "recv",
     "broadcast",
@@ -102,5 +110,6 @@ __all__ = [
     "contrib",
     "data_parallel",
     "optim",
+    "tensor",
     "utils",
 ]

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl
+from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, check_hooks_run
+from functional_bagua.compat.backend import CommBackend, get_backend
 from functional_bagua.compat.communication import BaguaProcessGroup, to_bagua_process_group
 from functional_bagua.distributed.process_group import Agreement, Group, group_src, resolve
 
@@ -88,6 +89,8 @@ class BaguaDistributedDataParallel:
             previous.detach()
         self._agree(algorithm)
         self.bagua_algorithm: AlgorithmImpl = algorithm.reify(self.process_group)
+        check_hooks_run(self.bagua_algorithm)
+        self.forward_inputs: Any = None  # the inputs of the training forward about to run (Bagua's pre-hook takes them)
         self._in_backward = False
         self._hooks: list = [module.register_forward_pre_hook(self._before_forward)]
         on_gradient = _weakly(self._on_gradient)  # see GradientReducer._hook: a strong hook kept the engine alive
@@ -130,6 +133,22 @@ class BaguaDistributedDataParallel:
             return named
         return [pair for pair, got in zip(named, used) if got]
 
+    def named_parameters_for_hooks(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(Bagua name, parameter)`` of every trainable parameter: what Bagua's backward hook is
+        called with (:mod:`~functional_bagua.compat.algorithms.base`)."""
+        return [(_bagua_name(name), p) for name, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def bagua_buckets(self) -> list:
+        """The running algorithm's buckets."""
+        return self.bagua_algorithm.buckets()
+
+    @property
+    def _bagua_backend(self) -> CommBackend:
+        """The model's backend (:func:`~functional_bagua.compat.backend.get_backend`), which runs
+        its buckets' operations."""
+        return get_backend(self.bagua_module_name)
+
     def _states(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers not ignored, by name: what is broadcast from rank 0."""
         named: dict[str, torch.Tensor] = dict(self.module.named_parameters())
@@ -168,7 +187,9 @@ class BaguaDistributedDataParallel:
         if self.bagua_algorithm.need_reset():
             self._reset()
         if module.training:
+            self.forward_inputs = inputs
             self.bagua_algorithm.before_forward(self)
+            self.forward_inputs = None
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         if self._require_sync and not self._in_backward:

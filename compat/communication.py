@@ -33,6 +33,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from functional_bagua.compat.autotune import AutotuneClient, AutotuneService, run_flask_app, start_autotune_server  # noqa: F401  # Bagua's module exports them
+from functional_bagua.compat.backend import get_backend  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.utils import apply_flattened_call, flatten, unflatten  # noqa: F401  # flatten, unflatten: Bagua's module exports them
 from functional_bagua.distributed import collectives
 
@@ -120,9 +122,17 @@ def _all_reduce_by_gathering(tensor: torch.Tensor, op: ReduceOp, group: "BaguaPr
 
 
 class CommMember(enum.Enum):
-    """``NON_COMM_MEMBER``: what a process outside a group gets for the group's communicators."""
+    """``NON_COMM_MEMBER``: what a process outside a group gets for the group's communicators;
+    ``WORLD``: the default group (Bagua's name, taken wherever ``comm=`` is)."""
 
     NON_COMM_MEMBER = 0
+    WORLD = 1
+
+
+class comm:  # noqa: N801  # Bagua's name
+    """Bagua's older spelling of :attr:`CommMember.WORLD`."""
+
+    WORLD = CommMember.WORLD
 
 
 # ---- environment (torchrun sets these variables) ------------------------------------------------
@@ -279,6 +289,32 @@ def _get_rank_mappings() -> dict[int, tuple[int, int]]:
     gathered: list = [None] * get_world_size()
     dist.all_gather_object(gathered, (get_node_rank(), get_local_rank()))
     return {rank: tuple(pair) for rank, pair in enumerate(gathered)}
+
+
+def broadcast_nccl_unique_id(comm_key: str, root: int) -> str:
+    """A fresh random id (NCCL's 128 bytes, in hex) made on rank ``root`` and shared with every
+    process through the default store under ``comm_key`` (every process must call it; torch makes
+    its own NCCL communicators, so the id only serves scripts that want a shared one).
+
+    Args:
+        comm_key: the store key, unique per id.
+        root: the rank that makes the id.
+    """
+    store = _default_store_now()
+    if store is None:
+        raise RuntimeError("broadcast_nccl_unique_id: call init_process_group() first (the id goes through its store)")
+    if get_rank() == root:
+        unique_id = os.urandom(128).hex()
+        store.set(comm_key, unique_id)
+        return unique_id
+    return str(store.get(comm_key), encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=None)
+def get_hyperparameters_service_client() -> AutotuneClient:
+    """The client of the autotuning service (:mod:`functional_bagua.compat.autotune`: answered in
+    this process)."""
+    return AutotuneClient(get_master_addr(), _autotune_service_port)
 
 
 def _find_free_bagua_service_port(store: dist.Store) -> int:
@@ -555,7 +591,7 @@ def _resolve(comm: object) -> Optional[BaguaProcessGroup]:
     """The group of ``comm`` (``None``: the default group's), or ``None`` outside it."""
     if comm is CommMember.NON_COMM_MEMBER:
         return None
-    if comm is None:
+    if comm is None or comm is CommMember.WORLD:
         return default_group()
     if isinstance(comm, Communicator):
         return comm.group
@@ -1012,7 +1048,7 @@ def get_autotune_server_wait_time() -> int:
     return int(os.environ.get("BAGUA_AUTOTUNE_SERVER_WAIT_TIME", 300))
 
 
-# Bagua's autotuning service, which does not run here (these stay None)
+# Bagua's autotuning service (start_autotune_server sets these; the service answers in process)
 _autotune_server: Optional[object] = None
 _autotune_service_port: Optional[int] = None
 

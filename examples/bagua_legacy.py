@@ -6,7 +6,9 @@ became ``import functional_bagua.compat as bagua``. Runs on the CPU (gloo) and o
     torchrun --standalone --nproc-per-node 2 examples/bagua_legacy.py --algorithm qadam --ddp
 
 ``--algorithm`` is one of Bagua's six (gradient_allreduce, bytegrad, decentralized,
-low_precision_decentralized, qadam, async); ``--ddp`` wraps the model with Bagua's
+low_precision_decentralized, qadam, async), or ``own``: an algorithm written to Bagua's own
+interface, as a Bagua user writes one (its buckets average the gradients; :class:`OwnAllReduce`);
+``--ddp`` wraps the model with Bagua's
 ``DistributedDataParallel`` instead of ``model.with_bagua``. Every rank seeds its model
 differently, as Bagua's examples do: wrapping broadcasts rank 0's weights. At the end the script
 gathers every rank's weights and prints how far apart they are: equal for the algorithms that
@@ -26,16 +28,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import functional_bagua.compat as bagua  # was: import bagua.torch_api as bagua
+from functional_bagua.compat import BaguaDistributedDataParallel, BaguaProcessGroup
 from functional_bagua.compat.algorithms import (
+    Algorithm,
+    AlgorithmImpl,
     async_model_average,
     bytegrad,
     decentralized,
     gradient_allreduce,
     q_adam,
 )
+from functional_bagua.compat.bucket import BaguaBucket
 
-ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async")
-GRADIENT_AVERAGING = ("gradient_allreduce", "bytegrad", "qadam")  # replicas stay equal
+ALGORITHMS = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "async", "own")
+GRADIENT_AVERAGING = ("gradient_allreduce", "bytegrad", "qadam", "own")  # replicas stay equal
+
+
+class OwnAllReduceImpl(AlgorithmImpl):
+    """Bagua's interface with its defaults (each parameter's gradient is a communicated tensor,
+    marked ready as backward produces it; the backend waited for at the end of backward), plus
+    one operation per bucket: the mean over the ranks."""
+
+    def init_operations(self, bagua_ddp: BaguaDistributedDataParallel, bucket: BaguaBucket) -> None:
+        bucket.clear_ops()
+        bucket.append_centralized_synchronous_op(average=True, group=self.process_group)
+
+
+class OwnAllReduce(Algorithm):
+    def reify(self, process_group: BaguaProcessGroup) -> OwnAllReduceImpl:
+        return OwnAllReduceImpl(process_group)
 
 
 class Net(torch.nn.Module):
@@ -69,6 +90,8 @@ def make_algorithm(name: str, optimizer: torch.optim.Optimizer) -> bagua.algorit
     if name == "qadam":
         assert isinstance(optimizer, q_adam.QAdamOptimizer)
         return q_adam.QAdamAlgorithm(optimizer)
+    if name == "own":
+        return OwnAllReduce()
     return async_model_average.AsyncModelAverageAlgorithm(sync_interval_ms=20, warmup_steps=20)
 
 

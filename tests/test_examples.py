@@ -122,8 +122,12 @@ def test_distributed_example_without_torchrun_says_how_to_launch_it():
 
 @pytest.mark.parametrize(
     "flags, replicas_equal",
-    [(["--algorithm", "gradient_allreduce"], True), (["--algorithm", "decentralized", "--ddp"], False)],
-    ids=["gradient_allreduce", "decentralized-ddp"],
+    [
+        (["--algorithm", "gradient_allreduce"], True),
+        (["--algorithm", "decentralized", "--ddp"], False),
+        (["--algorithm", "own"], True),
+    ],
+    ids=["gradient_allreduce", "decentralized-ddp", "own-algorithm"],
 )
 def test_bagua_script_runs_under_torchrun_and_learns(flags, replicas_equal):
     """A Bagua script with only its import changed: the loss goes down, and the weights it gathers

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
+from functional_bagua.compat.bucket import BaguaBucket  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.communication import (  # noqa: F401  # Bagua's module exports them
     BaguaProcessGroup,
     _pg_group_ranks,
@@ -45,6 +46,7 @@ from functional_bagua.compat.communication import (  # noqa: F401  # Bagua's mod
     get_rank,
     new_group,
 )
+from functional_bagua.compat.tensor import BaguaTensor  # noqa: F401  # Bagua's module exports it
 from functional_bagua.flat import FlatLayout
 
 if TYPE_CHECKING:

@@ -16,15 +16,36 @@ undoes what ``init`` set up (hooks, threads) when the model is wrapped again.
 The communication itself is :mod:`functional_bagua.distributed`'s: gradient algorithms hand the
 gradients to a :class:`~functional_bagua.distributed.GradientReducer` (bucketed, overlapped with
 backward), weight-averaging algorithms use its averaging rules.
+
+Bagua's own interface runs too, so that a user's Bagua algorithm works unchanged: an implementation
+that keeps the four points above as the base class has them runs Bagua's hooks through them::
+
+    init:            tensors = init_tensors(ddp); buckets = tensors_to_buckets(suggested, flatten)
+                     init_operations(ddp, bucket) for each bucket; the buckets registered in order
+    before_forward:  init_forward_pre_hook(ddp)(inputs)
+    each gradient:   init_backward_hook(ddp)(name, param)     (name: Bagua's "{module}.{param}")
+    after_backward:  init_post_backward_hook(ddp)()
+    after_step:      init_post_optimizer_step_hook(ddp)(optimizer)
+
+with Bagua's defaults (gradients as the tensors, marked ready as they arrive; the backend waited
+for after backward). The suggested buckets group the tensors in the order ``init_tensors`` gives
+them, by dtype and device, up to ``bucket_cap_mb`` each (Bagua's autotuning service, whose first
+suggestion this is, does not run here). The buckets' operations are those of
+:mod:`functional_bagua.compat.bucket`.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from functional_bagua.compat.autotune import in_order_buckets
+from functional_bagua.compat.bucket import BaguaBucket
 from functional_bagua.compat.communication import BaguaProcessGroup
+from functional_bagua.compat.tensor import BaguaTensor  # noqa: F401  # Bagua's module exports it
+from functional_bagua.distributed.buckets import MIB
 
 if TYPE_CHECKING:
     from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
@@ -45,32 +66,127 @@ class AlgorithmImpl:
         return False
 
     def init(self, ddp: "BaguaDistributedDataParallel") -> None:
-        """Set up for ``ddp``'s model (reducers, buffers, hooks, threads).
+        """Set up for ``ddp``'s model (reducers, buffers, hooks, threads); here: Bagua's hooks
+        (module docstring).
 
         Args:
             ddp: the engine of the wrapped model.
         """
+        tensors = self.init_tensors(ddp)
+        buckets = self.tensors_to_buckets(suggested_buckets(tensors, ddp.bucket_cap_mb), ddp.gradient_as_bucket_view)
+        for bucket in buckets:
+            self.init_operations(ddp, bucket)
+        ddp._bagua_backend.register_ordered_buckets([b.backend_bucket for b in buckets])
+        self._bagua_buckets: Optional[list] = buckets
+        self._gradient_hooks = _gradient_hooks(self, ddp)
 
     def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
-        """Called before each training forward.
+        """Called before each training forward; here: Bagua's forward pre-hook.
 
         Args:
             ddp: the engine of the wrapped model.
         """
+        if self._runs_bagua_hooks():
+            self.init_forward_pre_hook(ddp)(ddp.forward_inputs)
 
     def after_backward(self, ddp: "BaguaDistributedDataParallel") -> None:
-        """Called at the end of each synchronized backward pass.
+        """Called at the end of each synchronized backward pass; here: Bagua's post-backward hook.
 
         Args:
             ddp: the engine of the wrapped model.
         """
+        if self._runs_bagua_hooks():
+            self.init_post_backward_hook(ddp)()
 
     def after_step(self, ddp: "BaguaDistributedDataParallel", optimizer: torch.optim.Optimizer) -> None:
-        """Called after each ``optimizer.step()`` of the wrapped optimizers.
+        """Called after each ``optimizer.step()`` of the wrapped optimizers; here: Bagua's
+        post-step hook.
 
         Args:
             ddp: the engine of the wrapped model.
             optimizer: the optimizer that stepped.
+        """
+        if self._runs_bagua_hooks():
+            self.init_post_optimizer_step_hook(ddp)(optimizer)
+
+    def _runs_bagua_hooks(self) -> bool:
+        return getattr(self, "_bagua_buckets", None) is not None
+
+    # ---- Bagua's hooks, with Bagua's defaults (module docstring) --------------------------------
+
+    def init_tensors(self, bagua_ddp: "BaguaDistributedDataParallel") -> list:
+        """The tensors to communicate: by default every synchronized parameter, last first, as a
+        proxy of its gradient.
+
+        Args:
+            bagua_ddp: the engine of the wrapped model.
+        """
+        parameters = bagua_ddp.bagua_build_params()
+        tensors = [
+            p.bagua_ensure_grad().ensure_bagua_tensor(  # type: ignore[attr-defined]
+                name, bagua_ddp.bagua_module_name, getter_closure=_gradient_of, setter_closure=_set_gradient
+            )
+            for name, p in reversed(parameters)
+        ]
+        self._communication_tensor_names = {name for name, _ in parameters}
+        return tensors
+
+    def tensors_to_buckets(self, tensors: list, do_flatten: bool) -> list:
+        """The buckets, from the suggested grouping: by default one bucket per suggested group.
+
+        Args:
+            tensors: the proxies, grouped as suggested (a list of lists).
+            do_flatten: flatten each bucket (``gradient_as_bucket_view``).
+        """
+        return [BaguaBucket(group, flatten=do_flatten, name=str(i)) for i, group in enumerate(tensors)]
+
+    def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[Any], None]:
+        """A function of the forward's inputs, run before each training forward (by default nothing).
+
+        Args:
+            bagua_ddp: the engine of the wrapped model.
+        """
+        return lambda inputs: None
+
+    def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[str, torch.Tensor], None]:
+        """A function of ``(name, parameter)``, run as each parameter's gradient is accumulated
+        (by default: mark the parameter ready if it is communicated).
+
+        Args:
+            bagua_ddp: the engine of the wrapped model.
+        """
+
+        def hook(parameter_name: str, parameter: torch.Tensor) -> None:
+            if parameter_name in getattr(self, "_communication_tensor_names", ()):
+                parameter.bagua_mark_communication_ready()  # type: ignore[attr-defined]
+
+        return hook
+
+    def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[], None]:
+        """A function of nothing, run at the end of each synchronized backward (by default: wait
+        for the backend's operations).
+
+        Args:
+            bagua_ddp: the engine of the wrapped model.
+        """
+        return bagua_ddp._bagua_backend.wait_pending_comm_ops
+
+    def init_post_optimizer_step_hook(
+        self, bagua_ddp: "BaguaDistributedDataParallel"
+    ) -> Callable[[torch.optim.Optimizer], None]:
+        """A function of the optimizer, run after each of its steps (by default nothing).
+
+        Args:
+            bagua_ddp: the engine of the wrapped model.
+        """
+        return lambda optimizer: None
+
+    def init_operations(self, bagua_ddp: "BaguaDistributedDataParallel", bucket: BaguaBucket) -> None:
+        """Append the operations of one bucket (``bucket.append_*_op``; by default none).
+
+        Args:
+            bagua_ddp: the engine of the wrapped model.
+            bucket: the bucket.
         """
 
     # whether a rank without batches can shadow this algorithm's steps (torch's Join): only the
@@ -90,10 +206,15 @@ class AlgorithmImpl:
         Args:
             ddp: the engine of the wrapped model.
         """
+        if self._runs_bagua_hooks():
+            for handle in self._gradient_hooks:
+                handle.remove()
+            ddp._bagua_backend.register_ordered_buckets([])
+            self._bagua_buckets = None
 
     def buckets(self) -> list:
         """What Bagua called the model's buckets (``model.bagua_buckets``)."""
-        return []
+        return list(getattr(self, "_bagua_buckets", None) or [])
 
     def used_in_last_backward(self) -> Optional[list[bool]]:
         """Per synchronized parameter, whether it got a gradient in the last backward on this rank
@@ -107,6 +228,70 @@ class AlgorithmImpl:
             ddp: the engine of the wrapped model.
         """
         return 0
+
+
+BAGUA_HOOKS = (
+    "init_tensors",
+    "tensors_to_buckets",
+    "init_forward_pre_hook",
+    "init_backward_hook",
+    "init_post_backward_hook",
+    "init_post_optimizer_step_hook",
+    "init_operations",
+)
+
+
+def _gradient_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    return param.grad
+
+
+def _set_gradient(param: torch.Tensor, gradient: torch.Tensor) -> None:
+    param.grad = gradient
+
+
+def suggested_buckets(tensors: list, bucket_cap_mb: float) -> list[list]:
+    """The proxies grouped in their order, by dtype and device, up to ``bucket_cap_mb`` MiB of
+    effective tensors each (:func:`~functional_bagua.compat.autotune.in_order_buckets`).
+
+    Args:
+        tensors: the proxies ``init_tensors`` gave.
+        bucket_cap_mb: the bucket size in MiB.
+    """
+    effective = [t.bagua_getter_closure() for t in tensors]
+    return [[tensors[i] for i in group] for group in in_order_buckets(effective, bucket_cap_mb * MIB)]
+
+
+def _gradient_hooks(impl: AlgorithmImpl, ddp: "BaguaDistributedDataParallel") -> list:
+    """A hook on each trainable parameter that runs ``impl``'s backward hook as the parameter's
+    gradient is accumulated in a synchronized backward (the engine held weakly)."""
+    engine = weakref.ref(ddp)
+
+    def hook_of(name: str) -> Callable[[torch.Tensor], None]:
+        def on_gradient(param: torch.Tensor) -> None:
+            held = engine()
+            if held is not None and held.require_backward_grad_sync:
+                impl.init_backward_hook(held)(name, param)
+
+        return on_gradient
+
+    return [p.register_post_accumulate_grad_hook(hook_of(name)) for name, p in ddp.named_parameters_for_hooks()]
+
+
+def check_hooks_run(impl: AlgorithmImpl) -> None:
+    """Raise a TypeError where ``impl`` overrides Bagua's hooks but inherits a step of this layer's
+    own (a subclass of a built-in implementation), which would not call them.
+
+    Args:
+        impl: the implementation about to run.
+    """
+    owner = next(c for c in type(impl).__mro__ if "init" in vars(c))
+    overridden = [n for n in BAGUA_HOOKS if getattr(type(impl), n) is not getattr(AlgorithmImpl, n)]
+    if owner is not AlgorithmImpl and overridden:
+        raise TypeError(
+            f"{type(impl).__name__} overrides Bagua's hooks {overridden} but runs the step of "
+            f"{owner.__name__}, which does not call them: subclass "
+            "functional_bagua.compat.algorithms.AlgorithmImpl (which runs them) instead"
+        )
 
 
 class Algorithm:

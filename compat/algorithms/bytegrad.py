@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
+from functional_bagua.compat.bucket import BaguaBucket  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.communication import BaguaProcessGroup
+from functional_bagua.compat.tensor import BaguaTensor  # noqa: F401  # Bagua's module exports it
 
 __all__ = ["ByteGradAlgorithm", "ByteGradAlgorithmImpl"]
 

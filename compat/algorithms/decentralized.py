@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
+from functional_bagua.compat.bucket import BaguaBucket  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.compat.fuse import is_fused_optimizer  # noqa: F401  # Bagua's module exports it
+from functional_bagua.compat.tensor import BaguaTensor  # noqa: F401  # Bagua's module exports it
 from functional_bagua.distributed import dequantize, quantize
 from functional_bagua.distributed.averaging import PEER_SELECTION_MODES, mean_over_ranks, mean_with_peer
 from functional_bagua.distributed.process_group import Group, group_src, resolve
@@ -210,15 +212,12 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
             return
         weights = [p.detach() for p in self.weights]
         x = self.layout.flatten(weights)
-        new = {}
-        for key in sorted(x):
-            d = x[key] + self.left_peer_weight[key] / 3 + self.right_peer_weight[key] / 3 - 5 / 3 * self.weight[key]
-            mine = quantize(d.unsqueeze(0))
-            from_left, from_right = _exchange_with_ring(mine, self.group)
-            self.left_peer_weight[key] += dequantize(from_left, d.dtype)[0]
-            self.right_peer_weight[key] += dequantize(from_right, d.dtype)[0]
-            new[key] = self.weight[key] + dequantize(mine, d.dtype)[0]
-            self.weight[key] = new[key]  # a fresh tensor; the parameters only read it below
+        new = {
+            key: low_precision_ring_step(
+                x[key], self.weight[key], self.left_peer_weight[key], self.right_peer_weight[key], self.group
+            )
+            for key in sorted(x)
+        }
         for p, value in zip(weights, self.layout.unflatten(new)):
             p.copy_(value)
 
@@ -241,6 +240,35 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
     @property
     def _right_peer_weight(self) -> torch.Tensor:
         return _flat(self.right_peer_weight)
+
+
+@torch.no_grad()
+def low_precision_ring_step(
+    x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, g: Group
+) -> torch.Tensor:
+    """One communication of 8-bit decentralized SGD on a flat buffer (module docstring)::
+
+        d = x + L / 3 + R / 3 - 5/3 x_hat      q = quantize(d), sent to both ring neighbours
+        L += dequantize(q from the left)       R += dequantize(q from the right)
+        x_hat += dequantize(q)                 x <- x_hat
+
+    Args:
+        x: this rank's weights after its optimizer step, flat (not changed).
+        weight: ``x_hat``, this rank's compressed replica, updated in place.
+        left: ``L``, the left neighbour's replica as this rank knows it, updated in place.
+        right: ``R``, the right neighbour's, updated in place.
+        g: the resolved group.
+
+    Returns:
+        ``weight``: the new weights.
+    """
+    d = x + left / 3 + right / 3 - 5 / 3 * weight
+    mine = quantize(d.unsqueeze(0))
+    from_left, from_right = _exchange_with_ring(mine, g)
+    left += dequantize(from_left, d.dtype)[0]
+    right += dequantize(from_right, d.dtype)[0]
+    weight += dequantize(mine, d.dtype)[0]
+    return weight
 
 
 def _flat(buffers: dict) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
+from functional_bagua.compat.bucket import BaguaBucket  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.communication import BaguaProcessGroup
 from functional_bagua.distributed import GradientReducer
 

@@ -26,7 +26,9 @@ import torch
 
 from functional_bagua.compat.algorithms.base import Algorithm, AlgorithmImpl, engine_on_demand
 from functional_bagua.compat.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
+from functional_bagua.compat.bucket import BaguaBucket  # noqa: F401  # Bagua's module exports it
 from functional_bagua.compat.communication import BaguaProcessGroup
+from functional_bagua.compat.tensor import BaguaTensor  # noqa: F401  # Bagua's module exports it
 from functional_bagua.distributed import buckets as bucketing
 from functional_bagua.distributed import compression as codecs
 from functional_bagua.distributed.allreduce import reduce_in_buckets

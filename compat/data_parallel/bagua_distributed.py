@@ -13,7 +13,12 @@ from typing import Any, TypedDict
 import torch
 
 from functional_bagua.compat.bagua_module import BaguaDistributedDataParallel
-from functional_bagua.compat.communication import BaguaProcessGroup, broadcast
+from functional_bagua.compat.communication import (  # noqa: F401  # Bagua's module exports them
+    BaguaProcessGroup,
+    broadcast,
+    get_backend,
+    get_hyperparameters_service_client,
+)
 from functional_bagua.compat.utils import StatisticalAverage, to_bagua_datatype
 
 __all__ = [

@@ -16,16 +16,20 @@ tensors lying back to back in memory and for a torch optimizer's per-parameter s
   reads one tensor; :func:`infer_state_tensors` cuts the state of a flat parameter back into
   views shaped like its members'; :func:`sync_param_group_scalars` copies a group's settings.
 
-Not here: ``do_fuse``, ``make_optimizer_instance``, ``sync_optimizer_state`` and
-``check_optimizer``, the steps of Bagua's fused optimizer, which keeps a second optimizer over
-flat parameters; :func:`fuse_optimizer` here steps the optimizer itself on flat views, with no
-second copy to make, sync or check.
+Bagua's fused optimizer kept a second optimizer over flat parameters
+(:func:`make_optimizer_instance` makes such a copy, as Bagua's); :func:`fuse_optimizer` here steps
+the optimizer itself on flat views, with no second copy. The steps of Bagua's design that act on
+the copy, ``do_fuse`` (build its flat parameters), ``sync_optimizer_state`` (write its state
+back) and ``check_optimizer`` (compare the attributes it cloned), therefore have nothing to act
+on: each raises a NotImplementedError that names :func:`fuse_step`, which does the whole step.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -38,7 +42,9 @@ __all__ = [
     "fuse_step",
     "is_fused_optimizer",
     "check_contiguous",
+    "check_optimizer",
     "calculate_mutual_groups",
+    "do_fuse",
     "flatten_params_and_states",
     "flatten_tensors_with_closure",
     "get_flattened_tensor",
@@ -46,6 +52,8 @@ __all__ = [
     "get_tensor_state",
     "group_tensors",
     "infer_state_tensors",
+    "make_optimizer_instance",
+    "sync_optimizer_state",
     "sync_param_group_scalars",
 ]
 
@@ -322,3 +330,55 @@ def sync_param_group_scalars(src_group: dict, dst_group: dict) -> None:
     for key in dst_group:
         if key not in src_group:
             dst_group[key] = None
+
+
+def make_optimizer_instance(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` over the same parameters, with param groups of its own (the same
+    settings) and no state (Bagua's helper).
+
+    Args:
+        optimizer: a torch optimizer.
+    """
+    new = copy.copy(optimizer)
+    new.param_groups = []
+    for group in optimizer.param_groups:
+        new.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": list(group["params"])})
+    new.state = defaultdict(dict)
+    return new
+
+
+def _no_second_optimizer(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{name}: this layer's fused optimizer keeps no second, flat optimizer for {name} to act on "
+        "(module docstring); call fuse_step(optimizer) (or optimizer.fuse_step()), which does the whole fused step"
+    )
+
+
+def do_fuse(optimizer: torch.optim.Optimizer) -> None:
+    """Bagua's step that built the second optimizer's flat parameters (a NotImplementedError:
+    module docstring).
+
+    Args:
+        optimizer: a fused optimizer.
+    """
+    raise _no_second_optimizer("do_fuse")
+
+
+def sync_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Bagua's step that wrote the second optimizer's state back (a NotImplementedError: module
+    docstring).
+
+    Args:
+        optimizer: a fused optimizer.
+    """
+    raise _no_second_optimizer("sync_optimizer_state")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Bagua's check of the attributes cloned into the second optimizer (a NotImplementedError:
+    module docstring).
+
+    Args:
+        optimizer: a fused optimizer.
+    """
+    raise _no_second_optimizer("check_optimizer")
