@@ -2,9 +2,10 @@
 
 Bagua ran an HTTP service on rank 0 that suggested how to bucket each model's tensors and, at
 ``BAGUA_AUTOTUNE`` level 1 and above, tuned the bucket size from the speeds the ranks reported.
-Here there is no service and no tuning: :class:`AutotuneService` answers what Bagua's answers at
-level 0, the tensors in their registered order cut into buckets of ``default_bucket_size`` bytes
-(:func:`in_order_buckets`), tuning reported complete; and
+Here there is no service and no tuning: :class:`AutotuneService` answers as Bagua's does at level
+0, with the tensors in their registered order cut into buckets of ``default_bucket_size`` bytes,
+one dtype per bucket (:func:`in_order_buckets`; Bagua's sorted them by dtype name first), tuning
+reported complete; and
 :class:`AutotuneClient`, Bagua's client, asks this process's service directly. Every rank
 computes the same buckets from the same tensors, as all asked the one service in Bagua.
 
@@ -83,7 +84,8 @@ class AutotuneService:
         Args:
             model_name: the model's ``bagua_module_name``.
             tensor_list: the declarations.
-            whether_to_bucket: cut them into buckets (``False``: one tensor per bucket).
+            whether_to_bucket: cut them into buckets (``False``: one bucket per dtype, as Bagua's
+                10 PiB bucket size gives).
         """
         for declaration in tensor_list:
             if declaration["dtype"] not in _BAGUA_DATATYPES.values():
@@ -102,11 +104,8 @@ class AutotuneService:
         """
         if model_name not in self.tensors:
             raise KeyError(f"AutotuneService: no tensors registered for model {model_name!r} (register_tensors first)")
-        declarations = self.tensors[model_name]
-        if self.bucketing[model_name]:
-            buckets = _cut(declarations, self.default_bucket_size)
-        else:
-            buckets = [[d] for d in declarations]
+        bucket_bytes = self.default_bucket_size if self.bucketing[model_name] else UNBOUNDED_BUCKET_BYTES
+        buckets = _cut(self.tensors[model_name], bucket_bytes)
         return {
             "recommended_hyperparameters": {"buckets": buckets, "is_hierarchical_reduce": False},
             "is_autotune_completed": True,
@@ -153,6 +152,8 @@ def _cut(declarations: list, bucket_bytes: int) -> list[list]:
     standing = [torch.empty(d["num_elements"], dtype=dtypes[d["dtype"]], device="meta") for d in declarations]
     return [[declarations[i] for i in group] for group in in_order_buckets(standing, bucket_bytes)]
 
+
+UNBOUNDED_BUCKET_BYTES = 10 * 1024**5  # Bagua's size for "do not bucket"
 
 _service: Optional[AutotuneService] = None
 

@@ -7,16 +7,18 @@ tensor ready (``tensor.bagua_mark_communication_ready()``) runs, in the register
 operations of every bucket at the head of the order whose tensors are all ready: bucket ``k``
 runs only after buckets ``0..k-1`` did, so that every rank issues its collectives in the same
 order. The operations run at once, on the calling thread and the current stream (Bagua ran them
-on a thread and a stream of its own); ``wait_pending_comm_ops()`` then finds nothing left to
-wait for, and raises, naming them, where some tensors of a bucket were never marked (Bagua waited
-for them forever).
+on a thread and a stream of its own), so ``wait_pending_comm_ops()`` finds nothing left to wait
+for; as Bagua's, it does not wait for buckets whose tensors are not all ready yet (an algorithm
+may mark a bucket's tensors in several hooks, one optimizer's parameters at a time).
+:meth:`CommBackend.incomplete` names the tensors a round still waits for.
 
-:func:`get_backend` gives each model name its backend, as Bagua's.
+:func:`get_backend` gives each model name its backend, as Bagua's: one per name for as long as
+something holds it (the wrapped model's engine and its tensors do).
 """
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 PADDING_PREFIX = "bagua_padding_tensor"  # a bucket's padding is ready from the start (Bagua's rule)
@@ -70,6 +72,10 @@ class BackendBucket:
         """Whether every tensor of the bucket is ready."""
         return len(self.ready) == len(set(self.names))
 
+    def started(self) -> bool:
+        """Whether a tensor of the bucket was marked ready in this round."""
+        return any(not n.startswith(PADDING_PREFIX) for n in self.ready)
+
     def missing(self) -> list[str]:
         """The tensors not marked ready in this round."""
         return [n for n in self.names if n not in self.ready]
@@ -94,11 +100,23 @@ class CommBackend:
         self.next = 0  # the first bucket of the order not run in this round
 
     def register_ordered_buckets(self, buckets: Sequence[BackendBucket]) -> None:
-        """Replace the model's buckets by ``buckets``, run in this order.
+        """Replace the model's buckets by ``buckets``, run in this order; a ValueError where two
+        tensors share a name or one tensor is in two buckets.
 
         Args:
             buckets: the buckets' backend sides (``bucket.backend_bucket``).
         """
+        names: dict[str, str] = {}
+        holders: dict[int, str] = {}
+        for bucket in buckets:
+            for name, tensor in zip(bucket.names, bucket.tensors):
+                if name in names or id(tensor) in holders:
+                    raise ValueError(
+                        f"model {self.model_name!r}: Bagua tensor {name!r} of bucket {bucket.name!r} is in bucket "
+                        f"{names.get(name, holders.get(id(tensor)))!r} too (a tensor or a name used twice): give every "
+                        "tensor its own name (ensure_bagua_tensor(name, ...)) and put it in one bucket"
+                    )
+                names[name], holders[id(tensor)] = bucket.name, bucket.name
         self.buckets = list(buckets)
         for bucket in self.buckets:
             bucket.reset()
@@ -120,21 +138,20 @@ class CommBackend:
                 break
 
     def wait_pending_comm_ops(self) -> None:
-        """Return once every due operation ran (they already have: module docstring); raise a
-        RuntimeError naming the tensors never marked ready where a round is incomplete."""
-        started = [b for b in self.buckets if b.ready != {n for n in b.names if n.startswith(PADDING_PREFIX)}]
-        if self.next == 0 and not started:
-            return
-        missing = [f"bucket {b.name!r}: {b.missing()}" for b in self.buckets[self.next :] if b.missing()]
+        """Return once every operation due ran (they already have: module docstring)."""
+
+    def incomplete(self) -> list[str]:
+        """``"bucket 'b': [names]"`` for each bucket of this round that waits for tensors not
+        marked ready yet (empty when every bucket ran, or none has started)."""
+        if self.next == 0 and not any(b.started() for b in self.buckets):
+            return []
+        return [f"bucket {b.name!r}: {b.missing()}" for b in self.buckets[self.next :]]
+
+    def start_round(self) -> None:
+        """Forget the marks of the current round (a bucket half marked starts again)."""
         for bucket in self.buckets:
             bucket.reset()
         self.next = 0
-        raise RuntimeError(
-            f"model {self.model_name!r}: these tensors were not marked ready in this round, so their "
-            f"buckets' operations never ran (Bagua would wait forever): {'; '.join(missing)}. A parameter "
-            "that got no gradient is never marked: give every parameter a gradient in each backward, or "
-            "mark it yourself"
-        )
 
     def _bucket_of(self, tensor: Any) -> BackendBucket:
         proxy_bucket = getattr(tensor.proxy, "_bagua_bucket", None)
@@ -148,11 +165,16 @@ class CommBackend:
         return bucket
 
 
-@functools.lru_cache(maxsize=None)
+_backends: "weakref.WeakValueDictionary[str, CommBackend]" = weakref.WeakValueDictionary()
+
+
 def get_backend(model_name: str) -> CommBackend:
-    """The backend of the model named ``model_name`` (one per name, as Bagua's).
+    """The backend of the model named ``model_name`` (module docstring).
 
     Args:
         model_name: the model's ``bagua_module_name``.
     """
-    return CommBackend(model_name)
+    backend = _backends.get(model_name)
+    if backend is None:
+        backend = _backends[model_name] = CommBackend(model_name)
+    return backend

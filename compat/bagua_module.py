@@ -76,6 +76,7 @@ class BaguaDistributedDataParallel:
         self.module = module
         self.bagua_optimizers = _checked_optimizers(module, optimizers)
         self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
+        self._backend = get_backend(self.bagua_module_name)  # held: get_backend keeps it while someone does
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
         self.bucket_cap_mb = bucket_cap_mb
@@ -147,7 +148,7 @@ class BaguaDistributedDataParallel:
     def _bagua_backend(self) -> CommBackend:
         """The model's backend (:func:`~functional_bagua.compat.backend.get_backend`), which runs
         its buckets' operations."""
-        return get_backend(self.bagua_module_name)
+        return self._backend
 
     def _states(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers not ignored, by name: what is broadcast from rank 0."""
@@ -184,7 +185,7 @@ class BaguaDistributedDataParallel:
         if module.training:
             self.bagua_train_step_counter += 1
             vars(module)["bagua_train_step_counter"] = self.bagua_train_step_counter
-        if self.bagua_algorithm.need_reset():
+        if module.training and self.bagua_algorithm.need_reset():
             self._reset()
         if module.training:
             self.forward_inputs = inputs

@@ -64,12 +64,18 @@ class BaguaBucket:
             raise ValueError(
                 f"BaguaBucket {name!r}: the tensors of one bucket belong to one model, got {sorted(map(str, modules))}"
             )
+        kinds = {(t.bagua_getter_closure().dtype, t.bagua_getter_closure().device) for t in tensors}
+        if len(kinds) != 1:
+            raise ValueError(
+                f"BaguaBucket {name!r}: the tensors of one bucket share a dtype and a device (their operations "
+                f"run on them as one flat tensor), got {sorted(map(str, kinds))}: put each kind in a bucket of its own"
+            )
         self.tensors = list(tensors)
         self.bagua_module_name = tensors[0].bagua_module_name
         self._bagua_backend = get_backend(self.bagua_module_name)
         self.name = name
         self.padding_tensor: Optional[torch.Tensor] = None
-        short = -sum(t.bagua_getter_closure().numel() for t in self.tensors) % alignment
+        short = -sum(t.bagua_getter_closure().numel() for t in self.tensors) % alignment if alignment > 1 else 0
         if short:
             first = self.tensors[0].bagua_getter_closure()
             self.padding_tensor = torch.zeros(short, dtype=first.dtype, device=first.device)
@@ -95,8 +101,8 @@ class BaguaBucket:
 
     def _flatten_(self) -> None:
         """Move the effective tensors into one flat storage, back to back, their values kept."""
-        if self.check_flatten():
-            first = self.effective_tensors()[0]
+        if self.check_flatten() and any(t.numel() for t in self.effective_tensors()):
+            first = next(t for t in self.effective_tensors() if t.numel())
             total = sum(t.numel() for t in self.effective_tensors())
             self.backend_tensor = first.new_empty(0).set_(
                 first.untyped_storage(), first.storage_offset(), (total,), (1,)
@@ -112,8 +118,8 @@ class BaguaBucket:
             raise RuntimeError(f"BaguaBucket {self.name!r}: the effective tensors did not stay in the flat storage")
 
     def check_flatten(self) -> bool:
-        """Whether the effective tensors lie back to back in memory."""
-        return check_contiguous(self.effective_tensors())
+        """Whether the effective tensors lie back to back in memory (empty ones anywhere)."""
+        return check_contiguous([t for t in self.effective_tensors() if t.numel()])
 
     def _write(self, values: torch.Tensor) -> None:
         """Copy the 1-D ``values`` into the effective tensors, in order."""
@@ -133,12 +139,14 @@ class BaguaBucket:
         return resolve((group if group is not None else _get_default_group()).torch_group, f"BaguaBucket {self.name!r}")
 
     def _flat_sized(self, tensor: Any, what: str) -> None:
-        effective = tensor.bagua_getter_closure()
-        total = sum(t.numel() for t in self.effective_tensors())
-        if effective.numel() != total:
+        """Raise a ValueError unless ``tensor``'s effective tensor is 1-D, of the bucket's size,
+        dtype and device (what ``flattened_tensor()`` gives)."""
+        effective, flat = tensor.bagua_getter_closure(), self.flattened_tensor()
+        if (effective.shape, effective.dtype, effective.device) != (flat.shape, flat.dtype, flat.device):
             raise ValueError(
-                f"BaguaBucket {self.name!r}: {what} has {effective.numel()} elements, the bucket {total}; "
-                "make it with bucket.flattened_tensor().ensure_bagua_tensor(...)"
+                f"BaguaBucket {self.name!r}: {what} is {tuple(effective.shape)} {effective.dtype} on {effective.device}, "
+                f"the bucket flat {tuple(flat.shape)} {flat.dtype} on {flat.device}; make it with "
+                "bucket.flattened_tensor().ensure_bagua_tensor(...)"
             )
 
     def append_python_op(

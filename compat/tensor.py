@@ -68,6 +68,11 @@ class BaguaTensor:
     def _bagua_sanity_check(self: Any) -> None:
         backend_tensor = self.bagua_backend_tensor()
         effective = self.bagua_getter_closure()
+        if not isinstance(effective, torch.Tensor):
+            raise ValueError(
+                f"Bagua tensor {self.bagua_tensor_name!r}: its getter_closure gave {type(effective).__name__}, not a "
+                "tensor (a gradient not made yet? call param.bagua_ensure_grad() first)"
+            )
         if backend_tensor.data_ptr() != effective.data_ptr() or backend_tensor.num_elements() != effective.numel():
             raise RuntimeError(
                 f"Bagua tensor {self.bagua_tensor_name!r}: its backend tensor is not its effective tensor"

@@ -54,11 +54,15 @@ class WeightsImpl(AlgorithmImpl):
 
 
 class PeerAverageImpl(WeightsImpl):
-    """Decentralized SGD: the average launched before the forward, copied back after backward."""
+    """Decentralized SGD: the average launched before the forward, copied back after backward,
+    on every ``interval``-th training step (Bagua's step counter)."""
 
-    def __init__(self, process_group, mode):  # noqa: ANN001
+    def __init__(self, process_group, mode, interval=1):  # noqa: ANN001
         super().__init__(process_group)
-        self.mode = mode
+        self.mode, self.interval = mode, interval
+
+    def communicates(self, bagua_ddp) -> bool:  # noqa: ANN001
+        return (bagua_ddp.bagua_train_step_counter - 1) % self.interval == 0
 
     def init_operations(self, bagua_ddp, bucket):  # noqa: ANN001
         bucket.clear_ops()
@@ -69,26 +73,28 @@ class PeerAverageImpl(WeightsImpl):
 
     def init_forward_pre_hook(self, bagua_ddp):  # noqa: ANN001
         def hook(inputs):  # noqa: ANN001
-            for t in self.weights:
-                t.bagua_mark_communication_ready()
+            if self.communicates(bagua_ddp):
+                for t in self.weights:
+                    t.bagua_mark_communication_ready()
 
         return hook
 
     def init_post_backward_hook(self, bagua_ddp):  # noqa: ANN001
         def hook():
-            bagua_ddp._bagua_backend.wait_pending_comm_ops()
-            for bucket in bagua_ddp.bagua_buckets:
-                bucket.op.copy_back_peer_weight(bucket.backend_bucket)
+            if self.communicates(bagua_ddp):
+                bagua_ddp._bagua_backend.wait_pending_comm_ops()
+                for bucket in bagua_ddp.bagua_buckets:
+                    bucket.op.copy_back_peer_weight(bucket.backend_bucket)
 
         return hook
 
 
 class PeerAverage(Algorithm):
-    def __init__(self, mode):  # noqa: ANN001
-        self.mode = mode
+    def __init__(self, mode, interval=1):  # noqa: ANN001
+        self.mode, self.interval = mode, interval
 
     def reify(self, process_group):  # noqa: ANN001
-        return PeerAverageImpl(process_group, self.mode)
+        return PeerAverageImpl(process_group, self.mode, self.interval)
 
 
 class RingImpl(WeightsImpl):
@@ -101,8 +107,10 @@ class RingImpl(WeightsImpl):
 
     def init_post_optimizer_step_hook(self, bagua_ddp):  # noqa: ANN001
         def hook(optimizer):  # noqa: ANN001
-            for t in self.weights:
-                t.bagua_mark_communication_ready()
+            for group in optimizer.param_groups:  # this optimizer's parameters: the bucket runs after the last
+                for p in group["params"]:
+                    if p.is_bagua_tensor():
+                        p.bagua_mark_communication_ready()
             bagua_ddp._bagua_backend.wait_pending_comm_ops()
 
         return hook
@@ -158,16 +166,20 @@ def compressed_gradients(rank: int, world_size: int) -> dict:
     return out
 
 
-def sgd_trace(rank: int, world_size: int, algorithm: Algorithm) -> list:
-    """Plain SGD on the "shapes" model wrapped with ``algorithm``: the parameters after each step."""
+def sgd_trace(rank: int, world_size: int, algorithm: Algorithm, optimizers: int = 1) -> list:
+    """Plain SGD on the "shapes" model wrapped with ``algorithm``: the parameters after each step
+    (``optimizers=2``: the parameters split between two optimizers, stepped in turn)."""
     model = make_model("shapes", DTYPE, seed=rank)
-    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-    model.with_bagua([opt], algorithm)
+    params = list(model.parameters())
+    opts = [torch.optim.SGD(params[i::optimizers], lr=SGD_LR) for i in range(optimizers)]
+    model.with_bagua(opts, algorithm)
     trace = []
     for x, y in local_batches(rank, world_size):
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         loss_fn(model(x), y).backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         trace.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return trace
 
@@ -183,6 +195,14 @@ def weight_algorithms(rank: int, world_size: int) -> dict:
         ),
         "ring/user": sgd_trace(rank, world_size, Ring()),
         "ring/builtin": sgd_trace(rank, world_size, decentralized.LowPrecisionDecentralizedAlgorithm()),
+        "ring-two-optimizers/user": sgd_trace(rank, world_size, Ring(), optimizers=2),
+        "ring-two-optimizers/builtin": sgd_trace(
+            rank, world_size, decentralized.LowPrecisionDecentralizedAlgorithm(), optimizers=2
+        ),
+        "all-interval-2/user": sgd_trace(rank, world_size, PeerAverage("all", interval=2)),
+        "all-interval-2/builtin": sgd_trace(
+            rank, world_size, decentralized.DecentralizedAlgorithm(communication_interval=2)
+        ),
     }
 
 
@@ -211,6 +231,17 @@ class OverridingBuiltin(gradient_allreduce.GradientAllReduceAlgorithmImpl):
 class OverridingBuiltinAlgorithm(Algorithm):
     def reify(self, process_group):  # noqa: ANN001
         return OverridingBuiltin(process_group)
+
+
+class ShadowingImpl(CentralizedImpl):
+    def tensors_to_buckets(self, tensors, do_flatten):  # noqa: ANN001
+        self.buckets = super().tensors_to_buckets(tensors, do_flatten)
+        return self.buckets
+
+
+class Shadowing(Algorithm):
+    def reify(self, process_group):  # noqa: ANN001
+        return ShadowingImpl(process_group)
 
 
 class Unused(torch.nn.Module):
@@ -251,7 +282,20 @@ def bad_input(rank: int, world_size: int) -> dict:
     def unknown_codec():
         bucket_of("bad_input_codec").append_centralized_synchronous_op(compression="fp8")
 
+    def find_unused_parameters():
+        model = make_model("shapes", DTYPE, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        bagua.data_parallel.DistributedDataParallel(
+            model, optimizers=[opt], algorithm=Centralized(), find_unused_parameters=True
+        )
+
+    def shadowing_attribute():
+        model = make_model("shapes", DTYPE, seed=0)
+        model.with_bagua([torch.optim.SGD(model.parameters(), lr=0.1)], Shadowing())
+
     cases = dict(
+        find_unused_parameters=find_unused_parameters,
+        shadowing_attribute=shadowing_attribute,
         wrap_overriding_builtin=wrap_overriding_builtin,
         unused_parameter=unused_parameter,
         wrong_peer_weight=wrong_peer_weight,
@@ -261,10 +305,85 @@ def bad_input(rank: int, world_size: int) -> dict:
     return errors_of(cases)
 
 
-def shared_unique_id(rank: int, world_size: int) -> str:
-    """broadcast_nccl_unique_id: rank 1 makes the id, every rank reads it."""
+def shared_unique_id(rank: int, world_size: int) -> list:
+    """broadcast_nccl_unique_id: rank 1 makes the ids, every rank reads them."""
     from functional_bagua.compat.communication import broadcast_nccl_unique_id
 
     if not bagua.is_initialized():
         bagua.init_process_group()
-    return broadcast_nccl_unique_id("test_unique_id", root=1)
+    return [broadcast_nccl_unique_id(f"test_unique_id_{i}", root=1) for i in range(2)]
+
+
+class StatefulImpl(CentralizedImpl):
+    """A post-step hook whose closure counts its calls, and a reset asked for after the first step."""
+
+    def __init__(self, process_group):  # noqa: ANN001
+        super().__init__(process_group)
+        self.counts: list = []
+        self.inits = 0
+        self.wants_reset = False
+
+    def need_reset(self) -> bool:
+        return self.wants_reset
+
+    def init_tensors(self, bagua_ddp):  # noqa: ANN001
+        self.inits += 1
+        self.wants_reset = False
+        return super().init_tensors(bagua_ddp)
+
+    def init_post_optimizer_step_hook(self, bagua_ddp):  # noqa: ANN001
+        calls = []
+
+        def hook(optimizer):  # noqa: ANN001
+            calls.append(len(calls) + 1)
+            self.counts.append(len(calls))
+            self.wants_reset = len(self.counts) == 1
+
+        return hook
+
+
+class Stateful(Algorithm):
+    def reify(self, process_group):  # noqa: ANN001
+        return StatefulImpl(process_group)
+
+
+def hook_state_and_resets(rank: int, world_size: int) -> dict:
+    """Three steps; after the first the algorithm asks for a reset, and rank 0 runs an evaluation
+    forward (eval mode) before the second: only the training forward resets, on every rank."""
+    model = make_model("shapes", DTYPE, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    model.with_bagua([opt], Stateful())
+    impl = vars(model)["_bagua_engine"].bagua_algorithm
+    data = local_batches(rank, world_size, steps=3)
+    inits_after_eval = None
+    for step, (x, y) in enumerate(data):
+        if step == 1 and rank == 0:
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+            inits_after_eval = impl.inits
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return dict(counts=impl.counts, inits=impl.inits, inits_after_eval=inits_after_eval)
+
+
+def lifetime(rank: int, world_size: int) -> dict:
+    """A model wrapped with a Bagua-interface algorithm, trained, then dropped: nothing keeps its
+    algorithm or parameters alive, and its name's backend is a new one."""
+    import gc
+    import weakref
+
+    from functional_bagua.compat.backend import get_backend
+
+    model = make_model("shapes", DTYPE, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    model._bagua_module_name = "dropped"
+    model.with_bagua([opt], Centralized())
+    train(model, opt, local_batches(rank, world_size, steps=1))
+    engine = vars(model)["_bagua_engine"]
+    refs = [weakref.ref(engine.bagua_algorithm), weakref.ref(next(model.parameters())), weakref.ref(engine)]
+    del model, opt, engine
+    gc.collect()
+    return dict(alive=[r() is not None for r in refs], buckets=len(get_backend("dropped").buckets))

@@ -28,10 +28,12 @@ that keeps the four points above as the base class has them runs Bagua's hooks t
     after_step:      init_post_optimizer_step_hook(ddp)(optimizer)
 
 with Bagua's defaults (gradients as the tensors, marked ready as they arrive; the backend waited
-for after backward). The suggested buckets group the tensors in the order ``init_tensors`` gives
-them, by dtype and device, up to ``bucket_cap_mb`` each (Bagua's autotuning service, whose first
-suggestion this is, does not run here). The buckets' operations are those of
-:mod:`functional_bagua.compat.bucket`.
+for after backward, and the gradients that never arrived named in a RuntimeError). The post-step
+hook is made once per ``init``, the others on each call, as Bagua's engine does. The suggested
+buckets group the tensors in the order ``init_tensors`` gives them, by dtype and device, up to
+``bucket_cap_mb`` each (:func:`~functional_bagua.compat.autotune.in_order_buckets`; Bagua's
+autotuning service sorted them by dtype name first). ``find_unused_parameters=True`` is refused
+with these hooks. The buckets' operations are those of :mod:`functional_bagua.compat.bucket`.
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ class AlgorithmImpl:
         Args:
             ddp: the engine of the wrapped model.
         """
+        if ddp.find_unused_parameters:
+            raise ValueError(
+                f"{type(self).__name__} runs Bagua's hooks, which mark each parameter as its gradient arrives: "
+                "find_unused_parameters=True is not supported with them (a parameter without a gradient leaves "
+                "its bucket waiting); give every parameter a gradient in each backward, or use "
+                "GradientAllReduceAlgorithm, which supports it"
+            )
         tensors = self.init_tensors(ddp)
         buckets = self.tensors_to_buckets(suggested_buckets(tensors, ddp.bucket_cap_mb), ddp.gradient_as_bucket_view)
         for bucket in buckets:
@@ -79,6 +88,8 @@ class AlgorithmImpl:
         ddp._bagua_backend.register_ordered_buckets([b.backend_bucket for b in buckets])
         self._bagua_buckets: Optional[list] = buckets
         self._gradient_hooks = _gradient_hooks(self, ddp)
+        self._post_step_hook = self.init_post_optimizer_step_hook(ddp)  # made once, as Bagua's engine does
+        check_no_shadowed_methods(self)
 
     def before_forward(self, ddp: "BaguaDistributedDataParallel") -> None:
         """Called before each training forward; here: Bagua's forward pre-hook.
@@ -107,7 +118,7 @@ class AlgorithmImpl:
             optimizer: the optimizer that stepped.
         """
         if self._runs_bagua_hooks():
-            self.init_post_optimizer_step_hook(ddp)(optimizer)
+            self._post_step_hook(optimizer)
 
     def _runs_bagua_hooks(self) -> bool:
         return getattr(self, "_bagua_buckets", None) is not None
@@ -164,12 +175,26 @@ class AlgorithmImpl:
 
     def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[], None]:
         """A function of nothing, run at the end of each synchronized backward (by default: wait
-        for the backend's operations).
+        for the backend's operations, and raise a RuntimeError naming the gradients that never
+        arrived, whose buckets did not run).
 
         Args:
             bagua_ddp: the engine of the wrapped model.
         """
-        return bagua_ddp._bagua_backend.wait_pending_comm_ops
+        backend = bagua_ddp._bagua_backend
+
+        def hook() -> None:
+            backend.wait_pending_comm_ops()
+            waiting = backend.incomplete()
+            if waiting:
+                backend.start_round()
+                raise RuntimeError(
+                    f"model {backend.model_name!r}: these gradients did not arrive in this backward, so their "
+                    f"buckets were not averaged: {'; '.join(waiting)}. Give every parameter a gradient in each "
+                    "backward (a parameter the loss does not use gets none)"
+                )
+
+        return hook
 
     def init_post_optimizer_step_hook(
         self, bagua_ddp: "BaguaDistributedDataParallel"
@@ -263,18 +288,49 @@ def suggested_buckets(tensors: list, bucket_cap_mb: float) -> list[list]:
 
 def _gradient_hooks(impl: AlgorithmImpl, ddp: "BaguaDistributedDataParallel") -> list:
     """A hook on each trainable parameter that runs ``impl``'s backward hook as the parameter's
-    gradient is accumulated in a synchronized backward (the engine held weakly)."""
-    engine = weakref.ref(ddp)
+    gradient is accumulated in a synchronized backward (the engine and ``impl`` held weakly: a
+    parameter's hooks must not keep its model's algorithm alive)."""
+    engine, algorithm = weakref.ref(ddp), weakref.ref(impl)
 
     def hook_of(name: str) -> Callable[[torch.Tensor], None]:
         def on_gradient(param: torch.Tensor) -> None:
-            held = engine()
-            if held is not None and held.require_backward_grad_sync:
-                impl.init_backward_hook(held)(name, param)
+            held, running = engine(), algorithm()
+            if held is not None and running is not None and held.require_backward_grad_sync:
+                running.init_backward_hook(held)(name, param)
 
         return on_gradient
 
     return [p.register_post_accumulate_grad_hook(hook_of(name)) for name, p in ddp.named_parameters_for_hooks()]
+
+
+ENGINE_METHODS = (
+    "init",
+    "before_forward",
+    "after_backward",
+    "after_step",
+    "detach",
+    "buckets",
+    "set_gradient_sync",
+    "used_in_last_backward",
+    "bytes_per_step",
+    "need_reset",
+    "supports_join",
+)
+
+
+def check_no_shadowed_methods(impl: AlgorithmImpl) -> None:
+    """Raise a TypeError where ``impl`` set an attribute named as a method the engine calls
+    (``self.buckets = [...]``), which would hide that method.
+
+    Args:
+        impl: an implementation after its ``init``.
+    """
+    shadowed = sorted(set(vars(impl)) & set(ENGINE_METHODS))
+    if shadowed:
+        raise TypeError(
+            f"{type(impl).__name__} sets the attributes {shadowed}, which hide the methods of the same names that "
+            "the engine calls on every AlgorithmImpl; rename them (e.g. self._buckets)"
+        )
 
 
 def check_hooks_run(impl: AlgorithmImpl) -> None:
