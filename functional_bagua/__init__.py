@@ -30,6 +30,7 @@ from functional_bagua.aliases import (
     rmsprop,
     rprop,
     sgd,
+    soap,
     sparse_adam,
 )
 from functional_bagua.base import (
@@ -107,6 +108,7 @@ __all__ = [
     "asgd",
     "adafactor",
     "muon",
+    "soap",
     "lbfgs",
     "LbfgsState",
     "lamb",

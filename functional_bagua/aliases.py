@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Union, cast
 
+import optree
 import torch
 
 from functional_bagua import kernels
-from functional_bagua.base import GradientTransformation, OptState, chain, check_params
+from functional_bagua.base import GradientTransformation, OptState, chain, check_params, identity
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.layout_context import tensor_shapes
 from functional_bagua.numerics import is_number
@@ -38,6 +39,7 @@ from functional_bagua.transforms.factored import (
     scale_by_factored_rms,
     scale_by_relative_step_size,
 )
+from functional_bagua.transforms.leafwise import stateless
 from functional_bagua.transforms.lion import scale_by_lion
 from functional_bagua.transforms.momentum import ema_momentum, trace
 from functional_bagua.transforms.orthogonalize import (
@@ -59,6 +61,7 @@ from functional_bagua.transforms.scaling import (
     scale,
     scale_by_learning_rate,
 )
+from functional_bagua.transforms.soap import scale_by_soap
 from functional_bagua.transforms.sparse_adam import scale_by_sparse_adam
 from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio
 from functional_bagua.transforms.weight_decay import add_decayed_weights
@@ -934,3 +937,99 @@ def adabelief(
     """
     _check_adam_like(lr, betas, eps, weight_decay)
     return _decayed(scale_by_belief(*betas, eps), weight_decay, decoupled_weight_decay, lr, maximize)
+
+
+# --- second order ---------------------------------------------------------------------------------
+
+
+@accepts_schedules
+def soap(
+    lr: ScalarOrSchedule = 3e-3,
+    betas: tuple[float, float] = (0.95, 0.95),
+    shampoo_beta: Optional[float] = None,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    precondition_frequency: int = 10,
+    max_precondition_dim: int = 10000,
+    merge_dims: bool = False,
+    precondition_1d: bool = False,
+    normalize_gradient: bool = False,
+    correct_bias: bool = True,
+    matrix_dtype: Optional[torch.dtype] = None,
+) -> GradientTransformation:
+    """SOAP (Vyas et al., 2024), as the authors' algorithm and pytorch-optimizer's ``SOAP``, with
+    their defaults: Adam in the eigenbasis of Shampoo's preconditioner
+    (:func:`~functional_bagua.scale_by_soap`), then decoupled weight decay applied after the step::
+
+        p <- p - lr * u;   p <- p * (1 - lr * weight_decay)
+
+    A tensor's first gradient only initializes its preconditioner: that step changes nothing (no
+    decay either), as in the reference. Every float hyperparameter may also be a schedule.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: the decays ``(b1, b2)`` of the first and second moments.
+        shampoo_beta: the decay of Shampoo's statistics (``None``: ``b2``).
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: decoupled weight decay, applied after the step (above).
+        precondition_frequency: refresh the eigenbases every this many steps.
+        max_precondition_dim: dimensions above it get no preconditioner.
+        merge_dims: precondition a view with small neighbouring dimensions merged (conv kernels).
+        precondition_1d: give vectors (biases, norms) a preconditioner too.
+        normalize_gradient: divide the direction by its RMS.
+        correct_bias: Adam's bias correction.
+        matrix_dtype: the precision of ``eigh`` and QR (``None``: the reference's; see
+            :func:`~functional_bagua.scale_by_soap`).
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.soap(lr=3e-3, weight_decay=0.01)
+        state = tx.init(params)
+    """
+    _check_adam_like(lr, betas, eps, weight_decay)
+    direction = scale_by_soap(
+        betas[0],
+        betas[1],
+        shampoo_beta,
+        eps,
+        precondition_frequency,
+        max_precondition_dim,
+        merge_dims,
+        precondition_1d,
+        normalize_gradient,
+        correct_bias,
+        matrix_dtype,
+    )
+    learning_rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
+    inner = chain(direction, scale_by_learning_rate(learning_rate), _decay_after_step(learning_rate, weight_decay))
+
+    def update(updates: PyTree, state: OptState, params: Optional[PyTree] = None) -> tuple[PyTree, OptState]:
+        updates, new_state = inner.update(updates, state, params)
+        stepped = new_state[0].count  # 1 after a tensor's first gradient, which only initializes
+        return _zero_where_first(updates, stepped), new_state
+
+    return GradientTransformation(inner.init, update)
+
+
+def _decay_after_step(
+    lr: Union[float, torch.Tensor], weight_decay: Union[float, torch.Tensor]
+) -> GradientTransformation:
+    """``u <- u - lr * weight_decay * (p + u)``: decoupled decay of the stepped parameters."""
+    if is_number(weight_decay) and weight_decay == 0:
+        return identity()
+
+    def decayed(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
+        assert p is not None  # needs_params: update gets the parameters
+        return u - (lr * weight_decay) * (p + u)
+
+    return stateless(decayed, name="soap", needs_params=True)
+
+
+def _zero_where_first(updates: PyTree, counts: PyTree) -> PyTree:
+    """Each update, zero where its tensor has had only one gradient."""
+    return optree.tree_map(
+        lambda u, c: u if u is None else torch.where(c > 1, u, torch.zeros_like(u)), updates, counts, none_is_leaf=True
+    )

@@ -1,0 +1,220 @@
+"""SOAP (fb.soap, fb.scale_by_soap) against pytorch-optimizer's SOAP (the authors' algorithm;
+an optional test dependency), step for step in float64 over several eigenbasis refreshes, and
+against itself: batched against one tensor at a time, a late first gradient, checkpoints; bad
+input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_bagua as fb
+
+pytorch_optimizer = pytest.importorskip(
+    "pytorch_optimizer", reason="pytorch-optimizer (the SOAP reference) is an optional test dependency"
+)
+
+STEPS = 12
+FREQUENCY = 3  # four eigenbasis refreshes in STEPS
+SHAPES = {
+    "square": (6, 6),
+    "square_twin": (6, 6),  # batched with "square"
+    "rectangular": (8, 4),  # a statistic of less than full rank at first: eigenvectors fixed by rounding
+    "rectangular_twin": (8, 4),
+    "wide": (3, 7),
+    "conv": (4, 3, 3, 3),
+    "stack": (2, 3, 4),
+    "bias": (6,),
+    "scalar": (),
+}
+OPTIONS = {
+    "defaults": {},
+    "small_blocks": {"max_precondition_dim": 5},
+    "vectors_too": {"precondition_1d": True, "max_precondition_dim": 7},
+    "normalized_no_bias_correction": {
+        "normalize_gradient": True,
+        "correct_bias": False,
+        "shampoo_beta": 0.9,
+        "betas": (0.9, 0.99),
+    },
+    "no_decay": {"weight_decay": 0.0, "lr": 0.01},
+}
+# the reference's merge_dims fails on a tensor whose merged view has one dimension (it reshapes to
+# [1]): merged runs get tensors of two or more merged dimensions
+MERGED_SHAPES = {"square": (6, 6), "conv": (4, 3, 3, 3), "conv_twin": (4, 3, 3, 3), "stack": (2, 3, 4), "tall": (8, 3)}
+
+
+def draws(shapes: dict, dtype: torch.dtype, steps: int = STEPS, seed: int = 0) -> tuple[dict, list]:
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()} for _ in range(steps)]
+    return params, grads
+
+
+def reference_run(params: dict, grads: list, **options) -> list:  # noqa: ANN003
+    """pytorch-optimizer's SOAP: the parameters after each step."""
+    ours = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt = pytorch_optimizer.SOAP(list(ours.values()), precondition_frequency=FREQUENCY, **options)
+    trace = []
+    for g in grads:
+        for k, p in ours.items():
+            p.grad = g[k].clone()
+        opt.step()
+        trace.append({k: p.detach().clone() for k, p in ours.items()})
+    return trace
+
+
+def our_run(params: dict, grads: list, **options) -> list:  # noqa: ANN003
+    tx = fb.soap(precondition_frequency=FREQUENCY, **options)
+    state = tx.init(params)
+    trace = []
+    for g in grads:
+        u, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, u)
+        trace.append(params)
+    return trace
+
+
+def assert_traces_close(actual: list, expected: list, rtol: float, atol: float) -> None:
+    for t, (mine, theirs) in enumerate(zip(actual, expected)):
+        for k in theirs:
+            torch.testing.assert_close(mine[k], theirs[k], rtol=rtol, atol=atol, msg=lambda m: f"step {t} {k}: {m}")
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_soap_equals_the_reference_step_for_step_in_float64(case):
+    """Every option, 12 steps, the eigenbases refreshed four times, matrices square and not,
+    conv kernels, a vector and a scalar: the same numbers as pytorch-optimizer's SOAP to float64
+    rounding (its QR runs in float32 as ours does by default, on the same inputs)."""
+    params, grads = draws(SHAPES, torch.float64)
+    expected = reference_run(params, grads, **OPTIONS[case])
+    actual = our_run(params, grads, **OPTIONS[case])
+    assert_traces_close(actual, expected, rtol=1e-12, atol=1e-13)
+    moved = [not torch.equal(expected[-1][k], params[k]) for k in SHAPES]
+    assert all(moved)
+
+
+def test_merged_dimensions_equal_the_reference():
+    params, grads = draws(MERGED_SHAPES, torch.float64)
+    options = {"merge_dims": True, "max_precondition_dim": 12}
+    assert_traces_close(our_run(params, grads, **options), reference_run(params, grads, **options), 1e-12, 1e-13)
+
+
+def test_float32_parameters_agree_with_the_reference_to_float32_rounding():
+    params, grads = draws({k: SHAPES[k] for k in ("square", "conv", "bias")}, torch.float32, steps=6)
+    assert_traces_close(our_run(params, grads), reference_run(params, grads), rtol=1e-4, atol=1e-5)
+
+
+def test_float64_eigenbases_on_request_stay_close_to_the_float32_ones():
+    params, grads = draws({k: SHAPES[k] for k in ("square", "conv")}, torch.float64, steps=8)
+    exact = our_run(params, grads, matrix_dtype=torch.float64)
+    default = our_run(params, grads)
+    assert_traces_close(exact, default, rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(exact[-1][k], default[-1][k]) for k in exact[-1])
+
+
+def test_tensors_batched_by_shape_step_as_each_alone():
+    """Several tensors of one shape run as one batch; each gets what it gets alone."""
+    params, grads = draws(SHAPES, torch.float64, steps=7)
+    together = our_run(params, grads)
+    for k in SHAPES:
+        alone = our_run({k: params[k]}, [{k: g[k]} for g in grads])
+        for t in range(len(grads)):
+            assert torch.equal(together[t][k], alone[t][k]), (k, t)
+
+
+def test_a_late_first_gradient_initializes_then_and_steps_as_a_fresh_tensor():
+    """A tensor without gradients for 3 steps (None, as torch.optim skips it) keeps its state,
+    then initializes its preconditioner at its first gradient, as a fresh transform would."""
+    params, grads = draws({"a": (5, 5), "b": (5, 5)}, torch.float64, steps=8)
+    late = [{"a": g["a"], "b": None if t < 3 else g["b"]} for t, g in enumerate(grads)]
+    trace = our_run(params, late)
+    assert all(torch.equal(trace[t]["b"], params["b"]) for t in range(4))  # t=3: its first gradient, no step
+    alone = our_run({"b": params["b"]}, [{"b": g["b"]} for g in grads[3:]])
+    for t in range(3, len(grads)):
+        assert torch.equal(trace[t]["b"], alone[t - 3]["b"]), t
+
+
+def test_a_checkpointed_state_resumes_bit_for_bit():
+    params, grads = draws({k: SHAPES[k] for k in ("square", "rectangular", "bias")}, torch.float64, steps=10)
+    tx = fb.soap(precondition_frequency=FREQUENCY)
+    state = tx.init(params)
+    p = params
+    for g in grads[:5]:
+        u, state = tx.update(g, state, p)
+        p = fb.apply_updates(p, u)
+    resumed = fb.load_state_dict(tx.init(params), fb.state_dict(state))
+    p_a, s_a, p_b, s_b = p, state, p, resumed
+    for g in grads[5:]:
+        u_a, s_a = tx.update(g, s_a, p_a)
+        u_b, s_b = tx.update(g, s_b, p_b)
+        p_a, p_b = fb.apply_updates(p_a, u_a), fb.apply_updates(p_b, u_b)
+    for k in p_a:
+        assert torch.equal(p_a[k], p_b[k]), k
+
+
+def test_a_state_made_with_other_blocks_is_refused_naming_the_options():
+    params, grads = draws({"w": (8, 4)}, torch.float64, steps=1)
+    state = fb.soap(max_precondition_dim=5).init(params)
+    with pytest.raises(ValueError, match=r"state of 'w' was made for another parameter or other options"):
+        fb.soap().update(grads[0], state, params)
+    other = fb.soap().init({"w": torch.zeros(4, 8, dtype=torch.float64)})
+    with pytest.raises(ValueError, match=r"moments have shape \(4, 8\)"):
+        fb.soap().update(grads[0], other, params)
+
+
+def test_the_first_gradient_only_initializes_and_the_direction_is_the_formula_after():
+    """The transform on its own: zero at the first gradient, then for a vector (no
+    preconditioner) Adam's bias-corrected direction written out."""
+    tx = fb.scale_by_soap(b1=0.9, b2=0.99, eps=1e-8)
+    g1, g2 = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64), torch.tensor([1.0, 3.0, -0.5], dtype=torch.float64)
+    state = tx.init({"v": torch.zeros(3, dtype=torch.float64)})
+    u, state = tx.update({"v": g1}, state)
+    assert torch.equal(u["v"], torch.zeros(3, dtype=torch.float64))
+    u, state = tx.update({"v": g2}, state)
+    m, v = 0.1 * g2, 0.01 * g2**2
+    expected = m / (v.sqrt() + 1e-8) * ((1 - 0.99) ** 0.5 / (1 - 0.9))
+    torch.testing.assert_close(u["v"], expected, rtol=1e-14, atol=0)
+
+
+def test_eigenbases_hold_eigenvectors_by_decreasing_eigenvalue():
+    params, grads = draws({"w": (5, 5)}, torch.float64, steps=1)
+    tx = fb.scale_by_soap()
+    _, state = tx.update(grads[0], tx.init(params))
+    for statistic, basis in zip(state.statistics["w"], state.eigenbases["w"]):
+        rotated = basis.T @ statistic @ basis
+        torch.testing.assert_close(rotated, torch.diag(rotated.diagonal()), rtol=0, atol=1e-12)
+        assert torch.all(rotated.diagonal()[:-1] >= rotated.diagonal()[1:])
+
+
+def test_merge_small_dims_follows_the_authors_rule():
+    from functional_bagua.transforms.soap import merge_small_dims
+
+    assert merge_small_dims((64, 3, 3, 3), 100) == (64, 27)
+    assert merge_small_dims((1, 2, 512, 1, 2048, 1, 3, 4), 1024) == (1024, 2048, 12)
+    assert merge_small_dims((3, 4), 10000) == (12,)
+    assert merge_small_dims((5000, 7), 100) == (5000, 7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"precondition_frequency": 0}, "precondition_frequency must be an int >= 1, got 0"),
+        ({"max_precondition_dim": 0}, "max_precondition_dim must be an int >= 1, got 0"),
+        ({"max_precondition_dim": 2.5}, "max_precondition_dim must be an int >= 1, got 2.5"),
+        ({"b1": 1.0}, r"b1 must be in \[0, 1\), got 1.0"),
+        ({"shampoo_beta": -0.1}, r"shampoo_beta must be in \[0, 1\), got -0.1"),
+        ({"eps": -1.0}, "eps must be >= 0, got -1.0"),
+        ({"matrix_dtype": torch.int32}, "matrix_dtype must be None or a floating-point torch.dtype"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fb.scale_by_soap(**kwargs)
+
+
+def test_complex_parameters_and_a_wrong_state_are_refused():
+    with pytest.raises(TypeError, match="complex"):
+        fb.soap().init({"z": torch.zeros(2, 2, dtype=torch.complex64)})
+    with pytest.raises(ValueError, match="expected ScaleBySoapState"):
+        fb.scale_by_soap().update({"w": torch.zeros(2)}, fb.adam().init({"w": torch.zeros(2)}))
