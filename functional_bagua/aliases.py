@@ -23,7 +23,7 @@ import optree
 import torch
 
 from functional_bagua import kernels
-from functional_bagua.base import GradientTransformation, OptState, chain, check_params, identity
+from functional_bagua.base import GradientTransformation, OptState, chain, check_params
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.layout_context import tensor_shapes
 from functional_bagua.numerics import is_number
@@ -1004,7 +1004,7 @@ def soap(
         matrix_dtype,
     )
     learning_rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
-    inner = chain(direction, scale_by_learning_rate(learning_rate), _decay_after_step(learning_rate, weight_decay))
+    inner = chain(direction, _step_then_decay(learning_rate, weight_decay))
 
     def update(updates: PyTree, state: OptState, params: Optional[PyTree] = None) -> tuple[PyTree, OptState]:
         updates, new_state = inner.update(updates, state, params)
@@ -1014,22 +1014,34 @@ def soap(
     return GradientTransformation(inner.init, update)
 
 
-def _decay_after_step(
+def _step_then_decay(
     lr: Union[float, torch.Tensor], weight_decay: Union[float, torch.Tensor]
 ) -> GradientTransformation:
-    """``u <- u - lr * weight_decay * (p + u)``: decoupled decay of the stepped parameters."""
-    if is_number(weight_decay) and weight_decay == 0:
-        return identity()
+    """The step ``p - lr * u``, then its decay ``* (1 - lr * weight_decay)``, as one update::
 
-    def decayed(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
+    u <- -lr (1 - lr weight_decay) u - lr weight_decay p
+    """
+
+    def stepped(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
         assert p is not None  # needs_params: update gets the parameters
-        return u - (lr * weight_decay) * (p + u)
+        decay = lr * weight_decay
+        return (
+            torch.add(u * (-lr * (1 - decay)), p, alpha=-decay)
+            if is_number(decay)
+            else u * (-lr * (1 - decay)) - decay * p
+        )
 
-    return stateless(decayed, name="soap", needs_params=True)
+    if is_number(weight_decay) and weight_decay == 0:
+        return scale_by_learning_rate(lr)
+    return stateless(stepped, name="soap", needs_params=True)
 
 
 def _zero_where_first(updates: PyTree, counts: PyTree) -> PyTree:
-    """Each update, zero where its tensor has had only one gradient."""
+    """Each update, zero where its tensor has had only one gradient (the counts read at once:
+    one device sync, and nothing more to do when every tensor is past its first)."""
+    leaves = [c for c in optree.tree_leaves(counts) if c is not None]
+    if not leaves or bool(torch.stack([c.to("cpu", non_blocking=True) for c in leaves]).gt(1).all()):
+        return updates
     return optree.tree_map(
         lambda u, c: u if u is None else torch.where(c > 1, u, torch.zeros_like(u)), updates, counts, none_is_leaf=True
     )

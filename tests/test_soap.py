@@ -84,12 +84,15 @@ def assert_traces_close(actual: list, expected: list, rtol: float, atol: float) 
 @pytest.mark.parametrize("case", list(OPTIONS))
 def test_soap_equals_the_reference_step_for_step_in_float64(case):
     """Every option, 12 steps, the eigenbases refreshed four times, matrices square and not,
-    conv kernels, a vector and a scalar: the same numbers as pytorch-optimizer's SOAP to float64
-    rounding (its QR runs in float32 as ours does by default, on the same inputs)."""
+    conv kernels, a vector and a scalar: the same numbers as pytorch-optimizer's SOAP, to float64
+    rounding until the first refresh, then to the float32 rounding of the refreshed eigenbases
+    (both sides run the QR in float32; ours gets inputs equal to about 1e-16 and rounds a few of
+    them the other way)."""
     params, grads = draws(SHAPES, torch.float64)
     expected = reference_run(params, grads, **OPTIONS[case])
     actual = our_run(params, grads, **OPTIONS[case])
-    assert_traces_close(actual, expected, rtol=1e-12, atol=1e-13)
+    assert_traces_close(actual[:FREQUENCY], expected[:FREQUENCY], rtol=1e-12, atol=1e-13)
+    assert_traces_close(actual, expected, rtol=1e-6, atol=1e-7)
     moved = [not torch.equal(expected[-1][k], params[k]) for k in SHAPES]
     assert all(moved)
 
@@ -97,7 +100,7 @@ def test_soap_equals_the_reference_step_for_step_in_float64(case):
 def test_merged_dimensions_equal_the_reference():
     params, grads = draws(MERGED_SHAPES, torch.float64)
     options = {"merge_dims": True, "max_precondition_dim": 12}
-    assert_traces_close(our_run(params, grads, **options), reference_run(params, grads, **options), 1e-12, 1e-13)
+    assert_traces_close(our_run(params, grads, **options), reference_run(params, grads, **options), 1e-6, 1e-7)
 
 
 def test_float32_parameters_agree_with_the_reference_to_float32_rounding():
@@ -218,3 +221,29 @@ def test_complex_parameters_and_a_wrong_state_are_refused():
         fb.soap().init({"z": torch.zeros(2, 2, dtype=torch.complex64)})
     with pytest.raises(ValueError, match="expected ScaleBySoapState"):
         fb.scale_by_soap().update({"w": torch.zeros(2)}, fb.adam().init({"w": torch.zeros(2)}))
+
+
+def test_fb_optimizer_under_a_torch_scheduler_equals_the_functional_update_with_a_schedule():
+    """A torch.optim loop (fb.Optimizer, StepLR halving the lr each step) and the functional
+    update with the same lr as a schedule of the step count: the same parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x = torch.randn(16, 6, dtype=torch.float64)
+    opt = fb.Optimizer(model.parameters(), fb.soap(lr=3e-3, precondition_frequency=2))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    tx = fb.soap(lr=lambda t: 3e-3 * 0.5**t, precondition_frequency=2)
+    params = dict(start)
+    state = tx.init(params)
+    for _ in range(5):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        scheduler.step()
+        grads = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().mean())(params)
+        u, state = tx.update(grads, state, params)
+        params = fb.apply_updates(params, u)
+    assert opt.param_groups[0]["lr"] == 3e-3 * 0.5**5
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), params[k], rtol=1e-12, atol=1e-14)
+        assert not torch.equal(params[k], start[k])

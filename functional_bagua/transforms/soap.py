@@ -150,6 +150,7 @@ def scale_by_soap(
     shampoo = b2 if shampoo_beta is None else shampoo_beta
     _check_arguments(b1, b2, shampoo, eps, precondition_frequency, max_precondition_dim, matrix_dtype)
 
+    @functools.lru_cache(maxsize=None)
     def layout(shape: tuple) -> Layout:
         return layout_of(tuple(shape), max_precondition_dim, merge_dims, precondition_1d)
 
@@ -179,49 +180,59 @@ def scale_by_soap(
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
             for name, field in zip(ScaleBySoapState._fields, state)
         ]
-        for i, g in enumerate(x.updates):
-            if g is not None:
-                _check_state(g, [column[i] for column in fields], layout(g.shape), x.spec, i)
         new_fields = [list(column) for column in fields]
         updates: list = [None] * len(x.updates)
-        for members in _batches(x.updates, fields[0], layout):
-            view = layout(x.updates[members[0]].shape)
-            batch = _Batch.stacked(
-                [x.updates[i] for i in members], [[column[i] for i in members] for column in fields], view
-            )
-            u = step(torch.stack([x.updates[i].reshape(view.shape) for i in members]), batch)
-            for row, i in enumerate(members):
-                updates[i] = u[row].reshape(x.updates[i].shape)
-                for column, value in zip(new_fields, batch.row(row, fields[0][i], fields[3][i], x.updates[i].shape)):
-                    column[i] = value
+        for members, count in _batches(x.updates, fields[0], layout):
+            shape = x.updates[members[0]].shape
+            view = layout(shape)
+            batch_state = [[column[i] for i in members] for column in fields]
+            if not _Batch.rows_of_one_batch(batch_state, view):  # not the previous step's rows: check each
+                for i in members:
+                    _check_state(x.updates[i], [column[i] for column in fields], view, x.spec, i)
+            batch = _Batch.stacked(count, batch_state, view)
+            u = step(restack([x.updates[i] for i in members], view.shape), batch, view)
+            for i, (u_i, count_i, mu_i, nu_i, statistics_i, bases_i) in zip(members, batch.rows(u, shape)):
+                updates[i] = u_i
+                new_fields[0][i], new_fields[1][i], new_fields[2][i] = count_i, mu_i, nu_i
+                new_fields[3][i] = _kept_where_none(statistics_i, fields[3][i])
+                new_fields[4][i] = _kept_where_none(bases_i, fields[4][i])
         return x.unflatten(updates), ScaleBySoapState(*(x.unflatten(column) for column in new_fields))
 
-    def step(g: torch.Tensor, s: "_Batch") -> torch.Tensor:
+    def step(g: torch.Tensor, s: "_Batch", view: Layout) -> torch.Tensor:
         """One step of a batch of same-layout tensors (module docstring): replaces the fields of
-        ``s`` by the new state and returns ``u``."""
+        ``s`` by the new state and returns ``u``. ``m`` is kept in the eigenbasis (the same
+        numbers: projecting is linear), so each step projects ``g`` once and ``u`` back once; a
+        refresh carries ``m`` over to the new eigenbasis."""
+        exact = rounding_matters(view, s.count, precondition_frequency)
         if s.count == 0:
-            s.statistics = accumulate(s.statistics, g)
-            s.bases = [None if stat is None else eigenbasis(stat, matrix_dtype) for stat in s.statistics]
+            s.statistics = accumulate(s.statistics, g, exact)
+            s.bases = [
+                None if stat is None else eigenbasis(stat, matrix_dtype, each)
+                for stat, each in zip(s.statistics, exact)
+            ]
             return torch.zeros_like(g)
         projected = project(g, s.bases)
-        s.mu = torch.lerp(s.mu, g, 1 - b1)
+        s.mu = torch.lerp(s.mu, projected, 1 - b1)
         s.nu = torch.lerp(s.nu, projected.square(), 1 - b2)
-        u = project(project(s.mu, s.bases) / (s.nu.sqrt() + eps), s.bases, back=True)
+        correction = math.sqrt(1 - b2**s.count) / (1 - b1**s.count) if correct_bias else 1.0
         if normalize_gradient:
-            u = u / (u.square().mean(dim=tuple(range(1, u.dim())), keepdim=True).sqrt() + eps)
-        if correct_bias:
-            u = u * (math.sqrt(1 - b2**s.count) / (1 - b1**s.count))
-        s.statistics = accumulate(s.statistics, g)
-        if s.count % precondition_frequency == 0:
+            u = project(s.mu / (s.nu.sqrt() + eps), s.bases, back=True)
+            u = u / (u.square().mean(dim=tuple(range(1, u.dim())), keepdim=True).sqrt() + eps) * correction
+        else:  # the correction folded into the first back-projection's matrix: one pass less
+            u = project(s.mu / (s.nu.sqrt() + eps), s.bases, back=True, scale=correction)
+        s.statistics = accumulate(s.statistics, g, exact)
+        if s.count % precondition_frequency == 0 and any(stat is not None for stat in s.statistics):
+            m = project(s.mu, s.bases, back=True)  # m in the parameter's basis, for the new eigenbasis
             for d, (stat, basis) in enumerate(zip(s.statistics, s.bases)):
                 if stat is not None:
-                    s.bases[d], s.nu = power_iteration(stat, basis, s.nu, d, matrix_dtype)
+                    s.bases[d], s.nu = power_iteration(stat, basis, s.nu, d, matrix_dtype, exact[d])
+            s.mu = project(m, s.bases)
         return u
 
-    def accumulate(statistics: list, g: torch.Tensor) -> list:
+    def accumulate(statistics: list, g: torch.Tensor, exact: list) -> list:
         """Each ``L_d <- lerp(L_d, G_(d) G_(d)^T, 1 - shampoo_beta)`` (``None``: no preconditioner)."""
         return [
-            None if stat is None else torch.lerp(stat, gram(g, d), 1 - shampoo) for d, stat in enumerate(statistics)
+            None if stat is None else accumulated(stat, g, d, shampoo, exact[d]) for d, stat in enumerate(statistics)
         ]
 
     return GradientTransformation(init, update)
@@ -231,37 +242,116 @@ class _Batch:
     """The state of one batch of same-layout tensors during a step, stacked along a new dim 0
     (``None`` for a dimension without a preconditioner)."""
 
-    def __init__(self, count: int, mu: torch.Tensor, nu: torch.Tensor, statistics: list, bases: list) -> None:
-        self.count, self.mu, self.nu, self.statistics, self.bases = count, mu, nu, statistics, bases
+    def __init__(
+        self, count: int, counts: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, statistics: list, bases: list
+    ) -> None:
+        self.count, self.counts, self.mu, self.nu = count, counts, mu, nu
+        self.statistics, self.bases = statistics, bases
+
+    @staticmethod
+    def rows_of_one_batch(fields: list, view: Layout) -> bool:
+        """Whether every field of these tensors' state holds the rows, in order, of one tensor
+        of the right shape (what the previous step of this batch left): nothing to check."""
+        counts, mus, nus, statistics, bases = fields
+        matrices = [(n, n) if on else None for n, on in zip(view.shape, view.preconditioned)]
+        return (
+            rows_of(counts, ()) is not None
+            and rows_of(mus, view.shape) is not None
+            and rows_of(nus, view.shape) is not None
+            and all(
+                shape is None or rows_of([m[d] for m in column], shape) is not None
+                for column in (statistics, bases)
+                for d, shape in enumerate(matrices)
+            )
+        )
 
     @classmethod
-    def stacked(cls, grads: list, fields: list, view: Layout) -> "_Batch":
-        """The batch of the tensors with gradients ``grads`` and state ``fields`` (one list per
-        field of :class:`ScaleBySoapState`, one entry per tensor)."""
+    def stacked(cls, count: int, fields: list, view: Layout) -> "_Batch":
+        """The batch of the tensors whose state is ``fields`` (one list per field of
+        :class:`ScaleBySoapState`, one entry per tensor), all at ``count`` gradients."""
         counts, mus, nus, statistics, bases = fields
 
         def matrices(per_tensor: list) -> list:
-            return [torch.stack([m[d] for m in per_tensor]) if on else None for d, on in enumerate(view.preconditioned)]
+            return [
+                restack([m[d] for m in per_tensor], (n, n)) if on else None
+                for d, (n, on) in enumerate(zip(view.shape, view.preconditioned))
+            ]
 
         return cls(
-            count=int(counts[0]),
-            mu=torch.stack([m.reshape(view.shape) for m in mus]),
-            nu=torch.stack([v.reshape(view.shape) for v in nus]),
+            count=count,
+            counts=restack(counts, ()) + 1,
+            mu=restack(mus, view.shape),
+            nu=restack(nus, view.shape),
             statistics=matrices(statistics),
             bases=matrices(bases),
         )
 
-    def row(self, row: int, count: torch.Tensor, placeholders: tuple, shape: torch.Size) -> tuple:
-        """The new state of the batch's ``row``-th tensor, one value per field, from its old
-        ``count``; ``placeholders`` (its old statistics) stand for the dimensions without a
-        preconditioner."""
-        return (
-            count + 1,
-            self.mu[row].reshape(shape),
-            self.nu[row].reshape(shape),
-            tuple(placeholders[d] if m is None else m[row] for d, m in enumerate(self.statistics)),
-            tuple(placeholders[d] if m is None else m[row] for d, m in enumerate(self.bases)),
-        )
+    def rows(self, u: torch.Tensor, shape: torch.Size) -> list[tuple]:
+        """Per tensor of the batch, its update and new state, one value per field of
+        :class:`ScaleBySoapState` (views of the batch's tensors, which the next step stacks back
+        without a copy; a dimension without a preconditioner keeps its old placeholder)."""
+        per_row = [
+            u.unbind(),
+            self.counts.unbind(),
+            self.mu.unbind(),
+            self.nu.unbind(),
+            _per_row_tuples(self.statistics, len(u)),
+            _per_row_tuples(self.bases, len(u)),
+        ]
+        if tuple(shape) != tuple(u.shape[1:]):  # a merged view: back to the tensor's shape
+            per_row[0], per_row[2], per_row[3] = ([t.view(shape) for t in per_row[k]] for k in (0, 2, 3))
+        return list(zip(*per_row))
+
+
+def _kept_where_none(new: object, old: object) -> object:
+    """``new``, with ``old``'s entries where ``new`` (or an entry of its tuple) is ``None``."""
+    if new is None:
+        return old
+    if isinstance(new, tuple):
+        return tuple(o if n is None else n for n, o in zip(new, old))  # type: ignore[call-overload]
+    return new
+
+
+def _per_row_tuples(matrices: list, rows: int) -> list:
+    """Per row, the tuple of its matrices (``None`` where a dimension has none), or ``None``
+    per row where no dimension has one (the old placeholders stay)."""
+    if all(m is None for m in matrices):
+        return [None] * rows
+    columns = [m.unbind() if m is not None else [None] * rows for m in matrices]
+    return [tuple(row) for row in zip(*columns)]
+
+
+def rows_of(tensors: list, shape: tuple) -> Optional[torch.Tensor]:
+    """The contiguous tensor of shape ``(len(tensors), *shape)`` whose rows, in order, the
+    tensors are (views of the previous step's batch), or ``None``."""
+    first = tensors[0]
+    base = first._base
+    if base is None or base.shape != (len(tensors), *shape) or not base.is_contiguous():
+        return None
+    start, step = first.data_ptr(), base.stride(0) * base.element_size()
+    if start != base.data_ptr() or any(
+        t._base is not base or t.data_ptr() != start + row * step for row, t in enumerate(tensors)
+    ):
+        return None
+    return base
+
+
+def restack(tensors: list, shape: tuple) -> torch.Tensor:
+    """The tensors viewed as ``shape``, stacked along a new dim 0: without a copy where they are
+    the rows of one tensor (:func:`rows_of`), else a new one."""
+    base = rows_of(tensors, shape)
+    return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
+
+
+def rounding_matters(view: Layout, count: int, frequency: int) -> list[bool]:
+    """Per dimension, whether its statistic may still be of less than full rank when it is next
+    decomposed (now, at the first gradient, or at the next refresh). Its eigenvectors then
+    depend on every rounding, so its products and decompositions round as the reference's
+    unbatched ones (:func:`per_element`); elsewhere they run batched. After ``t`` gradients
+    ``L_d`` has rank at most ``t`` times the product of the other dimensions."""
+    numel = math.prod(view.shape)
+    decomposed_at = 0 if count == 0 else -(-count // frequency) * frequency
+    return [on and (decomposed_at + 1) * (numel // n) < n for n, on in zip(view.shape, view.preconditioned)]
 
 
 def _check_state(g: torch.Tensor, leaf: list, view: Layout, spec: object, i: int) -> None:
@@ -281,72 +371,102 @@ def _check_state(g: torch.Tensor, leaf: list, view: Layout, spec: object, i: int
         )
 
 
-def _batches(grads: list, counts: list, layout: Callable[[tuple], Layout]) -> list[list[int]]:
-    """The indices of the gradients that step together: one layout, dtype, device and count."""
+def _batches(grads: list, counts: list, layout: Callable[[tuple], Layout]) -> list[tuple[list[int], int]]:
+    """The indices of the gradients that step together (one layout, dtype, device and count),
+    with their count (all counts read at once: one device sync)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return []
+    known = torch.stack([counts[i].to("cpu", non_blocking=True) for i in present]).tolist()
     batches: dict[tuple, list[int]] = {}
-    for i, g in enumerate(grads):
-        if g is not None:
-            batches.setdefault((layout(g.shape), g.dtype, g.device, int(counts[i])), []).append(i)
-    return list(batches.values())
+    for i, count in zip(present, known):
+        g = grads[i]
+        batches.setdefault((layout(g.shape), g.dtype, g.device, count), []).append(i)
+    return [(members, key[3]) for key, members in batches.items()]
 
 
-def project(x: torch.Tensor, bases: list, back: bool = False) -> torch.Tensor:
-    """``x x_1 Q_1 ... x_k Q_k`` for a batch ``x`` of shape ``(B, d_1, ..., d_k)`` (with ``Q_i^T``
-    when ``back``); a ``None`` basis is the identity. Each product contracts the leading
-    dimension and appends the new one last, so after all ``k`` the dimensions are in order."""
+def project(x: torch.Tensor, bases: list, back: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x x_1 Q_1 ... x_k Q_k`` for a batch ``x`` of shape ``(B, d_1, ..., d_k)`` (with
+    ``Q_i^T`` when ``back``); a ``None`` basis is the identity. For matrices ``Q_1^T X Q_2``
+    (``Q_1 X Q_2^T`` back); otherwise each product contracts the leading dimension and appends
+    the new one last, so after all ``k`` the dimensions are in order. ``scale`` multiplies the
+    first matrix (or ``x`` where every basis is the identity)."""
+    matrices: list[Optional[torch.Tensor]] = [None if q is None else (q.mT if back else q) for q in bases]
+    if scale != 1.0:
+        first = next((d for d, q in enumerate(matrices) if q is not None), None)
+        if first is None:
+            x = x * scale
+        else:
+            matrices[first] = bases[first].mT * scale if back else bases[first] * scale
+    if len(matrices) == 2:
+        left, right = matrices
+        if left is not None:
+            x = left.mT @ x
+        return x if right is None else x @ right
     batch = x.shape[0]
-    for q in bases:
+    for q in matrices:
         x = x.movedim(1, -1)
         if q is not None:
             shape = x.shape
-            x = torch.matmul(x.reshape(batch, -1, shape[-1]), q.mT if back else q).reshape(shape)
+            x = torch.matmul(x.reshape(batch, -1, shape[-1]), q).reshape(shape)
     return x
 
 
-def gram(g: torch.Tensor, d: int) -> torch.Tensor:
-    """``G_(d) G_(d)^T`` per batch element: ``g`` contracted with itself over every dimension but ``d``."""
+def accumulated(statistic: torch.Tensor, g: torch.Tensor, d: int, beta: float, exact: bool) -> torch.Tensor:
+    """``lerp(L_d, G_(d) G_(d)^T, 1 - beta)`` per batch element, ``G_(d)``: ``g`` with dimension
+    ``d`` by all the others. Where ``exact`` (:func:`rounding_matters`) as the reference rounds
+    it, one product per element and then the lerp; elsewhere ``beta L + (1 - beta) G G^T`` in one
+    batched product."""
     rows = g.movedim(d + 1, 1).reshape(g.shape[0], g.shape[d + 1], -1)
-    return batched_matmul(rows, rows.mT)
-
-
-def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` per batch element (:func:`per_element`)."""
-    return per_element(torch.matmul, a, b)
+    if exact:
+        return torch.lerp(statistic, per_element(torch.matmul, rows, rows.mT), 1 - beta)
+    return torch.baddbmm(statistic, rows, rows.mT, beta=beta, alpha=1 - beta)
 
 
 def per_element(fn: Callable[..., torch.Tensor], *batches: torch.Tensor) -> torch.Tensor:
-    """``fn`` on a batch: at once on a GPU; on the CPU once per element, stacked. torch's CPU
-    batched matmul, ``eigh`` and QR loop over the batch anyway, and round small products and
-    some decompositions otherwise than on a single matrix. The eigenvectors of a statistic of
-    less than full rank (one gradient of a non-square matrix) change with any rounding
-    difference, so the CPU path rounds as the unbatched reference does."""
-    if batches[0].device.type != "cpu":
-        return fn(*batches)
+    """``fn`` on a batch once per element, stacked: each rounded as the reference's unbatched
+    call (torch's batched matmul and ``eigh`` round small products and some decompositions
+    otherwise than on a single matrix)."""
     return torch.stack([fn(*elements) for elements in zip(*batches)])
 
 
-def eigenbasis(statistic: torch.Tensor, matrix_dtype: Optional[torch.dtype]) -> torch.Tensor:
+def eigenbasis(statistic: torch.Tensor, matrix_dtype: Optional[torch.dtype], exact: bool) -> torch.Tensor:
     """The eigenvectors of each symmetric ``statistic`` by decreasing eigenvalue, in
-    ``statistic``'s dtype (computed in ``matrix_dtype``, or at least float32)."""
+    ``statistic``'s dtype (computed in ``matrix_dtype``, or at least float32; one matrix at a
+    time where ``exact``)."""
     dtype = matrix_dtype or _at_least_float32(statistic.dtype)
     jitter = EIGH_JITTER * torch.eye(statistic.shape[-1], dtype=dtype, device=statistic.device)
-    vectors = per_element(lambda m: torch.linalg.eigh(m + jitter).eigenvectors, statistic.to(dtype))
-    return vectors.flip(-1).to(statistic.dtype)
+    matrices = statistic.to(dtype) + jitter
+    if exact:
+        vectors = per_element(lambda m: torch.linalg.eigh(m).eigenvectors, matrices)
+    else:
+        vectors = torch.linalg.eigh(matrices).eigenvectors
+    return vectors.flip(-1).to(statistic.dtype).contiguous()  # LAPACK's column-major result: rows restack
 
 
 def power_iteration(
-    statistic: torch.Tensor, basis: torch.Tensor, nu: torch.Tensor, d: int, matrix_dtype: Optional[torch.dtype]
+    statistic: torch.Tensor,
+    basis: torch.Tensor,
+    nu: torch.Tensor,
+    d: int,
+    matrix_dtype: Optional[torch.dtype],
+    exact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One power iteration of the eigenbasis of dimension ``d`` (module docstring): the new
-    basis, and ``nu`` with its entries along dimension ``d`` in the new basis's order."""
-    product = batched_matmul(statistic, basis)
+    basis, and ``nu`` with its entries along dimension ``d`` in the new basis's order (one
+    matrix at a time where ``exact``)."""
+    product = per_element(torch.matmul, statistic, basis) if exact else statistic @ basis
     estimates = (basis * product).sum(dim=-2)
     order = torch.argsort(estimates, dim=-1, descending=True)
     product = product.gather(-1, order.unsqueeze(-2).expand_as(product))
     index = order.view(order.shape[0], *([1] * d), -1, *([1] * (nu.dim() - d - 2))).expand_as(nu)
     nu = nu.gather(d + 1, index)
-    q = per_element(lambda m: torch.linalg.qr(m).Q, product.to(matrix_dtype or torch.float32))
-    return q.to(basis.dtype), nu
+    product = product.to(matrix_dtype or torch.float32)
+    if exact:
+        q = per_element(lambda m: torch.linalg.qr(m).Q, product)
+    else:
+        q = torch.linalg.qr(product).Q
+    return q.to(basis.dtype).contiguous(), nu
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:

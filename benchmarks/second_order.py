@@ -1,0 +1,196 @@
+"""Second-order optimizers: one step of SOAP, ours against the reference (pytorch-optimizer) and
+heavyball's (optional peers), with torch's AdamW for scale, in one run.
+
+    python benchmarks/second_order.py                          # CPU, configs a and g
+    python benchmarks/second_order.py --device cuda --configs a,d --steps 30
+
+Configs: (a) 200 matrices of 50 x 100 (5k elements each), (g) a GPT-2 of hidden 256, 4 layers,
+a vocabulary of 2048 and 256 positions (GPT-2 small's shapes scaled down for the CPU: with the
+reference's bound of 10000 the embedding's 2048 x 2048 statistic is decomposed too), (d) GPT-2
+small's shapes (a GPU's). The
+same hyperparameters everywhere (the reference's defaults: eigenbases refreshed every 10 steps,
+no dimension above 10000 preconditioned, nothing merged, vectors not preconditioned); heavyball
+with its own compiled step (its default), its preconditioner schedule off and float32 storage.
+
+Per variant: the first step (initialisation and, for heavyball, compilation) in seconds, then
+the median of ``--steps`` steps with its range and the mean (which counts the eigenbasis refresh
+every 10th step), and the ratios of the median to torch's AdamW (foreach) and to heavyball's SOAP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine, spread, steady_malloc, sync, table  # noqa: E402
+from optimizer_step import gpt2_small_shapes  # noqa: E402
+
+import functional_bagua as fb  # noqa: E402
+
+HYPER = dict(lr=3e-3, betas=(0.95, 0.95), eps=1e-8, weight_decay=0.01, precondition_frequency=10)
+CONFIGS = {
+    "a": ("(a) 200 x (50, 100)", lambda: [(50, 100)] * 200),
+    "g": (
+        "(g) GPT-2 shapes, hidden 256, 4 layers, vocabulary 2048, 256 positions",
+        lambda: gpt2_small_shapes(hidden=256, layers=4, vocab=2048, positions=256),
+    ),
+    "d": ("(d) GPT-2 small shapes", gpt2_small_shapes),
+}
+
+
+def make_params(shapes: list, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen).div_(10).to(device) for s in shapes]
+
+
+def stepper_torch(params: list, device: str) -> Callable[[], None]:
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    grads = [torch.randn_like(p) for p in ps]
+    opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True)
+
+    def step() -> None:
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt.step()
+
+    return step
+
+
+def stepper_fb_pure(params: list, device: str) -> Callable[[], None]:
+    tx = fb.soap(**HYPER)
+    holder = {"p": [p.clone() for p in params]}
+    holder["s"] = tx.init(holder["p"])
+    grads = [torch.randn_like(p) for p in params]
+
+    def step() -> None:
+        u, holder["s"] = tx.update(grads, holder["s"], holder["p"])
+        holder["p"] = fb.apply_updates(holder["p"], u)
+
+    return step
+
+
+def stepper_fb_optimizer(params: list, device: str) -> Callable[[], None]:
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    grads = [torch.randn_like(p) for p in ps]
+    opt = fb.Optimizer(ps, fb.soap(**HYPER))
+
+    def step() -> None:
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt.step()
+
+    return step
+
+
+def stepper_reference(params: list, device: str) -> Optional[Callable[[], None]]:
+    try:
+        from pytorch_optimizer import SOAP
+    except ImportError:
+        return None
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    grads = [torch.randn_like(p) for p in ps]
+    opt = SOAP(ps, **HYPER)
+
+    def step() -> None:
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt.step()
+
+    return step
+
+
+def stepper_heavyball(params: list, device: str) -> Optional[Callable[[], None]]:
+    try:
+        import heavyball
+    except ImportError:
+        return None
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    grads = [torch.randn_like(p) for p in ps]
+    opt = heavyball.SOAP(
+        ps,
+        lr=HYPER["lr"],
+        betas=HYPER["betas"],
+        shampoo_beta=HYPER["betas"][1],
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        precondition_frequency=HYPER["precondition_frequency"],
+        max_precond_dim=10000,
+        merge_dims=False,
+        precondition_1d=False,
+        use_precond_schedule=False,
+    )
+
+    def step() -> None:
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt.step()
+
+    return step
+
+
+VARIANTS = {
+    "torch AdamW foreach": stepper_torch,
+    "fb.soap (pure update)": stepper_fb_pure,
+    "fb.Optimizer(fb.soap)": stepper_fb_optimizer,
+    "pytorch-optimizer SOAP (reference)": stepper_reference,
+    "heavyball SOAP (compiled)": stepper_heavyball,
+}
+
+
+def measure(make: Callable, params: list, device: str, steps: int) -> Optional[dict]:
+    step = make(params, device)
+    if step is None:
+        return None
+    start = time.perf_counter()
+    step()
+    sync(device)
+    first_s = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return dict(first_s=first_s, ms=statistics.median(times), range=spread(times), mean_ms=statistics.mean(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--configs", default="a,g")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{machine(args.device)}; {steady_malloc()}")
+    for key in args.configs.split(","):
+        title, shapes = CONFIGS[key]
+        params = make_params(shapes(), args.device)
+        rows = []
+        for name, make in VARIANTS.items():
+            result = measure(make, params, args.device, args.steps)
+            if result is not None:
+                rows.append(dict(variant=name, **result))
+        adamw = next(r["ms"] for r in rows if r["variant"].startswith("torch AdamW"))
+        heavy = next((r["ms"] for r in rows if r["variant"].startswith("heavyball")), None)
+        heavy_first = next((r["first_s"] for r in rows if r["variant"].startswith("heavyball")), None)
+        for r in rows:
+            r["x AdamW"] = r["ms"] / adamw
+            if heavy is not None and heavy_first is not None:
+                r["x heavyball"] = r["ms"] / heavy
+                r["first x heavyball"] = r["first_s"] / heavy_first
+        elements = sum(p.numel() for p in params)
+        print(f"\n### {title}: {len(params)} tensors, {elements / 1e6:.2f}M elements, {args.steps} steps\n")
+        columns = ["variant", "first_s", "ms", "range", "mean_ms", "x AdamW", "x heavyball", "first x heavyball"]
+        print(table(rows, columns))
+
+
+if __name__ == "__main__":
+    main()
