@@ -20,10 +20,17 @@ its ``Q_i`` is the identity. With ``G x_i Q`` the product of ``G`` with ``Q`` al
         refreshed by one power iteration: P = L_i Q_i, its columns (and v along dimension i)
         ordered by decreasing diag(Q_i^T P), Q_i = QR(P).Q
 
-as the authors' algorithm and pytorch-optimizer's ``SOAP``. The matrix work of tensors of one
-shape is batched: one ``eigh``, one QR and one batched matmul per shape, whatever the number of
-tensors. Each tensor counts its own gradients (as torch.optim's ``state["step"]``), so a tensor
-whose first gradient comes late initializes its preconditioner then.
+as the authors' algorithm and pytorch-optimizer's ``SOAP``. Here ``m`` is kept in the eigenbasis
+(``m' = m x_1 Q_1 ... x_k Q_k``, updated with ``G'``: the same numbers, as projecting is
+linear), so each step projects ``G`` in and ``u`` back once; a refresh carries ``m'`` over to the
+new eigenbasis. The matrix work of tensors of one shape is batched: one ``eigh``, one QR and one
+batched matmul per shape and product, whatever the number of tensors, and between steps the
+state of one shape stays the rows of one tensor. Where a statistic may still be of less than
+full rank when it is next decomposed (one gradient of a non-square matrix), its eigenvectors
+depend on every rounding: there the products and decompositions run one matrix at a time,
+rounded as the reference's (:func:`rounding_matters`). Each tensor counts its own gradients (as
+torch.optim's ``state["step"]``), so a tensor whose first gradient comes late initializes its
+preconditioner then.
 
 ``matrix_dtype`` is the precision of the eigendecompositions and QRs: ``None`` (the reference's)
 takes ``eigh`` in the statistics' dtype (at least float32) and the QR in float32; a dtype takes
@@ -52,10 +59,11 @@ NO_MATRIX = (0,)  # the shape of the placeholder of a dimension without a precon
 
 
 class ScaleBySoapState(NamedTuple):
-    """Per tensor: ``count`` (its gradients so far), ``mu`` (``m``) and ``nu`` (``v``, in the
-    eigenbasis), both of the tensor's shape, and per dimension of its preconditioned view the
-    statistic ``L_i`` (``statistics``) and eigenbasis ``Q_i`` (``eigenbases``), tuples holding an
-    empty tensor for a dimension without a preconditioner."""
+    """Per tensor: ``count`` (its gradients so far), ``mu`` (``m'``, the first moment in the
+    eigenbasis) and ``nu`` (``v``, in the eigenbasis), both of the tensor's shape, and per
+    dimension of its preconditioned view the statistic ``L_i`` (``statistics``) and eigenbasis
+    ``Q_i`` (``eigenbases``), tuples holding an empty tensor for a dimension without a
+    preconditioner."""
 
     count: PyTree  # a field named like tuple.count, as in optax
     mu: PyTree
