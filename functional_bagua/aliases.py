@@ -26,7 +26,7 @@ from functional_bagua import kernels
 from functional_bagua.base import GradientTransformation, OptState, chain, check_params
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.layout_context import tensor_shapes
-from functional_bagua.numerics import is_number
+from functional_bagua.numerics import is_number, read_counts
 from functional_bagua.transforms.adam import (
     scale_by_adam,
     scale_by_adamax,
@@ -1040,7 +1040,7 @@ def _zero_where_first(updates: PyTree, counts: PyTree) -> PyTree:
     """Each update, zero where its tensor has had only one gradient (the counts read at once:
     one device sync, and nothing more to do when every tensor is past its first)."""
     leaves = [c for c in optree.tree_leaves(counts) if c is not None]
-    if not leaves or bool(torch.stack([c.to("cpu", non_blocking=True) for c in leaves]).gt(1).all()):
+    if all(count > 1 for count in read_counts(leaves)):
         return updates
     return optree.tree_map(
         lambda u, c: u if u is None else torch.where(c > 1, u, torch.zeros_like(u)), updates, counts, none_is_leaf=True

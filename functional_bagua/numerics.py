@@ -35,6 +35,23 @@ def zero_count(like: tree.PyTree) -> torch.Tensor:
     return torch.zeros((), dtype=COUNT_DTYPE, device=device)
 
 
+def read_counts(counts: list) -> list[int]:
+    """The values of 0-dim integer tensors as Python ints, read with one copy (and one sync)
+    per device rather than one per tensor.
+
+    Args:
+        counts: 0-dim tensors, on any devices.
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for i, c in enumerate(counts):
+        by_device.setdefault(c.device, []).append(i)
+    values = [0] * len(counts)
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([counts[i] for i in indices]).tolist()):
+            values[i] = int(value)
+    return values
+
+
 def as_scalar(count: torch.Tensor) -> torch.Tensor:
     """A count as a 0-dim float64 tensor, for scalar hyperparameter math.
 

@@ -256,3 +256,94 @@ def test_fb_optimizer_under_a_torch_scheduler_equals_the_functional_update_with_
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), params[k], rtol=1e-12, atol=1e-14)
         assert not torch.equal(params[k], start[k])
+
+
+def test_a_compiled_step_says_soap_runs_eagerly_and_the_eager_step_trains():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    batch = (torch.randn(16, 8), torch.randn(16, 2))
+    tx = fb.soap(lr=1e-2, precondition_frequency=2)
+    params = fb.params_of(model)
+    compiled = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=True)
+    with pytest.raises(TypeError, match="scale_by_soap runs eagerly"):
+        compiled(params, tx.init(params), batch)
+    eager = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=False)
+    state, losses = tx.init(params), []
+    for _ in range(10):
+        params, state, loss = eager(params, state, batch)
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[1]
+
+
+# ---- in chains and wrappers: each against the same work written by hand -----------------------
+
+
+def run(tx, params: dict, grads: list) -> list:  # noqa: ANN001
+    state, trace = tx.init(params), []
+    for g in grads:
+        u, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, u)
+        trace.append(params)
+    return trace
+
+
+def test_clipped_gradients_equal_soap_on_gradients_clipped_by_hand():
+    params, grads = draws({"w": (5, 4), "b": (4,)}, torch.float64, steps=6)
+    clipped = []
+    for g in grads:
+        norm = torch.sqrt(sum(t.square().sum() for t in g.values()))
+        clipped.append({k: t * (0.5 / (norm + 1e-6)).clamp(max=1.0) for k, t in g.items()})  # clip_grad_norm_
+    soap = fb.soap(precondition_frequency=2)
+    chained = run(fb.chain(fb.clip_by_global_norm(0.5), soap), params, grads)
+    by_hand = run(soap, params, clipped)
+    for a, b in zip(chained, by_hand):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=1e-14)
+
+
+def test_partition_sends_vectors_to_adamw_and_matrices_to_soap():
+    params, grads = draws({"w": (5, 4), "v": (5, 4), "b": (4,)}, torch.float64, steps=5)
+    labels = {"w": "soap", "v": "soap", "b": "adamw"}
+    tx = fb.partition({"soap": fb.soap(precondition_frequency=2), "adamw": fb.adamw(1e-3)}, labels)
+    together = run(tx, params, grads)
+    matrices = run(
+        fb.soap(precondition_frequency=2), {k: params[k] for k in "wv"}, [{k: g[k] for k in "wv"} for g in grads]
+    )
+    vectors = run(fb.adamw(1e-3), {"b": params["b"]}, [{"b": g["b"]} for g in grads])
+    for t in range(len(grads)):
+        for k in "wv":
+            assert torch.equal(together[t][k], matrices[t][k]), (t, k)
+        assert torch.equal(together[t]["b"], vectors[t]["b"]), t
+
+
+def test_accumulated_micro_batches_equal_soap_on_their_mean():
+    params, grads = draws({"w": (4, 4)}, torch.float64, steps=8)
+    accumulated = run(fb.multi_steps(fb.soap(precondition_frequency=2), 2), params, grads)
+    means = [{"w": (grads[t]["w"] + grads[t + 1]["w"]) / 2} for t in range(0, len(grads), 2)]
+    stepped = run(fb.soap(precondition_frequency=2), params, means)
+    for t in range(len(means)):
+        torch.testing.assert_close(accumulated[2 * t + 1]["w"], stepped[t]["w"], rtol=1e-12, atol=1e-14)
+
+
+def test_a_non_finite_gradient_is_skipped_with_the_state_kept():
+    params, grads = draws({"w": (4, 3)}, torch.float64, steps=5)
+    poisoned = list(grads)
+    poisoned.insert(2, {"w": torch.full((4, 3), float("nan"), dtype=torch.float64)})
+    guarded = run(fb.apply_if_finite(fb.soap(precondition_frequency=2), max_consecutive_errors=3), params, poisoned)
+    clean = run(fb.soap(precondition_frequency=2), params, grads)
+    assert torch.equal(guarded[2]["w"], guarded[1]["w"])
+    for t_clean, t_guarded in ((0, 0), (1, 1), (2, 3), (3, 4), (4, 5)):
+        assert torch.equal(guarded[t_guarded]["w"], clean[t_clean]["w"]), t_clean
+
+
+def test_injected_hyperparameters_are_tensors_a_value_written_takes_effect():
+    params, grads = draws({"w": (4, 4)}, torch.float64, steps=4)
+    tx = fb.inject_hyperparams(fb.soap)(lr=3e-3, precondition_frequency=2)
+    state = tx.init(params)
+    p = params
+    for g in grads[:3]:
+        u, state = tx.update(g, state, p)
+        p = fb.apply_updates(p, u)
+    state.hyperparams["lr"].fill_(0.0)  # the decay is lr * weight_decay: nothing moves
+    u, _ = tx.update(grads[3], state, p)
+    assert torch.equal(u["w"], torch.zeros_like(u["w"]))

@@ -32,6 +32,9 @@ rounded as the reference's (:func:`rounding_matters`). Each tensor counts its ow
 torch.optim's ``state["step"]``), so a tensor whose first gradient comes late initializes its
 preconditioner then.
 
+A scalar (0-dim) tensor has no dimension to precondition: it steps as Adam does, as in the
+reference. The update runs eagerly; under torch.compile it raises a TypeError saying so.
+
 ``matrix_dtype`` is the precision of the eigendecompositions and QRs: ``None`` (the reference's)
 takes ``eigh`` in the statistics' dtype (at least float32) and the QR in float32; a dtype takes
 both in it (``torch.float64`` for the most exact eigenbases). The statistics keep the gradient's
@@ -50,7 +53,7 @@ from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import zero_count
+from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_soap"
@@ -182,6 +185,13 @@ def scale_by_soap(
             raise ValueError(
                 f"{NAME}: got a state of type {type(state).__name__}, expected ScaleBySoapState; pass the state "
                 "this transform's init made"
+            )
+        if torch.compiler.is_compiling():
+            raise TypeError(
+                f"{NAME} runs eagerly: it batches tensors by their step counts and decomposes its statistics "
+                "every precondition_frequency steps, decisions torch.compile cannot trace yet; build the step "
+                "with compile=False (make_train_step(..., compile=False)), or keep the optimizer out of the "
+                "compiled function"
             )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
@@ -385,7 +395,7 @@ def _batches(grads: list, counts: list, layout: Callable[[tuple], Layout]) -> li
     present = [i for i, g in enumerate(grads) if g is not None]
     if not present:
         return []
-    known = torch.stack([counts[i].to("cpu", non_blocking=True) for i in present]).tolist()
+    known = read_counts([counts[i] for i in present])
     batches: dict[tuple, list[int]] = {}
     for i, count in zip(present, known):
         g = grads[i]
