@@ -1,8 +1,13 @@
-"""Second-order optimizers: one step of SOAP, ours against the reference (pytorch-optimizer) and
-heavyball's (optional peers), with torch's AdamW for scale, in one run.
+"""Second-order optimizers: one step of SOAP and of Shampoo, ours against the references
+(pytorch-optimizer) and heavyball's SOAP (optional peers), with torch's AdamW for scale, in one run.
 
     python benchmarks/second_order.py                          # CPU, configs a and g
     python benchmarks/second_order.py --device cuda --configs a,d --steps 30
+    python benchmarks/second_order.py --optimizers shampoo
+
+Shampoo: inverse roots every 10 steps, blocks of 1024, Adam grafting, ours in float32 (its
+``matrix_dtype``) and in float64 (its default); pytorch-optimizer's ``Shampoo`` (no blocking, no
+grafting, roots every 10 steps from an SVD) for scale; heavyball has no plain Shampoo.
 
 Configs: (a) 200 matrices of 50 x 100 (5k elements each), (g) a GPT-2 of hidden 256, 4 layers,
 a vocabulary of 2048 and 256 positions (GPT-2 small's shapes scaled down for the CPU: with the
@@ -135,6 +140,49 @@ def stepper_heavyball(params: list, device: str) -> Optional[Callable[[], None]]
     return step
 
 
+SHAMPOO = dict(lr=1e-3, betas=(0.9, 0.999), precondition_frequency=10, grafting="adam")
+
+
+def stepper_fb_shampoo(matrix_dtype: torch.dtype) -> Callable:
+    def make(params: list, device: str) -> Callable[[], None]:
+        tx = fb.shampoo(**SHAMPOO, matrix_dtype=matrix_dtype)
+        holder = {"p": [p.clone() for p in params]}
+        holder["s"] = tx.init(holder["p"])
+        grads = [torch.randn_like(p) for p in params]
+
+        def step() -> None:
+            u, holder["s"] = tx.update(grads, holder["s"], holder["p"])
+            holder["p"] = fb.apply_updates(holder["p"], u)
+
+        return step
+
+    return make
+
+
+def stepper_reference_shampoo(params: list, device: str) -> Optional[Callable[[], None]]:
+    try:
+        from pytorch_optimizer import Shampoo
+    except ImportError:
+        return None
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    grads = [torch.randn_like(p) for p in ps]
+    opt = Shampoo(ps, lr=1e-3, preconditioning_compute_steps=10)
+
+    def step() -> None:
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()  # its step transposes the gradient in place
+        opt.step()
+
+    return step
+
+
+SHAMPOO_VARIANTS = {
+    "torch AdamW foreach": stepper_torch,
+    "fb.shampoo (float32 roots)": stepper_fb_shampoo(torch.float32),
+    "fb.shampoo (float64 roots)": stepper_fb_shampoo(torch.float64),
+    "pytorch-optimizer Shampoo (reference)": stepper_reference_shampoo,
+}
+
 VARIANTS = {
     "torch AdamW foreach": stepper_torch,
     "fb.soap (pure update)": stepper_fb_pure,
@@ -167,14 +215,15 @@ def main() -> None:
     parser.add_argument("--configs", default="a,g")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--optimizers", default="soap", help="soap, shampoo, or both: soap,shampoo")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{machine(args.device)}; {steady_malloc()}")
-    for key in args.configs.split(","):
+    for key, optimizer in [(c, o) for o in args.optimizers.split(",") for c in args.configs.split(",")]:
         title, shapes = CONFIGS[key]
         params = make_params(shapes(), args.device)
         rows = []
-        for name, make in VARIANTS.items():
+        for name, make in (VARIANTS if optimizer == "soap" else SHAMPOO_VARIANTS).items():
             result = measure(make, params, args.device, args.steps)
             if result is not None:
                 rows.append(dict(variant=name, **result))
@@ -187,7 +236,9 @@ def main() -> None:
                 r["x heavyball"] = r["ms"] / heavy
                 r["first x heavyball"] = r["first_s"] / heavy_first
         elements = sum(p.numel() for p in params)
-        print(f"\n### {title}: {len(params)} tensors, {elements / 1e6:.2f}M elements, {args.steps} steps\n")
+        print(
+            f"\n### {optimizer}, {title}: {len(params)} tensors, {elements / 1e6:.2f}M elements, {args.steps} steps\n"
+        )
         columns = ["variant", "first_s", "ms", "range", "mean_ms", "x AdamW", "x heavyball", "first x heavyball"]
         print(table(rows, columns))
 

@@ -30,6 +30,7 @@ from functional_bagua.aliases import (
     rmsprop,
     rprop,
     sgd,
+    shampoo,
     soap,
     sparse_adam,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "asgd",
     "adafactor",
     "muon",
+    "shampoo",
     "soap",
     "lbfgs",
     "LbfgsState",

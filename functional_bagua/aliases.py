@@ -61,6 +61,7 @@ from functional_bagua.transforms.scaling import (
     scale,
     scale_by_learning_rate,
 )
+from functional_bagua.transforms.shampoo import scale_by_shampoo
 from functional_bagua.transforms.soap import scale_by_soap
 from functional_bagua.transforms.sparse_adam import scale_by_sparse_adam
 from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio
@@ -1045,3 +1046,70 @@ def _zero_where_first(updates: PyTree, counts: PyTree) -> PyTree:
     return optree.tree_map(
         lambda u, c: u if u is None else torch.where(c > 1, u, torch.zeros_like(u)), updates, counts, none_is_leaf=True
     )
+
+
+@accepts_schedules
+def shampoo(
+    lr: ScalarOrSchedule = 1e-2,
+    betas: tuple[float, float] = (0.9, 1.0),
+    epsilon: float = 1e-12,
+    weight_decay: float = 0.0,
+    max_preconditioner_dim: int = 1024,
+    precondition_frequency: int = 1,
+    start_preconditioning_step: Optional[int] = None,
+    merge_dims: bool = False,
+    grafting: Optional[str] = None,
+    grafting_beta2: float = 0.999,
+    grafting_epsilon: float = 1e-10,
+    use_bias_correction: bool = True,
+    matrix_dtype: torch.dtype = torch.float64,
+) -> GradientTransformation:
+    """Shampoo, with the defaults of the distributed-Shampoo reference (Meta's
+    ``DistributedShampoo``): the direction of :func:`~functional_bagua.scale_by_shampoo`, then
+    decoupled weight decay and the learning rate::
+
+        p <- p - lr * (P + weight_decay * p)
+
+    Every float hyperparameter may also be a schedule.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        betas: ``(b1, b2)``: the decay of the filtered gradient and of the statistics (1: their sum).
+        epsilon: added to the statistics' eigenvalues before the inverse root.
+        weight_decay: decoupled weight decay.
+        max_preconditioner_dim: the block size.
+        precondition_frequency: recompute the inverse roots every this many steps.
+        start_preconditioning_step: the first step that uses them (``None``: ``precondition_frequency``).
+        merge_dims: view tensors with small neighbouring dimensions merged.
+        grafting: ``None``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"`` or ``"adam"``: the method whose
+            step size each block takes.
+        grafting_beta2: the decay of the grafting method's second moments.
+        grafting_epsilon: added to their square root.
+        use_bias_correction: bias-correct the filtered gradient and the statistics.
+        matrix_dtype: the precision of the eigendecompositions and roots.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.shampoo(lr=1e-3, betas=(0.9, 0.999), grafting="adam", weight_decay=0.01)
+        state = tx.init(params)
+    """
+    _check_lr(lr)
+    _check_nonnegative(weight_decay, "weight_decay")
+    direction = scale_by_shampoo(
+        betas[0],
+        betas[1],
+        epsilon,
+        max_preconditioner_dim,
+        precondition_frequency,
+        start_preconditioning_step,
+        merge_dims,
+        grafting,
+        grafting_beta2,
+        grafting_epsilon,
+        use_bias_correction,
+        matrix_dtype,
+    )
+    return chain(direction, add_decayed_weights(weight_decay), scale_by_learning_rate(lr))

@@ -59,6 +59,7 @@ from functional_bagua.transforms.scaling import (
     scale_by_learning_rate,
     scale_by_schedule,
 )
+from functional_bagua.transforms.shampoo import ScaleByShampooState, scale_by_shampoo
 from functional_bagua.transforms.soap import ScaleBySoapState, scale_by_soap
 from functional_bagua.transforms.sparse_adam import (
     ScaleBySparseAdamState,

@@ -54,6 +54,13 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
+from functional_bagua.transforms.batched_matrices import (
+    at_least_float32,
+    merge_small_dims,
+    per_element,
+    restack,
+    rows_of,
+)
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_soap"
@@ -81,29 +88,6 @@ class Layout(NamedTuple):
 
     shape: tuple
     preconditioned: tuple
-
-
-def merge_small_dims(shape: tuple, max_dim: int) -> tuple:
-    """``shape`` with runs of neighbouring dimensions merged while their product stays at most
-    ``max_dim`` (the authors' rule: ``(64, 3, 3, 3)`` with 100 gives ``(64, 27)``).
-
-    Args:
-        shape: a tensor's shape.
-        max_dim: the largest merged dimension.
-    """
-    merged: list[int] = []
-    run = 1
-    for size in shape:
-        if run * size <= max_dim:
-            run *= size
-        elif run > 1:
-            merged.append(run)
-            run = size
-        else:
-            merged.append(size)
-    if run > 1 or not merged:
-        merged.append(run)
-    return tuple(merged)
 
 
 def layout_of(shape: tuple, max_precondition_dim: int, merge_dims: bool, precondition_1d: bool) -> Layout:
@@ -339,28 +323,6 @@ def _per_row_tuples(matrices: list, rows: int) -> list:
     return [tuple(row) for row in zip(*columns)]
 
 
-def rows_of(tensors: list, shape: tuple) -> Optional[torch.Tensor]:
-    """The contiguous tensor of shape ``(len(tensors), *shape)`` whose rows, in order, the
-    tensors are (views of the previous step's batch), or ``None``."""
-    first = tensors[0]
-    base = first._base
-    if base is None or base.shape != (len(tensors), *shape) or not base.is_contiguous():
-        return None
-    start, step = first.data_ptr(), base.stride(0) * base.element_size()
-    if start != base.data_ptr() or any(
-        t._base is not base or t.data_ptr() != start + row * step for row, t in enumerate(tensors)
-    ):
-        return None
-    return base
-
-
-def restack(tensors: list, shape: tuple) -> torch.Tensor:
-    """The tensors viewed as ``shape``, stacked along a new dim 0: without a copy where they are
-    the rows of one tensor (:func:`rows_of`), else a new one."""
-    base = rows_of(tensors, shape)
-    return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
-
-
 def rounding_matters(view: Layout, count: int, frequency: int) -> list[bool]:
     """Per dimension, whether its statistic may still be of less than full rank when it is next
     decomposed (now, at the first gradient, or at the next refresh). Its eigenvectors then
@@ -441,18 +403,11 @@ def accumulated(statistic: torch.Tensor, g: torch.Tensor, d: int, beta: float, e
     return torch.baddbmm(statistic, rows, rows.mT, beta=beta, alpha=1 - beta)
 
 
-def per_element(fn: Callable[..., torch.Tensor], *batches: torch.Tensor) -> torch.Tensor:
-    """``fn`` on a batch once per element, stacked: each rounded as the reference's unbatched
-    call (torch's batched matmul and ``eigh`` round small products and some decompositions
-    otherwise than on a single matrix)."""
-    return torch.stack([fn(*elements) for elements in zip(*batches)])
-
-
 def eigenbasis(statistic: torch.Tensor, matrix_dtype: Optional[torch.dtype], exact: bool) -> torch.Tensor:
     """The eigenvectors of each symmetric ``statistic`` by decreasing eigenvalue, in
     ``statistic``'s dtype (computed in ``matrix_dtype``, or at least float32; one matrix at a
     time where ``exact``)."""
-    dtype = matrix_dtype or _at_least_float32(statistic.dtype)
+    dtype = matrix_dtype or at_least_float32(statistic.dtype)
     jitter = EIGH_JITTER * torch.eye(statistic.shape[-1], dtype=dtype, device=statistic.device)
     matrices = statistic.to(dtype) + jitter
     if exact:
@@ -485,10 +440,6 @@ def power_iteration(
     else:
         q = torch.linalg.qr(product).Q
     return q.to(basis.dtype).contiguous(), nu
-
-
-def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
 
 
 def _check_arguments(

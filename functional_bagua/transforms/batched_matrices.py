@@ -1,0 +1,66 @@
+"""Helpers for the matrix work of the preconditioned optimizers (SOAP, Shampoo), batched over
+tensors of one shape: shapes viewed with small dimensions merged, state kept as the rows of one
+tensor between steps, and per-matrix calls where rounding must match an unbatched reference."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+def merge_small_dims(shape: tuple, max_dim: int) -> tuple:
+    """``shape`` with runs of neighbouring dimensions merged while their product stays at most
+    ``max_dim`` (the authors' rule: ``(64, 3, 3, 3)`` with 100 gives ``(64, 27)``).
+
+    Args:
+        shape: a tensor's shape.
+        max_dim: the largest merged dimension.
+    """
+    merged: list[int] = []
+    run = 1
+    for size in shape:
+        if run * size <= max_dim:
+            run *= size
+        elif run > 1:
+            merged.append(run)
+            run = size
+        else:
+            merged.append(size)
+    if run > 1 or not merged:
+        merged.append(run)
+    return tuple(merged)
+
+
+def rows_of(tensors: list, shape: tuple) -> Optional[torch.Tensor]:
+    """The contiguous tensor of shape ``(len(tensors), *shape)`` whose rows, in order, the
+    tensors are (views of the previous step's batch), or ``None``."""
+    first = tensors[0]
+    base = first._base
+    if base is None or base.shape != (len(tensors), *shape) or not base.is_contiguous():
+        return None
+    start, step = first.data_ptr(), base.stride(0) * base.element_size()
+    if start != base.data_ptr() or any(
+        t._base is not base or t.data_ptr() != start + row * step for row, t in enumerate(tensors)
+    ):
+        return None
+    return base
+
+
+def restack(tensors: list, shape: tuple) -> torch.Tensor:
+    """The tensors viewed as ``shape``, stacked along a new dim 0: without a copy where they are
+    the rows of one tensor (:func:`rows_of`), else a new one."""
+    base = rows_of(tensors, shape)
+    return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
+
+
+def per_element(fn: Callable[..., torch.Tensor], *batches: torch.Tensor) -> torch.Tensor:
+    """``fn`` on a batch once per element, stacked: each rounded as the reference's unbatched
+    call (torch's batched matmul and ``eigh`` round small products and some decompositions
+    otherwise than on a single matrix)."""
+    return torch.stack([fn(*elements) for elements in zip(*batches)])
+
+
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` where it has 32 bits or more, else float32 (what ``eigh`` and QR take)."""
+    return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
