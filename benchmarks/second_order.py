@@ -8,6 +8,9 @@
 Shampoo: inverse roots every 10 steps, blocks of 1024, Adam grafting, ours in float32 (its
 ``matrix_dtype``) and in float64 (its default); pytorch-optimizer's ``Shampoo`` (no blocking, no
 grafting, roots every 10 steps from an SVD) for scale; heavyball has no plain Shampoo.
+PSGD-Kron (``--optimizers kron``): ours, kron-torch's ``Kron`` (the reference) and heavyball's
+``PSGDKron``, each with its defaults and lr 3e-4 (the preconditioner updates every step for the
+first 500 steps in all three).
 
 Configs: (a) 200 matrices of 50 x 100 (5k elements each), (g) a GPT-2 of hidden 256, 4 layers,
 a vocabulary of 2048 and 256 positions (GPT-2 small's shapes scaled down for the CPU: with the
@@ -25,6 +28,8 @@ every 10th step), and the ratios of the median to torch's AdamW (foreach) and to
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import sys
@@ -68,17 +73,22 @@ def stepper_torch(params: list, device: str) -> Callable[[], None]:
     return step
 
 
-def stepper_fb_pure(params: list, device: str) -> Callable[[], None]:
-    tx = fb.soap(**HYPER)
-    holder = {"p": [p.clone() for p in params]}
-    holder["s"] = tx.init(holder["p"])
-    grads = [torch.randn_like(p) for p in params]
+def stepper_pure(make_tx: Callable[[], fb.GradientTransformation]) -> Callable:
+    """The pure tree update (``tx.update`` and ``apply_updates``) of the transform ``make_tx()``."""
 
-    def step() -> None:
-        u, holder["s"] = tx.update(grads, holder["s"], holder["p"])
-        holder["p"] = fb.apply_updates(holder["p"], u)
+    def make(params: list, device: str) -> Callable[[], None]:
+        tx = make_tx()
+        holder = {"p": [p.clone() for p in params]}
+        holder["s"] = tx.init(holder["p"])
+        grads = [torch.randn_like(p) for p in params]
 
-    return step
+        def step() -> None:
+            u, holder["s"] = tx.update(grads, holder["s"], holder["p"])
+            holder["p"] = fb.apply_updates(holder["p"], u)
+
+        return step
+
+    return make
 
 
 def stepper_fb_optimizer(params: list, device: str) -> Callable[[], None]:
@@ -143,22 +153,6 @@ def stepper_heavyball(params: list, device: str) -> Optional[Callable[[], None]]
 SHAMPOO = dict(lr=1e-3, betas=(0.9, 0.999), precondition_frequency=10, grafting="adam")
 
 
-def stepper_fb_shampoo(matrix_dtype: torch.dtype) -> Callable:
-    def make(params: list, device: str) -> Callable[[], None]:
-        tx = fb.shampoo(**SHAMPOO, matrix_dtype=matrix_dtype)
-        holder = {"p": [p.clone() for p in params]}
-        holder["s"] = tx.init(holder["p"])
-        grads = [torch.randn_like(p) for p in params]
-
-        def step() -> None:
-            u, holder["s"] = tx.update(grads, holder["s"], holder["p"])
-            holder["p"] = fb.apply_updates(holder["p"], u)
-
-        return step
-
-    return make
-
-
 def stepper_reference_shampoo(params: list, device: str) -> Optional[Callable[[], None]]:
     try:
         from pytorch_optimizer import Shampoo
@@ -178,14 +172,54 @@ def stepper_reference_shampoo(params: list, device: str) -> Optional[Callable[[]
 
 SHAMPOO_VARIANTS = {
     "torch AdamW foreach": stepper_torch,
-    "fb.shampoo (float32 roots)": stepper_fb_shampoo(torch.float32),
-    "fb.shampoo (float64 roots)": stepper_fb_shampoo(torch.float64),
+    "fb.shampoo (float32 roots)": stepper_pure(lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float32)),
+    "fb.shampoo (float64 roots)": stepper_pure(lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float64)),
     "pytorch-optimizer Shampoo (reference)": stepper_reference_shampoo,
+}
+
+
+def stepper_torch_optimizer(make_optimizer: Callable) -> Callable:
+    def make(params: list, device: str) -> Optional[Callable[[], None]]:
+        ps = [torch.nn.Parameter(p.clone()) for p in params]
+        grads = [torch.randn_like(p) for p in ps]
+        try:
+            opt = make_optimizer(ps)
+        except ImportError:
+            return None
+
+        def step() -> None:
+            for p, g in zip(ps, grads):
+                p.grad = g
+            with contextlib.redirect_stdout(io.StringIO()):  # kron-torch prints its memory use
+                opt.step()
+
+        return step
+
+    return make
+
+
+def _kron_torch(ps: list) -> torch.optim.Optimizer:
+    import kron_torch
+
+    return kron_torch.Kron(ps, lr=3e-4)
+
+
+def _heavyball_kron(ps: list) -> torch.optim.Optimizer:
+    import heavyball
+
+    return heavyball.PSGDKron(ps, lr=3e-4)
+
+
+KRON_VARIANTS = {
+    "torch AdamW foreach": stepper_torch,
+    "fb.psgd_kron (pure update)": stepper_pure(lambda: fb.psgd_kron(lr=3e-4)),
+    "kron-torch Kron (reference, compiled)": stepper_torch_optimizer(_kron_torch),
+    "heavyball PSGDKron (compiled)": stepper_torch_optimizer(_heavyball_kron),
 }
 
 VARIANTS = {
     "torch AdamW foreach": stepper_torch,
-    "fb.soap (pure update)": stepper_fb_pure,
+    "fb.soap (pure update)": stepper_pure(lambda: fb.soap(**HYPER)),
     "fb.Optimizer(fb.soap)": stepper_fb_optimizer,
     "pytorch-optimizer SOAP (reference)": stepper_reference,
     "heavyball SOAP (compiled)": stepper_heavyball,
@@ -215,7 +249,7 @@ def main() -> None:
     parser.add_argument("--configs", default="a,g")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--optimizers", default="soap", help="soap, shampoo, or both: soap,shampoo")
+    parser.add_argument("--optimizers", default="soap", help="soap, shampoo, kron, or several: soap,shampoo")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{machine(args.device)}; {steady_malloc()}")
@@ -223,7 +257,8 @@ def main() -> None:
         title, shapes = CONFIGS[key]
         params = make_params(shapes(), args.device)
         rows = []
-        for name, make in (VARIANTS if optimizer == "soap" else SHAMPOO_VARIANTS).items():
+        families = {"soap": VARIANTS, "shampoo": SHAMPOO_VARIANTS, "kron": KRON_VARIANTS}
+        for name, make in families[optimizer].items():
             result = measure(make, params, args.device, args.steps)
             if result is not None:
                 rows.append(dict(variant=name, **result))

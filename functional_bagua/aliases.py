@@ -49,6 +49,7 @@ from functional_bagua.transforms.orthogonalize import (
     orthogonalize,
     scale_by_shape,
 )
+from functional_bagua.transforms.psgd_kron import scale_by_psgd_kron
 from functional_bagua.transforms.rms import (
     scale_by_adadelta,
     scale_by_adagrad,
@@ -66,6 +67,7 @@ from functional_bagua.transforms.soap import scale_by_soap
 from functional_bagua.transforms.sparse_adam import scale_by_sparse_adam
 from functional_bagua.transforms.trust_ratio import scale_by_trust_ratio
 from functional_bagua.transforms.weight_decay import add_decayed_weights
+from functional_bagua.transforms.wrappers import masked
 from functional_bagua.tree import PyTree
 
 # --- validation, with torch.optim's messages -------------------------------------------------
@@ -1113,3 +1115,67 @@ def shampoo(
         matrix_dtype,
     )
     return chain(direction, add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+
+
+@accepts_schedules
+def psgd_kron(
+    lr: ScalarOrSchedule = 3e-4,
+    b1: float = 0.9,
+    weight_decay: float = 0.0,
+    precond_lr: float = 0.1,
+    precond_init_scale: float = 1.0,
+    max_size_triangular: int = 8192,
+    min_ndim_triangular: int = 2,
+    memory_save_mode: Optional[str] = None,
+    momentum_into_precond_update: bool = True,
+    merge_dims: bool = True,
+    precond_dtype: torch.dtype = torch.float32,
+) -> GradientTransformation:
+    """PSGD-Kron, as ``kron-torch``'s ``Kron`` with its defaults: the direction of
+    :func:`~functional_bagua.scale_by_psgd_kron`, then weight decay on the tensors of two or
+    more dimensions and the learning rate::
+
+        p <- p - lr * (u + weight_decay * p)        (weight_decay only where p.dim() >= 2)
+
+    Every float hyperparameter may also be a schedule.
+
+    Args:
+        lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
+        b1: the momentum.
+        weight_decay: decoupled weight decay, on tensors of two or more dimensions.
+        precond_lr: the preconditioner's step size.
+        precond_init_scale: the preconditioner's initial scale.
+        max_size_triangular: dimensions above it get a diagonal factor.
+        min_ndim_triangular: tensors with fewer dimensions get diagonal factors only.
+        memory_save_mode: ``None``, ``"smart_one_diag"``, ``"one_diag"`` or ``"all_diag"``.
+        momentum_into_precond_update: fit the preconditioner to the momentum (else the gradient).
+        merge_dims: view tensors of more than two dimensions as matrices.
+        precond_dtype: the dtype of the factors.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.psgd_kron(lr=3e-4, weight_decay=0.01)
+        state = tx.init(params)
+    """
+    _check_lr(lr)
+    _check_nonnegative(weight_decay, "weight_decay")
+    direction = scale_by_psgd_kron(
+        b1,
+        precond_lr,
+        precond_init_scale,
+        max_size_triangular,
+        min_ndim_triangular,
+        memory_save_mode,
+        momentum_into_precond_update,
+        merge_dims,
+        precond_dtype,
+    )
+    matrices_only = masked(add_decayed_weights(weight_decay), _at_least_two_dims)
+    return chain(direction, matrices_only, scale_by_learning_rate(lr))
+
+
+def _at_least_two_dims(params: PyTree) -> PyTree:
+    return optree.tree_map(lambda p: p is not None and p.dim() >= 2, params, none_is_leaf=True)

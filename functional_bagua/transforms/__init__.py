@@ -42,6 +42,7 @@ from functional_bagua.transforms.orthogonalize import (
     orthogonalize,
     scale_by_shape,
 )
+from functional_bagua.transforms.psgd_kron import ScaleByPsgdKronState, scale_by_psgd_kron
 from functional_bagua.transforms.rms import (
     ScaleByAdadeltaState,
     ScaleByAdagradState,

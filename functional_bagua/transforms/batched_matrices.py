@@ -9,6 +9,29 @@ from typing import Callable, Optional
 import torch
 
 
+def check_eager_update(name: str, state: object, state_type: type, why: str) -> None:
+    """Raise a ValueError for a state that ``name``'s ``init`` did not make, and a TypeError
+    under torch.compile, which these transforms do not support yet (``why``: the decisions the
+    update takes from values, which a trace cannot).
+
+    Args:
+        name: the transform's name.
+        state: the state ``update`` got.
+        state_type: the state type its ``init`` makes.
+        why: what the update decides from values.
+    """
+    if not isinstance(state, state_type):
+        raise ValueError(
+            f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the state "
+            "this transform's init made"
+        )
+    if torch.compiler.is_compiling():
+        raise TypeError(
+            f"{name} runs eagerly: {why}, decisions torch.compile cannot trace yet; build the step with "
+            "compile=False (make_train_step(..., compile=False)), or keep the optimizer out of the compiled function"
+        )
+
+
 def merge_small_dims(shape: tuple, max_dim: int) -> tuple:
     """``shape`` with runs of neighbouring dimensions merged while their product stays at most
     ``max_dim`` (the authors' rule: ``(64, 3, 3, 3)`` with 100 gives ``(64, 27)``).

@@ -40,7 +40,7 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
-from functional_bagua.transforms.batched_matrices import merge_small_dims, restack
+from functional_bagua.transforms.batched_matrices import check_eager_update, merge_small_dims, restack
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_shampoo"
@@ -145,17 +145,12 @@ def scale_by_shampoo(
         return ScaleByShampooState(*(spec.unflatten([s[f] for s in per_leaf]) for f in range(5)))
 
     def update(grads: PyTree, state: ScaleByShampooState, params: Optional[PyTree] = None) -> tuple:
-        if not isinstance(state, ScaleByShampooState):
-            raise ValueError(
-                f"{NAME}: got a state of type {type(state).__name__}, expected ScaleByShampooState; pass the "
-                "state this transform's init made"
-            )
-        if torch.compiler.is_compiling():
-            raise TypeError(
-                f"{NAME} runs eagerly: it batches blocks by their step counts and recomputes its roots every "
-                "precondition_frequency steps, decisions torch.compile cannot trace yet; build the step with "
-                "compile=False, or keep the optimizer out of the compiled function"
-            )
+        check_eager_update(
+            NAME,
+            state,
+            ScaleByShampooState,
+            "it batches blocks by their step counts and recomputes its roots every precondition_frequency steps",
+        )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")

@@ -56,6 +56,7 @@ from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
+    check_eager_update,
     merge_small_dims,
     per_element,
     restack,
@@ -165,18 +166,12 @@ def scale_by_soap(
         return ScaleBySoapState(*(spec.unflatten([s[f] for s in per_leaf]) for f in range(5)))
 
     def update(grads: PyTree, state: ScaleBySoapState, params: Optional[PyTree] = None) -> tuple:
-        if not isinstance(state, ScaleBySoapState):
-            raise ValueError(
-                f"{NAME}: got a state of type {type(state).__name__}, expected ScaleBySoapState; pass the state "
-                "this transform's init made"
-            )
-        if torch.compiler.is_compiling():
-            raise TypeError(
-                f"{NAME} runs eagerly: it batches tensors by their step counts and decomposes its statistics "
-                "every precondition_frequency steps, decisions torch.compile cannot trace yet; build the step "
-                "with compile=False (make_train_step(..., compile=False)), or keep the optimizer out of the "
-                "compiled function"
-            )
+        check_eager_update(
+            NAME,
+            state,
+            ScaleBySoapState,
+            "it batches tensors by their step counts and decomposes its statistics every precondition_frequency steps",
+        )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")

@@ -1,0 +1,317 @@
+"""PSGD-Kron (Li, 2018 and 2024): preconditioned SGD with a Kronecker-factored preconditioner
+``P = Q^T Q`` fitted online, as the ``kron-torch`` package (Evan Walters' ``Kron``) computes it.
+
+Per tensor (one with more than two dimensions viewed as a matrix with ``merge_dims``, the
+reference's choice of its first or last dimension against the rest), each dimension ``i`` has a
+factor ``Q_i``: upper triangular (``d x d``), or diagonal (a vector) where the dimension is 1,
+above ``max_size_triangular``, the tensor has fewer than ``min_ndim_triangular`` dimensions, or
+``memory_save_mode`` says so. With ``X x_i M`` the product of ``X`` with ``M`` along dimension
+``i`` (elementwise for a vector ``M``), ``X_(i) X_(i)^T`` the Gram matrix of ``X`` along ``i``
+(its diagonal for a diagonal factor), and ``t`` this tensor's gradients so far::
+
+    m <- b1 m + (1 - b1) g;       G = m / (1 - b1^t)                       (in precond_dtype)
+    when the preconditioner updates (every step while the update probability is 1):
+        V ~ N(0, I);   G <- G + sqrt(eps_float32) * mean|G| * V            (G itself is perturbed)
+        A = G x_1 Q_1 ... x_k Q_k;    B = V x_1 Q_1^-T ... x_k Q_k^-T
+        per factor:  T1 = A_(i) A_(i)^T - B_(i) B_(i)^T,   T2 = A_(i) A_(i)^T + B_(i) B_(i)^T
+                     triangular:  Q_i <- Q_i - precond_lr * triu(T1) / max(lb(T2), tiny) @ Q_i
+                     diagonal:    Q_i <- Q_i - precond_lr * T1 * Q_i / max(max|T2|, tiny)
+        (lb: a lower bound of the spectral norm from one power iteration on T2's largest column)
+    u = G x_1 Q_1^T Q_1 ... x_k Q_k^T Q_k;   u <- u * min(1, 1.1 / (RMS(u) + 1e-12))
+
+The preconditioner updates with probability ``p(step)``: 1 for ``flat_start`` steps, then
+``max(min_prob, exp(-decay (step - flat_start)))``, taken deterministically as the reference
+does (an update whenever ``1 / p`` steps have passed since the last). Every ``balance_every``-th
+update first rescales the triangular factors to equal infinity norms (their product, the
+preconditioner, unchanged); the reference draws that decision with probability 0.01 from a
+Python RNG, which a state cannot carry. The probes ``V`` come from torch's global RNG, one draw
+per tensor in the parameters' order, as the reference's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation
+from functional_bagua.checks import check_param
+from functional_bagua.leaf_lists import LeafLists
+from functional_bagua.numerics import read_counts, zero_count
+from functional_bagua.transforms.batched_matrices import check_eager_update
+from functional_bagua.tree import PyTree
+
+NAME = "scale_by_psgd_kron"
+MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
+PROBE_SCALE = math.sqrt(torch.finfo(torch.float32).eps)  # the probe's size relative to mean|G|
+CLIP_RMS = 1.1
+
+
+class ScaleByPsgdKronState(NamedTuple):
+    """``count``: the transform's steps (one counter, as the reference's); ``updates_skipped``:
+    steps since the preconditioner last updated; per tensor ``mu`` (the momentum ``m``) and
+    ``factors`` (its ``Q_i``, matrices and vectors)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    updates_skipped: torch.Tensor
+    preconditioner_updates: torch.Tensor
+    mu: PyTree
+    factors: PyTree
+
+
+def update_probability(
+    step: int, max_prob: float = 1.0, min_prob: float = 0.03, decay: float = 0.001, flat_start: int = 500
+) -> float:
+    """The reference's schedule: ``max_prob`` for ``flat_start`` steps, then an exponential
+    anneal to ``min_prob`` (``step`` counts from 0).
+
+    Args:
+        step: the steps before this one.
+        max_prob: the probability at the start.
+        min_prob: the floor.
+        decay: the rate of the anneal.
+        flat_start: the steps at ``max_prob``.
+    """
+    return min(max_prob, max(min_prob, max_prob * math.exp(-decay * (step - flat_start))))
+
+
+def merged_shape(shape: tuple) -> tuple:
+    """The reference's matrix view of a tensor of more than two dimensions: its first dimension
+    against the rest or the rest against its last, whichever is closer to square (by the signed
+    difference of the two sides, as the reference compares them)."""
+    if len(shape) <= 2:
+        return tuple(shape)
+    last = (math.prod(shape[:-1]), shape[-1])
+    first = (shape[0], math.prod(shape[1:]))
+    return last if last[1] - last[0] <= first[1] - first[0] else first
+
+
+def diagonal_dims(shape: tuple, max_size: int, min_ndim: int, memory_save_mode: Optional[str]) -> list[bool]:
+    """Per dimension, whether its factor is diagonal (module docstring)."""
+    forced = [False] * len(shape)
+    if memory_save_mode == "all_diag":
+        forced = [True] * len(shape)
+    elif memory_save_mode in ("one_diag", "smart_one_diag") and shape:
+        largest = max(range(len(shape)), key=lambda d: (shape[d], d))  # the last of equal sizes, as the reference
+        ordered = sorted(shape)
+        if memory_save_mode == "one_diag" or (len(shape) > 1 and ordered[-1] > ordered[-2]):
+            forced[largest] = True
+    return [n == 1 or n > max_size or len(shape) < min_ndim or f for n, f in zip(shape, forced)]
+
+
+def scale_by_psgd_kron(
+    b1: float = 0.9,
+    precond_lr: float = 0.1,
+    precond_init_scale: float = 1.0,
+    max_size_triangular: int = 8192,
+    min_ndim_triangular: int = 2,
+    memory_save_mode: Optional[str] = None,
+    momentum_into_precond_update: bool = True,
+    merge_dims: bool = True,
+    precond_dtype: torch.dtype = torch.float32,
+    max_prob: float = 1.0,
+    min_prob: float = 0.03,
+    decay: float = 0.001,
+    flat_start: int = 500,
+    balance_every: int = 100,
+) -> GradientTransformation:
+    """PSGD-Kron's direction ``u`` (module docstring); chain it with a learning rate.
+
+    Args:
+        b1: the momentum.
+        precond_lr: the preconditioner's step size.
+        precond_init_scale: ``Q`` starts as this scale (spread over the factors) times the identity.
+        max_size_triangular: dimensions above it get a diagonal factor.
+        min_ndim_triangular: tensors with fewer dimensions get diagonal factors only.
+        memory_save_mode: ``None``, ``"smart_one_diag"``, ``"one_diag"`` or ``"all_diag"``.
+        momentum_into_precond_update: fit the preconditioner to the momentum (else the gradient).
+        merge_dims: view tensors of more than two dimensions as matrices.
+        precond_dtype: the dtype of the factors and of the preconditioning.
+        max_prob: the update probability at the start.
+        min_prob: its floor.
+        decay: its anneal rate after ``flat_start`` steps.
+        flat_start: the steps at ``max_prob``.
+        balance_every: rebalance the factors every this many preconditioner updates.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByPsgdKronState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_psgd_kron(), fb.scale_by_learning_rate(3e-4))
+    """
+    if memory_save_mode not in MEMORY_SAVE_MODES:
+        raise ValueError(f"{NAME}: memory_save_mode must be one of {MEMORY_SAVE_MODES}, got {memory_save_mode!r}")
+    if not 0.0 <= b1 < 1.0:
+        raise ValueError(f"{NAME}: b1 must be in [0, 1), got {b1}")
+    if not precond_lr > 0.0:
+        raise ValueError(f"{NAME}: precond_lr must be > 0, got {precond_lr}")
+    for name, count in (("max_size_triangular", max_size_triangular), ("balance_every", balance_every)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{NAME}: {name} must be an int >= 1, got {count!r}")
+    if not 0.0 < min_prob <= max_prob <= 1.0:
+        raise ValueError(f"{NAME}: need 0 < min_prob <= max_prob <= 1, got {min_prob} and {max_prob}")
+
+    @functools.lru_cache(maxsize=None)
+    def view_of(shape: tuple) -> tuple:
+        return merged_shape(shape) if merge_dims else tuple(shape)
+
+    def init_factors(p: torch.Tensor) -> tuple:
+        shape = view_of(tuple(p.shape))
+        if not shape:
+            return (torch.full((), precond_init_scale, dtype=precond_dtype, device=p.device),)
+        scale = precond_init_scale ** (1 / len(shape))
+        diagonal = diagonal_dims(shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
+        return tuple(
+            torch.full((n,), scale, dtype=precond_dtype, device=p.device)
+            if diag
+            else scale * torch.eye(n, dtype=precond_dtype, device=p.device)
+            for n, diag in zip(shape, diagonal)
+        )
+
+    def init(params: PyTree) -> ScaleByPsgdKronState:
+        leaves, spec = tree.flatten(params)
+        for i, p in enumerate(leaves):
+            if p is not None:
+                check_param(p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=False)
+        counter = zero_count(params)
+        return ScaleByPsgdKronState(
+            count=counter,
+            updates_skipped=counter.clone(),
+            preconditioner_updates=counter.clone(),
+            mu=spec.unflatten([None if p is None else torch.zeros_like(p) for p in leaves]),
+            factors=spec.unflatten([None if p is None else init_factors(p) for p in leaves]),
+        )
+
+    def update(grads: PyTree, state: ScaleByPsgdKronState, params: Optional[PyTree] = None) -> tuple:
+        check_eager_update(
+            NAME, state, ScaleByPsgdKronState, "it decides from its step count when its preconditioner updates"
+        )
+        x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
+        mus = tree.leaves_up_to(x.spec, state.mu, "the state's 'mu'", "the gradients")
+        factors = tree.leaves_up_to(x.spec, state.factors, "the state's 'factors'", "the gradients")
+        step, skipped, done = read_counts([state.count, state.updates_skipped, state.preconditioner_updates])
+        skipped += 1
+        refit = skipped >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start)
+        balance = refit and done > 0 and done % balance_every == 0
+        t = step + 1
+        updates: list = [None] * len(x.updates)
+        new_mus, new_factors = list(mus), list(factors)
+        for i, g in enumerate(x.updates):
+            if g is None:
+                continue
+            _check_leaf(g, mus[i], factors[i], init_factors, x.spec, i)
+            shape = view_of(tuple(g.shape))
+            m = mus[i] * b1 + (1 - b1) * g
+            new_mus[i] = m
+            momentum = (m / (1 - b1**t)).to(precond_dtype).reshape(shape)
+            qs = list(factors[i])
+            if balance and len(shape) > 1:
+                qs = balanced(qs)
+            if refit:
+                fitted = momentum if momentum_into_precond_update else g.to(precond_dtype).reshape(shape)
+                fitted, qs = fit(fitted, qs)  # the probe perturbs what it fits
+                if momentum_into_precond_update:
+                    momentum = fitted
+            u = precondition(momentum, qs)
+            u = u * (CLIP_RMS / (u.square().mean().sqrt() + 1e-12)).clamp(max=1.0)
+            updates[i] = u.reshape(g.shape).to(g.dtype)
+            new_factors[i] = tuple(qs)
+        new_state = ScaleByPsgdKronState(
+            count=state.count + 1,
+            updates_skipped=torch.zeros_like(state.updates_skipped) if refit else state.updates_skipped + 1,
+            preconditioner_updates=state.preconditioner_updates + 1 if refit else state.preconditioner_updates,
+            mu=x.unflatten(new_mus),
+            factors=x.unflatten(new_factors),
+        )
+        return x.unflatten(updates), new_state
+
+    def fit(g: torch.Tensor, qs: list) -> tuple[torch.Tensor, list]:
+        """One update of the factors with a random probe (module docstring); returns the
+        perturbed ``G`` and the new factors."""
+        v = torch.randn_like(g)
+        tiny = torch.finfo(precond_dtype).tiny
+        g = g + PROBE_SCALE * g.abs().mean() * v
+        a, b = g, v
+        for d, q in enumerate(qs):
+            a = along(a, d, q)
+            b = along(b, d, q, inverse_transpose=True)
+        new = []
+        for d, q in enumerate(qs):
+            aa, bb = gram(a, d, q.dim() < 2), gram(b, d, q.dim() < 2)
+            difference, total = (aa - bb) * precond_lr, aa + bb
+            norm = total.abs().max()
+            if q.dim() < 2:
+                new.append(q - difference * (q / norm.clamp(min=tiny)))
+            else:
+                bound = spectral_lower_bound(total, norm) if norm > 0 else norm
+                new.append(q - torch.triu(difference) / bound.clamp(min=tiny) @ q)
+        return g, new
+
+    return GradientTransformation(init, update)
+
+
+def along(
+    x: torch.Tensor, d: int, q: torch.Tensor, inverse_transpose: bool = False, transpose: bool = False
+) -> torch.Tensor:
+    """``x`` times ``q`` along dimension ``d``: ``q x`` for a matrix (``q^-T x`` with
+    ``inverse_transpose``, ``q^T x`` with ``transpose``), elementwise for a vector (``x / q``
+    with ``inverse_transpose``)."""
+    if q.dim() < 2:
+        shape = [1] * x.dim()
+        if x.dim():
+            shape[d] = -1
+        return x / q.view(shape) if inverse_transpose else x * q.view(shape)
+    moved = x.movedim(d, -1)
+    if inverse_transpose:  # y = x q^-1 along the last dimension: y q = x
+        flat = moved.reshape(-1, moved.shape[-1])
+        solved = torch.linalg.solve_triangular(q, flat, upper=True, left=False)
+        return solved.reshape(moved.shape).movedim(-1, d)
+    return (moved @ (q if transpose else q.T)).movedim(-1, d)
+
+
+def gram(x: torch.Tensor, d: int, diagonal: bool) -> torch.Tensor:
+    """``X_(d) X_(d)^T`` (its diagonal where ``diagonal``)."""
+    rows = x.movedim(d, 0).reshape(x.shape[d], -1) if x.dim() else x.reshape(1, 1)
+    return rows.square().sum(dim=1) if diagonal else rows @ rows.T
+
+
+def precondition(g: torch.Tensor, qs: list) -> torch.Tensor:
+    """``G x_1 Q_1^T Q_1 ... x_k Q_k^T Q_k`` (``Q_i^2`` elementwise for a vector)."""
+    for d, q in enumerate(qs):
+        if q.dim() < 2:
+            g = along(g, d, q * q)
+        else:
+            g = along(along(g, d, q), d, q, transpose=True)
+    return g
+
+
+def spectral_lower_bound(a: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
+    """A lower bound of ``a``'s spectral norm: one power iteration from its largest column."""
+    scaled = a / max_abs
+    column = scaled[:, torch.argmax(scaled.square().sum(dim=0))]
+    x = column @ scaled
+    x = x / x.norm()
+    return (scaled @ x).norm() * max_abs
+
+
+def balanced(qs: list) -> list:
+    """The factors rescaled to one infinity norm (their geometric mean): the preconditioner,
+    their Kronecker product, unchanged."""
+    norms = torch.stack([q.abs().max() for q in qs])
+    target = norms.log().mean().exp()
+    return [q * (target / n) for q, n in zip(qs, norms)]
+
+
+def _check_leaf(g: torch.Tensor, mu: torch.Tensor, factors: tuple, init_factors: object, spec: object, i: int) -> None:
+    expected = [tuple(q.shape) for q in init_factors(torch.empty(g.shape, dtype=g.dtype, device="meta"))]  # type: ignore[operator]
+    got = [tuple(q.shape) for q in factors] if isinstance(factors, tuple) else None
+    if mu.shape != g.shape or got != expected:
+        raise ValueError(
+            f"{NAME}: the state of {tree.leaf_name(spec, i)!r} was made for another parameter or other options: its "  # type: ignore[arg-type]
+            f"momentum has shape {tuple(mu.shape)} and its factors {got}, where a parameter of shape "
+            f"{tuple(g.shape)} with these options has {expected}; make the state with this transform, tx.init(params)"
+        )
