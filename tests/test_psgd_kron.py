@@ -22,7 +22,7 @@ except ImportError:
 
 # names in sorted order: a dict's leaves are taken in key order, and the probes are drawn per
 # tensor in that order, as the reference draws them in its parameter list's order
-SHAPES = {"a_tall": (6, 4), "b_square": (5, 5), "c_vector": (5,), "d_stack": (2, 3, 4)}
+SHAPES = {"a_tall": (6, 4), "b_square": (5, 5), "c_vector": (5,), "d_stack": (2, 3, 4), "e_tall": (6, 4)}
 OPTIONS = {
     "defaults": {},
     "one_diag": {"memory_save_mode": "one_diag"},
@@ -44,8 +44,9 @@ def draws(steps: int, seed: int = 0) -> tuple[dict, list]:
 @pytest.mark.parametrize("case", list(OPTIONS))
 def test_psgd_kron_equals_kron_torch_step_for_step(case):
     """12 steps (the reference balances its factors first at step 20 with its seed), weight
-    decay on the matrices, a merged 3-D tensor and a vector, each option: the same numbers to
-    the float32 rounding of the reference's triangular solves."""
+    decay on the matrices, a merged 3-D tensor, a vector and two matrices of one shape (one
+    batch here), each option: the same numbers to the float32 rounding of the reference's
+    triangular solves. (Its scalars fail: it permutes a 0-dim probe.)"""
     params, grads = draws(steps=12)
     options = OPTIONS[case]
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
@@ -82,7 +83,7 @@ def test_balancing_keeps_the_preconditioner():
         torch.triu(torch.randn(3, 3, generator=gen, dtype=torch.float64)) * 5,
         torch.triu(torch.randn(4, 4, generator=gen, dtype=torch.float64)),
     ]
-    rebalanced = balanced(qs)
+    rebalanced = [q[0] for q in balanced([q.unsqueeze(0) for q in qs])]  # a batch of one
     torch.testing.assert_close(kron(rebalanced), kron(qs), rtol=1e-12, atol=1e-12)
     norms = [q.abs().max().item() for q in rebalanced]
     assert math.isclose(norms[0], norms[1], rel_tol=1e-12)
@@ -96,7 +97,8 @@ def test_preconditioning_is_the_kronecker_product_written_out():
     ]
     g = torch.randn(3, 4, generator=gen, dtype=torch.float64)
     expected = (kron(qs) @ g.reshape(-1)).reshape(3, 4)
-    torch.testing.assert_close(precondition(g, qs), expected, rtol=1e-12, atol=1e-12)
+    batched = precondition(g.unsqueeze(0), [q.unsqueeze(0) for q in qs])[0]  # a batch of one
+    torch.testing.assert_close(batched, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_the_update_schedule_and_the_merged_views_follow_the_reference_rules():
@@ -147,3 +149,21 @@ def test_a_compiled_step_says_the_optimizer_runs_eagerly(alias, name):
     step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=True)
     with pytest.raises(TypeError, match=f"{name} runs eagerly"):
         step(params, tx.init(params), (torch.randn(8, 4), torch.randn(8, 2)))
+
+
+def test_a_scalar_steps_as_a_one_element_vector():
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn((), generator=gen, dtype=torch.float64) for _ in range(6)]
+    runs = []
+    for shape in ((), (1,)):
+        tx = fb.psgd_kron(lr=1e-2, precond_dtype=torch.float64)
+        params = {"s": torch.ones(shape, dtype=torch.float64)}
+        state, trace = tx.init(params), []
+        for t, g in enumerate(grads):
+            torch.manual_seed(t)
+            u, state = tx.update({"s": g.reshape(shape)}, state, params)
+            params = fb.apply_updates(params, u)
+            trace.append(params["s"].reshape(()))
+        runs.append(trace)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not torch.equal(runs[0][-1], torch.ones((), dtype=torch.float64))

@@ -25,14 +25,15 @@ does (an update whenever ``1 / p`` steps have passed since the last). Every ``ba
 update first rescales the triangular factors to equal infinity norms (their product, the
 preconditioner, unchanged); the reference draws that decision with probability 0.01 from a
 Python RNG, which a state cannot carry. The probes ``V`` come from torch's global RNG, one draw
-per tensor in the parameters' order, as the reference's.
+per tensor in the parameters' order, as the reference's. Tensors of one shape step as one
+batch (batched products and triangular solves), their state kept as the rows of one tensor.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -41,7 +42,7 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
-from functional_bagua.transforms.batched_matrices import check_eager_update
+from functional_bagua.transforms.batched_matrices import check_eager_update, restack
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_psgd_kron"
@@ -157,12 +158,11 @@ def scale_by_psgd_kron(
 
     @functools.lru_cache(maxsize=None)
     def view_of(shape: tuple) -> tuple:
-        return merged_shape(shape) if merge_dims else tuple(shape)
+        view = merged_shape(shape) if merge_dims else tuple(shape)
+        return view if view else (1,)  # a scalar: one dimension of 1, with a diagonal factor
 
     def init_factors(p: torch.Tensor) -> tuple:
         shape = view_of(tuple(p.shape))
-        if not shape:
-            return (torch.full((), precond_init_scale, dtype=precond_dtype, device=p.device),)
         scale = precond_init_scale ** (1 / len(shape))
         diagonal = diagonal_dims(shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
         return tuple(
@@ -194,32 +194,49 @@ def scale_by_psgd_kron(
         mus = tree.leaves_up_to(x.spec, state.mu, "the state's 'mu'", "the gradients")
         factors = tree.leaves_up_to(x.spec, state.factors, "the state's 'factors'", "the gradients")
         step, skipped, done = read_counts([state.count, state.updates_skipped, state.preconditioner_updates])
-        skipped += 1
-        refit = skipped >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start)
+        refit = skipped + 1 >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start)
         balance = refit and done > 0 and done % balance_every == 0
         t = step + 1
+        present = [i for i, g in enumerate(x.updates) if g is not None]
+        for i in present:
+            _check_leaf(x.updates[i], mus[i], factors[i], init_factors, x.spec, i)
+        # one probe per tensor, drawn in the parameters' order, as the reference draws them
+        probes = (
+            {
+                i: torch.randn(view_of(tuple(x.updates[i].shape)), dtype=precond_dtype, device=x.updates[i].device)
+                for i in present
+            }
+            if refit
+            else {}
+        )
         updates: list = [None] * len(x.updates)
         new_mus, new_factors = list(mus), list(factors)
-        for i, g in enumerate(x.updates):
-            if g is None:
-                continue
-            _check_leaf(g, mus[i], factors[i], init_factors, x.spec, i)
-            shape = view_of(tuple(g.shape))
-            m = mus[i] * b1 + (1 - b1) * g
-            new_mus[i] = m
-            momentum = (m / (1 - b1**t)).to(precond_dtype).reshape(shape)
-            qs = list(factors[i])
+        for members in _batches(x.updates, present, factors, view_of):
+            shape = view_of(tuple(x.updates[members[0]].shape))
+            g = torch.stack([x.updates[i].reshape(shape) for i in members])
+            m = restack([mus[i].reshape(shape) for i in members], shape) * b1 + (1 - b1) * g
+            momentum = (m / (1 - b1**t)).to(precond_dtype)
+            qs = [
+                restack([factors[i][d] for i in members], tuple(factors[members[0]][d].shape))
+                for d in range(len(shape))
+            ]
             if balance and len(shape) > 1:
                 qs = balanced(qs)
             if refit:
-                fitted = momentum if momentum_into_precond_update else g.to(precond_dtype).reshape(shape)
-                fitted, qs = fit(fitted, qs)  # the probe perturbs what it fits
+                fitted = momentum if momentum_into_precond_update else g.to(precond_dtype)
+                fitted, qs = fit(
+                    fitted, torch.stack([probes[i] for i in members]), qs
+                )  # the probe perturbs what it fits
                 if momentum_into_precond_update:
                     momentum = fitted
             u = precondition(momentum, qs)
-            u = u * (CLIP_RMS / (u.square().mean().sqrt() + 1e-12)).clamp(max=1.0)
-            updates[i] = u.reshape(g.shape).to(g.dtype)
-            new_factors[i] = tuple(qs)
+            dims = tuple(range(1, u.dim()))
+            u = u * (CLIP_RMS / (u.square().mean(dims, keepdim=True).sqrt() + 1e-12)).clamp(max=1.0)
+            for row, (i, u_i, m_i) in enumerate(zip(members, u.unbind(), m.unbind())):
+                shape_i = x.updates[i].shape
+                updates[i] = u_i.reshape(shape_i).to(x.updates[i].dtype)
+                new_mus[i] = m_i.view(shape_i) if m_i.shape == shape_i else m_i.reshape(shape_i)
+                new_factors[i] = tuple(q[row] for q in qs)
         new_state = ScaleByPsgdKronState(
             count=state.count + 1,
             updates_skipped=torch.zeros_like(state.updates_skipped) if refit else state.updates_skipped + 1,
@@ -229,60 +246,71 @@ def scale_by_psgd_kron(
         )
         return x.unflatten(updates), new_state
 
-    def fit(g: torch.Tensor, qs: list) -> tuple[torch.Tensor, list]:
-        """One update of the factors with a random probe (module docstring); returns the
+    def fit(g: torch.Tensor, v: torch.Tensor, qs: list) -> tuple[torch.Tensor, list]:
+        """One update of a batch's factors with the probes ``v`` (module docstring); returns the
         perturbed ``G`` and the new factors."""
-        v = torch.randn_like(g)
         tiny = torch.finfo(precond_dtype).tiny
-        g = g + PROBE_SCALE * g.abs().mean() * v
+        dims = tuple(range(1, g.dim()))
+        g = g + PROBE_SCALE * g.abs().mean(dims, keepdim=True) * v
         a, b = g, v
         for d, q in enumerate(qs):
             a = along(a, d, q)
             b = along(b, d, q, inverse_transpose=True)
         new = []
         for d, q in enumerate(qs):
-            aa, bb = gram(a, d, q.dim() < 2), gram(b, d, q.dim() < 2)
+            diagonal = q.dim() < 3
+            aa, bb = gram(a, d, diagonal), gram(b, d, diagonal)
             difference, total = (aa - bb) * precond_lr, aa + bb
-            norm = total.abs().max()
-            if q.dim() < 2:
-                new.append(q - difference * (q / norm.clamp(min=tiny)))
+            norm = total.abs().amax(dim=tuple(range(1, total.dim())))
+            if diagonal:
+                new.append(q - difference * (q / norm.clamp(min=tiny).unsqueeze(-1)))
             else:
-                bound = spectral_lower_bound(total, norm) if norm > 0 else norm
-                new.append(q - torch.triu(difference) / bound.clamp(min=tiny) @ q)
+                bound = torch.where(norm > 0, spectral_lower_bound(total, norm), norm)
+                new.append(q - (torch.triu(difference) / bound.clamp(min=tiny)[:, None, None]) @ q)
         return g, new
 
     return GradientTransformation(init, update)
 
 
+def _batches(grads: list, present: list, factors: list, view_of: Callable) -> list[list[int]]:
+    """The tensors that step together: one view shape, factor shapes, dtype and device."""
+    batches: dict[tuple, list[int]] = {}
+    for i in present:
+        g = grads[i]
+        key = (view_of(tuple(g.shape)), tuple(tuple(q.shape) for q in factors[i]), g.dtype, g.device)
+        batches.setdefault(key, []).append(i)
+    return list(batches.values())
+
+
 def along(
     x: torch.Tensor, d: int, q: torch.Tensor, inverse_transpose: bool = False, transpose: bool = False
 ) -> torch.Tensor:
-    """``x`` times ``q`` along dimension ``d``: ``q x`` for a matrix (``q^-T x`` with
-    ``inverse_transpose``, ``q^T x`` with ``transpose``), elementwise for a vector (``x / q``
-    with ``inverse_transpose``)."""
-    if q.dim() < 2:
-        shape = [1] * x.dim()
-        if x.dim():
-            shape[d] = -1
+    """A batch ``x`` (dim 0) times its factors ``q`` along dimension ``d`` of each element:
+    ``q x`` for matrices (``q^-T x`` with ``inverse_transpose``, ``q^T x`` with ``transpose``),
+    elementwise for vectors (``x / q`` with ``inverse_transpose``)."""
+    if q.dim() < 3:
+        shape = [q.shape[0]] + [1] * (x.dim() - 1)
+        shape[d + 1] = -1
         return x / q.view(shape) if inverse_transpose else x * q.view(shape)
-    moved = x.movedim(d, -1)
+    moved = x.movedim(d + 1, -1)
+    flat = moved.reshape(moved.shape[0], -1, moved.shape[-1])
     if inverse_transpose:  # y = x q^-1 along the last dimension: y q = x
-        flat = moved.reshape(-1, moved.shape[-1])
-        solved = torch.linalg.solve_triangular(q, flat, upper=True, left=False)
-        return solved.reshape(moved.shape).movedim(-1, d)
-    return (moved @ (q if transpose else q.T)).movedim(-1, d)
+        out = torch.linalg.solve_triangular(q, flat, upper=True, left=False)
+    else:
+        out = flat @ (q if transpose else q.mT)
+    return out.reshape(moved.shape).movedim(-1, d + 1)
 
 
 def gram(x: torch.Tensor, d: int, diagonal: bool) -> torch.Tensor:
-    """``X_(d) X_(d)^T`` (its diagonal where ``diagonal``)."""
-    rows = x.movedim(d, 0).reshape(x.shape[d], -1) if x.dim() else x.reshape(1, 1)
-    return rows.square().sum(dim=1) if diagonal else rows @ rows.T
+    """Per batch element, ``X_(d) X_(d)^T`` (its diagonal where ``diagonal``)."""
+    rows = x.movedim(d + 1, 1).reshape(x.shape[0], x.shape[d + 1], -1)
+    return rows.square().sum(dim=-1) if diagonal else rows @ rows.mT
 
 
 def precondition(g: torch.Tensor, qs: list) -> torch.Tensor:
-    """``G x_1 Q_1^T Q_1 ... x_k Q_k^T Q_k`` (``Q_i^2`` elementwise for a vector)."""
+    """Per batch element ``G x_1 Q_1^T Q_1 ... x_k Q_k^T Q_k`` (``Q_i^2`` elementwise for a vector)."""
     for d, q in enumerate(qs):
-        if q.dim() < 2:
+        if q.dim() < 3:
             g = along(g, d, q * q)
         else:
             g = along(along(g, d, q), d, q, transpose=True)
@@ -290,20 +318,22 @@ def precondition(g: torch.Tensor, qs: list) -> torch.Tensor:
 
 
 def spectral_lower_bound(a: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
-    """A lower bound of ``a``'s spectral norm: one power iteration from its largest column."""
-    scaled = a / max_abs
-    column = scaled[:, torch.argmax(scaled.square().sum(dim=0))]
-    x = column @ scaled
-    x = x / x.norm()
-    return (scaled @ x).norm() * max_abs
+    """Per batch element, a lower bound of ``a``'s spectral norm: one power iteration from its
+    largest column (``max_abs``: its largest entry, by which it is scaled first)."""
+    scaled = a / max_abs[:, None, None]
+    largest = torch.argmax(scaled.square().sum(dim=-2), dim=-1)
+    column = scaled.gather(-1, largest[:, None, None].expand(-1, a.shape[-2], 1)).squeeze(-1)
+    x = (column.unsqueeze(-2) @ scaled).squeeze(-2)
+    x = x / x.norm(dim=-1, keepdim=True)
+    return (scaled @ x.unsqueeze(-1)).squeeze(-1).norm(dim=-1) * max_abs
 
 
 def balanced(qs: list) -> list:
-    """The factors rescaled to one infinity norm (their geometric mean): the preconditioner,
-    their Kronecker product, unchanged."""
-    norms = torch.stack([q.abs().max() for q in qs])
-    target = norms.log().mean().exp()
-    return [q * (target / n) for q, n in zip(qs, norms)]
+    """Per batch element, the factors rescaled to one infinity norm (their geometric mean): the
+    preconditioner, their Kronecker product, unchanged."""
+    norms = torch.stack([q.abs().amax(dim=tuple(range(1, q.dim()))) for q in qs])
+    target = norms.log().mean(dim=0).exp()
+    return [q * (target / n).view(-1, *([1] * (q.dim() - 1))) for q, n in zip(qs, norms)]
 
 
 def _check_leaf(g: torch.Tensor, mu: torch.Tensor, factors: tuple, init_factors: object, spec: object, i: int) -> None:
