@@ -161,6 +161,12 @@ def scale_by_psgd_kron(
         view = merged_shape(shape) if merge_dims else tuple(shape)
         return view if view else (1,)  # a scalar: one dimension of 1, with a diagonal factor
 
+    @functools.lru_cache(maxsize=None)
+    def factor_shapes(shape: tuple) -> list[tuple]:
+        view = view_of(shape)
+        diagonal = diagonal_dims(view, max_size_triangular, min_ndim_triangular, memory_save_mode)
+        return [(n,) if diag else (n, n) for n, diag in zip(view, diagonal)]
+
     def init_factors(p: torch.Tensor) -> tuple:
         shape = view_of(tuple(p.shape))
         scale = precond_init_scale ** (1 / len(shape))
@@ -199,7 +205,7 @@ def scale_by_psgd_kron(
         t = step + 1
         present = [i for i, g in enumerate(x.updates) if g is not None]
         for i in present:
-            _check_leaf(x.updates[i], mus[i], factors[i], init_factors, x.spec, i)
+            _check_leaf(x.updates[i], mus[i], factors[i], factor_shapes(tuple(x.updates[i].shape)), x.spec, i)
         # one probe per tensor, drawn in the parameters' order, as the reference draws them
         probes = (
             {
@@ -336,8 +342,9 @@ def balanced(qs: list) -> list:
     return [q * (target / n).view(-1, *([1] * (q.dim() - 1))) for q, n in zip(qs, norms)]
 
 
-def _check_leaf(g: torch.Tensor, mu: torch.Tensor, factors: tuple, init_factors: object, spec: object, i: int) -> None:
-    expected = [tuple(q.shape) for q in init_factors(torch.empty(g.shape, dtype=g.dtype, device="meta"))]  # type: ignore[operator]
+def _check_leaf(g: torch.Tensor, mu: torch.Tensor, factors: tuple, expected: list, spec: object, i: int) -> None:
+    """Raise a ValueError unless one tensor's state is what ``init`` makes for ``g``'s shape
+    (``expected``: its factors' shapes)."""
     got = [tuple(q.shape) for q in factors] if isinstance(factors, tuple) else None
     if mu.shape != g.shape or got != expected:
         raise ValueError(
