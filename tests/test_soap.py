@@ -347,3 +347,41 @@ def test_injected_hyperparameters_are_tensors_a_value_written_takes_effect():
     state.hyperparams["lr"].fill_(0.0)  # the decay is lr * weight_decay: nothing moves
     u, _ = tx.update(grads[3], state, p)
     assert torch.equal(u["w"], torch.zeros_like(u["w"]))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fb.soap(precondition_frequency=2),
+        lambda: fb.shampoo(grafting="adam", precondition_frequency=2),
+        lambda: fb.psgd_kron(),
+    ],
+    ids=["soap", "shampoo", "psgd_kron"],
+)
+def test_second_order_optimizers_resume_from_torch_state_dicts(make):
+    """fb.Optimizer's state_dict (torch's format) of each second-order transform loads into a
+    new optimizer, which then steps as the original (the same probes for PSGD-Kron)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    opt = fb.Optimizer(model.parameters(), make())
+
+    def step(m, o):  # noqa: ANN001
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+
+    for _ in range(3):
+        step(model, opt)
+    resumed_model = copy.deepcopy(model)
+    resumed = fb.Optimizer(resumed_model.parameters(), make())
+    resumed.load_state_dict(opt.state_dict())
+    for t in range(3):
+        torch.manual_seed(t)
+        step(model, opt)
+        torch.manual_seed(t)
+        step(resumed_model, resumed)
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
