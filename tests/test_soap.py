@@ -217,7 +217,7 @@ def test_merge_small_dims_follows_the_authors_rule():
         ({"b1": 1.0}, r"b1 must be in \[0, 1\), got 1.0"),
         ({"shampoo_beta": -0.1}, r"shampoo_beta must be in \[0, 1\), got -0.1"),
         ({"eps": -1.0}, "eps must be >= 0, got -1.0"),
-        ({"matrix_dtype": torch.int32}, "matrix_dtype must be None or a floating-point torch.dtype"),
+        ({"matrix_dtype": torch.int32}, "matrix_dtype must be None, torch.float32 or torch.float64"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):

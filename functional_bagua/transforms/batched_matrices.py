@@ -32,6 +32,20 @@ def check_eager_update(name: str, state: object, state_type: type, why: str) -> 
         )
 
 
+def own_storage(state: object) -> object:
+    """A tensor's kept state (or a tuple of them) with each row of a larger batch tensor copied
+    out: a tensor that gets no gradient for a while must not keep its last batch alive.
+
+    Args:
+        state: a tensor, a tuple of tensors, or ``None``.
+    """
+    if isinstance(state, tuple):
+        return tuple(own_storage(t) for t in state)
+    if isinstance(state, torch.Tensor) and state._base is not None:
+        return state.clone()
+    return state
+
+
 def merge_small_dims(shape: tuple, max_dim: int) -> tuple:
     """``shape`` with runs of neighbouring dimensions merged while their product stays at most
     ``max_dim`` (the authors' rule: ``(64, 3, 3, 3)`` with 100 gives ``(64, 27)``).

@@ -42,7 +42,7 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
-from functional_bagua.transforms.batched_matrices import check_eager_update, restack
+from functional_bagua.transforms.batched_matrices import check_eager_update, own_storage, restack
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_psgd_kron"
@@ -52,13 +52,16 @@ CLIP_RMS = 1.1
 
 
 class ScaleByPsgdKronState(NamedTuple):
-    """``count``: the transform's steps (one counter, as the reference's); ``updates_skipped``:
-    steps since the preconditioner last updated; per tensor ``mu`` (the momentum ``m``) and
-    ``factors`` (its ``Q_i``, matrices and vectors)."""
+    """``count``: the transform's steps (one counter, as the reference's, for the update
+    schedule); ``updates_skipped``: steps since the preconditioner last updated;
+    ``preconditioner_updates``: its updates so far; per tensor ``steps`` (its gradients so far,
+    for the momentum's bias correction, as the reference's ``state["step"]``), ``mu`` (the
+    momentum ``m``) and ``factors`` (its ``Q_i``, matrices and vectors)."""
 
     count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     updates_skipped: torch.Tensor
     preconditioner_updates: torch.Tensor
+    steps: PyTree
     mu: PyTree
     factors: PyTree
 
@@ -153,6 +156,14 @@ def scale_by_psgd_kron(
     for name, count in (("max_size_triangular", max_size_triangular), ("balance_every", balance_every)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{NAME}: {name} must be an int >= 1, got {count!r}")
+    if precond_dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"{NAME}: precond_dtype must be torch.float32 or torch.float64 (its triangular solves), got {precond_dtype!r}"
+        )
+    if not precond_init_scale > 0.0:
+        raise ValueError(f"{NAME}: precond_init_scale must be > 0, got {precond_init_scale}")
+    if isinstance(min_ndim_triangular, bool) or not isinstance(min_ndim_triangular, int) or min_ndim_triangular < 0:
+        raise ValueError(f"{NAME}: min_ndim_triangular must be an int >= 0, got {min_ndim_triangular!r}")
     if not 0.0 < min_prob <= max_prob <= 1.0:
         raise ValueError(f"{NAME}: need 0 < min_prob <= max_prob <= 1, got {min_prob} and {max_prob}")
 
@@ -188,6 +199,7 @@ def scale_by_psgd_kron(
             count=counter,
             updates_skipped=counter.clone(),
             preconditioner_updates=counter.clone(),
+            steps=spec.unflatten([None if p is None else zero_count(p) for p in leaves]),
             mu=spec.unflatten([None if p is None else torch.zeros_like(p) for p in leaves]),
             factors=spec.unflatten([None if p is None else init_factors(p) for p in leaves]),
         )
@@ -199,11 +211,15 @@ def scale_by_psgd_kron(
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         mus = tree.leaves_up_to(x.spec, state.mu, "the state's 'mu'", "the gradients")
         factors = tree.leaves_up_to(x.spec, state.factors, "the state's 'factors'", "the gradients")
-        step, skipped, done = read_counts([state.count, state.updates_skipped, state.preconditioner_updates])
+        tensor_steps = tree.leaves_up_to(x.spec, state.steps, "the state's 'steps'", "the gradients")
+        present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
+        counts = read_counts(
+            [state.count, state.updates_skipped, state.preconditioner_updates] + [tensor_steps[i] for i in present]
+        )
+        step, skipped, done = counts[:3]
+        own_steps = dict(zip(present, (c + 1 for c in counts[3:])))
         refit = skipped + 1 >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start)
         balance = refit and done > 0 and done % balance_every == 0
-        t = step + 1
-        present = [i for i, g in enumerate(x.updates) if g is not None]
         for i in present:
             _check_leaf(x.updates[i], mus[i], factors[i], factor_shapes(tuple(x.updates[i].shape)), x.spec, i)
         # one probe per tensor, drawn in the parameters' order, as the reference draws them
@@ -215,13 +231,19 @@ def scale_by_psgd_kron(
             if refit
             else {}
         )
-        updates: list = [None] * len(x.updates)
-        new_mus, new_factors = list(mus), list(factors)
+        updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]
+        stepped = set(present)
+        # a tensor that does not step keeps its state, in storage of its own (not a row of an old batch)
+        new_mus = [m if i in stepped else own_storage(m) for i, m in enumerate(mus)]
+        new_factors = [f if i in stepped else own_storage(f) for i, f in enumerate(factors)]
+        new_steps = [c + 1 if i in stepped else c for i, c in enumerate(tensor_steps)]
         for members in _batches(x.updates, present, factors, view_of):
             shape = view_of(tuple(x.updates[members[0]].shape))
             g = torch.stack([x.updates[i].reshape(shape) for i in members])
             m = restack([mus[i].reshape(shape) for i in members], shape) * b1 + (1 - b1) * g
-            momentum = (m / (1 - b1**t)).to(precond_dtype)
+            corrections = [1 - b1 ** own_steps[i] for i in members]  # each tensor's own count
+            correction = torch.tensor(corrections, dtype=m.dtype, device=m.device).view(-1, *([1] * len(shape)))
+            momentum = (m / correction).to(precond_dtype)
             qs = [
                 restack([factors[i][d] for i in members], tuple(factors[members[0]][d].shape))
                 for d in range(len(shape))
@@ -247,6 +269,7 @@ def scale_by_psgd_kron(
             count=state.count + 1,
             updates_skipped=torch.zeros_like(state.updates_skipped) if refit else state.updates_skipped + 1,
             preconditioner_updates=state.preconditioner_updates + 1 if refit else state.preconditioner_updates,
+            steps=x.unflatten(new_steps),
             mu=x.unflatten(new_mus),
             factors=x.unflatten(new_factors),
         )

@@ -23,7 +23,11 @@ and before ``start_preconditioning_step`` it is ``M_hat``. The inverse roots com
 (``(max(lambda, 0) + epsilon)^(-1/(2k))`` on each eigenvalue: a statistic is positive
 semi-definite, so a negative eigenvalue is rounding) in ``matrix_dtype``. Blocks of one shape
 are batched: one ``eigh`` and one batched matmul per shape, whatever the number of tensors.
-Each tensor counts its own gradients, as torch.optim's ``state["step"]``.
+Each tensor counts its own gradients, as torch.optim's ``state["step"]``. The statistics and
+the statistics, moments and filtered gradient in float32 at least (bfloat16 and float16
+parameters too; the direction is cast back), as the reference's factor matrices, and the roots and the preconditioning in ``matrix_dtype``: where a statistic
+is of less than full rank its root has entries near ``epsilon^(-1/(2k))`` that cancel only in
+that precision. An empty tensor gets a zero update.
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
-from functional_bagua.transforms.batched_matrices import check_eager_update, merge_small_dims, restack
+from functional_bagua.transforms.batched_matrices import (
+    at_least_float32,
+    check_eager_update,
+    merge_small_dims,
+    own_storage,
+    restack,
+)
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_shampoo"
@@ -104,7 +114,8 @@ def scale_by_shampoo(
         grafting_beta2: the decay of the grafting second moments (``"rmsprop"``, ``"adam"``).
         grafting_epsilon: added to their square root.
         use_bias_correction: divide ``M`` by ``1 - b1^t`` and the statistics by ``1 - b2^t``.
-        matrix_dtype: the precision of ``eigh`` and of the roots (``torch.float32`` for speed).
+        matrix_dtype: the precision of ``eigh``, the roots and the preconditioning (``torch.float32``
+            for speed, as the reference keeps its roots).
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleByShampooState`.
@@ -130,10 +141,13 @@ def scale_by_shampoo(
     def init_leaf(p: torch.Tensor) -> tuple:
         view = p.reshape(view_of(tuple(p.shape)))
         blocks = [view[s] for s in cut(tuple(p.shape))]
-        statistics = tuple(tuple(p.new_zeros(n, n) for n in b.shape) for b in blocks)
-        roots = tuple(tuple(m.clone() for m in block) for block in statistics)
-        mu = tuple(torch.zeros_like(b) if b1 > 0 else p.new_zeros(0) for b in blocks)
-        graft = tuple(torch.zeros_like(b) if grafting in SECOND_MOMENTS else p.new_zeros(0) for b in blocks)
+        matrix = at_least_float32(p.dtype)  # low-precision roots would not cancel: float32 at least
+        statistics = tuple(tuple(p.new_zeros(n, n, dtype=matrix) for n in b.shape) for b in blocks)
+        roots = tuple(tuple(torch.zeros_like(m, dtype=matrix_dtype) for m in block) for block in statistics)
+        mu = tuple(torch.zeros_like(b, dtype=matrix) if b1 > 0 else p.new_zeros(0) for b in blocks)
+        graft = tuple(
+            torch.zeros_like(b, dtype=matrix) if grafting in SECOND_MOMENTS else p.new_zeros(0) for b in blocks
+        )
         return zero_count(p), mu, graft, statistics, roots
 
     def init(params: PyTree) -> ScaleByShampooState:
@@ -156,7 +170,7 @@ def scale_by_shampoo(
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
             for name, field in zip(ScaleByShampooState._fields, state)
         ]
-        present = [i for i, g in enumerate(x.updates) if g is not None]
+        present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
         for i in present:
             _check_state(x.updates[i], fields[3][i], cut(tuple(x.updates[i].shape)), view_of, x.spec, i)
             moments = [(fields[1][i], b1 > 0, "mu"), (fields[2][i], grafting in SECOND_MOMENTS, "graft")]
@@ -169,7 +183,11 @@ def scale_by_shampoo(
                         "make the state with this transform, tx.init(params)"
                     )
         steps = dict(zip(present, (c + 1 for c in read_counts([fields[0][i] for i in present]))))
-        new_fields = [list(column) for column in fields]  # a tensor without a gradient keeps its state
+        stepped = set(present)
+        # a tensor that does not step keeps its state, in storage of its own (not a row of an old batch)
+        new_fields = [
+            [leaf if i in stepped else own_storage(leaf) for i, leaf in enumerate(column)] for column in fields
+        ]
         per_block: dict[int, list] = {i: [None] * len(cut(tuple(x.updates[i].shape))) for i in present}
         for members, t in _block_batches(x.updates, present, steps, view_of, cut):
             state_rows = [[fields[f][i][k] for i, k in members] for f in (1, 2, 3, 4)]
@@ -177,7 +195,7 @@ def scale_by_shampoo(
             p_b, new_rows = step(grads_b, state_rows, t)
             for row, (i, k) in enumerate(members):
                 per_block[i][k] = (p_b[row], *(column[row] for column in new_rows))
-        updates: list = [None] * len(x.updates)
+        updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]
         for i in present:
             g = x.updates[i]
             blocks = per_block[i]
@@ -192,6 +210,7 @@ def scale_by_shampoo(
         direction, and per state field (``M``, ``V``, statistics, roots) the new rows."""
         mus, grafts, statistics, roots = state_rows
         shape = tuple(g.shape[1:])
+        out_dtype, g = g.dtype, g.to(at_least_float32(g.dtype))  # the moments too: float32 at least
         m = torch.lerp(restack(mus, shape), g, 1 - b1) if b1 > 0 else None
         m_hat = g if m is None else (m / (1 - b1**t) if use_bias_correction else m)
         v = None
@@ -209,13 +228,15 @@ def scale_by_shampoo(
         if t < start:
             direction = grafted
         else:
-            direction = precondition(m_hat, new_roots)
+            # in the roots' precision: their large entries (epsilon^(-1/2k) where a statistic
+            # is of less than full rank) cancel only there
+            direction = precondition(m_hat.to(matrix_dtype), new_roots).to(g.dtype)
             if grafting is not None:
                 dims = tuple(range(1, direction.dim()))
-                ratio = grafted.square().sum(dims, keepdim=True).sqrt() / (
-                    direction.square().sum(dims, keepdim=True).sqrt() + NORM_FLOOR
+                grafted_norm = grafted.square().sum(dims, keepdim=True).sqrt()
+                direction = direction * (
+                    grafted_norm / (direction.square().sum(dims, keepdim=True).sqrt() + NORM_FLOOR)
                 )
-                direction = direction * ratio
         rows = len(g)
         placeholders = [m.new_zeros(0) for m in mus]
         new_rows = [
@@ -226,7 +247,7 @@ def scale_by_shampoo(
         ]
         if m is None:
             new_rows[0] = list(mus)
-        return direction, new_rows
+        return direction.to(out_dtype), new_rows
 
     def accumulate(statistic: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
         """``L_d`` with this step's ``G_(d) G_(d)^T`` (module docstring), per batch element."""
@@ -285,7 +306,7 @@ def _block(t: torch.Tensor, k: int, view_of: Callable, cut: Callable) -> torch.T
 
 def inverse_root(statistic: torch.Tensor, epsilon: float, root: int, matrix_dtype: torch.dtype) -> torch.Tensor:
     """``(L + epsilon I)^(-1/root)`` per batch element, from ``eigh`` in ``matrix_dtype``
-    (``(max(lambda, 0) + epsilon)^(-1/root)`` on each eigenvalue), in ``statistic``'s dtype.
+    (``(max(lambda, 0) + epsilon)^(-1/root)`` on each eigenvalue), in ``matrix_dtype``.
 
     Args:
         statistic: a batch of symmetric positive semi-definite matrices.
@@ -297,7 +318,7 @@ def inverse_root(statistic: torch.Tensor, epsilon: float, root: int, matrix_dtyp
     # a statistic is positive semi-definite: an eigenvalue below 0 is rounding (float32 statistics
     # of less than full rank give some), which epsilon alone would not keep off a negative root
     scaled = vectors * (values.clamp(min=0) + epsilon).pow(-1.0 / root).unsqueeze(-2)
-    return (scaled @ vectors.mT).to(statistic.dtype)
+    return scaled @ vectors.mT
 
 
 def precondition(m: torch.Tensor, roots: list) -> torch.Tensor:
@@ -361,5 +382,5 @@ def _check_arguments(
         )
     if grafting not in GRAFTINGS:
         raise ValueError(f"{NAME}: grafting must be one of {GRAFTINGS}, got {grafting!r}")
-    if not (isinstance(matrix_dtype, torch.dtype) and matrix_dtype.is_floating_point):
-        raise ValueError(f"{NAME}: matrix_dtype must be a floating-point torch.dtype, got {matrix_dtype!r}")
+    if matrix_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{NAME}: matrix_dtype must be torch.float32 or torch.float64 (eigh), got {matrix_dtype!r}")

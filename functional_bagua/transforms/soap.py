@@ -58,6 +58,7 @@ from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
     check_eager_update,
     merge_small_dims,
+    own_storage,
     per_element,
     restack,
     rows_of,
@@ -177,9 +178,14 @@ def scale_by_soap(
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
             for name, field in zip(ScaleBySoapState._fields, state)
         ]
-        new_fields = [list(column) for column in fields]
-        updates: list = [None] * len(x.updates)
-        for members, count in _batches(x.updates, fields[0], layout):
+        stepping = _batches(x.updates, fields[0], layout)
+        stepped = {i for members, _ in stepping for i in members}
+        # a tensor that does not step keeps its state, in storage of its own (module docstring)
+        new_fields = [
+            [leaf if i in stepped else own_storage(leaf) for i, leaf in enumerate(column)] for column in fields
+        ]
+        updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]  # empty ones stay 0
+        for members, count in stepping:
             shape = x.updates[members[0]].shape
             view = layout(shape)
             batch_state = [[column[i] for i in members] for column in fields]
@@ -256,7 +262,9 @@ class _Batch:
             and rows_of(mus, view.shape) is not None
             and rows_of(nus, view.shape) is not None
             and all(
-                shape is None or rows_of([m[d] for m in column], shape) is not None
+                rows_of([m[d] for m in column], shape) is not None
+                if shape is not None
+                else all(tuple(m[d].shape) == NO_MATRIX for m in column)
                 for column in (statistics, bases)
                 for d, shape in enumerate(matrices)
             )
@@ -347,17 +355,18 @@ def _check_state(g: torch.Tensor, leaf: list, view: Layout, spec: object, i: int
 
 
 def _batches(grads: list, counts: list, layout: Callable[[tuple], Layout]) -> list[tuple[list[int], int]]:
-    """The indices of the gradients that step together (one layout, dtype, device and count),
-    with their count (all counts read at once: one device sync)."""
-    present = [i for i, g in enumerate(grads) if g is not None]
+    """The indices of the gradients that step together (one shape, layout, dtype, device and
+    count), with their count (all counts read at once: one device sync); an empty tensor has
+    nothing to step."""
+    present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
     if not present:
         return []
     known = read_counts([counts[i] for i in present])
     batches: dict[tuple, list[int]] = {}
     for i, count in zip(present, known):
-        g = grads[i]
-        batches.setdefault((layout(g.shape), g.dtype, g.device, count), []).append(i)
-    return [(members, key[3]) for key, members in batches.items()]
+        g = grads[i]  # the shape too: tensors of other shapes may share a view, (1,) and () say
+        batches.setdefault((tuple(g.shape), layout(g.shape), g.dtype, g.device, count), []).append(i)
+    return [(members, key[4]) for key, members in batches.items()]
 
 
 def project(x: torch.Tensor, bases: list, back: bool = False, scale: float = 1.0) -> torch.Tensor:
@@ -457,5 +466,7 @@ def _check_arguments(
     ):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{NAME}: {name} must be an int >= 1, got {count!r}")
-    if matrix_dtype is not None and not (isinstance(matrix_dtype, torch.dtype) and matrix_dtype.is_floating_point):
-        raise ValueError(f"{NAME}: matrix_dtype must be None or a floating-point torch.dtype, got {matrix_dtype!r}")
+    if matrix_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError(
+            f"{NAME}: matrix_dtype must be None, torch.float32 or torch.float64 (eigh and QR), got {matrix_dtype!r}"
+        )

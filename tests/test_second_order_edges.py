@@ -1,0 +1,148 @@
+"""The second-order transforms (SOAP, Shampoo, PSGD-Kron) at their edges: purity, tensors of
+other shapes sharing a view, empty and low-precision tensors, frozen tensors, and PSGD-Kron's
+per-tensor bias correction against kron-torch when a tensor's first gradient comes late."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import optree
+import pytest
+import torch
+
+import functional_bagua as fb
+
+try:
+    import kron_torch
+except ImportError:
+    kron_torch = None
+
+TRANSFORMS = {
+    "soap": lambda: fb.soap(precondition_frequency=2),
+    "shampoo": lambda: fb.shampoo(grafting="adam", precondition_frequency=2),
+    "psgd_kron": lambda: fb.psgd_kron(),
+}
+
+
+def draws(shapes: dict, steps: int, dtype=torch.float64, seed: int = 0) -> tuple[dict, list]:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()} for _ in range(steps)]
+    return params, grads
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_update_leaves_its_input_state_and_gradients_unchanged(name):
+    params, grads = draws({"a": (4, 3), "b": (4, 3), "c": (5,), "s": ()}, steps=5)
+    tx = TRANSFORMS[name]()
+    state = tx.init(params)
+    for t, g in enumerate(grads):
+        g = dict(g, c=None) if t == 2 else g
+        before = optree.tree_map(lambda x: None if x is None else x.clone(), (state, g), none_is_leaf=True)
+        _, new_state = tx.update(g, state, params)
+        same = optree.tree_map(
+            lambda x, y: (x is None and y is None) or torch.equal(x, y), (state, g), before, none_is_leaf=True
+        )
+        assert all(optree.tree_leaves(same)), t
+        state = new_state
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_tensors_of_other_shapes_sharing_a_view_and_empty_tensors_keep_their_shapes(name):
+    params = {"one": torch.ones(1), "scalar": torch.ones(()), "empty": torch.zeros(0, 3), "w": torch.ones(3, 2)}
+    tx = TRANSFORMS[name]()
+    state = tx.init(params)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape) for k, v in params.items()}
+        updates, state = tx.update(grads, state, params)
+        for k, v in params.items():
+            assert updates[k].shape == v.shape, (k, updates[k].shape)
+        assert updates["empty"].numel() == 0
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_step_close_to_float64(name, dtype):
+    """A vector and a matrix in bfloat16 or float16: the updates within their precision of a
+    float64 run on the same (rounded) numbers (Shampoo's roots cancel only in float32 or more,
+    which it keeps them in)."""
+    params, grads = draws({"v": (6,), "w": (4, 3)}, steps=3)
+    params = {k: v.to(dtype).double() for k, v in params.items()}
+    grads = [{k: v.to(dtype).double() for k, v in g.items()} for g in grads]
+    # Shampoo with epsilon 1e-12 on statistics of less than full rank (3 gradients of a 6-vector)
+    # multiplies float32 rounding by ~1e6 along their null space, whatever the parameters' dtype:
+    # compare it where that does not swamp the precision under test
+    make = (
+        (lambda: fb.shampoo(grafting="adam", precondition_frequency=2, epsilon=1e-4))
+        if name == "shampoo"
+        else TRANSFORMS[name]
+    )
+    exact, low = make(), make()
+    s64, s16 = exact.init(params), low.init({k: v.to(dtype) for k, v in params.items()})
+    for t, g in enumerate(grads):
+        torch.manual_seed(t)
+        u64, s64 = exact.update(g, s64, params)
+        torch.manual_seed(t)
+        u16, s16 = low.update({k: v.to(dtype) for k, v in g.items()}, s16, {k: v.to(dtype) for k, v in params.items()})
+        for k in u64:
+            assert u16[k].dtype == dtype
+            scale = u64[k].abs().max().item() + 1e-3
+            assert (u16[k].double() - u64[k]).abs().max().item() <= 0.05 * scale, (t, k)
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_a_frozen_tensor_keeps_its_state_in_storage_of_its_own(name):
+    params, grads = draws({"a": (4, 4), "b": (4, 4)}, steps=3)
+    tx = TRANSFORMS[name]()
+    state = tx.init(params)
+    for t, g in enumerate(grads):
+        state = tx.update(dict(g, b=None) if t == 2 else g, state, params)[1]
+    # the kept tensors of "b" are its own, not rows of the batch "a" and "b" stepped in before
+    frozen = [v for path, v in zip(*optree.tree_flatten_with_path(state)[:2]) if "b" in path and v.dim() > 0]
+    assert frozen and all(v._base is None for v in frozen)
+
+
+@pytest.mark.skipif(
+    kron_torch is None, reason="kron-torch (the PSGD-Kron reference) is not installed: pip install kron-torch"
+)
+def test_psgd_kron_bias_corrects_with_each_tensors_own_count_as_kron_torch():
+    params, grads = draws({"a": (5, 4), "b": (6,)}, steps=6)
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt = kron_torch.Kron(list(ref.values()), lr=1e-2, precond_dtype=torch.float64)
+    tx = fb.psgd_kron(lr=1e-2, precond_dtype=torch.float64)
+    state, p = tx.init(params), params
+    with torch.compiler.set_stance("force_eager"):
+        for t, g in enumerate(grads):
+            late = dict(g, b=None) if t < 3 else g  # "b" gets its first gradient at step 3
+            for k, q in ref.items():
+                q.grad = None if late[k] is None else late[k].clone()
+            torch.manual_seed(t)
+            with contextlib.redirect_stdout(io.StringIO()):
+                opt.step()
+            torch.manual_seed(t)
+            u, state = tx.update(late, state, p)
+            p = fb.apply_updates(p, u)
+            for k in p:
+                torch.testing.assert_close(
+                    p[k], ref[k].detach(), rtol=1e-6, atol=1e-8, msg=lambda m: f"step {t} {k}: {m}"
+                )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"precond_dtype": torch.bfloat16}, "precond_dtype must be torch.float32 or torch.float64"),
+        ({"precond_init_scale": 0.0}, "precond_init_scale must be > 0"),
+        ({"min_ndim_triangular": 2.5}, "min_ndim_triangular must be an int >= 0"),
+    ],
+)
+def test_psgd_kron_refuses_what_it_cannot_run(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fb.scale_by_psgd_kron(**kwargs)
+
+
+@pytest.mark.parametrize("factory", [fb.scale_by_soap, fb.scale_by_shampoo])
+def test_eigendecompositions_in_half_precision_are_refused(factory):
+    with pytest.raises(ValueError, match="matrix_dtype"):
+        factory(matrix_dtype=torch.bfloat16)
