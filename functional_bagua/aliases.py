@@ -967,7 +967,9 @@ def soap(
         p <- p - lr * u;   p <- p * (1 - lr * weight_decay)
 
     A tensor's first gradient only initializes its preconditioner: that step changes nothing (no
-    decay either), as in the reference. Every float hyperparameter may also be a schedule.
+    decay either), as in the reference's first step. (The reference counts steps per group: a
+    tensor whose first gradient comes later steps at once there, bias-corrected with the group's
+    count; here each tensor counts its own.) Every float hyperparameter may also be a schedule.
 
     Args:
         lr: learning rate (a number, a 0-dim tensor, or a schedule: a function of the step count).
