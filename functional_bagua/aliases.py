@@ -959,6 +959,7 @@ def soap(
     normalize_gradient: bool = False,
     correct_bias: bool = True,
     matrix_dtype: Optional[torch.dtype] = None,
+    group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> GradientTransformation:
     """SOAP (Vyas et al., 2024), as the authors' algorithm and pytorch-optimizer's ``SOAP``, with
     their defaults: Adam in the eigenbasis of Shampoo's preconditioner
@@ -985,6 +986,8 @@ def soap(
         correct_bias: Adam's bias correction.
         matrix_dtype: the precision of ``eigh`` and QR (``None``: the reference's; see
             :func:`~functional_bagua.scale_by_soap`).
+        group: share the eigendecompositions among the ranks of this process group, each
+            computed by one (after ``allreduce_gradients``; see :func:`~functional_bagua.scale_by_soap`).
 
     Returns:
         A GradientTransformation.
@@ -1007,6 +1010,7 @@ def soap(
         normalize_gradient,
         correct_bias,
         matrix_dtype,
+        group,
     )
     learning_rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
     inner = chain(direction, _step_then_decay(learning_rate, weight_decay))
@@ -1067,6 +1071,7 @@ def shampoo(
     grafting_epsilon: float = 1e-10,
     use_bias_correction: bool = True,
     matrix_dtype: torch.dtype = torch.float64,
+    group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> GradientTransformation:
     """Shampoo, with the defaults of the distributed-Shampoo reference (Meta's
     ``DistributedShampoo``): the direction of :func:`~functional_bagua.scale_by_shampoo`, then
@@ -1091,6 +1096,8 @@ def shampoo(
         grafting_epsilon: added to their square root.
         use_bias_correction: bias-correct the filtered gradient and the statistics.
         matrix_dtype: the precision of the eigendecompositions and roots.
+        group: share the inverse roots among the ranks of this process group, each computed by
+            one (after ``allreduce_gradients``; see :func:`~functional_bagua.scale_by_shampoo`).
 
     Returns:
         A GradientTransformation.
@@ -1115,6 +1122,7 @@ def shampoo(
         grafting_epsilon,
         use_bias_correction,
         matrix_dtype,
+        group,
     )
     return chain(direction, add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
 

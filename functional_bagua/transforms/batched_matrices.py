@@ -4,9 +4,11 @@ tensor between steps, and per-matrix calls where rounding must match an unbatche
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 
 def check_eager_update(name: str, state: object, state_type: type, why: str) -> None:
@@ -101,3 +103,32 @@ def per_element(fn: Callable[..., torch.Tensor], *batches: torch.Tensor) -> torc
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
     """``dtype`` where it has 32 bits or more, else float32 (what ``eigh`` and QR take)."""
     return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
+
+
+def owner_computes(fn: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, group: Any) -> torch.Tensor:
+    """``fn`` on a batch of square matrices that every rank of ``group`` holds alike, each
+    matrix decomposed by one rank (rank ``r`` of ``W`` takes rows ``r, r + W, ...``: a batch's
+    matrices cost alike, so the split is balanced) and the results gathered by all; ``fn`` maps a
+    batch of ``n x n`` matrices to one of ``n x n`` matrices, row by row. ``group=None``: this
+    process computes all.
+
+    Args:
+        fn: the decomposition, batched.
+        batch: the matrices, the same on every rank.
+        group: a torch process group, or ``None``.
+    """
+    if group is None:
+        return fn(batch)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return fn(batch)
+    rows, per_rank = batch.shape[0], math.ceil(batch.shape[0] / world)
+    mine = batch[rank::world]
+    done = fn(mine) if len(mine) else None
+    dtype = done.dtype if done is not None else fn(batch[:1]).dtype  # (fewer rows than ranks)
+    padded = batch.new_zeros((per_rank, *batch.shape[1:]), dtype=dtype)
+    if done is not None:
+        padded[: len(done)] = done
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return torch.stack([gathered[j % world][j // world] for j in range(rows)])

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -49,6 +49,7 @@ from functional_bagua.transforms.batched_matrices import (
     check_eager_update,
     merge_small_dims,
     own_storage,
+    owner_computes,
     restack,
 )
 from functional_bagua.tree import PyTree
@@ -98,6 +99,7 @@ def scale_by_shampoo(
     grafting_epsilon: float = 1e-10,
     use_bias_correction: bool = True,
     matrix_dtype: torch.dtype = torch.float64,
+    group: Any = None,
 ) -> GradientTransformation:
     """Shampoo's direction ``P`` (module docstring); chain it with a learning rate.
 
@@ -116,6 +118,10 @@ def scale_by_shampoo(
         use_bias_correction: divide ``M`` by ``1 - b1^t`` and the statistics by ``1 - b2^t``.
         matrix_dtype: the precision of ``eigh``, the roots and the preconditioning (``torch.float32``
             for speed, as the reference keeps its roots).
+        group: a torch process group whose ranks hold the same gradients (after
+            ``allreduce_gradients``): each inverse root is computed by one of its ranks and
+            shared (``batched_matrices.owner_computes``, owner-computes as the distributed-Shampoo
+            reference); ``None``: all here.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleByShampooState`.
@@ -221,7 +227,11 @@ def scale_by_shampoo(
         stats = [accumulate(restack([s[d] for s in statistics], (n, n)), g, d) for d, n in enumerate(shape)]
         if t % precondition_frequency == 0:
             correction = 1 - b2**t if use_bias_correction and b2 < 1 else 1.0
-            new_roots = [inverse_root(stat / correction, epsilon, 2 * len(shape), matrix_dtype) for stat in stats]
+            root = 2 * len(shape)
+            new_roots = [
+                owner_computes(lambda m: inverse_root(m, epsilon, root, matrix_dtype), stat / correction, group)
+                for stat in stats
+            ]
         else:
             new_roots = [restack([r[d] for r in roots], (n, n)) for d, n in enumerate(shape)]
         grafted = graft_direction(m_hat, v, t)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -59,6 +59,7 @@ from functional_bagua.transforms.batched_matrices import (
     check_eager_update,
     merge_small_dims,
     own_storage,
+    owner_computes,
     per_element,
     restack,
     rows_of,
@@ -121,6 +122,7 @@ def scale_by_soap(
     normalize_gradient: bool = False,
     correct_bias: bool = True,
     matrix_dtype: Optional[torch.dtype] = None,
+    group: Any = None,
 ) -> GradientTransformation:
     """SOAP's direction ``u`` (module docstring); chain it with a learning rate.
 
@@ -136,6 +138,9 @@ def scale_by_soap(
         normalize_gradient: divide ``u`` by its RMS before the bias correction.
         correct_bias: multiply ``u`` by ``sqrt(1 - b2^s) / (1 - b1^s)``.
         matrix_dtype: the precision of ``eigh`` and QR (module docstring).
+        group: a torch process group whose ranks hold the same gradients (after
+            ``allreduce_gradients``): each eigendecomposition and QR is computed by one of its
+            ranks and shared (``batched_matrices.owner_computes``); ``None``: all here.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleBySoapState`.
@@ -210,7 +215,9 @@ def scale_by_soap(
         if s.count == 0:
             s.statistics = accumulate(s.statistics, g, exact)
             s.bases = [
-                None if stat is None else eigenbasis(stat, matrix_dtype, each)
+                None
+                if stat is None
+                else owner_computes(functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=each), stat, group)
                 for stat, each in zip(s.statistics, exact)
             ]
             return torch.zeros_like(g)
@@ -228,7 +235,7 @@ def scale_by_soap(
             m = project(s.mu, s.bases, back=True)  # m in the parameter's basis, for the new eigenbasis
             for d, (stat, basis) in enumerate(zip(s.statistics, s.bases)):
                 if stat is not None:
-                    s.bases[d], s.nu = power_iteration(stat, basis, s.nu, d, matrix_dtype, exact[d])
+                    s.bases[d], s.nu = power_iteration(stat, basis, s.nu, d, matrix_dtype, exact[d], group)
             s.mu = project(m, s.bases)
         return u
 
@@ -428,6 +435,7 @@ def power_iteration(
     d: int,
     matrix_dtype: Optional[torch.dtype],
     exact: bool,
+    group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One power iteration of the eigenbasis of dimension ``d`` (module docstring): the new
     basis, and ``nu`` with its entries along dimension ``d`` in the new basis's order (one
@@ -439,10 +447,11 @@ def power_iteration(
     index = order.view(order.shape[0], *([1] * d), -1, *([1] * (nu.dim() - d - 2))).expand_as(nu)
     nu = nu.gather(d + 1, index)
     product = product.to(matrix_dtype or torch.float32)
-    if exact:
-        q = per_element(lambda m: torch.linalg.qr(m).Q, product)
-    else:
-        q = torch.linalg.qr(product).Q
+
+    def qr(matrices: torch.Tensor) -> torch.Tensor:
+        return per_element(lambda m: torch.linalg.qr(m).Q, matrices) if exact else torch.linalg.qr(matrices).Q
+
+    q = owner_computes(qr, product, group)
     return q.to(basis.dtype).contiguous(), nu
 
 

@@ -1,0 +1,39 @@
+"""SOAP's eigendecompositions and Shampoo's inverse roots computed by one rank each and shared
+(owner-computes), on 2 and 4 gloo ranks after allreduce_gradients, against one process on the
+mean of all ranks' gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import ScenarioError, run_ranks
+from second_order_scenarios import MAKERS, STEPS, local_gradients, start
+
+import functional_bagua as fb
+
+pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["two", "four"])
+def ranks(request):
+    return run_ranks(request.param, ["sharded_second_order"], module="second_order_scenarios")
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_shared_decompositions_equal_one_process_on_the_global_batch(ranks, name):
+    world = len(ranks)
+    tx = MAKERS[name](None)
+    params = start()
+    state = tx.init(params)
+    for step in range(STEPS):
+        per_rank = [local_gradients(r, step) for r in range(world)]
+        mean = {k: sum(g[k] for g in per_rank) / world for k in params}
+        u, state = tx.update(mean, state, params)
+        params = fb.apply_updates(params, u)
+    for rank, result in enumerate(ranks):
+        got = result["sharded_second_order"]
+        assert not isinstance(got, ScenarioError), got
+        for k in params:
+            torch.testing.assert_close(
+                got[name][k], params[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {k}: {m}"
+            )
