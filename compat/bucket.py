@@ -141,11 +141,12 @@ class BaguaBucket:
     def _flat_sized(self, tensor: Any, what: str) -> None:
         """Raise a ValueError unless ``tensor``'s effective tensor is 1-D, of the bucket's size,
         dtype and device (what ``flattened_tensor()`` gives)."""
-        effective, flat = tensor.bagua_getter_closure(), self.flattened_tensor()
-        if (effective.shape, effective.dtype, effective.device) != (flat.shape, flat.dtype, flat.device):
+        effective, members = tensor.bagua_getter_closure(), self.effective_tensors()
+        flat = ((sum(t.numel() for t in members),), members[0].dtype, members[0].device)  # no copy made to compare
+        if (tuple(effective.shape), effective.dtype, effective.device) != flat:
             raise ValueError(
                 f"BaguaBucket {self.name!r}: {what} is {tuple(effective.shape)} {effective.dtype} on {effective.device}, "
-                f"the bucket flat {tuple(flat.shape)} {flat.dtype} on {flat.device}; make it with "
+                f"the bucket flat {flat[0]} {flat[1]} on {flat[2]}; make it with "
                 "bucket.flattened_tensor().ensure_bagua_tensor(...)"
             )
 

@@ -144,6 +144,10 @@ def scale_by_shampoo(
     def cut(shape: tuple) -> list[tuple]:
         return blocks_of(view_of(shape), max_preconditioner_dim)
 
+    @functools.lru_cache(maxsize=None)
+    def block_shapes(shape: tuple) -> list[tuple]:
+        return [tuple(len(range(*piece.indices(n))) for piece, n in zip(s, view_of(shape))) for s in cut(shape)]
+
     def init_leaf(p: torch.Tensor) -> tuple:
         view = p.reshape(view_of(tuple(p.shape)))
         blocks = [view[s] for s in cut(tuple(p.shape))]
@@ -178,10 +182,11 @@ def scale_by_shampoo(
         ]
         present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
         for i in present:
-            _check_state(x.updates[i], fields[3][i], cut(tuple(x.updates[i].shape)), view_of, x.spec, i)
+            shapes = block_shapes(tuple(x.updates[i].shape))
+            _check_state(x.updates[i], fields[3][i], shapes, x.spec, i)
             moments = [(fields[1][i], b1 > 0, "mu"), (fields[2][i], grafting in SECOND_MOMENTS, "graft")]
             for held, kept, name in moments:
-                expected = [tuple(b.shape) if kept else (0,) for b in _blocks(x.updates[i], view_of, cut)]
+                expected = [shape if kept else (0,) for shape in shapes]
                 if not isinstance(held, tuple) or [tuple(m.shape) for m in held] != expected:
                     raise ValueError(
                         f"{NAME}: the state's {name!r} of {tree.leaf_name(x.spec, i)!r} does not fit these options "
@@ -195,7 +200,7 @@ def scale_by_shampoo(
             [leaf if i in stepped else own_storage(leaf) for i, leaf in enumerate(column)] for column in fields
         ]
         per_block: dict[int, list] = {i: [None] * len(cut(tuple(x.updates[i].shape))) for i in present}
-        for members, t in _block_batches(x.updates, present, steps, view_of, cut):
+        for members, t in _block_batches(x.updates, present, steps, block_shapes):
             state_rows = [[fields[f][i][k] for i, k in members] for f in (1, 2, 3, 4)]
             grads_b = torch.stack([_block(x.updates[i], k, view_of, cut) for i, k in members])
             p_b, new_rows = step(grads_b, state_rows, t)
@@ -248,15 +253,12 @@ def scale_by_shampoo(
                     grafted_norm / (direction.square().sum(dims, keepdim=True).sqrt() + NORM_FLOOR)
                 )
         rows = len(g)
-        placeholders = [m.new_zeros(0) for m in mus]
         new_rows = [
-            m.unbind() if m is not None else placeholders,
-            v.unbind() if v is not None else [gr for gr in grafts],
+            m.unbind() if m is not None else list(mus),  # b1 = 0, no grafting moments: placeholders kept
+            v.unbind() if v is not None else list(grafts),
             list(zip(*(s.unbind() for s in stats))) if stats else [()] * rows,
             list(zip(*(r.unbind() for r in new_roots))) if new_roots else [()] * rows,
         ]
-        if m is None:
-            new_rows[0] = list(mus)
         return direction.to(out_dtype), new_rows
 
     def accumulate(statistic: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
@@ -277,16 +279,14 @@ def scale_by_shampoo(
     return GradientTransformation(init, update)
 
 
-def _block_batches(grads: list, present: list, steps: dict, view_of: Callable, cut: Callable) -> list:
+def _block_batches(grads: list, present: list, steps: dict, block_shapes: Callable) -> list:
     """``(members, t)``: the blocks ``(tensor index, block index)`` that step together (one
     shape, dtype, device and step ``t``), in a fixed order (each batch's state rows stay the
     rows of one tensor between steps)."""
     batches: dict[tuple, list[tuple[int, int]]] = {}
     for i in present:
         g = grads[i]
-        view = view_of(tuple(g.shape))
-        for k, s in enumerate(cut(tuple(g.shape))):
-            shape = tuple(len(range(*piece.indices(n))) for piece, n in zip(s, view))
+        for k, shape in enumerate(block_shapes(tuple(g.shape))):
             batches.setdefault((shape, g.dtype, g.device, steps[i]), []).append((i, k))
     return [(members, key[3]) for key, members in batches.items()]
 
@@ -299,13 +299,6 @@ def _assembled(blocks: list, g: torch.Tensor, view_of: Callable, cut: Callable) 
     for s, block in zip(cut(tuple(g.shape)), blocks):
         out[s] = block
     return out.reshape(g.shape)
-
-
-def _blocks(t: torch.Tensor, view_of: Callable, cut: Callable) -> list[torch.Tensor]:
-    """The blocks of ``t`` (views), in :func:`blocks_of` order."""
-    shape = tuple(t.shape)
-    view = t.reshape(view_of(shape))
-    return [view[s] for s in cut(shape)]
 
 
 def _block(t: torch.Tensor, k: int, view_of: Callable, cut: Callable) -> torch.Tensor:
@@ -344,10 +337,10 @@ def precondition(m: torch.Tensor, roots: list) -> torch.Tensor:
     return m
 
 
-def _check_state(g: torch.Tensor, statistics: object, cuts: list, view_of: object, spec: object, i: int) -> None:
-    """Raise a ValueError unless a tensor's statistics are what ``init`` makes for ``g``'s shape."""
-    view = g.reshape(view_of(tuple(g.shape)))  # type: ignore[operator]
-    expected = tuple(tuple((view[s].shape[d],) * 2 for d in range(view.dim())) for s in cuts)
+def _check_state(g: torch.Tensor, statistics: object, block_shapes: list, spec: object, i: int) -> None:
+    """Raise a ValueError unless a tensor's statistics are what ``init`` makes for ``g``'s shape
+    (``block_shapes``: its blocks' shapes)."""
+    expected = tuple(tuple((n, n) for n in shape) for shape in block_shapes)
     got = None
     if isinstance(statistics, tuple) and all(isinstance(b, tuple) for b in statistics):
         got = tuple(tuple(tuple(m.shape) for m in block) for block in statistics)

@@ -194,10 +194,8 @@ def scale_by_soap(
             shape = x.updates[members[0]].shape
             view = layout(shape)
             batch_state = [[column[i] for i in members] for column in fields]
-            if not _Batch.rows_of_one_batch(batch_state, view):  # not the previous step's rows: check each
-                for i in members:
-                    _check_state(x.updates[i], [column[i] for column in fields], view, x.spec, i)
-            batch = _Batch.stacked(count, batch_state, view)
+            check = functools.partial(_check_states, x.updates, fields, members, view, x.spec)
+            batch = _Batch.stacked(count, batch_state, view, check)
             u = step(restack([x.updates[i] for i in members], view.shape), batch, view)
             for i, (u_i, count_i, mu_i, nu_i, statistics_i, bases_i) in zip(members, batch.rows(u, shape)):
                 updates[i] = u_i
@@ -258,45 +256,34 @@ class _Batch:
         self.count, self.counts, self.mu, self.nu = count, counts, mu, nu
         self.statistics, self.bases = statistics, bases
 
-    @staticmethod
-    def rows_of_one_batch(fields: list, view: Layout) -> bool:
-        """Whether every field of these tensors' state holds the rows, in order, of one tensor
-        of the right shape (what the previous step of this batch left): nothing to check."""
-        counts, mus, nus, statistics, bases = fields
-        matrices = [(n, n) if on else None for n, on in zip(view.shape, view.preconditioned)]
-        return (
-            rows_of(counts, ()) is not None
-            and rows_of(mus, view.shape) is not None
-            and rows_of(nus, view.shape) is not None
-            and all(
-                rows_of([m[d] for m in column], shape) is not None
-                if shape is not None
-                else all(tuple(m[d].shape) == NO_MATRIX for m in column)
-                for column in (statistics, bases)
-                for d, shape in enumerate(matrices)
-            )
-        )
-
     @classmethod
-    def stacked(cls, count: int, fields: list, view: Layout) -> "_Batch":
+    def stacked(cls, count: int, fields: list, view: Layout, check: Callable[[], None]) -> "_Batch":
         """The batch of the tensors whose state is ``fields`` (one list per field of
-        :class:`ScaleBySoapState`, one entry per tensor), all at ``count`` gradients."""
+        :class:`ScaleBySoapState`, one entry per tensor), all at ``count`` gradients: without a
+        copy where each field holds the rows of the previous step's batch, else stacked after
+        ``check()`` (which raises for a state made for other tensors or options)."""
         counts, mus, nus, statistics, bases = fields
+        on = [d for d, kept in enumerate(view.preconditioned) if kept]
+        columns = [(counts, ()), (mus, view.shape), (nus, view.shape)] + [
+            ([m[d] for m in column], (view.shape[d], view.shape[d])) for column in (statistics, bases) for d in on
+        ]
+        found: list[Optional[torch.Tensor]] = [rows_of(tensors, shape) for tensors, shape in columns]
+        placeholders = [
+            m[d] for column in (statistics, bases) for m in column for d in range(len(view.shape)) if d not in on
+        ]
+        if any(f is None for f in found) or any(tuple(p.shape) != NO_MATRIX for p in placeholders):
+            check()
+        stacked = [
+            f if f is not None else torch.stack([t.reshape(shape) for t in tensors])
+            for f, (tensors, shape) in zip(found, columns)
+        ]
+        counts_b, mu, nu, *matrices = stacked
 
-        def matrices(per_tensor: list) -> list:
-            return [
-                restack([m[d] for m in per_tensor], (n, n)) if on else None
-                for d, (n, on) in enumerate(zip(view.shape, view.preconditioned))
-            ]
+        def per_dim(first: int) -> list:
+            pieces = iter(matrices[first : first + len(on)])
+            return [next(pieces) if d in on else None for d in range(len(view.shape))]
 
-        return cls(
-            count=count,
-            counts=restack(counts, ()) + 1,
-            mu=restack(mus, view.shape),
-            nu=restack(nus, view.shape),
-            statistics=matrices(statistics),
-            bases=matrices(bases),
-        )
+        return cls(count, counts_b + 1, mu, nu, per_dim(0), per_dim(len(on)))
 
     def rows(self, u: torch.Tensor, shape: torch.Size) -> list[tuple]:
         """Per tensor of the batch, its update and new state, one value per field of
@@ -342,6 +329,12 @@ def rounding_matters(view: Layout, count: int, frequency: int) -> list[bool]:
     numel = math.prod(view.shape)
     decomposed_at = 0 if count == 0 else -(-count // frequency) * frequency
     return [on and (decomposed_at + 1) * (numel // n) < n for n, on in zip(view.shape, view.preconditioned)]
+
+
+def _check_states(grads: list, fields: list, members: list, view: Layout, spec: object) -> None:
+    """:func:`_check_state` for each tensor of a batch (``fields``: per field, every tensor's)."""
+    for i in members:
+        _check_state(grads[i], [column[i] for column in fields], view, spec, i)
 
 
 def _check_state(g: torch.Tensor, leaf: list, view: Layout, spec: object, i: int) -> None:
