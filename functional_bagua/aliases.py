@@ -17,12 +17,12 @@ Everything returns a :class:`~functional_bagua.GradientTransformation`::
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import optree
 import torch
 
-from functional_bagua import kernels
+from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, chain, check_params
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.layout_context import tensor_shapes
@@ -1046,14 +1046,29 @@ def _step_then_decay(
 
 
 def _zero_where_first(updates: PyTree, counts: PyTree) -> PyTree:
-    """Each update, zero where its tensor has had only one gradient (the counts read at once:
-    one device sync, and nothing more to do when every tensor is past its first)."""
-    leaves = [c for c in optree.tree_leaves(counts) if c is not None]
-    if all(count > 1 for count in read_counts(leaves)):
+    """Each update, zero where its tensor has had only one gradient. ``counts`` holds one count
+    per tensor, or inside :func:`fuse` one tuple of counts per flat buffer (all equal: a flat
+    buffer's tensors step together). Eager, the counts are read at once (one device sync) and
+    nothing more is done when every tensor is past its first; traced, the choice is made by
+    ``torch.where``."""
+    leaves, spec = tree.flatten(updates)
+    per_update = tree.leaves_up_to(spec, counts, "the state's counts", "the updates")
+    firsts = [None if u is None else _smallest(c) for u, c in zip(leaves, per_update)]
+    known = [c for c in firsts if c is not None]
+    if not torch.compiler.is_compiling() and all(count > 1 for count in read_counts(known)):
         return updates
-    return optree.tree_map(
-        lambda u, c: u if u is None else torch.where(c > 1, u, torch.zeros_like(u)), updates, counts, none_is_leaf=True
+    return spec.unflatten(
+        [u if u is None or c is None else torch.where(c > 1, u, torch.zeros_like(u)) for u, c in zip(leaves, firsts)]
     )
+
+
+def _smallest(counts: Any) -> Optional[torch.Tensor]:
+    """The smallest of a tensor's count (0-dim) or a flat buffer's counts (a nest of tuples of
+    1-D tensors), as a 0-dim tensor; ``None`` where there is none."""
+    found = [c.reshape(-1) for c in optree.tree_leaves(counts)]
+    if not found:
+        return None
+    return found[0].min() if len(found) == 1 else torch.cat(found).min()
 
 
 @accepts_schedules

@@ -53,6 +53,35 @@ class Segment(NamedTuple):
         return buffer[self.offset : self.offset + self.numel].view(self.shape)
 
 
+class Rows(NamedTuple):
+    """Where equal-sized tensors lie in a flat buffer: ``number`` tensors of ``numel`` elements,
+    one after the other from ``start``, or (``offsets`` not ``None``) each at its offset."""
+
+    start: int
+    number: int
+    numel: int
+    offsets: Optional[tuple]
+
+
+def by_shape(segments: Sequence[Segment]) -> tuple:
+    """The non-empty ``segments`` grouped by shape: ``(shape, Rows)`` per shape, in the order
+    each first occurs, each group's tensors in buffer order.
+
+    Args:
+        segments: the segments of one flat buffer.
+    """
+    offsets_of: dict[tuple, list] = {}
+    for seg in segments:
+        if seg.numel:
+            offsets_of.setdefault(tuple(seg.shape), []).append(seg.offset)
+    grouped = []
+    for shape, offsets in offsets_of.items():
+        numel = math.prod(shape)
+        apart = any(offset != offsets[0] + j * numel for j, offset in enumerate(offsets))
+        grouped.append((shape, Rows(offsets[0], len(offsets), numel, tuple(offsets) if apart else None)))
+    return tuple(grouped)
+
+
 class FlatGroup(NamedTuple):
     """The tensors sharing one buffer: ``key`` (``"float32@cpu"``), dtype, device, segments, size."""
 
@@ -125,6 +154,7 @@ class FlatLayout:
             key: FlatGroup(key, kinds[key][0], kinds[key][1], tuple(segs), sum(s.numel for s in segs))
             for key, segs in segments.items()
         }
+        self._by_shape = {key: by_shape(group.segments) for key, group in self.groups.items()}
 
     @classmethod
     def of(cls, params: Any, max_buffer_mb: Optional[float] = None) -> "FlatLayout":
@@ -169,6 +199,17 @@ class FlatLayout:
                 raises a KeyError.
         """
         return self.groups[key].segments
+
+    def shape_groups(self, key: str) -> tuple:
+        """The non-empty tensors of the buffer ``key`` grouped by shape: ``(shape, rows)`` per
+        shape, in the order each first occurs, ``rows`` (:class:`Rows`) saying where they lie.
+        Computed with the layout: plain Python values that a traced step reads as constants,
+        whatever the number of tensors.
+
+        Args:
+            key: a group key of this layout (one of :attr:`keys`); any other raises a KeyError.
+        """
+        return self._by_shape[key]
 
     def flatten(self, params: Any) -> dict:
         """``{key: buffer}``: the leaves of ``params`` (a tree of this layout) copied into new flat

@@ -57,6 +57,26 @@ def segments_of(key: str) -> Optional[tuple]:
     return None if layout is None else layout.segments(key)
 
 
+def shape_groups_of(key: str, name: str) -> tuple:
+    """The tensors of the flat buffer ``key`` in the fused update running now, grouped by shape
+    (:meth:`~functional_bagua.FlatLayout.shape_groups`), for rules that batch tensors of one shape.
+
+    Args:
+        key: the group key of a flat buffer.
+        name: the transform asking, named in the error raised inside ``distributed.shard`` (whose
+            shards do not hold whole tensors).
+    """
+    layout = active_layout()
+    assert layout is not None, "no fused update is running"
+    groups = getattr(layout, "shape_groups", None)
+    if groups is None:
+        raise NotImplementedError(
+            f"{name} cannot run inside shard(): it needs whole tensors, which a shard of the flat buffers does not "
+            "hold. Put it before shard() or run it unsharded."
+        )
+    return groups(key)
+
+
 def tensor_shapes(params: tree.PyTree) -> list:
     """``(name, shape)`` of each parameter tensor of ``params``, also when ``params`` are the flat
     buffers of the fused update running now (then the names and shapes are the layout's).

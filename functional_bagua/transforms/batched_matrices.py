@@ -10,11 +10,27 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from functional_bagua.flat import Rows
+
+
+def check_state_type(name: str, state: object, state_type: type) -> None:
+    """Raise a ValueError for a state that ``name``'s ``init`` did not make.
+
+    Args:
+        name: the transform's name.
+        state: the state ``update`` got.
+        state_type: the state type its ``init`` makes.
+    """
+    if not isinstance(state, state_type):
+        raise ValueError(
+            f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the state "
+            "this transform's init made"
+        )
+
 
 def check_eager_update(name: str, state: object, state_type: type, why: str) -> None:
-    """Raise a ValueError for a state that ``name``'s ``init`` did not make, and a TypeError
-    under torch.compile, which these transforms do not support yet (``why``: the decisions the
-    update takes from values, which a trace cannot).
+    """:func:`check_state_type`, and a TypeError under torch.compile, which these transforms do
+    not support yet (``why``: the decisions the update takes from values, which a trace cannot).
 
     Args:
         name: the transform's name.
@@ -22,16 +38,49 @@ def check_eager_update(name: str, state: object, state_type: type, why: str) -> 
         state_type: the state type its ``init`` makes.
         why: what the update decides from values.
     """
-    if not isinstance(state, state_type):
-        raise ValueError(
-            f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the state "
-            "this transform's init made"
-        )
+    check_state_type(name, state, state_type)
     if torch.compiler.is_compiling():
         raise TypeError(
             f"{name} runs eagerly: {why}, decisions torch.compile cannot trace yet; build the step with "
             "compile=False (make_train_step(..., compile=False)), or keep the optimizer out of the compiled function"
         )
+
+
+def _row_index(flat: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The indices into ``flat`` of the elements of tensors at ``rows.offsets``, row by row."""
+    offsets = torch.tensor(rows.offsets, device=flat.device)
+    return (offsets[:, None] + torch.arange(rows.numel, device=flat.device)).reshape(-1)
+
+
+def gather_rows(flat: torch.Tensor, rows: Rows, shape: tuple) -> torch.Tensor:
+    """The tensors at ``rows`` of a flat buffer, stacked as ``(rows.number, *shape)``: a view where
+    they lie one after the other, else one gather.
+
+    Args:
+        flat: a 1-D flat buffer.
+        rows: where its tensors to stack lie.
+        shape: the view of each row.
+    """
+    if rows.offsets is None:
+        stacked = flat.narrow(0, rows.start, rows.number * rows.numel)
+    else:
+        stacked = flat[_row_index(flat, rows)]
+    return stacked.view(rows.number, *shape)
+
+
+def scatter_rows(flat: torch.Tensor, values: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """``flat`` with ``values`` (one row per tensor, as :func:`gather_rows` stacks them) written
+    at ``rows``, out of place.
+
+    Args:
+        flat: a 1-D flat buffer.
+        values: the rows, ``(rows.number, ...)``.
+        rows: where each row goes.
+    """
+    values = values.reshape(-1).to(flat.dtype)
+    if rows.offsets is None:
+        return torch.slice_scatter(flat, values, 0, rows.start, rows.start + values.numel())
+    return flat.index_copy(0, _row_index(flat, rows), values)
 
 
 def own_storage(state: object) -> object:

@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
@@ -46,6 +46,7 @@ from functional_bagua.transforms.batched_matrices import check_eager_update, own
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_psgd_kron"
+WHY_NOT_FUSED = "its preconditioners act on whole tensors, which it cannot find in a flat buffer yet (fb.soap can)"
 MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
 PROBE_SCALE = math.sqrt(torch.finfo(torch.float32).eps)  # the probe's size relative to mean|G|
 CLIP_RMS = 1.1
@@ -190,6 +191,7 @@ def scale_by_psgd_kron(
         )
 
     def init(params: PyTree) -> ScaleByPsgdKronState:
+        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
         leaves, spec = tree.flatten(params)
         for i, p in enumerate(leaves):
             if p is not None:
@@ -205,6 +207,7 @@ def scale_by_psgd_kron(
         )
 
     def update(grads: PyTree, state: ScaleByPsgdKronState, params: Optional[PyTree] = None) -> tuple:
+        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
         check_eager_update(
             NAME, state, ScaleByPsgdKronState, "it decides from its step count when its preconditioner updates"
         )

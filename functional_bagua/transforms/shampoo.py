@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
@@ -55,6 +55,7 @@ from functional_bagua.transforms.batched_matrices import (
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_shampoo"
+WHY_NOT_FUSED = "its preconditioners act on whole tensors, which it cannot find in a flat buffer yet (fb.soap can)"
 GRAFTINGS = (None, "sgd", "adagrad", "rmsprop", "adam")
 SECOND_MOMENTS = ("adagrad", "rmsprop", "adam")  # the grafting methods that keep V
 NORM_FLOOR = 1e-16  # added to the Shampoo direction's norm before grafting, as the reference
@@ -161,6 +162,7 @@ def scale_by_shampoo(
         return zero_count(p), mu, graft, statistics, roots
 
     def init(params: PyTree) -> ScaleByShampooState:
+        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
         leaves, spec = tree.flatten(params)
         for i, p in enumerate(leaves):
             if p is not None:
@@ -169,6 +171,7 @@ def scale_by_shampoo(
         return ScaleByShampooState(*(spec.unflatten([s[f] for s in per_leaf]) for f in range(5)))
 
     def update(grads: PyTree, state: ScaleByShampooState, params: Optional[PyTree] = None) -> tuple:
+        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
         check_eager_update(
             NAME,
             state,

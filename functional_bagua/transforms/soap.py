@@ -33,7 +33,16 @@ torch.optim's ``state["step"]``), so a tensor whose first gradient comes late in
 preconditioner then.
 
 A scalar (0-dim) tensor has no dimension to precondition: it steps as Adam does, as in the
-reference. The update runs eagerly; under torch.compile it raises a TypeError saying so.
+reference.
+
+Compiled (``torch.compile``, ``make_train_step``) nothing is read from the counts: the tensors of
+one shape step as one batch, each row at its own count, and the decompositions run under
+``torch.cond`` (a first gradient's ``eigh`` only in a step where some row is at its first, a
+refresh only where some row refreshes; rows that do not are kept). Every shape then runs
+batched, including where :func:`rounding_matters`, so directions that rounding decides may
+differ from an eager run's. Inside :func:`~functional_bagua.fuse` the state of each flat buffer
+is kept per group of equal-shaped tensors, stacked (:func:`fused_state_of`): the graph, and its
+compile time, grow with the number of distinct shapes, not of tensors.
 
 ``matrix_dtype`` is the precision of the eigendecompositions and QRs: ``None`` (the reference's)
 takes ``eigh`` in the statistics' dtype (at least float32) and the QR in float32; a dtype takes
@@ -49,20 +58,23 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
+from functional_bagua.flat import Rows
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
-    check_eager_update,
+    check_state_type,
+    gather_rows,
     merge_small_dims,
     own_storage,
     owner_computes,
     per_element,
     restack,
     rows_of,
+    scatter_rows,
 )
 from functional_bagua.tree import PyTree
 
@@ -76,7 +88,8 @@ class ScaleBySoapState(NamedTuple):
     eigenbasis) and ``nu`` (``v``, in the eigenbasis), both of the tensor's shape, and per
     dimension of its preconditioned view the statistic ``L_i`` (``statistics``) and eigenbasis
     ``Q_i`` (``eigenbases``), tuples holding an empty tensor for a dimension without a
-    preconditioner."""
+    preconditioner. Inside :func:`~functional_bagua.fuse`, per flat buffer, each field is a tuple
+    over its groups of equal-shaped tensors, each stacked (:func:`fused_state_of`)."""
 
     count: PyTree  # a field named like tuple.count, as in optax
     mu: PyTree
@@ -152,9 +165,15 @@ def scale_by_soap(
     shampoo = b2 if shampoo_beta is None else shampoo_beta
     _check_arguments(b1, b2, shampoo, eps, precondition_frequency, max_precondition_dim, matrix_dtype)
 
-    @functools.lru_cache(maxsize=None)
-    def layout(shape: tuple) -> Layout:
+    def layout_now(shape: tuple) -> Layout:
         return layout_of(tuple(shape), max_precondition_dim, merge_dims, precondition_1d)
+
+    known_layout = functools.lru_cache(maxsize=None)(layout_now)
+
+    def layout(shape: tuple) -> Layout:
+        """The layout of a tensor of ``shape``: cached eagerly, computed afresh while traced
+        (dynamo traces through a cache and warns about it)."""
+        return layout_now(shape) if torch.compiler.is_compiling() else known_layout(tuple(shape))
 
     def init_leaf(p: torch.Tensor) -> tuple:
         view = layout(p.shape)
@@ -168,26 +187,39 @@ def scale_by_soap(
         for i, p in enumerate(leaves):
             if p is not None:
                 check_param(p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=False)
-        per_leaf = [init_leaf(p) if p is not None else (None,) * 5 for p in leaves]
+        if layout_context.active_layout() is not None:  # flat buffers: stacked per shape
+            keys = tree.leaf_names(spec)
+            per_leaf = [(None,) * 5 if p is None else fused_state_of(p, _groups(keys[i])) for i, p in enumerate(leaves)]
+        else:
+            per_leaf = [init_leaf(p) if p is not None else (None,) * 5 for p in leaves]
         return ScaleBySoapState(*(spec.unflatten([s[f] for s in per_leaf]) for f in range(5)))
 
+    def _groups(key: str) -> list[tuple[Layout, Rows]]:
+        """The groups of equal-shaped tensors of the flat buffer ``key`` of the fused update
+        running now: ``(layout, rows)`` each (:meth:`~functional_bagua.FlatLayout.shape_groups`)."""
+        return [(layout(shape), rows) for shape, rows in layout_context.shape_groups_of(key, NAME)]
+
     def update(grads: PyTree, state: ScaleBySoapState, params: Optional[PyTree] = None) -> tuple:
-        check_eager_update(
-            NAME,
-            state,
-            ScaleBySoapState,
-            "it batches tensors by their step counts and decomposes its statistics every precondition_frequency steps",
-        )
+        check_state_type(NAME, state, ScaleBySoapState)
+        traced = torch.compiler.is_compiling()
+        if traced and group is not None:
+            raise TypeError(
+                f"{NAME}: group= shares its decompositions with collectives that run eagerly; build the step with "
+                "compile=False, or leave group out"
+            )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
             for name, field in zip(ScaleBySoapState._fields, state)
         ]
-        stepping = _batches(x.updates, fields[0], layout)
+        if layout_context.active_layout() is not None:
+            return fused_update(x, fields, traced)
+        stepping = _batches(x.updates, fields[0], layout, traced)
         stepped = {i for members, _ in stepping for i in members}
         # a tensor that does not step keeps its state, in storage of its own (module docstring)
         new_fields = [
-            [leaf if i in stepped else own_storage(leaf) for i, leaf in enumerate(column)] for column in fields
+            [leaf if i in stepped or traced else own_storage(leaf) for i, leaf in enumerate(column)]
+            for column in fields
         ]
         updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]  # empty ones stay 0
         for members, count in stepping:
@@ -195,8 +227,8 @@ def scale_by_soap(
             view = layout(shape)
             batch_state = [[column[i] for i in members] for column in fields]
             check = functools.partial(_check_states, x.updates, fields, members, view, x.spec)
-            batch = _Batch.stacked(count, batch_state, view, check)
-            u = step(restack([x.updates[i] for i in members], view.shape), batch, view)
+            batch = _Batch.stacked(count, batch_state, view, check, traced)
+            u, batch = step(restack([x.updates[i] for i in members], view.shape), batch, view)
             for i, (u_i, count_i, mu_i, nu_i, statistics_i, bases_i) in zip(members, batch.rows(u, shape)):
                 updates[i] = u_i
                 new_fields[0][i], new_fields[1][i], new_fields[2][i] = count_i, mu_i, nu_i
@@ -204,38 +236,137 @@ def scale_by_soap(
                 new_fields[4][i] = _kept_where_none(bases_i, fields[4][i])
         return x.unflatten(updates), ScaleBySoapState(*(x.unflatten(column) for column in new_fields))
 
-    def step(g: torch.Tensor, s: "_Batch", view: Layout) -> torch.Tensor:
-        """One step of a batch of same-layout tensors (module docstring): replaces the fields of
-        ``s`` by the new state and returns ``u``. ``m`` is kept in the eigenbasis (the same
-        numbers: projecting is linear), so each step projects ``g`` once and ``u`` back once; a
-        refresh carries ``m`` over to the new eigenbasis."""
+    def fused_update(x: LeafLists, fields: list, traced: bool) -> tuple:
+        """The update on flat buffers (inside :func:`~functional_bagua.fuse`): per buffer, each
+        group of equal-shaped tensors gathered into one batch, stepped, and scattered back."""
+        keys = tree.leaf_names(x.spec)
+        updates: list = list(x.updates)
+        new_fields = [list(column) for column in fields]
+        for i, g in enumerate(x.updates):
+            if g is None:
+                continue
+            groups = _groups(keys[i])
+            buffer_state = [column[i] for column in fields]
+            _check_fused_state(buffer_state, groups, g, keys[i])
+            counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
+            u = torch.zeros_like(g)
+            per_group = []
+            for j, (view, rows) in enumerate(groups):
+                batch = _Batch.of_group(None if counts is None else counts[j], [f[j] for f in buffer_state], view)
+                u_rows, batch = step(gather_rows(g, rows, view.shape), batch, view)
+                u = scatter_rows(u, u_rows, rows)
+                per_group.append(batch.grouped(buffer_state[3][j], buffer_state[4][j]))
+            updates[i] = u
+            for f in range(5):
+                new_fields[f][i] = tuple(state_j[f] for state_j in per_group)
+        return x.unflatten(updates), ScaleBySoapState(*(x.unflatten(column) for column in new_fields))
+
+    def step(g: torch.Tensor, s: "_Batch", view: Layout) -> tuple[torch.Tensor, "_Batch"]:
+        """One step of a batch of same-layout tensors (module docstring): ``u`` and the batch's
+        new state (a new :class:`_Batch`: torch.compile loses attributes set on an older object
+        after a ``torch.cond``). ``m`` is kept in the eigenbasis (the same numbers: projecting is
+        linear), so each step projects ``g`` once and ``u`` back once; a refresh carries ``m``
+        over to the new eigenbasis."""
         exact = rounding_matters(view, s.count, precondition_frequency)
-        if s.count == 0:
-            s.statistics = accumulate(s.statistics, g, exact)
-            s.bases = [
+        statistics = accumulate(s.statistics, g, exact)
+        if s.count == 0:  # eager, every row at its first gradient
+            bases = [
                 None
                 if stat is None
                 else owner_computes(functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=each), stat, group)
-                for stat, each in zip(s.statistics, exact)
+                for stat, each in zip(statistics, exact)
             ]
-            return torch.zeros_like(g)
+            return torch.zeros_like(g), _Batch(s.count, s.counts, s.mu, s.nu, statistics, bases)
         projected = project(g, s.bases)
-        s.mu = torch.lerp(s.mu, projected, 1 - b1)
-        s.nu = torch.lerp(s.nu, projected.square(), 1 - b2)
-        correction = math.sqrt(1 - b2**s.count) / (1 - b1**s.count) if correct_bias else 1.0
+        mu = torch.lerp(s.mu, projected, 1 - b1)
+        nu = torch.lerp(s.nu, projected.square(), 1 - b2)
+        first = None if s.count is not None else s.counts == 1  # traced: the rows that only initialize
+        if first is not None:
+            mu, nu = torch.where(per_row(first, mu), s.mu, mu), torch.where(per_row(first, nu), s.nu, nu)
+        correction = bias_correction(s.count, s.counts, g.dtype) if correct_bias else 1.0
         if normalize_gradient:
-            u = project(s.mu / (s.nu.sqrt() + eps), s.bases, back=True)
-            u = u / (u.square().mean(dim=tuple(range(1, u.dim())), keepdim=True).sqrt() + eps) * correction
+            u = project(mu / (nu.sqrt() + eps), s.bases, back=True)
+            u = u / (u.square().mean(dim=tuple(range(1, u.dim())), keepdim=True).sqrt() + eps) * per_row(correction, u)
         else:  # the correction folded into the first back-projection's matrix: one pass less
-            u = project(s.mu / (s.nu.sqrt() + eps), s.bases, back=True, scale=correction)
-        s.statistics = accumulate(s.statistics, g, exact)
-        if s.count % precondition_frequency == 0 and any(stat is not None for stat in s.statistics):
-            m = project(s.mu, s.bases, back=True)  # m in the parameter's basis, for the new eigenbasis
-            for d, (stat, basis) in enumerate(zip(s.statistics, s.bases)):
-                if stat is not None:
-                    s.bases[d], s.nu = power_iteration(stat, basis, s.nu, d, matrix_dtype, exact[d], group)
-            s.mu = project(m, s.bases)
-        return u
+            u = project(mu / (nu.sqrt() + eps), s.bases, back=True, scale=correction)
+        bases = s.bases
+        if first is not None:
+            u = torch.where(per_row(first, u), 0.0, u)
+            bases, mu, nu = decompose_traced(statistics, bases, mu, nu, s.counts, first)
+        elif (
+            s.count is not None
+            and s.count % precondition_frequency == 0
+            and any(stat is not None for stat in statistics)
+        ):
+            bases, mu, nu = refreshed(statistics, bases, mu, nu, exact)
+        return u, _Batch(s.count, s.counts, mu, nu, statistics, bases)
+
+    def bias_correction(count: Optional[int], counts: torch.Tensor, dtype: torch.dtype) -> Any:
+        """``sqrt(1 - b2^s) / (1 - b1^s)`` for ``s`` gradients before this one: a number when
+        ``count`` is known, else per row from ``counts`` (``s + 1``; 1 where ``s`` is 0, which
+        only initializes)."""
+        if count is not None:
+            return math.sqrt(1 - b2**count) / (1 - b1**count)
+        before = (counts - 1).clamp(min=1).to(torch.float64)
+        factor = torch.sqrt(1 - torch.pow(b2, before)) / (1 - torch.pow(b1, before))
+        return factor.to(dtype)
+
+    def refreshed(statistics: list, bases: list, mu: torch.Tensor, nu: torch.Tensor, exact: list) -> tuple:
+        """The eigenbases after one power iteration each, with ``mu`` carried over to them and
+        ``nu`` reordered as they are (module docstring)."""
+        m = project(mu, bases, back=True)  # m in the parameter's basis, for the new eigenbasis
+        bases = list(bases)
+        for d, (stat, basis) in enumerate(zip(statistics, bases)):
+            if stat is not None:
+                bases[d], nu = power_iteration(stat, basis, nu, d, matrix_dtype, exact[d], group)
+        return bases, project(m, bases), nu
+
+    def decompose_traced(
+        statistics_per_dim: list,
+        bases_per_dim: list,
+        mu: torch.Tensor,
+        nu: torch.Tensor,
+        counts: torch.Tensor,
+        first: torch.Tensor,
+    ) -> tuple:
+        """The decompositions of a traced step: ``eigh`` for the rows at their first gradient and
+        a power iteration for the rows that refresh, each under ``torch.cond`` (run only where
+        some row needs it; the other rows keep theirs): the new bases, ``mu`` and ``nu``."""
+        on = [d for d, stat in enumerate(statistics_per_dim) if stat is not None]
+        if not on:
+            return bases_per_dim, mu, nu
+        dims = len(statistics_per_dim)
+        statistics = tuple(statistics_per_dim[d] for d in on)
+
+        def initialized(statistics: tuple, bases: tuple, first: torch.Tensor) -> tuple:
+            return tuple(
+                torch.where(per_row(first, b), eigenbasis(stat, matrix_dtype, False), b).contiguous()
+                for stat, b in zip(statistics, bases)
+            )
+
+        def kept(*operands: Any) -> tuple:
+            return tuple(t.clone() for t in operands[1])
+
+        bases = torch.cond(first.any(), initialized, kept, (statistics, tuple(bases_per_dim[d] for d in on), first))
+        refreshing = ((counts - 1) % precondition_frequency == 0) & ~first
+
+        def unstacked(bases: tuple) -> list:
+            found = iter(bases)
+            return [next(found) if d in on else None for d in range(dims)]
+
+        def refreshed_rows(
+            statistics: tuple, bases: tuple, mu: torch.Tensor, nu: torch.Tensor, rows: torch.Tensor
+        ) -> tuple:
+            full = [None if d not in on else statistics[on.index(d)] for d in range(dims)]
+            new_bases, new_mu, new_nu = refreshed(full, unstacked(bases), mu, nu, [False] * dims)
+            pick = [(new_bases[d], bases[k]) for k, d in enumerate(on)] + [(new_mu, mu), (new_nu, nu)]
+            return tuple(torch.where(per_row(rows, old), new, old).contiguous() for new, old in pick)
+
+        def kept_all(statistics: tuple, bases: tuple, mu: torch.Tensor, nu: torch.Tensor, rows: torch.Tensor) -> tuple:
+            return tuple(t.clone() for t in (*bases, mu, nu))
+
+        done = torch.cond(refreshing.any(), refreshed_rows, kept_all, (statistics, tuple(bases), mu, nu, refreshing))
+        return unstacked(tuple(done[: len(on)])), done[-2], done[-1]
 
     def accumulate(statistics: list, g: torch.Tensor, exact: list) -> list:
         """Each ``L_d <- lerp(L_d, G_(d) G_(d)^T, 1 - shampoo_beta)`` (``None``: no preconditioner)."""
@@ -251,27 +382,38 @@ class _Batch:
     (``None`` for a dimension without a preconditioner)."""
 
     def __init__(
-        self, count: int, counts: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, statistics: list, bases: list
+        self,
+        count: Optional[int],
+        counts: torch.Tensor,
+        mu: torch.Tensor,
+        nu: torch.Tensor,
+        statistics: list,
+        bases: list,
     ) -> None:
         self.count, self.counts, self.mu, self.nu = count, counts, mu, nu
         self.statistics, self.bases = statistics, bases
 
     @classmethod
-    def stacked(cls, count: int, fields: list, view: Layout, check: Callable[[], None]) -> "_Batch":
+    def stacked(
+        cls, count: Optional[int], fields: list, view: Layout, check: Callable[[], None], traced: bool = False
+    ) -> "_Batch":
         """The batch of the tensors whose state is ``fields`` (one list per field of
-        :class:`ScaleBySoapState`, one entry per tensor), all at ``count`` gradients: without a
-        copy where each field holds the rows of the previous step's batch, else stacked after
-        ``check()`` (which raises for a state made for other tensors or options)."""
+        :class:`ScaleBySoapState`, one entry per tensor), all at ``count`` gradients (``None``:
+        each at its own, traced): without a copy where each field holds the rows of the previous
+        step's batch, else stacked after ``check()`` (which raises for a state made for other
+        tensors or options)."""
         counts, mus, nus, statistics, bases = fields
         on = [d for d, kept in enumerate(view.preconditioned) if kept]
         columns = [(counts, ()), (mus, view.shape), (nus, view.shape)] + [
             ([m[d] for m in column], (view.shape[d], view.shape[d])) for column in (statistics, bases) for d in on
         ]
-        found: list[Optional[torch.Tensor]] = [rows_of(tensors, shape) for tensors, shape in columns]
+        found: list[Optional[torch.Tensor]] = [
+            None if traced else rows_of(tensors, shape) for tensors, shape in columns
+        ]
         placeholders = [
             m[d] for column in (statistics, bases) for m in column for d in range(len(view.shape)) if d not in on
         ]
-        if any(f is None for f in found) or any(tuple(p.shape) != NO_MATRIX for p in placeholders):
+        if traced or any(f is None for f in found) or any(tuple(p.shape) != NO_MATRIX for p in placeholders):
             check()
         stacked = [
             f if f is not None else torch.stack([t.reshape(shape) for t in tensors])
@@ -284,6 +426,28 @@ class _Batch:
             return [next(pieces) if d in on else None for d in range(len(view.shape))]
 
         return cls(count, counts_b + 1, mu, nu, per_dim(0), per_dim(len(on)))
+
+    @classmethod
+    def of_group(cls, count: Optional[int], fields: list, view: Layout) -> "_Batch":
+        """The batch of one group of a flat buffer, from its stacked state (``fields``: one value
+        per field of :class:`ScaleBySoapState`, :func:`fused_state_of`)."""
+        counts, mu, nu, statistics, bases = fields
+
+        def per_dim(matrices: tuple) -> list:
+            return [m if on else None for m, on in zip(matrices, view.preconditioned)]
+
+        return cls(count, counts + 1, mu, nu, per_dim(statistics), per_dim(bases))
+
+    def grouped(self, statistics: tuple, bases: tuple) -> tuple:
+        """The new state of a group of a flat buffer (:func:`fused_state_of`), keeping the
+        placeholders of ``statistics`` and ``bases`` for dimensions without a preconditioner."""
+        return (
+            self.counts,
+            self.mu,
+            self.nu,
+            tuple(o if n is None else n for n, o in zip(self.statistics, statistics)),
+            tuple(o if n is None else n for n, o in zip(self.bases, bases)),
+        )
 
     def rows(self, u: torch.Tensor, shape: torch.Size) -> list[tuple]:
         """Per tensor of the batch, its update and new state, one value per field of
@@ -311,6 +475,61 @@ def _kept_where_none(new: object, old: object) -> object:
     return new
 
 
+def per_row(values: Any, like: torch.Tensor) -> Any:
+    """``values`` (one per batch element) shaped to broadcast along ``like``'s dimension 0; a
+    number as it is."""
+    if not isinstance(values, torch.Tensor):
+        return values
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+def fused_state_of(flat: torch.Tensor, groups: list) -> tuple:
+    """The initial state of one flat buffer of :func:`~functional_bagua.fuse`: per field of
+    :class:`ScaleBySoapState`, a tuple over the buffer's groups of equal-shaped tensors
+    (``groups``: ``(layout, rows)`` each), each stacked: counts ``(B,)``, moments
+    ``(B, *view)``, and per dimension ``(B, d, d)`` matrices or an empty placeholder.
+
+    Args:
+        flat: the flat parameter buffer (its dtype and device).
+        groups: its groups, in the order the update visits them.
+    """
+    fields: list[list] = [[] for _ in range(5)]
+    for view, where in groups:
+        rows = where.number
+        fields[0].append(torch.zeros(rows, dtype=zero_count(flat).dtype, device=flat.device))
+        fields[1].append(flat.new_zeros(rows, *view.shape))
+        fields[2].append(flat.new_zeros(rows, *view.shape))
+        for f in (3, 4):
+            fields[f].append(
+                tuple(
+                    flat.new_zeros(rows, d, d) if on else flat.new_zeros(NO_MATRIX)
+                    for d, on in zip(view.shape, view.preconditioned)
+                )
+            )
+    return tuple(tuple(column) for column in fields)
+
+
+def _check_fused_state(state: list, groups: list, flat: torch.Tensor, key: str) -> None:
+    """Raise a ValueError unless one flat buffer's state (one value per field) is what ``init``
+    makes inside this fused update (:func:`fused_state_of`)."""
+    expected = fused_state_of(flat.new_empty(0, device="meta"), groups)
+    got = [_shapes(field) for field in state]
+    if got != [_shapes(field) for field in expected]:
+        raise ValueError(
+            f"{NAME}: the state of the flat buffer {key!r} was made for another layout or other options (its shapes "
+            f"{got} differ from {[_shapes(field) for field in expected]}); make it with fuse(tx, layout).init(flat)"
+        )
+
+
+def _shapes(value: Any) -> Any:
+    """The shapes of a nest of tuples of tensors (``None`` for anything else)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, tuple):
+        return tuple(_shapes(v) for v in value)
+    return None
+
+
 def _per_row_tuples(matrices: list, rows: int) -> list:
     """Per row, the tuple of its matrices (``None`` where a dimension has none), or ``None``
     per row where no dimension has one (the old placeholders stay)."""
@@ -320,12 +539,14 @@ def _per_row_tuples(matrices: list, rows: int) -> list:
     return [tuple(row) for row in zip(*columns)]
 
 
-def rounding_matters(view: Layout, count: int, frequency: int) -> list[bool]:
+def rounding_matters(view: Layout, count: Optional[int], frequency: int) -> list[bool]:
     """Per dimension, whether its statistic may still be of less than full rank when it is next
     decomposed (now, at the first gradient, or at the next refresh). Its eigenvectors then
     depend on every rounding, so its products and decompositions round as the reference's
     unbatched ones (:func:`per_element`); elsewhere they run batched. After ``t`` gradients
     ``L_d`` has rank at most ``t`` times the product of the other dimensions."""
+    if count is None:  # traced: batched throughout (module docstring)
+        return [False] * len(view.shape)
     numel = math.prod(view.shape)
     decomposed_at = 0 if count == 0 else -(-count // frequency) * frequency
     return [on and (decomposed_at + 1) * (numel // n) < n for n, on in zip(view.shape, view.preconditioned)]
@@ -354,14 +575,16 @@ def _check_state(g: torch.Tensor, leaf: list, view: Layout, spec: object, i: int
         )
 
 
-def _batches(grads: list, counts: list, layout: Callable[[tuple], Layout]) -> list[tuple[list[int], int]]:
+def _batches(
+    grads: list, counts: list, layout: Callable[[tuple], Layout], traced: bool = False
+) -> list[tuple[list[int], Optional[int]]]:
     """The indices of the gradients that step together (one shape, layout, dtype, device and
-    count), with their count (all counts read at once: one device sync); an empty tensor has
-    nothing to step."""
+    count), with their count (all counts read at once: one device sync); traced, the counts are
+    not read and each batch's count is ``None``. An empty tensor has nothing to step."""
     present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
     if not present:
         return []
-    known = read_counts([counts[i] for i in present])
+    known: list[Optional[int]] = [None] * len(present) if traced else list(read_counts([counts[i] for i in present]))
     batches: dict[tuple, list[int]] = {}
     for i, count in zip(present, known):
         g = grads[i]  # the shape too: tensors of other shapes may share a view, (1,) and () say
@@ -369,23 +592,27 @@ def _batches(grads: list, counts: list, layout: Callable[[tuple], Layout]) -> li
     return [(members, key[4]) for key, members in batches.items()]
 
 
-def project(x: torch.Tensor, bases: list, back: bool = False, scale: float = 1.0) -> torch.Tensor:
+def project(x: torch.Tensor, bases: list, back: bool = False, scale: Any = 1.0) -> torch.Tensor:
     """``scale * x x_1 Q_1 ... x_k Q_k`` for a batch ``x`` of shape ``(B, d_1, ..., d_k)`` (with
     ``Q_i^T`` when ``back``); a ``None`` basis is the identity. For matrices ``Q_1^T X Q_2``
     (``Q_1 X Q_2^T`` back); otherwise each product contracts the leading dimension and appends
-    the new one last, so after all ``k`` the dimensions are in order. ``scale`` multiplies the
-    first matrix (or ``x`` where every basis is the identity)."""
-    matrices: list[Optional[torch.Tensor]] = [None if q is None else (q.mT if back else q) for q in bases]
-    if scale != 1.0:
+    the new one last, so after all ``k`` the dimensions are in order. ``scale`` (a number, or
+    one per batch element) multiplies the first matrix (or ``x`` where every basis is the
+    identity)."""
+    matrices: list[Optional[torch.Tensor]] = [
+        None if q is None else (q.transpose(-2, -1) if back else q) for q in bases
+    ]
+    if isinstance(scale, torch.Tensor) or scale != 1.0:
         first = next((d for d, q in enumerate(matrices) if q is not None), None)
         if first is None:
-            x = x * scale
+            x = x * per_row(scale, x)
         else:
-            matrices[first] = bases[first].mT * scale if back else bases[first] * scale
+            factor = per_row(scale, bases[first])
+            matrices[first] = bases[first].transpose(-2, -1) * factor if back else bases[first] * factor
     if len(matrices) == 2:
         left, right = matrices
         if left is not None:
-            x = left.mT @ x
+            x = left.transpose(-2, -1) @ x
         return x if right is None else x @ right
     batch = x.shape[0]
     for q in matrices:
