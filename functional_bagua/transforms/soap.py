@@ -177,9 +177,7 @@ def scale_by_soap(
 
     def init_leaf(p: torch.Tensor) -> tuple:
         view = layout(p.shape)
-        matrices = tuple(
-            p.new_zeros(d, d) if on else p.new_zeros(NO_MATRIX) for d, on in zip(view.shape, view.preconditioned)
-        )
+        matrices = zero_matrices(p, view)
         return zero_count(p), torch.zeros_like(p), torch.zeros_like(p), matrices, tuple(m.clone() for m in matrices)
 
     def init(params: PyTree) -> ScaleBySoapState:
@@ -357,8 +355,7 @@ def scale_by_soap(
         def refreshed_rows(
             statistics: tuple, bases: tuple, mu: torch.Tensor, nu: torch.Tensor, rows: torch.Tensor
         ) -> tuple:
-            full = [None if d not in on else statistics[on.index(d)] for d in range(dims)]
-            new_bases, new_mu, new_nu = refreshed(full, unstacked(bases), mu, nu, [False] * dims)
+            new_bases, new_mu, new_nu = refreshed(unstacked(statistics), unstacked(bases), mu, nu, [False] * dims)
             pick = [(new_bases[d], bases[k]) for k, d in enumerate(on)] + [(new_mu, mu), (new_nu, nu)]
             return tuple(torch.where(per_row(rows, old), new, old).contiguous() for new, old in pick)
 
@@ -445,8 +442,8 @@ class _Batch:
             self.counts,
             self.mu,
             self.nu,
-            tuple(o if n is None else n for n, o in zip(self.statistics, statistics)),
-            tuple(o if n is None else n for n, o in zip(self.bases, bases)),
+            _kept_where_none(tuple(self.statistics), statistics),
+            _kept_where_none(tuple(self.bases), bases),
         )
 
     def rows(self, u: torch.Tensor, shape: torch.Size) -> list[tuple]:
@@ -483,6 +480,15 @@ def per_row(values: Any, like: torch.Tensor) -> Any:
     return values.view(-1, *([1] * (like.dim() - 1)))
 
 
+def zero_matrices(like: torch.Tensor, view: Layout, rows: tuple = ()) -> tuple:
+    """Per dimension of ``view``, a zero ``(*rows, d, d)`` matrix in ``like``'s dtype and device,
+    or the empty placeholder where the dimension has no preconditioner."""
+    return tuple(
+        like.new_zeros(*rows, d, d) if on else like.new_zeros(NO_MATRIX)
+        for d, on in zip(view.shape, view.preconditioned)
+    )
+
+
 def fused_state_of(flat: torch.Tensor, groups: list) -> tuple:
     """The initial state of one flat buffer of :func:`~functional_bagua.fuse`: per field of
     :class:`ScaleBySoapState`, a tuple over the buffer's groups of equal-shaped tensors
@@ -500,12 +506,7 @@ def fused_state_of(flat: torch.Tensor, groups: list) -> tuple:
         fields[1].append(flat.new_zeros(rows, *view.shape))
         fields[2].append(flat.new_zeros(rows, *view.shape))
         for f in (3, 4):
-            fields[f].append(
-                tuple(
-                    flat.new_zeros(rows, d, d) if on else flat.new_zeros(NO_MATRIX)
-                    for d, on in zip(view.shape, view.preconditioned)
-                )
-            )
+            fields[f].append(zero_matrices(flat, view, (rows,)))
     return tuple(tuple(column) for column in fields)
 
 
