@@ -21,6 +21,9 @@ always written:
 6. ``e2e``: a GPT-2-small-like model (2 of its 12 layers, to fit the budget) trained under bf16
    autocast (end_to_end.py).
 7. ``bagua``: Bagua's headline case, ``fuse_step`` vs ``step`` on BERT-base (fused_optimizer.py).
+8. ``second`` (only when named: ``--only second``): SOAP, Shampoo and PSGD-Kron, eager and
+   compiled over flat buffers, against the references and heavyball on 200 x (50, 100) and GPT-2
+   small's shapes (second_order.py).
 
 The report names the device, the date, torch, CUDA and the driver, which optional packages were
 missing, each section's status and tables, and the issue's GPU targets against what was measured.
@@ -49,6 +52,7 @@ FAILURES_FILE, PROGRESS_FILE = "test_failures.txt", "dist_progress.txt"
 # shares of the budget, from the H200 runs: the suite takes about 150 s on 12 workers and its CUDA
 # distributed module about as long beside it; end to end about 100 s for its rows
 SHARES = {"tests": 0.40, "step": 0.14, "others": 0.10, "peers": 0.08, "compile": 0.08, "e2e": 0.16, "bagua": 0.04}
+OPT_IN = {"second": 1.0}  # sections run only when --only names them, with their share of the budget
 
 
 def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], str]]:
@@ -128,6 +132,12 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
                 "--train-steps",
                 "3" if quick else "10",
             ],
+            "",
+        ),
+        (
+            "second",
+            [py, bench("second_order.py"), "--device", device, "--optimizers", "soap" if quick else "soap,shampoo,kron"]
+            + ["--configs", "a" if quick else "a,d", "--steps", "2" if quick else "10"],
             "",
         ),
     ]
@@ -409,15 +419,17 @@ def main(argv=None) -> None:
     env = environment(args.device)
     print(f"gpu check on {env['device']}; optional packages missing: {', '.join(env['missing']) or 'none'}", flush=True)
     quick = args.device == "cpu"
-    chosen = [s for s in sections(args.out, args.device, quick) if not args.only or s[0] in args.only.split(",")]
+    named = args.only.split(",") if args.only else [name for name in SHARES]
+    chosen = [s for s in sections(args.out, args.device, quick) if s[0] in named]
+    shares = {**SHARES, **OPT_IN}
     deadline = time.monotonic() + args.budget
     results, data = [], {}
-    share_left = sum(SHARES[name] for name, _, _ in chosen)
+    share_left = sum(shares[name] for name, _, _ in chosen)
     with open(os.path.join(args.out, "sections.log"), "w") as log:
         for name, command, json_name in chosen:
             left = deadline - time.monotonic()
-            limit = max(10.0, left * SHARES[name] / share_left)
-            share_left -= SHARES[name]
+            limit = max(10.0, left * shares[name] / share_left)
+            share_left -= shares[name]
             if left < 10:
                 results.append(dict(name=name, status="not run: budget spent", seconds=0, output=""))
                 continue

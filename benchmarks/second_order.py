@@ -95,26 +95,30 @@ def stepper_pure(make_tx: Callable[[], fb.GradientTransformation]) -> Callable:
     return make
 
 
-def stepper_compiled_fused(params: list, device: str) -> Callable[[], None]:
-    """``fb.fuse(fb.soap(...), layout)``'s update and ``apply_updates`` on flat buffers, in one
+def stepper_compiled_fused(make_tx: Callable[[], fb.GradientTransformation]) -> Callable:
+    """``fb.fuse(make_tx(), layout)``'s update and ``apply_updates`` on flat buffers, in one
     ``torch.compile(fullgraph=True)`` (the first step compiles)."""
-    named = {f"p{i}": p.clone() for i, p in enumerate(params)}
-    layout = fb.FlatLayout.of(named)
-    tx = fb.fuse(fb.soap(**HYPER), layout)
-    holder = {"p": layout.flatten(named)}
-    holder["s"] = tx.init(holder["p"])
-    grads = layout.flatten({k: torch.randn_like(v) for k, v in named.items()})
 
-    def update(p: dict, s: object, g: dict) -> tuple:
-        u, s = tx.update(g, s, p)
-        return fb.apply_updates(p, u), s
+    def make(params: list, device: str) -> Callable[[], None]:
+        named = {f"p{i}": p.clone() for i, p in enumerate(params)}
+        layout = fb.FlatLayout.of(named)
+        tx = fb.fuse(make_tx(), layout)
+        holder = {"p": layout.flatten(named)}
+        holder["s"] = tx.init(holder["p"])
+        grads = layout.flatten({k: torch.randn_like(v) for k, v in named.items()})
 
-    compiled = torch.compile(update, fullgraph=True)
+        def update(p: dict, s: object, g: dict) -> tuple:
+            u, s = tx.update(g, s, p)
+            return fb.apply_updates(p, u), s
 
-    def step() -> None:
-        holder["p"], holder["s"] = compiled(holder["p"], holder["s"], grads)
+        compiled = torch.compile(update, fullgraph=True)
 
-    return step
+        def step() -> None:
+            holder["p"], holder["s"] = compiled(holder["p"], holder["s"], grads)
+
+        return step
+
+    return make
 
 
 def stepper_fb_optimizer(params: list, device: str) -> Callable[[], None]:
@@ -200,6 +204,9 @@ SHAMPOO_VARIANTS = {
     "torch AdamW foreach": stepper_torch,
     "fb.shampoo (float32 roots)": stepper_pure(lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float32)),
     "fb.shampoo (float64 roots)": stepper_pure(lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float64)),
+    "fb.shampoo compiled, fused (float32 roots)": stepper_compiled_fused(
+        lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float32)
+    ),
     "pytorch-optimizer Shampoo (reference)": stepper_reference_shampoo,
 }
 
@@ -239,6 +246,7 @@ def _heavyball_kron(ps: list) -> torch.optim.Optimizer:
 KRON_VARIANTS = {
     "torch AdamW foreach": stepper_torch,
     "fb.psgd_kron (pure update)": stepper_pure(lambda: fb.psgd_kron(lr=3e-4)),
+    "fb.psgd_kron compiled, fused": stepper_compiled_fused(lambda: fb.psgd_kron(lr=3e-4)),
     "kron-torch Kron (reference, compiled)": stepper_torch_optimizer(_kron_torch),
     "heavyball PSGDKron (compiled)": stepper_torch_optimizer(_heavyball_kron),
 }
@@ -247,7 +255,7 @@ VARIANTS = {
     "torch AdamW foreach": stepper_torch,
     "fb.soap (pure update)": stepper_pure(lambda: fb.soap(**HYPER)),
     "fb.Optimizer(fb.soap)": stepper_fb_optimizer,
-    "fb.soap compiled, fused": stepper_compiled_fused,
+    "fb.soap compiled, fused": stepper_compiled_fused(lambda: fb.soap(**HYPER)),
     "pytorch-optimizer SOAP (reference)": stepper_reference,
     "heavyball SOAP (compiled)": stepper_heavyball,
 }

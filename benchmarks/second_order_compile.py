@@ -1,15 +1,17 @@
-"""First compile of a second-order step against the number of tensors: SOAP compiled over flat
-buffers (``fb.fuse``, state stacked per shape) against heavyball's SOAP (compiled per tensor list),
-at 20, 200 and 2000 tensors of one shape, each size in a fresh process with a fresh inductor cache.
+"""First compile of a second-order step against the number of tensors: SOAP, Shampoo and
+PSGD-Kron compiled over flat buffers (``fb.fuse``, state stacked per shape) against heavyball's
+SOAP and PSGDKron (compiled per tensor list; heavyball has no plain Shampoo), at 20, 200 and 2000
+tensors of one shape, each size in a fresh process with a fresh inductor cache.
 
-    python benchmarks/second_order_compile.py                            # 20, 200, 2000 x (50, 100)
+    python benchmarks/second_order_compile.py                            # SOAP: 20, 200, 2000 x (50, 100)
+    python benchmarks/second_order_compile.py --optimizer shampoo        # or kron
     python benchmarks/second_order_compile.py --sizes 20,200 --heavyball-sizes 20 --steps 10
 
 Per size and variant: the first step in seconds (trace, compile, and the step itself: the
 initial eigendecompositions), and the median step after it in milliseconds with its range; the
 ratio of our first step to heavyball's at the same size. Hyperparameters as in
-``second_order.py`` (eigenbases refreshed every 10 steps; heavyball's schedule off, float32
-storage).
+``second_order.py`` (SOAP's eigenbases and Shampoo's float32 roots refreshed every 10 steps;
+heavyball's SOAP schedule off, float32 storage; PSGD-Kron's defaults, lr 3e-4).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import tempfile
 import time
 
 SHAPE = (50, 100)
+VARIANTS = {  # per optimizer: ours, and heavyball's where it has one (second_order.py's names)
+    "soap": ("fb.soap compiled, fused", "heavyball SOAP (compiled)"),
+    "shampoo": ("fb.shampoo compiled, fused (float32 roots)",),
+    "kron": ("fb.psgd_kron compiled, fused", "heavyball PSGDKron (compiled)"),
+}
 
 
 def run_one(variant: str, size: int, steps: int, threads: int) -> dict:
@@ -31,13 +38,17 @@ def run_one(variant: str, size: int, steps: int, threads: int) -> dict:
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))
+    import second_order
     from common import spread
-    from second_order import stepper_compiled_fused, stepper_heavyball
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(SHAPE, generator=gen).div_(10) for _ in range(size)]
-    make = {"fb.soap compiled, fused": stepper_compiled_fused, "heavyball SOAP (compiled)": stepper_heavyball}[variant]
+    make = {
+        **{name: second_order.VARIANTS[name] for name in VARIANTS["soap"]},
+        **{name: second_order.SHAMPOO_VARIANTS[name] for name in VARIANTS["shampoo"]},
+        **{name: second_order.KRON_VARIANTS[name] for name in VARIANTS["kron"]},
+    }[variant]
     step = make(params, "cpu")
     if step is None:
         return {}
@@ -54,6 +65,7 @@ def run_one(variant: str, size: int, steps: int, threads: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimizer", default="soap", choices=sorted(VARIANTS))
     parser.add_argument("--sizes", default="20,200,2000")
     parser.add_argument("--heavyball-sizes", default="20,200", help="heavyball compiles for minutes past 200")
     parser.add_argument("--steps", type=int, default=10)
@@ -69,8 +81,9 @@ def main() -> None:
 
     print(f"{machine('cpu')}; {steady_malloc()}; tensors of shape {SHAPE}, float32")
     rows = []
-    plan = [("fb.soap compiled, fused", int(n)) for n in args.sizes.split(",")]
-    plan += [("heavyball SOAP (compiled)", int(n)) for n in args.heavyball_sizes.split(",") if n]
+    ours, *peers = VARIANTS[args.optimizer]
+    plan = [(ours, int(n)) for n in args.sizes.split(",")]
+    plan += [(peer, int(n)) for peer in peers for n in args.heavyball_sizes.split(",") if n]
     for variant, size in plan:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-"))
         child = [sys.executable, __file__, "--child", f"{variant}:{size}", "--steps", str(args.steps)]
@@ -79,10 +92,10 @@ def main() -> None:
         result = json.loads(done.stdout.strip().splitlines()[-1])
         if result:
             rows.append(dict(variant=variant, tensors=size, **result))
-    ours = {r["tensors"]: r["first_s"] for r in rows if r["variant"].startswith("fb.")}
+    first = {r["tensors"]: r["first_s"] for r in rows if r["variant"] == ours}
     for r in rows:
-        if not r["variant"].startswith("fb.") and r["tensors"] in ours:
-            r["ours / this first"] = ours[r["tensors"]] / r["first_s"]
+        if r["variant"] != ours and r["tensors"] in first:
+            r["ours / this first"] = first[r["tensors"]] / r["first_s"]
     print()
     print(table(rows, ["variant", "tensors", "first_s", "ms", "range", "ours / this first"]))
 

@@ -2,11 +2,14 @@
 of ranks that share them.
 
     python benchmarks/second_order_sharded.py [--matrices 32] [--size 128] [--ranks 1,2]
+    python benchmarks/second_order_sharded.py --computation psgd_kron_fit
 
 Each run spawns the ranks (gloo on 127.0.0.1, one thread each) and times, on every rank,
-``batched_matrices.owner_computes`` of Shampoo's inverse root (``eigh`` in float64) over a batch
-of ``--matrices`` symmetric ``--size x --size`` matrices that all ranks hold: the rank's own
-decompositions, and the whole call with the all-gather that shares them. Medians of 5 calls.
+``batched_matrices.owner_computes`` over ``--matrices`` matrices of ``--size x --size`` that all
+ranks hold: the rank's own computations, and the whole call with the all-gather that shares
+them. Medians of 5 calls. ``shampoo_root``: Shampoo's inverse root (``eigh`` in float64) of
+symmetric matrices; ``psgd_kron_fit``: PSGD-Kron's fit of both triangular factors of each
+matrix (float32), inside ``scale_by_psgd_kron(group=...)``'s update.
 """
 
 from __future__ import annotations
@@ -30,10 +33,48 @@ from functional_bagua.transforms.batched_matrices import owner_computes  # noqa:
 from functional_bagua.transforms.shampoo import inverse_root  # noqa: E402
 
 
-def _rank(rank: int, world: int, port: int, matrices: int, size: int, out_dir: str) -> None:
+def _rank(rank: int, world: int, port: int, matrices: int, size: int, out_dir: str, computation: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    timings = (_psgd_kron_fit if computation == "psgd_kron_fit" else _shampoo_root)(matrices, size)
+    torch.save(timings, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _psgd_kron_fit(matrices: int, size: int) -> dict:
+    """PSGD-Kron's update with ``group=``, its fits timed through the owner-computes call."""
+    from functional_bagua.transforms import psgd_kron
+
+    own: list = []
+    whole: list = []
+
+    def timed(fn, batch, group, name, agreed):  # noqa: ANN001, ANN202
+        def timed_fn(*rows: torch.Tensor) -> tuple:
+            start = time.perf_counter()
+            out = fn(*rows)
+            own.append(time.perf_counter() - start)
+            return out
+
+        start = time.perf_counter()
+        out = owner_computes(timed_fn, batch, group, name, agreed)
+        whole.append(time.perf_counter() - start)
+        return out
+
+    psgd_kron.owner_computes = timed  # the module's name for it: its update calls this one
+    gen = torch.Generator().manual_seed(0)
+    params = {f"m{i}": torch.randn(size, size, generator=gen) for i in range(matrices)}
+    grads = {k: torch.randn(size, size, generator=gen) for k in params}
+    tx = psgd_kron.scale_by_psgd_kron(group=dist.group.WORLD)
+    state = tx.init(params)
+    for step in range(6):  # the first one warms up; every step fits (the first 500 do)
+        torch.manual_seed(step)
+        dist.barrier()
+        _, state = tx.update(grads, state, params)
+    return dict(own=statistics.median(own[1:]), whole=statistics.median(whole[1:]))
+
+
+def _shampoo_root(matrices: int, size: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(matrices, size, size, generator=gen, dtype=torch.float64)
     batch = a @ a.mT
@@ -51,8 +92,7 @@ def _rank(rank: int, world: int, port: int, matrices: int, size: int, out_dir: s
         start = time.perf_counter()
         owner_computes(timed_root, batch, dist.group.WORLD)
         whole.append(time.perf_counter() - start)
-    torch.save(dict(own=statistics.median(own), whole=statistics.median(whole)), os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+    return dict(own=statistics.median(own), whole=statistics.median(whole))
 
 
 def free_port() -> int:
@@ -66,13 +106,14 @@ def main() -> None:
     parser.add_argument("--matrices", type=int, default=32)
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--computation", default="shampoo_root", choices=["shampoo_root", "psgd_kron_fit"])
     args = parser.parse_args()
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
         with tempfile.TemporaryDirectory() as out_dir:
             context = mp.start_processes(
                 _rank,
-                args=(world, free_port(), args.matrices, args.size, out_dir),
+                args=(world, free_port(), args.matrices, args.size, out_dir, args.computation),
                 nprocs=world,
                 join=False,
                 start_method="spawn",
@@ -90,9 +131,8 @@ def main() -> None:
     base = rows[0]["own_decompositions_ms"]
     for r in rows:
         r["own x 1 rank"] = r["own_decompositions_ms"] / base
-    print(
-        f"{args.matrices} matrices of {args.size} x {args.size}, float64 eigh, one thread per rank; slowest rank's medians"
-    )
+    what = "float64 eigh" if args.computation == "shampoo_root" else "PSGD-Kron fits, float32"
+    print(f"{args.matrices} matrices of {args.size} x {args.size}, {what}, one thread per rank; slowest rank's medians")
     print(table(rows, ["ranks", "own_decompositions_ms", "with_all_gather_ms", "own x 1 rank"]))
 
 

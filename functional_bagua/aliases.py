@@ -1155,6 +1155,12 @@ def psgd_kron(
     momentum_into_precond_update: bool = True,
     merge_dims: bool = True,
     precond_dtype: torch.dtype = torch.float32,
+    max_prob: float = 1.0,
+    min_prob: float = 0.03,
+    decay: float = 0.001,
+    flat_start: int = 500,
+    balance_every: int = 100,
+    group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> GradientTransformation:
     """PSGD-Kron, as ``kron-torch``'s ``Kron`` with its defaults: the direction of
     :func:`~functional_bagua.scale_by_psgd_kron`, then weight decay on the tensors of two or
@@ -1176,9 +1182,18 @@ def psgd_kron(
         momentum_into_precond_update: fit the preconditioner to the momentum (else the gradient).
         merge_dims: view tensors of more than two dimensions as matrices.
         precond_dtype: the dtype of the factors.
+        max_prob: the preconditioner's update probability at the start (its schedule:
+            :func:`~functional_bagua.transforms.psgd_kron.update_probability`).
+        min_prob: its floor.
+        decay: its anneal rate after ``flat_start`` steps.
+        flat_start: the steps at ``max_prob``.
+        balance_every: rebalance the factors every this many preconditioner updates.
+        group: share the factors' fit among the ranks of this process group, each tensor's fitted
+            by one (after ``allreduce_gradients``; see :func:`~functional_bagua.scale_by_psgd_kron`).
 
     Returns:
-        A GradientTransformation.
+        A GradientTransformation (without weight decay, one that :func:`~functional_bagua.fuse`
+        can run on flat buffers; the weight decay's mask by dimension needs the tensors).
 
     Example::
 
@@ -1197,7 +1212,15 @@ def psgd_kron(
         momentum_into_precond_update,
         merge_dims,
         precond_dtype,
+        max_prob,
+        min_prob,
+        decay,
+        flat_start,
+        balance_every,
+        group,
     )
+    if isinstance(weight_decay, (int, float)) and weight_decay == 0:
+        return chain(direction, scale_by_learning_rate(lr))
     matrices_only = masked(add_decayed_weights(weight_decay), _at_least_two_dims)
     return chain(direction, matrices_only, scale_by_learning_rate(lr))
 

@@ -1,6 +1,8 @@
 """Second-order transforms sharded over gloo ranks (run by dist_harness.run_ranks, module
-"second_order_scenarios"): each rank computes some of the eigendecompositions and roots and
-shares them; test_second_order_sharded.py compares with one process on the global batch."""
+"second_order_scenarios"): each rank computes some of the eigendecompositions, roots and
+PSGD-Kron fits and shares them; test_second_order_sharded.py compares with one process on the
+global batch. The probes of PSGD-Kron come from torch's global RNG, seeded per step (alike on
+every rank, or differently per rank)."""
 
 from __future__ import annotations
 
@@ -27,19 +29,40 @@ def start() -> dict:
 MAKERS = {
     "soap": lambda group: fb.soap(precondition_frequency=2, matrix_dtype=torch.float64, group=group),
     "shampoo": lambda group: fb.shampoo(grafting="adam", precondition_frequency=2, group=group),
+    "psgd_kron": lambda group: fb.psgd_kron(lr=1e-2, precond_dtype=torch.float64, group=group),
 }
+
+
+def seed(step: int, rank: int = 0) -> None:
+    """The global RNG before a step (PSGD-Kron's probes)."""
+    torch.manual_seed(100 * step + rank)
+
+
+def run(tx: fb.GradientTransformation, rank: int, allreduce: bool = True, seed_rank: int = 0) -> dict:
+    """The parameters after STEPS steps of ``tx`` on this rank's gradients (averaged by
+    ``allreduce_gradients`` first where ``allreduce``)."""
+    if allreduce:
+        tx = fb.chain(fbd.allreduce_gradients(), tx)
+    params = start()
+    state = tx.init(params)
+    for step in range(STEPS):
+        seed(step, seed_rank)
+        u, state = tx.update(local_gradients(rank, step), state, params)
+        params = fb.apply_updates(params, u)
+    return params
 
 
 def sharded_second_order(rank: int, world_size: int) -> dict:
     """Each rank its own gradients, averaged by allreduce_gradients, then the transform with its
     decompositions shared among the ranks: the parameters after STEPS steps."""
-    out = {}
-    for name, make in MAKERS.items():
-        tx = fb.chain(fbd.allreduce_gradients(), make(dist.group.WORLD))
-        params = start()
-        state = tx.init(params)
-        for step in range(STEPS):
-            u, state = tx.update(local_gradients(rank, step), state, params)
-            params = fb.apply_updates(params, u)
-        out[name] = params
+    out = {name: run(make(dist.group.WORLD), rank) for name, make in MAKERS.items()}
+    # probes drawn from RNGs seeded per rank: each fit is its owner's, shared with its perturbed
+    # momentum, so the ranks still agree
+    out["psgd_kron, RNG per rank"] = run(MAKERS["psgd_kron"](dist.group.WORLD), rank, seed_rank=rank)
+    for name, make in MAKERS.items():  # the gradients not averaged: refused on every rank alike
+        try:
+            run(make(dist.group.WORLD), rank, allreduce=False)
+            out[f"{name}, not averaged"] = None
+        except ValueError as error:
+            out[f"{name}, not averaged"] = str(error)
     return out

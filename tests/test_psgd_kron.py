@@ -141,16 +141,6 @@ def test_a_state_for_other_shapes_and_complex_parameters_are_refused():
         fb.psgd_kron().init({"z": torch.zeros(2, 2, dtype=torch.complex64)})
 
 
-@pytest.mark.parametrize("alias, name", [(fb.psgd_kron, "scale_by_psgd_kron"), (fb.shampoo, "scale_by_shampoo")])
-def test_a_compiled_step_says_the_optimizer_runs_eagerly(alias, name):
-    model = torch.nn.Linear(4, 2)
-    tx = alias()
-    params = fb.params_of(model)
-    step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=True)
-    with pytest.raises(TypeError, match=f"{name} runs eagerly"):
-        step(params, tx.init(params), (torch.randn(8, 4), torch.randn(8, 2)))
-
-
 def test_a_scalar_steps_as_a_one_element_vector():
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn((), generator=gen, dtype=torch.float64) for _ in range(6)]

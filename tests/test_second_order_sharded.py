@@ -1,13 +1,13 @@
-"""SOAP's eigendecompositions and Shampoo's inverse roots computed by one rank each and shared
-(owner-computes), on 2 and 4 gloo ranks after allreduce_gradients, against one process on the
-mean of all ranks' gradients."""
+"""SOAP's eigendecompositions, Shampoo's inverse roots and PSGD-Kron's fits computed by one rank
+each and shared (owner-computes), on 2 and 4 gloo ranks after allreduce_gradients, against one
+process on the mean of all ranks' gradients; ranks whose gradients differ are refused alike."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
-from second_order_scenarios import MAKERS, STEPS, local_gradients, start
+from second_order_scenarios import MAKERS, STEPS, local_gradients, seed, start
 
 import functional_bagua as fb
 
@@ -26,6 +26,7 @@ def test_shared_decompositions_equal_one_process_on_the_global_batch(ranks, name
     params = start()
     state = tx.init(params)
     for step in range(STEPS):
+        seed(step)
         per_rank = [local_gradients(r, step) for r in range(world)]
         mean = {k: sum(g[k] for g in per_rank) / world for k in params}
         u, state = tx.update(mean, state, params)
@@ -37,3 +38,23 @@ def test_shared_decompositions_equal_one_process_on_the_global_batch(ranks, name
             torch.testing.assert_close(
                 got[name][k], params[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {k}: {m}"
             )
+
+
+def test_psgd_kron_ranks_agree_also_with_probes_from_rngs_seeded_per_rank(ranks):
+    first = ranks[0]["sharded_second_order"]["psgd_kron, RNG per rank"]
+    for rank, result in enumerate(ranks[1:], start=1):
+        got = result["sharded_second_order"]["psgd_kron, RNG per rank"]
+        for k in first:
+            assert torch.equal(got[k], first[k]), f"rank {rank} {k}"
+    seeded_alike = ranks[0]["sharded_second_order"]["psgd_kron"]
+    # "b" is the second row of its batch: fitted by rank 1, with rank 1's probe (other numbers)
+    assert not torch.equal(first["b"], seeded_alike["b"])
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_ranks_holding_different_gradients_are_refused_alike(ranks, name):
+    for rank, result in enumerate(ranks):
+        message = result["sharded_second_order"][f"{name}, not averaged"]
+        assert message is not None, f"rank {rank} ran on"
+        assert "every rank of the group must hold the same gradients" in message
+        assert "allreduce_gradients" in message

@@ -121,14 +121,6 @@ def test_soap_inside_shard_is_refused_with_the_reason():
         layout_context.run_on_flat_buffers(ShardLike(), fb.scale_by_soap().init, layout.flatten(params))
 
 
-@pytest.mark.parametrize("factory", [fb.shampoo, fb.psgd_kron], ids=["shampoo", "psgd_kron"])
-def test_shampoo_and_psgd_kron_inside_fuse_are_refused_not_run_on_flat_vectors(factory):
-    params, _ = draws({"a": (6, 4), "b": (6, 4)}, steps=1)
-    layout = fb.FlatLayout.of(params)
-    with pytest.raises(NotImplementedError, match="cannot run inside fuse"):
-        fb.fuse(factory(lr=1e-3), layout).init(layout.flatten(params))
-
-
 # ---- compiled: one compile of the update, one of a fused train step (compiles cost seconds) -------
 
 # full-rank statistics only: where a statistic is rank-deficient, its null-space eigenvectors are

@@ -4,13 +4,16 @@ tensor between steps, and per-matrix calls where rounding must match an unbatche
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from functional_bagua.flat import Rows
+
+_T = TypeVar("_T")
 
 
 def check_state_type(name: str, state: object, state_type: type) -> None:
@@ -28,22 +31,19 @@ def check_state_type(name: str, state: object, state_type: type) -> None:
         )
 
 
-def check_eager_update(name: str, state: object, state_type: type, why: str) -> None:
-    """:func:`check_state_type`, and a TypeError under torch.compile, which these transforms do
-    not support yet (``why``: the decisions the update takes from values, which a trace cannot).
+def cached_eagerly(fn: Callable[[tuple], _T]) -> Callable[[tuple], _T]:
+    """``fn`` of a shape, cached when called eagerly and computed afresh while traced (dynamo
+    traces through an ``lru_cache`` and warns about it).
 
     Args:
-        name: the transform's name.
-        state: the state ``update`` got.
-        state_type: the state type its ``init`` makes.
-        why: what the update decides from values.
+        fn: a function of one hashable argument (a shape), whose result depends on nothing else.
     """
-    check_state_type(name, state, state_type)
-    if torch.compiler.is_compiling():
-        raise TypeError(
-            f"{name} runs eagerly: {why}, decisions torch.compile cannot trace yet; build the step with "
-            "compile=False (make_train_step(..., compile=False)), or keep the optimizer out of the compiled function"
-        )
+    known = functools.lru_cache(maxsize=None)(fn)
+
+    def shaped(shape: tuple) -> _T:
+        return fn(tuple(shape)) if torch.compiler.is_compiling() else known(tuple(shape))
+
+    return shaped
 
 
 def _row_index(flat: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -137,9 +137,38 @@ def rows_of(tensors: list, shape: tuple) -> Optional[torch.Tensor]:
 
 def restack(tensors: list, shape: tuple) -> torch.Tensor:
     """The tensors viewed as ``shape``, stacked along a new dim 0: without a copy where they are
-    the rows of one tensor (:func:`rows_of`), else a new one."""
-    base = rows_of(tensors, shape)
+    the rows of one tensor (:func:`rows_of`), else a new one (always while traced, where storage
+    cannot be inspected)."""
+    base = None if torch.compiler.is_compiling() else rows_of(tensors, shape)
     return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
+
+
+def per_row(values: Any, like: torch.Tensor) -> Any:
+    """``values`` (one per batch element) shaped to broadcast along ``like``'s dimension 0; a
+    number as it is.
+
+    Args:
+        values: a 1-D tensor of one value per batch element, or a number.
+        like: a batch (its dimension 0 the batch).
+    """
+    if not isinstance(values, torch.Tensor):
+        return values
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+def one_minus_power(beta: float, counts: Any, like: torch.Tensor) -> Any:
+    """``1 - beta^t`` (a bias correction's divisor): a number for a known count ``t``, else per
+    batch element from the counts (a 1-D integer tensor), in float64 and then ``like``'s dtype,
+    shaped to broadcast along ``like``'s dimension 0 (:func:`per_row`).
+
+    Args:
+        beta: the decay.
+        counts: an int, or one count per batch element.
+        like: the batch it divides.
+    """
+    if not isinstance(counts, torch.Tensor):
+        return 1 - beta**counts
+    return per_row((1 - torch.pow(beta, counts.to(torch.float64))).to(like.dtype), like)
 
 
 def per_element(fn: Callable[..., torch.Tensor], *batches: torch.Tensor) -> torch.Tensor:
@@ -154,30 +183,84 @@ def at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
 
 
-def owner_computes(fn: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, group: Any) -> torch.Tensor:
-    """``fn`` on a batch of square matrices that every rank of ``group`` holds alike, each
-    matrix decomposed by one rank (rank ``r`` of ``W`` takes rows ``r, r + W, ...``: a batch's
-    matrices cost alike, so the split is balanced) and the results gathered by all; ``fn`` maps a
-    batch of ``n x n`` matrices to one of ``n x n`` matrices, row by row. ``group=None``: this
-    process computes all.
+def owner_computes(
+    fn: Callable[..., Any], batch: Any, group: Any, name: str = "owner_computes", agreed: Optional[tuple] = None
+) -> Any:
+    """``fn`` on a batch that every rank of ``group`` holds alike, each row computed by one rank
+    (rank ``r`` of ``W`` takes rows ``r, r + W, ...``: a batch's rows cost alike, so the split is
+    balanced) and the results gathered by all in one all-gather. ``batch`` is a tensor (``fn``
+    maps it to a tensor) or a tuple of row-aligned tensors (``fn`` takes them as arguments and
+    returns a tensor or a tuple), row by row. ``group=None``: this process computes all.
+
+    The all-gather also carries a fingerprint (two sums) of ``agreed`` (default: the batch) from
+    every rank: where the ranks' differ (gradients not averaged before, say), every rank raises
+    the same ValueError instead of mixing rows computed from different matrices.
 
     Args:
-        fn: the decomposition, batched.
-        batch: the matrices, the same on every rank.
+        fn: the computation, batched.
+        batch: the rows, the same on every rank.
         group: a torch process group, or ``None``.
+        name: the transform, named in the error.
+        agreed: the tensors that must be equal on every rank (default: ``batch``).
     """
-    if group is None:
-        return fn(batch)
+    inputs = batch if isinstance(batch, tuple) else (batch,)
+    if group is None or dist.get_world_size(group) == 1:
+        return fn(*inputs)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world == 1:
-        return fn(batch)
-    rows, per_rank = batch.shape[0], math.ceil(batch.shape[0] / world)
-    mine = batch[rank::world]
-    done = fn(mine) if len(mine) else None
-    dtype = done.dtype if done is not None else fn(batch[:1]).dtype  # (fewer rows than ranks)
-    padded = batch.new_zeros((per_rank, *batch.shape[1:]), dtype=dtype)
-    if done is not None:
-        padded[: len(done)] = done
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    return torch.stack([gathered[j % world][j // world] for j in range(rows)])
+    rows, per_rank = inputs[0].shape[0], math.ceil(inputs[0].shape[0] / world)
+    mine = tuple(x[rank::world] for x in inputs)
+    owned = mine[0].shape[0]
+    done = fn(*mine) if owned else fn(*(x[:1] for x in inputs))  # (fewer rows than ranks: shapes only)
+    outs = done if isinstance(done, tuple) else (done,)
+    dtype = outs[0].dtype if all(o.dtype == outs[0].dtype for o in outs) else torch.float64
+    widths = [math.prod(o.shape[1:]) for o in outs]
+    payload = inputs[0].new_zeros(per_rank, sum(widths), dtype=dtype)
+    if owned:
+        payload[:owned] = torch.cat([o.reshape(owned, -1).to(dtype) for o in outs], dim=1)
+    message = torch.cat([payload.reshape(-1), _fingerprint(agreed or inputs).to(dtype)])
+    gathered = [torch.empty_like(message) for _ in range(world)]
+    dist.all_gather(gathered, message, group=group)
+    differing = [r for r in range(world) if not torch.equal(gathered[r][-2:], gathered[0][-2:])]
+    if differing:
+        raise ValueError(
+            f"{name}: with group=, every rank of the group must hold the same gradients and state (chain "
+            f"allreduce_gradients before it), but rank {differing[0]}'s differ from rank 0's"
+        )
+    per_row = [g[:-2].view(per_rank, -1) for g in gathered]
+    merged = torch.stack([per_row[j % world][j // world] for j in range(rows)])
+    results = tuple(part.reshape(rows, *o.shape[1:]).to(o.dtype) for part, o in zip(merged.split(widths, dim=1), outs))
+    return results if isinstance(done, tuple) else results[0]
+
+
+def _fingerprint(tensors: tuple) -> torch.Tensor:
+    """Two sums of ``tensors`` (of their values and of their squares, in float64): equal on
+    ranks that hold equal tensors, and all but surely not equal otherwise."""
+    values = [t.to(torch.float64).reshape(-1) for t in tensors]
+    return torch.stack([sum(v.sum() for v in values), sum(v.square().sum() for v in values)])
+
+
+def check_fused_state(name: str, state: list, expected: Any, key: str) -> None:
+    """Raise a ValueError unless one flat buffer's state (one value per field) has the shapes of
+    ``expected``, what the transform's ``init`` makes inside this fused update.
+
+    Args:
+        name: the transform's name.
+        state: the buffer's state, one value per field (nests of tuples of tensors).
+        expected: the state ``init`` makes (on the meta device will do).
+        key: the buffer's key, named in the message.
+    """
+    got = [_shapes(field) for field in state]
+    if got != [_shapes(field) for field in expected]:
+        raise ValueError(
+            f"{name}: the state of the flat buffer {key!r} was made for another layout or other options (its shapes "
+            f"{got} differ from {[_shapes(field) for field in expected]}); make it with fuse(tx, layout).init(flat)"
+        )
+
+
+def _shapes(value: Any) -> Any:
+    """The shapes of a nest of tuples of tensors (``None`` for anything else)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, tuple):
+        return tuple(_shapes(v) for v in value)
+    return None

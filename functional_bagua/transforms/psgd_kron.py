@@ -27,13 +27,22 @@ preconditioner, unchanged); the reference draws that decision with probability 0
 Python RNG, which a state cannot carry. The probes ``V`` come from torch's global RNG, one draw
 per tensor in the parameters' order, as the reference's. Tensors of one shape step as one
 batch (batched products and triangular solves), their state kept as the rows of one tensor.
+
+Compiled (``torch.compile``, ``make_train_step``) the schedule is computed from the counters in
+the graph, and the fit (with its probe draws) and the balancing run under ``torch.cond``, only
+in the steps that take them: the global RNG advances as in an eager run, and with
+``torch._inductor.config.fallback_random = True`` the compiled step draws the same probes.
+Inside :func:`~functional_bagua.fuse` the state of each flat buffer is kept per group of
+equal-shaped tensors, stacked, and the probes are drawn once per buffer (``V`` for the whole
+buffer, each tensor's its slice): the same distribution as the unfused draws, other numbers
+(the same numbers for a stream whose draws depend only on their order, as a test checks).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -42,11 +51,20 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
-from functional_bagua.transforms.batched_matrices import check_eager_update, own_storage, restack
+from functional_bagua.transforms.batched_matrices import (
+    cached_eagerly,
+    check_fused_state,
+    check_state_type,
+    gather_rows,
+    one_minus_power,
+    own_storage,
+    owner_computes,
+    restack,
+    scatter_rows,
+)
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_psgd_kron"
-WHY_NOT_FUSED = "its preconditioners act on whole tensors, which it cannot find in a flat buffer yet (fb.soap can)"
 MEMORY_SAVE_MODES = (None, "smart_one_diag", "one_diag", "all_diag")
 PROBE_SCALE = math.sqrt(torch.finfo(torch.float32).eps)  # the probe's size relative to mean|G|
 CLIP_RMS = 1.1
@@ -122,6 +140,7 @@ def scale_by_psgd_kron(
     decay: float = 0.001,
     flat_start: int = 500,
     balance_every: int = 100,
+    group: Any = None,
 ) -> GradientTransformation:
     """PSGD-Kron's direction ``u`` (module docstring); chain it with a learning rate.
 
@@ -140,6 +159,10 @@ def scale_by_psgd_kron(
         decay: its anneal rate after ``flat_start`` steps.
         flat_start: the steps at ``max_prob``.
         balance_every: rebalance the factors every this many preconditioner updates.
+        group: a torch process group whose ranks hold the same gradients (after
+            ``allreduce_gradients``): each tensor's factors are fitted by one of its ranks (with
+            that rank's probe) and shared, the perturbed momentum with them
+            (``batched_matrices.owner_computes``); ``None``: all here.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleByPsgdKronState`.
@@ -168,115 +191,259 @@ def scale_by_psgd_kron(
     if not 0.0 < min_prob <= max_prob <= 1.0:
         raise ValueError(f"{NAME}: need 0 < min_prob <= max_prob <= 1, got {min_prob} and {max_prob}")
 
-    @functools.lru_cache(maxsize=None)
+    @cached_eagerly
     def view_of(shape: tuple) -> tuple:
         view = merged_shape(shape) if merge_dims else tuple(shape)
         return view if view else (1,)  # a scalar: one dimension of 1, with a diagonal factor
 
-    @functools.lru_cache(maxsize=None)
+    @cached_eagerly
     def factor_shapes(shape: tuple) -> list[tuple]:
         view = view_of(shape)
         diagonal = diagonal_dims(view, max_size_triangular, min_ndim_triangular, memory_save_mode)
         return [(n,) if diag else (n, n) for n, diag in zip(view, diagonal)]
 
-    def init_factors(p: torch.Tensor) -> tuple:
-        shape = view_of(tuple(p.shape))
+    def init_factors(p: torch.Tensor, shape: tuple, rows: tuple = ()) -> tuple:
+        """The initial factors of a tensor viewed as ``shape`` (``rows``: a batch's leading
+        dimensions), in ``p``'s device."""
         scale = precond_init_scale ** (1 / len(shape))
         diagonal = diagonal_dims(shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
         return tuple(
-            torch.full((n,), scale, dtype=precond_dtype, device=p.device)
+            torch.full((*rows, n), scale, dtype=precond_dtype, device=p.device)
             if diag
-            else scale * torch.eye(n, dtype=precond_dtype, device=p.device)
+            else (scale * torch.eye(n, dtype=precond_dtype, device=p.device)).expand(*rows, n, n).clone()
             for n, diag in zip(shape, diagonal)
         )
 
     def init(params: PyTree) -> ScaleByPsgdKronState:
-        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
         leaves, spec = tree.flatten(params)
         for i, p in enumerate(leaves):
             if p is not None:
                 check_param(p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=False)
         counter = zero_count(params)
+        if layout_context.active_layout() is not None:  # flat buffers: stacked per shape
+            keys = tree.leaf_names(spec)
+            per_leaf = [
+                (None,) * 3 if p is None else fused_state_of(p, layout_context.shape_groups_of(keys[i], NAME))
+                for i, p in enumerate(leaves)
+            ]
+        else:
+            per_leaf = [
+                (None,) * 3
+                if p is None
+                else (zero_count(p), torch.zeros_like(p), init_factors(p, view_of(tuple(p.shape))))
+                for p in leaves
+            ]
         return ScaleByPsgdKronState(
-            count=counter,
-            updates_skipped=counter.clone(),
-            preconditioner_updates=counter.clone(),
-            steps=spec.unflatten([None if p is None else zero_count(p) for p in leaves]),
-            mu=spec.unflatten([None if p is None else torch.zeros_like(p) for p in leaves]),
-            factors=spec.unflatten([None if p is None else init_factors(p) for p in leaves]),
+            counter, counter.clone(), counter.clone(), *(spec.unflatten([s[f] for s in per_leaf]) for f in range(3))
         )
 
+    def fused_state_of(flat: torch.Tensor, groups: tuple) -> tuple:
+        """The initial ``steps``, ``mu`` and ``factors`` of one flat buffer of
+        :func:`~functional_bagua.fuse`: each a tuple over the buffer's groups of equal-shaped
+        tensors (``groups``: ``(shape, rows)`` each), stacked over the group's ``B`` tensors."""
+        steps, mus, factors = [], [], []
+        for shape, rows in groups:
+            view = view_of(tuple(shape))
+            steps.append(torch.zeros(rows.number, dtype=zero_count(flat).dtype, device=flat.device))
+            mus.append(flat.new_zeros(rows.number, *view))
+            factors.append(init_factors(flat, view, (rows.number,)))
+        return tuple(steps), tuple(mus), tuple(factors)
+
     def update(grads: PyTree, state: ScaleByPsgdKronState, params: Optional[PyTree] = None) -> tuple:
-        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
-        check_eager_update(
-            NAME, state, ScaleByPsgdKronState, "it decides from its step count when its preconditioner updates"
-        )
+        check_state_type(NAME, state, ScaleByPsgdKronState)
+        if group is not None and torch.compiler.is_compiling():
+            raise TypeError(
+                f"{NAME}: group= shares its fitted factors with collectives that run eagerly; build the step with "
+                "compile=False, or leave group out"
+            )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
-        mus = tree.leaves_up_to(x.spec, state.mu, "the state's 'mu'", "the gradients")
-        factors = tree.leaves_up_to(x.spec, state.factors, "the state's 'factors'", "the gradients")
-        tensor_steps = tree.leaves_up_to(x.spec, state.steps, "the state's 'steps'", "the gradients")
-        present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
-        counts = read_counts(
-            [state.count, state.updates_skipped, state.preconditioner_updates] + [tensor_steps[i] for i in present]
+        fields = [
+            tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
+            for name, field in zip(("steps", "mu", "factors"), state[3:])
+        ]
+        fused = layout_context.active_layout() is not None
+        batches, probes = fused_batches(x, fields) if fused else tensor_batches(x, fields)
+        refit, balance = decisions(state)
+        qs = balanced_if(balance, [b.factors for b in batches])
+        # a copy of the gradient: inside fuse, the groups' gradients are views of one buffer, and
+        # torch.cond takes no operands that alias each other
+        fitted = [b.momentum if momentum_into_precond_update else b.g.to(precond_dtype, copy=True) for b in batches]
+        fitted, qs = fitted_if(refit, fitted, qs, probes)
+        directions = []
+        for b, fitted_b, qs_b in zip(batches, fitted, qs):
+            u = precondition(fitted_b if momentum_into_precond_update else b.momentum, qs_b)
+            dims = tuple(range(1, u.dim()))
+            directions.append(u * (CLIP_RMS / (u.square().mean(dims, keepdim=True).sqrt() + 1e-12)).clamp(max=1.0))
+        updates, steps, mus, factors = (fused_written if fused else tensors_written)(x, fields, batches, directions, qs)
+        new_state = ScaleByPsgdKronState(
+            count=state.count + 1,
+            updates_skipped=torch.where(refit, 0, state.updates_skipped + 1)
+            if isinstance(refit, torch.Tensor)
+            else (torch.zeros_like(state.updates_skipped) if refit else state.updates_skipped + 1),
+            preconditioner_updates=state.preconditioner_updates + refit
+            if isinstance(refit, torch.Tensor)
+            else (state.preconditioner_updates + 1 if refit else state.preconditioner_updates),
+            steps=x.unflatten(steps),
+            mu=x.unflatten(mus),
+            factors=x.unflatten(factors),
         )
-        step, skipped, done = counts[:3]
-        own_steps = dict(zip(present, (c + 1 for c in counts[3:])))
-        refit = skipped + 1 >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start)
-        balance = refit and done > 0 and done % balance_every == 0
+        return x.unflatten(updates), new_state
+
+    def decisions(state: ScaleByPsgdKronState) -> tuple:
+        """Whether the preconditioner updates this step, and whether its factors are balanced
+        first (module docstring): Python bools eagerly (the counters read at once: one device
+        sync), 0-dim bool tensors while traced."""
+        if not torch.compiler.is_compiling():
+            step, skipped, done = read_counts([state.count, state.updates_skipped, state.preconditioner_updates])
+            refit = skipped + 1 >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start)
+            return refit, refit and done > 0 and done % balance_every == 0
+        anneal = torch.exp(-decay * (state.count.to(torch.float64) - flat_start))
+        probability = (max_prob * anneal).clamp(min=min_prob).clamp(max=max_prob)
+        fits = state.updates_skipped + 1 >= 1 / probability
+        updated = state.preconditioner_updates
+        return fits, fits & (updated > 0) & (updated % balance_every == 0)
+
+    def tensor_batches(x: LeafLists, fields: list) -> tuple:
+        """The batches of the tensors of one view, factor shapes, dtype and device (a
+        :class:`_Batch` each), and the function drawing their probes: one per tensor, in the
+        parameters' order, as the reference draws them."""
+        steps, mus, factors = fields
+        present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
         for i in present:
             _check_leaf(x.updates[i], mus[i], factors[i], factor_shapes(tuple(x.updates[i].shape)), x.spec, i)
-        # one probe per tensor, drawn in the parameters' order, as the reference draws them
-        probes = (
-            {
-                i: torch.randn(view_of(tuple(x.updates[i].shape)), dtype=precond_dtype, device=x.updates[i].device)
-                for i in present
-            }
-            if refit
-            else {}
-        )
-        updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]
-        stepped = set(present)
-        # a tensor that does not step keeps its state, in storage of its own (not a row of an old batch)
-        new_mus = [m if i in stepped else own_storage(m) for i, m in enumerate(mus)]
-        new_factors = [f if i in stepped else own_storage(f) for i, f in enumerate(factors)]
-        new_steps = [c + 1 if i in stepped else c for i, c in enumerate(tensor_steps)]
-        for members in _batches(x.updates, present, factors, view_of):
+        batches = []
+        members_of = _batches(x.updates, present, factors, view_of)
+        for members in members_of:
             shape = view_of(tuple(x.updates[members[0]].shape))
             g = torch.stack([x.updates[i].reshape(shape) for i in members])
-            m = restack([mus[i].reshape(shape) for i in members], shape) * b1 + (1 - b1) * g
-            corrections = [1 - b1 ** own_steps[i] for i in members]  # each tensor's own count
-            correction = torch.tensor(corrections, dtype=m.dtype, device=m.device).view(-1, *([1] * len(shape)))
-            momentum = (m / correction).to(precond_dtype)
+            counts = torch.stack([steps[i] for i in members]) + 1
+            mu = restack([mus[i].reshape(shape) for i in members], shape)
             qs = [
                 restack([factors[i][d] for i in members], tuple(factors[members[0]][d].shape))
                 for d in range(len(shape))
             ]
-            if balance and len(shape) > 1:
-                qs = balanced(qs)
-            if refit:
-                fitted = momentum if momentum_into_precond_update else g.to(precond_dtype)
-                fitted, qs = fit(
-                    fitted, torch.stack([probes[i] for i in members]), qs
-                )  # the probe perturbs what it fits
-                if momentum_into_precond_update:
-                    momentum = fitted
-            u = precondition(momentum, qs)
-            dims = tuple(range(1, u.dim()))
-            u = u * (CLIP_RMS / (u.square().mean(dims, keepdim=True).sqrt() + 1e-12)).clamp(max=1.0)
-            for row, (i, u_i, m_i) in enumerate(zip(members, u.unbind(), m.unbind())):
+            batches.append(batch_of(g, mu, counts, qs, members))
+
+        # Python values only: a tensor the probes' closure reads would enter the traced branch twice
+        probe_shapes = {i: (view_of(tuple(x.updates[i].shape)), x.updates[i].device) for i in present}
+
+        def probes() -> list:
+            drawn = {i: draw_probe(shape, precond_dtype, device) for i, (shape, device) in probe_shapes.items()}
+            return [torch.stack([drawn[i] for i in members]) for members in members_of]
+
+        return batches, probes
+
+    def fused_batches(x: LeafLists, fields: list) -> tuple:
+        """The batches of a fused update (inside :func:`~functional_bagua.fuse`): per flat buffer,
+        each group of equal-shaped tensors gathered, and the function drawing their probes: one
+        draw per buffer, in its order (the tensors' probes one after the other, as the unfused
+        update draws them where the buffer holds the tensors in the parameters' order)."""
+        keys = tree.leaf_names(x.spec)
+        batches, where = [], []
+        for i, g in enumerate(x.updates):
+            if g is None:
+                continue
+            groups = layout_context.shape_groups_of(keys[i], NAME)
+            buffer_state = [column[i] for column in fields]
+            check_fused_state(NAME, buffer_state, fused_state_of(g.new_empty(0, device="meta"), groups), keys[i])
+            for j, (shape, rows) in enumerate(groups):
+                view = view_of(tuple(shape))
+                counts = buffer_state[0][j] + 1
+                batches.append(
+                    batch_of(gather_rows(g, rows, view), buffer_state[1][j], counts, list(buffer_state[2][j]), (i, j))
+                )
+                where.append((i, rows, view))
+        # each buffer once, in order; Python values only (as for the tensors' probes)
+        buffers = {i: (tuple(x.updates[i].shape), x.updates[i].device) for i, _, _ in where}
+
+        def probes() -> list:
+            drawn = {i: draw_probe(shape, precond_dtype, device) for i, (shape, device) in buffers.items()}
+            return [gather_rows(drawn[i], rows, view) for i, rows, view in where]
+
+        return batches, probes
+
+    def batch_of(g: torch.Tensor, mu: torch.Tensor, counts: torch.Tensor, qs: list, members: Any) -> "_Batch":
+        """A :class:`_Batch`: its momentum after this gradient, bias-corrected per row."""
+        m = mu * b1 + (1 - b1) * g
+        momentum = (m / one_minus_power(b1, counts, m)).to(precond_dtype)
+        return _Batch(g, m, momentum, counts, qs, members)
+
+    def balanced_if(balance: Any, qs: list) -> list:
+        """Each batch's factors, balanced (:func:`balanced`) where ``balance`` (under
+        ``torch.cond`` while traced); a batch of one dimension as it is."""
+        which = [k for k, q in enumerate(qs) if len(q) > 1]
+        if not which or balance is False:
+            return qs
+        if balance is True:
+            return [balanced(q) if k in which else q for k, q in enumerate(qs)]
+
+        def rebalanced(chosen: tuple) -> tuple:
+            return tuple(tuple(f.contiguous() for f in balanced(list(q))) for q in chosen)
+
+        def kept(chosen: tuple) -> tuple:
+            return tuple(tuple(f.clone() for f in q) for q in chosen)
+
+        done = iter(torch.cond(balance, rebalanced, kept, (tuple(tuple(qs[k]) for k in which),)))
+        return [list(next(done)) if k in which else q for k, q in enumerate(qs)]
+
+    def fitted_if(refit: Any, fitted: list, qs: list, probes: Callable[[], list]) -> tuple:
+        """Where ``refit``, each batch's factors fitted with new probes (:func:`fit`, under
+        ``torch.cond`` while traced: the probes are drawn only in steps that fit) and what they
+        were fitted to, perturbed; else both as they are."""
+        if refit is False:
+            return fitted, qs
+        if refit is True:
+            done = [
+                owner_computes(fit_rows, (f, v, *q), group, NAME, agreed=(f, *q))
+                for f, v, q in zip(fitted, probes(), qs)
+            ]
+            return [d[0] for d in done], [list(d[1:]) for d in done]
+
+        def fitted_all(fitted: tuple, qs: tuple) -> tuple:
+            done = [fit(f, v, list(q)) for f, v, q in zip(fitted, probes(), qs)]
+            return tuple(d[0].contiguous() for d in done), tuple(tuple(f.contiguous() for f in d[1]) for d in done)
+
+        def kept(fitted: tuple, qs: tuple) -> tuple:
+            return tuple(f.clone() for f in fitted), tuple(tuple(f.clone() for f in q) for q in qs)
+
+        new_fitted, new_qs = torch.cond(refit, fitted_all, kept, (tuple(fitted), tuple(tuple(q) for q in qs)))
+        return list(new_fitted), [list(q) for q in new_qs]
+
+    def tensors_written(x: LeafLists, fields: list, batches: list, directions: list, qs: list) -> tuple:
+        """The updates and the new ``steps``, ``mu`` and ``factors`` per tensor (rows of each
+        batch's tensors; a tensor that does not step keeps its state, in storage of its own)."""
+        steps, mus, factors = fields
+        stepped = {i for b in batches for i in b.members}
+        traced = torch.compiler.is_compiling()
+        updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]
+        new_mus = [m if i in stepped or traced else own_storage(m) for i, m in enumerate(mus)]
+        new_factors = [f if i in stepped or traced else own_storage(f) for i, f in enumerate(factors)]
+        new_steps = [c + 1 if i in stepped else c for i, c in enumerate(steps)]
+        for b, u, qs_b in zip(batches, directions, qs):
+            for row, (i, u_i, m_i) in enumerate(zip(b.members, u.unbind(), b.m.unbind())):
                 shape_i = x.updates[i].shape
                 updates[i] = u_i.reshape(shape_i).to(x.updates[i].dtype)
                 new_mus[i] = m_i.view(shape_i) if m_i.shape == shape_i else m_i.reshape(shape_i)
-                new_factors[i] = tuple(q[row] for q in qs)
-        new_state = ScaleByPsgdKronState(
-            count=state.count + 1,
-            updates_skipped=torch.zeros_like(state.updates_skipped) if refit else state.updates_skipped + 1,
-            preconditioner_updates=state.preconditioner_updates + 1 if refit else state.preconditioner_updates,
-            steps=x.unflatten(new_steps),
-            mu=x.unflatten(new_mus),
-            factors=x.unflatten(new_factors),
-        )
-        return x.unflatten(updates), new_state
+                new_factors[i] = tuple(q[row] for q in qs_b)
+        return updates, new_steps, new_mus, new_factors
+
+    def fused_written(x: LeafLists, fields: list, batches: list, directions: list, qs: list) -> tuple:
+        """The updates (each group's rows scattered into its flat buffer) and the new stacked
+        ``steps``, ``mu`` and ``factors`` per buffer."""
+        keys = tree.leaf_names(x.spec)
+        updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]
+        new = [[list(column[i]) if column[i] is not None else None for i in range(len(keys))] for column in fields]
+        for b, u, qs_b in zip(batches, directions, qs):
+            i, j = b.members
+            shape, rows = layout_context.shape_groups_of(keys[i], NAME)[j]
+            updates[i] = scatter_rows(updates[i], u, rows)
+            new[0][i][j], new[1][i][j], new[2][i][j] = b.counts, b.m, tuple(qs_b)
+        return updates, *([None if v is None else tuple(v) for v in column] for column in new)
+
+    def fit_rows(g: torch.Tensor, v: torch.Tensor, *qs: torch.Tensor) -> tuple:
+        """:func:`fit` as a tuple of rows: the perturbed ``G`` and the new factors."""
+        perturbed, new = fit(g, v, list(qs))
+        return (perturbed, *new)
 
     def fit(g: torch.Tensor, v: torch.Tensor, qs: list) -> tuple[torch.Tensor, list]:
         """One update of a batch's factors with the probes ``v`` (module docstring); returns the
@@ -304,6 +471,31 @@ def scale_by_psgd_kron(
     return GradientTransformation(init, update)
 
 
+class _Batch(NamedTuple):
+    """The tensors that step together: the gradients ``g`` ``(B, *view)``, the momentum ``m``
+    after this gradient and ``momentum``, bias-corrected in ``precond_dtype``, the counts
+    (this gradient included), the factors stacked per dimension, and which tensors they are
+    (indices; inside fuse, a buffer and a group)."""
+
+    g: torch.Tensor
+    m: torch.Tensor
+    momentum: torch.Tensor
+    counts: torch.Tensor
+    factors: list
+    members: Any
+
+
+def draw_probe(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A probe ``V ~ N(0, I)`` of ``shape`` from torch's global RNG (module docstring).
+
+    Args:
+        shape: the probe's shape.
+        dtype: its dtype (the preconditioner's).
+        device: its device.
+    """
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
 def _batches(grads: list, present: list, factors: list, view_of: Callable) -> list[list[int]]:
     """The tensors that step together: one view shape, factor shapes, dtype and device."""
     batches: dict[tuple, list[int]] = {}
@@ -329,7 +521,7 @@ def along(
     if inverse_transpose:  # y = x q^-1 along the last dimension: y q = x
         out = torch.linalg.solve_triangular(q, flat, upper=True, left=False)
     else:
-        out = flat @ (q if transpose else q.mT)
+        out = flat @ (q if transpose else q.transpose(-2, -1))
     return out.reshape(moved.shape).movedim(-1, d + 1)
 
 

@@ -23,11 +23,22 @@ and before ``start_preconditioning_step`` it is ``M_hat``. The inverse roots com
 (``(max(lambda, 0) + epsilon)^(-1/(2k))`` on each eigenvalue: a statistic is positive
 semi-definite, so a negative eigenvalue is rounding) in ``matrix_dtype``. Blocks of one shape
 are batched: one ``eigh`` and one batched matmul per shape, whatever the number of tensors.
-Each tensor counts its own gradients, as torch.optim's ``state["step"]``. The statistics and
-the statistics, moments and filtered gradient in float32 at least (bfloat16 and float16
-parameters too; the direction is cast back), as the reference's factor matrices, and the roots and the preconditioning in ``matrix_dtype``: where a statistic
-is of less than full rank its root has entries near ``epsilon^(-1/(2k))`` that cancel only in
-that precision. An empty tensor gets a zero update.
+Each tensor counts its own gradients, as torch.optim's ``state["step"]``. The statistics,
+moments and filtered gradient are kept in float32 at least (for bfloat16 and float16 parameters
+too; the direction is cast back), as the reference's factor matrices, and the roots and the
+preconditioning run in ``matrix_dtype``: where a statistic is of less than full rank its root
+has entries near ``epsilon^(-1/(2k))`` that cancel only in that precision. An empty tensor gets
+a zero update.
+
+Compiled (``torch.compile``, ``make_train_step``) nothing is read from the counts: the blocks of
+one shape step as one batch, each row at its own count (its bias corrections, refreshes and
+start of preconditioning its own), and the inverse roots are recomputed under ``torch.cond``,
+only in a step where some row refreshes (the other rows keep theirs). Inside
+:func:`~functional_bagua.fuse` the state of each flat buffer is kept per group of equal-shaped
+tensors, per block stacked: the graph, and its compile time, grow with the number of distinct
+shapes, not of tensors. With ``epsilon`` far below a rank-deficient statistic's scale, a
+compiled step's rounding (inductor's) is amplified by the root's ``epsilon^(-1/(2k))`` entries
+as an eager one's would be by any other rounding.
 """
 
 from __future__ import annotations
@@ -46,16 +57,21 @@ from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
-    check_eager_update,
+    cached_eagerly,
+    check_fused_state,
+    check_state_type,
+    gather_rows,
     merge_small_dims,
+    one_minus_power,
     own_storage,
     owner_computes,
+    per_row,
     restack,
+    scatter_rows,
 )
 from functional_bagua.tree import PyTree
 
 NAME = "scale_by_shampoo"
-WHY_NOT_FUSED = "its preconditioners act on whole tensors, which it cannot find in a flat buffer yet (fb.soap can)"
 GRAFTINGS = (None, "sgd", "adagrad", "rmsprop", "adam")
 SECOND_MOMENTS = ("adagrad", "rmsprop", "adam")  # the grafting methods that keep V
 NORM_FLOOR = 1e-16  # added to the Shampoo direction's norm before grafting, as the reference
@@ -136,133 +152,220 @@ def scale_by_shampoo(
         b1, b2, epsilon, max_preconditioner_dim, precondition_frequency, start, grafting, grafting_beta2, matrix_dtype
     )
 
-    @functools.lru_cache(maxsize=None)
+    @cached_eagerly
     def view_of(shape: tuple) -> tuple:
         view = merge_small_dims(shape, max_preconditioner_dim) if merge_dims and len(shape) > 1 else shape
         return view if len(view) else (1,)
 
-    @functools.lru_cache(maxsize=None)
+    @cached_eagerly
     def cut(shape: tuple) -> list[tuple]:
         return blocks_of(view_of(shape), max_preconditioner_dim)
 
-    @functools.lru_cache(maxsize=None)
+    @cached_eagerly
     def block_shapes(shape: tuple) -> list[tuple]:
         return [tuple(len(range(*piece.indices(n))) for piece, n in zip(s, view_of(shape))) for s in cut(shape)]
 
+    moments_kept = (b1 > 0, grafting in SECOND_MOMENTS)  # M and V, else empty placeholders
+
+    def zero_state(like: torch.Tensor, shape: tuple, rows: tuple = ()) -> tuple:
+        """The zero state of one block of ``shape`` (``rows``: a batch's leading dimensions):
+        ``M``, ``V`` (empty placeholders where not kept), the statistics and the roots."""
+        matrix = at_least_float32(like.dtype)  # low-precision roots would not cancel: float32 at least
+        statistics = tuple(like.new_zeros(*rows, n, n, dtype=matrix) for n in shape)
+        roots = tuple(torch.zeros_like(m, dtype=matrix_dtype) for m in statistics)
+        mu = like.new_zeros(*rows, *shape, dtype=matrix) if b1 > 0 else like.new_zeros(0)
+        graft = like.new_zeros(*rows, *shape, dtype=matrix) if grafting in SECOND_MOMENTS else like.new_zeros(0)
+        return mu, graft, statistics, roots
+
     def init_leaf(p: torch.Tensor) -> tuple:
-        view = p.reshape(view_of(tuple(p.shape)))
-        blocks = [view[s] for s in cut(tuple(p.shape))]
-        matrix = at_least_float32(p.dtype)  # low-precision roots would not cancel: float32 at least
-        statistics = tuple(tuple(p.new_zeros(n, n, dtype=matrix) for n in b.shape) for b in blocks)
-        roots = tuple(tuple(torch.zeros_like(m, dtype=matrix_dtype) for m in block) for block in statistics)
-        mu = tuple(torch.zeros_like(b, dtype=matrix) if b1 > 0 else p.new_zeros(0) for b in blocks)
-        graft = tuple(
-            torch.zeros_like(b, dtype=matrix) if grafting in SECOND_MOMENTS else p.new_zeros(0) for b in blocks
-        )
-        return zero_count(p), mu, graft, statistics, roots
+        per_block = [zero_state(p, shape) for shape in block_shapes(tuple(p.shape))]
+        return (zero_count(p), *(tuple(b[f] for b in per_block) for f in range(4)))  # no blocks: empty
 
     def init(params: PyTree) -> ScaleByShampooState:
-        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
         leaves, spec = tree.flatten(params)
         for i, p in enumerate(leaves):
             if p is not None:
                 check_param(p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=False)
-        per_leaf = [init_leaf(p) if p is not None else (None,) * 5 for p in leaves]
+        if layout_context.active_layout() is not None:  # flat buffers: stacked per shape
+            keys = tree.leaf_names(spec)
+            per_leaf = [
+                (None,) * 5 if p is None else fused_state_of(p, layout_context.shape_groups_of(keys[i], NAME))
+                for i, p in enumerate(leaves)
+            ]
+        else:
+            per_leaf = [init_leaf(p) if p is not None else (None,) * 5 for p in leaves]
         return ScaleByShampooState(*(spec.unflatten([s[f] for s in per_leaf]) for f in range(5)))
 
+    def fused_state_of(flat: torch.Tensor, groups: tuple) -> tuple:
+        """The initial state of one flat buffer of :func:`~functional_bagua.fuse`: per field of
+        :class:`ScaleByShampooState`, a tuple over the buffer's groups of equal-shaped tensors
+        (``groups``: ``(shape, rows)`` each, :meth:`~functional_bagua.FlatLayout.shape_groups`):
+        their counts ``(B,)``, and per block of the shape its state stacked over the ``B`` tensors."""
+        fields: list[list] = [[] for _ in range(5)]
+        for shape, rows in groups:
+            fields[0].append(torch.zeros(rows.number, dtype=zero_count(flat).dtype, device=flat.device))
+            per_block = [zero_state(flat, block, (rows.number,)) for block in block_shapes(tuple(shape))]
+            for f, column in enumerate(zip(*per_block), start=1):
+                fields[f].append(tuple(column))
+        return tuple(tuple(column) for column in fields)
+
     def update(grads: PyTree, state: ScaleByShampooState, params: Optional[PyTree] = None) -> tuple:
-        layout_context.refuse_inside_fuse(NAME, WHY_NOT_FUSED)
-        check_eager_update(
-            NAME,
-            state,
-            ScaleByShampooState,
-            "it batches blocks by their step counts and recomputes its roots every precondition_frequency steps",
-        )
+        check_state_type(NAME, state, ScaleByShampooState)
+        traced = torch.compiler.is_compiling()
+        if traced and group is not None:
+            raise TypeError(
+                f"{NAME}: group= shares its inverse roots with collectives that run eagerly; build the step with "
+                "compile=False, or leave group out"
+            )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
             for name, field in zip(ScaleByShampooState._fields, state)
         ]
+        if layout_context.active_layout() is not None:
+            return fused_update(x, fields, traced)
         present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
         for i in present:
             shapes = block_shapes(tuple(x.updates[i].shape))
-            _check_state(x.updates[i], fields[3][i], shapes, x.spec, i)
-            moments = [(fields[1][i], b1 > 0, "mu"), (fields[2][i], grafting in SECOND_MOMENTS, "graft")]
-            for held, kept, name in moments:
-                expected = [shape if kept else (0,) for shape in shapes]
-                if not isinstance(held, tuple) or [tuple(m.shape) for m in held] != expected:
-                    raise ValueError(
-                        f"{NAME}: the state's {name!r} of {tree.leaf_name(x.spec, i)!r} does not fit these options "
-                        f"(b1, grafting, max_preconditioner_dim, merge_dims): expected blocks of shapes {expected}; "
-                        "make the state with this transform, tx.init(params)"
-                    )
-        steps = dict(zip(present, (c + 1 for c in read_counts([fields[0][i] for i in present]))))
+            _check_leaf(x.updates[i], [column[i] for column in fields], shapes, moments_kept, x, i)
+        # traced, the counts are not read: blocks of one shape step together, each at its own count
+        steps = None if traced else dict(zip(present, (c + 1 for c in read_counts([fields[0][i] for i in present]))))
         stepped = set(present)
         # a tensor that does not step keeps its state, in storage of its own (not a row of an old batch)
         new_fields = [
-            [leaf if i in stepped else own_storage(leaf) for i, leaf in enumerate(column)] for column in fields
+            [leaf if i in stepped or traced else own_storage(leaf) for i, leaf in enumerate(column)]
+            for column in fields
         ]
         per_block: dict[int, list] = {i: [None] * len(cut(tuple(x.updates[i].shape))) for i in present}
         for members, t in _block_batches(x.updates, present, steps, block_shapes):
-            state_rows = [[fields[f][i][k] for i, k in members] for f in (1, 2, 3, 4)]
+            if t is None:
+                t = torch.stack([fields[0][i] for i, _ in members]) + 1
+            shape = block_shapes(tuple(x.updates[members[0][0]].shape))[members[0][1]]
+            mu, graft, statistics, roots = (
+                stacked([fields[f][i][k] for i, k in members], shape, kept)
+                for f, kept in zip((1, 2, 3, 4), (*moments_kept, True, True))
+            )
             grads_b = torch.stack([_block(x.updates[i], k, view_of, cut) for i, k in members])
-            p_b, new_rows = step(grads_b, state_rows, t)
+            direction, *new = step(grads_b, mu, graft, statistics, roots, t)
             for row, (i, k) in enumerate(members):
-                per_block[i][k] = (p_b[row], *(column[row] for column in new_rows))
+                per_block[i][k] = (direction[row], *(unstacked(n, fields[f][i][k], row) for f, n in enumerate(new, 1)))
         updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]
         for i in present:
             g = x.updates[i]
             blocks = per_block[i]
-            updates[i] = _assembled([b[0] for b in blocks], g, view_of, cut)
+            shape = tuple(g.shape)
+            updates[i] = assembled([b[0] for b in blocks], view_of(shape), cut(shape)).reshape(g.shape)
             new_fields[0][i] = fields[0][i] + 1
             for f in range(1, 5):
                 new_fields[f][i] = tuple(b[f] for b in blocks)
         return x.unflatten(updates), ScaleByShampooState(*(x.unflatten(column) for column in new_fields))
 
-    def step(g: torch.Tensor, state_rows: list, t: int) -> tuple[torch.Tensor, list]:
-        """One step of a batch of same-shape blocks at step ``t`` (module docstring): the
-        direction, and per state field (``M``, ``V``, statistics, roots) the new rows."""
-        mus, grafts, statistics, roots = state_rows
-        shape = tuple(g.shape[1:])
+    def fused_update(x: LeafLists, fields: list, traced: bool) -> tuple:
+        """The update on flat buffers (inside :func:`~functional_bagua.fuse`): per buffer, each
+        group of equal-shaped tensors gathered into one batch, stepped block by block, and
+        scattered back."""
+        keys = tree.leaf_names(x.spec)
+        updates: list = list(x.updates)
+        new_fields = [list(column) for column in fields]
+        for i, g in enumerate(x.updates):
+            if g is None:
+                continue
+            groups = layout_context.shape_groups_of(keys[i], NAME)
+            buffer_state = [column[i] for column in fields]
+            check_fused_state(NAME, buffer_state, fused_state_of(g.new_empty(0, device="meta"), groups), keys[i])
+            counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
+            u = torch.zeros_like(g)
+            per_group = []
+            for j, (shape, rows) in enumerate(groups):
+                count = buffer_state[0][j]
+                t = count + 1 if counts is None else counts[j] + 1  # inside fuse all rows step together
+                view = view_of(tuple(shape))
+                g_rows = gather_rows(g, rows, view)
+                directions, new_state = [], []
+                for k, piece in enumerate(cut(tuple(shape))):
+                    mu, graft, statistics, roots = (buffer_state[f][j][k] for f in range(1, 5))
+                    direction, *new = step(
+                        g_rows[(slice(None),) + piece],
+                        mu if moments_kept[0] else None,
+                        graft if moments_kept[1] else None,
+                        list(statistics),
+                        list(roots),
+                        t,
+                    )
+                    directions.append(direction)
+                    new_state.append([mu if new[0] is None else new[0], graft if new[1] is None else new[1]])
+                    new_state[-1] += [tuple(new[2]), tuple(new[3])]
+                u = scatter_rows(u, assembled(directions, view, cut(tuple(shape)), len(g_rows)), rows)
+                per_group.append((count + 1, *(tuple(column) for column in zip(*new_state))))
+            updates[i] = u
+            for f in range(5):
+                new_fields[f][i] = tuple(group_state[f] for group_state in per_group)
+        return x.unflatten(updates), ScaleByShampooState(*(x.unflatten(column) for column in new_fields))
+
+    def step(
+        g: torch.Tensor,
+        mu: Optional[torch.Tensor],
+        graft: Optional[torch.Tensor],
+        statistics: list,
+        roots: list,
+        t: Any,
+    ) -> tuple:
+        """One step of a batch ``g`` of same-shape blocks (module docstring), each at count ``t``
+        (an int, or per block a 1-D tensor, traced): the direction, and the new ``M`` and ``V``
+        (``None`` where not kept), statistics and roots (per dimension, stacked)."""
         out_dtype, g = g.dtype, g.to(at_least_float32(g.dtype))  # the moments too: float32 at least
-        m = torch.lerp(restack(mus, shape), g, 1 - b1) if b1 > 0 else None
-        m_hat = g if m is None else (m / (1 - b1**t) if use_bias_correction else m)
+        m = torch.lerp(mu, g, 1 - b1) if mu is not None else None
+        m_hat = g if m is None else (m / one_minus_power(b1, t, m) if use_bias_correction else m)
         v = None
-        if grafting == "adagrad":
-            v = torch.addcmul(restack(grafts, shape), g, g)
-        elif grafting in ("rmsprop", "adam"):
-            v = torch.lerp(restack(grafts, shape), g.square(), 1 - grafting_beta2)
-        stats = [accumulate(restack([s[d] for s in statistics], (n, n)), g, d) for d, n in enumerate(shape)]
-        if t % precondition_frequency == 0:
-            correction = 1 - b2**t if use_bias_correction and b2 < 1 else 1.0
-            root = 2 * len(shape)
-            new_roots = [
-                owner_computes(lambda m: inverse_root(m, epsilon, root, matrix_dtype), stat / correction, group)
-                for stat in stats
-            ]
-        else:
-            new_roots = [restack([r[d] for r in roots], (n, n)) for d, n in enumerate(shape)]
+        if graft is not None and grafting == "adagrad":
+            v = torch.addcmul(graft, g, g)
+        elif graft is not None:  # rmsprop, adam
+            v = torch.lerp(graft, g.square(), 1 - grafting_beta2)
+        statistics = [accumulate(stat, g, d) for d, stat in enumerate(statistics)]
+        roots = refreshed(statistics, roots, t)
         grafted = graft_direction(m_hat, v, t)
-        if t < start:
-            direction = grafted
-        else:
-            # in the roots' precision: their large entries (epsilon^(-1/2k) where a statistic
-            # is of less than full rank) cancel only there
-            direction = precondition(m_hat.to(matrix_dtype), new_roots).to(g.dtype)
-            if grafting is not None:
-                dims = tuple(range(1, direction.dim()))
-                grafted_norm = grafted.square().sum(dims, keepdim=True).sqrt()
-                direction = direction * (
-                    grafted_norm / (direction.square().sum(dims, keepdim=True).sqrt() + NORM_FLOOR)
-                )
-        rows = len(g)
-        new_rows = [
-            m.unbind() if m is not None else list(mus),  # b1 = 0, no grafting moments: placeholders kept
-            v.unbind() if v is not None else list(grafts),
-            list(zip(*(s.unbind() for s in stats))) if stats else [()] * rows,
-            list(zip(*(r.unbind() for r in new_roots))) if new_roots else [()] * rows,
-        ]
-        return direction.to(out_dtype), new_rows
+        traced = isinstance(t, torch.Tensor)
+        if not traced and t < start:
+            return grafted.to(out_dtype), m, v, statistics, roots
+        # in the roots' precision: their large entries (epsilon^(-1/2k) where a statistic is of
+        # less than full rank) cancel only there
+        direction = precondition(m_hat.to(matrix_dtype), roots).to(g.dtype)
+        if grafting is not None:
+            dims = tuple(range(1, direction.dim()))
+            grafted_norm = grafted.square().sum(dims, keepdim=True).sqrt()
+            direction = direction * (grafted_norm / (direction.square().sum(dims, keepdim=True).sqrt() + NORM_FLOOR))
+        if traced:
+            direction = torch.where(per_row(t < start, direction), grafted, direction)
+        return direction.to(out_dtype), m, v, statistics, roots
+
+    def refreshed(statistics: list, roots: list, t: Any) -> list:
+        """The roots, recomputed from the statistics where the count ``t`` is a multiple of
+        ``precondition_frequency``: eagerly for the whole batch (one count), traced under
+        ``torch.cond`` (run only in a step where some block refreshes; the others keep theirs)."""
+        if not statistics:
+            return roots
+        root = 2 * len(statistics)
+        correction = one_minus_power(b2, t, statistics[0]) if use_bias_correction and b2 < 1 else 1.0
+        if not isinstance(t, torch.Tensor):
+            if t % precondition_frequency:
+                return roots
+            return [
+                owner_computes(lambda m: inverse_root(m, epsilon, root, matrix_dtype), stat / correction, group)
+                for stat in statistics
+            ]
+        scaled = tuple(stat / correction for stat in statistics)
+        refreshing = t % precondition_frequency == 0
+
+        def recomputed(scaled: tuple, roots: tuple, rows: torch.Tensor) -> tuple:
+            return tuple(
+                torch.where(per_row(rows, r), inverse_root(stat, epsilon, root, matrix_dtype), r).contiguous()
+                for stat, r in zip(scaled, roots)
+            )
+
+        def kept(scaled: tuple, roots: tuple, rows: torch.Tensor) -> tuple:
+            return tuple(r.clone() for r in roots)
+
+        return list(torch.cond(refreshing.any(), recomputed, kept, (scaled, tuple(roots), refreshing)))
 
     def accumulate(statistic: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
         """``L_d`` with this step's ``G_(d) G_(d)^T`` (module docstring), per batch element."""
@@ -271,37 +374,62 @@ def scale_by_shampoo(
             return torch.baddbmm(statistic, rows, rows.mT)
         return torch.baddbmm(statistic, rows, rows.mT, beta=b2, alpha=1 - b2)
 
-    def graft_direction(m_hat: torch.Tensor, v: Optional[torch.Tensor], t: int) -> torch.Tensor:
+    def graft_direction(m_hat: torch.Tensor, v: Optional[torch.Tensor], t: Any) -> torch.Tensor:
         """The grafted method's direction ``A`` (module docstring)."""
         if v is None:
             return m_hat
         if grafting == "adam":
-            return m_hat / ((v / (1 - grafting_beta2**t)).sqrt() + grafting_epsilon)
+            return m_hat / ((v / one_minus_power(grafting_beta2, t, v)).sqrt() + grafting_epsilon)
         return m_hat / (v.sqrt() + grafting_epsilon)
 
     return GradientTransformation(init, update)
 
 
-def _block_batches(grads: list, present: list, steps: dict, block_shapes: Callable) -> list:
+def _block_batches(grads: list, present: list, steps: Optional[dict], block_shapes: Callable) -> list:
     """``(members, t)``: the blocks ``(tensor index, block index)`` that step together (one
-    shape, dtype, device and step ``t``), in a fixed order (each batch's state rows stay the
-    rows of one tensor between steps)."""
+    shape, dtype, device and step ``t``; traced, ``steps`` is ``None`` and so is each ``t``: one
+    shape, dtype and device), in a fixed order (each batch's state rows stay the rows of one
+    tensor between steps)."""
     batches: dict[tuple, list[tuple[int, int]]] = {}
     for i in present:
         g = grads[i]
         for k, shape in enumerate(block_shapes(tuple(g.shape))):
-            batches.setdefault((shape, g.dtype, g.device, steps[i]), []).append((i, k))
+            batches.setdefault((shape, g.dtype, g.device, None if steps is None else steps[i]), []).append((i, k))
     return [(members, key[3]) for key, members in batches.items()]
 
 
-def _assembled(blocks: list, g: torch.Tensor, view_of: Callable, cut: Callable) -> torch.Tensor:
-    """A tensor of ``g``'s shape from its blocks' values (a view where it is one block)."""
+def stacked(values: list, shape: tuple, kept: bool) -> Any:
+    """One state field of a batch's blocks (``values``, one per block), stacked
+    (:func:`~functional_bagua.transforms.batched_matrices.restack`): a tensor for ``M`` and
+    ``V`` (``None`` where the options keep none), a list per dimension for the statistics and
+    roots (tuples per block)."""
+    if not kept:
+        return None
+    if isinstance(values[0], tuple):
+        return [restack([v[d] for v in values], (n, n)) for d, n in enumerate(shape)]
+    return restack(values, shape)
+
+
+def unstacked(new: Any, old: Any, row: int) -> Any:
+    """One block's row of a field a step returned (``new``: a tensor, a list per dimension, or
+    ``None``, where the block keeps ``old``, its placeholder)."""
+    if new is None:
+        return old
+    if isinstance(new, list):
+        return tuple(m[row] for m in new)
+    return new[row]
+
+
+def assembled(blocks: list, shape: tuple, pieces: list, batch: Optional[int] = None) -> torch.Tensor:
+    """A tensor of ``shape`` (a batch of them, ``(batch, *shape)``) from its blocks' values,
+    block ``k`` at ``pieces[k]`` (a view where it is one block)."""
+    lead = () if batch is None else (batch,)
     if len(blocks) == 1:
-        return blocks[0].reshape(g.shape)
-    out = torch.empty(view_of(tuple(g.shape)), dtype=blocks[0].dtype, device=g.device)
-    for s, block in zip(cut(tuple(g.shape)), blocks):
-        out[s] = block
-    return out.reshape(g.shape)
+        return blocks[0].reshape(*lead, *shape)
+    out = blocks[0].new_empty(*lead, *shape)
+    for piece, block in zip(pieces, blocks):
+        out[(slice(None),) * len(lead) + piece] = block
+    return out
 
 
 def _block(t: torch.Tensor, k: int, view_of: Callable, cut: Callable) -> torch.Tensor:
@@ -340,19 +468,31 @@ def precondition(m: torch.Tensor, roots: list) -> torch.Tensor:
     return m
 
 
-def _check_state(g: torch.Tensor, statistics: object, block_shapes: list, spec: object, i: int) -> None:
-    """Raise a ValueError unless a tensor's statistics are what ``init`` makes for ``g``'s shape
-    (``block_shapes``: its blocks' shapes)."""
+def _check_leaf(g: torch.Tensor, leaf: list, block_shapes: list, moments: tuple, x: LeafLists, i: int) -> None:
+    """Raise a ValueError unless one tensor's state (``leaf``: one value per field) is what
+    ``init`` makes for ``g``'s shape with these options (``block_shapes``: its blocks' shapes;
+    ``moments``: whether ``M`` and ``V`` are kept, else empty placeholders)."""
+    _, mu, graft, statistics, _ = leaf
     expected = tuple(tuple((n, n) for n in shape) for shape in block_shapes)
     got = None
     if isinstance(statistics, tuple) and all(isinstance(b, tuple) for b in statistics):
         got = tuple(tuple(tuple(m.shape) for m in block) for block in statistics)
+    name = tree.leaf_name(x.spec, i)
     if got != expected:
         raise ValueError(
-            f"{NAME}: the state of {tree.leaf_name(spec, i)!r} (statistics {got}) was made for another parameter "  # type: ignore[arg-type]
-            f"or other options: a parameter of shape {tuple(g.shape)} with these options (max_preconditioner_dim, "
-            f"merge_dims) has {expected}; make the state with this transform, tx.init(params)"
+            f"{NAME}: the state of {name!r} (statistics {got}) was made for another parameter or other options: a "
+            f"parameter of shape {tuple(g.shape)} with these options (max_preconditioner_dim, merge_dims) has "
+            f"{expected}; make the state with this transform, tx.init(params)"
         )
+    for held, kept, moment in zip((mu, graft), moments, ("mu", "graft")):
+        shapes = [tuple(m.shape) for m in held] if isinstance(held, tuple) else None
+        wanted = [tuple(b) if kept else (0,) for b in block_shapes]
+        if shapes != wanted:
+            raise ValueError(
+                f"{NAME}: the state's {moment!r} of {name!r} does not fit these options (b1, grafting, "
+                f"max_preconditioner_dim, merge_dims): blocks of shapes {shapes}, expected {wanted}; make the state "
+                "with this transform, tx.init(params)"
+            )
 
 
 def _check_arguments(

@@ -66,12 +66,15 @@ from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
+    cached_eagerly,
+    check_fused_state,
     check_state_type,
     gather_rows,
     merge_small_dims,
     own_storage,
     owner_computes,
     per_element,
+    per_row,
     restack,
     rows_of,
     scatter_rows,
@@ -165,15 +168,10 @@ def scale_by_soap(
     shampoo = b2 if shampoo_beta is None else shampoo_beta
     _check_arguments(b1, b2, shampoo, eps, precondition_frequency, max_precondition_dim, matrix_dtype)
 
-    def layout_now(shape: tuple) -> Layout:
-        return layout_of(tuple(shape), max_precondition_dim, merge_dims, precondition_1d)
-
-    known_layout = functools.lru_cache(maxsize=None)(layout_now)
-
+    @cached_eagerly
     def layout(shape: tuple) -> Layout:
-        """The layout of a tensor of ``shape``: cached eagerly, computed afresh while traced
-        (dynamo traces through a cache and warns about it)."""
-        return layout_now(shape) if torch.compiler.is_compiling() else known_layout(tuple(shape))
+        """The layout of a tensor of ``shape``."""
+        return layout_of(shape, max_precondition_dim, merge_dims, precondition_1d)
 
     def init_leaf(p: torch.Tensor) -> tuple:
         view = layout(p.shape)
@@ -245,7 +243,7 @@ def scale_by_soap(
                 continue
             groups = _groups(keys[i])
             buffer_state = [column[i] for column in fields]
-            _check_fused_state(buffer_state, groups, g, keys[i])
+            check_fused_state(NAME, buffer_state, fused_state_of(g.new_empty(0, device="meta"), groups), keys[i])
             counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
             u = torch.zeros_like(g)
             per_group = []
@@ -472,14 +470,6 @@ def _kept_where_none(new: object, old: object) -> object:
     return new
 
 
-def per_row(values: Any, like: torch.Tensor) -> Any:
-    """``values`` (one per batch element) shaped to broadcast along ``like``'s dimension 0; a
-    number as it is."""
-    if not isinstance(values, torch.Tensor):
-        return values
-    return values.view(-1, *([1] * (like.dim() - 1)))
-
-
 def zero_matrices(like: torch.Tensor, view: Layout, rows: tuple = ()) -> tuple:
     """Per dimension of ``view``, a zero ``(*rows, d, d)`` matrix in ``like``'s dtype and device,
     or the empty placeholder where the dimension has no preconditioner."""
@@ -508,27 +498,6 @@ def fused_state_of(flat: torch.Tensor, groups: list) -> tuple:
         for f in (3, 4):
             fields[f].append(zero_matrices(flat, view, (rows,)))
     return tuple(tuple(column) for column in fields)
-
-
-def _check_fused_state(state: list, groups: list, flat: torch.Tensor, key: str) -> None:
-    """Raise a ValueError unless one flat buffer's state (one value per field) is what ``init``
-    makes inside this fused update (:func:`fused_state_of`)."""
-    expected = fused_state_of(flat.new_empty(0, device="meta"), groups)
-    got = [_shapes(field) for field in state]
-    if got != [_shapes(field) for field in expected]:
-        raise ValueError(
-            f"{NAME}: the state of the flat buffer {key!r} was made for another layout or other options (its shapes "
-            f"{got} differ from {[_shapes(field) for field in expected]}); make it with fuse(tx, layout).init(flat)"
-        )
-
-
-def _shapes(value: Any) -> Any:
-    """The shapes of a nest of tuples of tensors (``None`` for anything else)."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    if isinstance(value, tuple):
-        return tuple(_shapes(v) for v in value)
-    return None
 
 
 def _per_row_tuples(matrices: list, rows: int) -> list:
