@@ -38,16 +38,33 @@ def seed(step: int, rank: int = 0) -> None:
     torch.manual_seed(100 * step + rank)
 
 
-def run(tx: fb.GradientTransformation, rank: int, allreduce: bool = True, seed_rank: int = 0) -> dict:
+NAN_STEP = 1  # the step where NaN_AT's gradient is NaN (on rank 1 only, in the NaN scenarios)
+NAN_AT = "b"  # the second row of its batch: rank 1's to compute
+
+
+def with_nan(grads: dict, rank: int, step: int) -> dict:
+    """``grads`` with a NaN in ``NAN_AT``'s at ``NAN_STEP`` on rank 1."""
+    if rank == 1 and step == NAN_STEP:
+        grads = dict(grads, **{NAN_AT: grads[NAN_AT].clone().fill_(float("nan"))})
+    return grads
+
+
+def run(
+    tx: fb.GradientTransformation, rank: int, allreduce: bool = True, seed_rank: int = 0, nan: bool = False
+) -> dict:
     """The parameters after STEPS steps of ``tx`` on this rank's gradients (averaged by
-    ``allreduce_gradients`` first where ``allreduce``)."""
+    ``allreduce_gradients`` first where ``allreduce``; with a NaN where ``nan``, skipped by
+    ``apply_if_finite``)."""
+    if nan:  # inside the all-reduce: it decides on the averaged gradients, alike on every rank
+        tx = fb.apply_if_finite(tx, 3)
     if allreduce:
         tx = fb.chain(fbd.allreduce_gradients(), tx)
     params = start()
     state = tx.init(params)
     for step in range(STEPS):
         seed(step, seed_rank)
-        u, state = tx.update(local_gradients(rank, step), state, params)
+        grads = local_gradients(rank, step)
+        u, state = tx.update(with_nan(grads, rank, step) if nan else grads, state, params)
         params = fb.apply_updates(params, u)
     return params
 
@@ -65,4 +82,12 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
             out[f"{name}, not averaged"] = None
         except ValueError as error:
             out[f"{name}, not averaged"] = str(error)
+    # a NaN gradient under apply_if_finite: PSGD-Kron's fit takes it (the step is then skipped)
+    out["psgd_kron, a NaN step skipped"] = run(MAKERS["psgd_kron"](dist.group.WORLD), rank, nan=True)
+    # Shampoo's eigh raises on the NaN statistic, on the rank that owns it: every rank raises
+    try:
+        run(MAKERS["shampoo"](dist.group.WORLD), rank, nan=True)
+        out["shampoo, a NaN statistic"] = None
+    except RuntimeError as error:
+        out["shampoo, a NaN statistic"] = str(error)
     return out

@@ -146,3 +146,29 @@ def test_psgd_kron_refuses_what_it_cannot_run(kwargs, message):
 def test_eigendecompositions_in_half_precision_are_refused(factory):
     with pytest.raises(ValueError, match="matrix_dtype"):
         factory(matrix_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "made, used, message",
+    [
+        (
+            lambda: fb.scale_by_shampoo(matrix_dtype=torch.float32),
+            lambda: fb.scale_by_shampoo(),
+            "made with another matrix_dtype",
+        ),
+        (
+            lambda: fb.scale_by_psgd_kron(),
+            lambda: fb.scale_by_psgd_kron(precond_dtype=torch.float64),
+            "made with another precond_dtype",
+        ),
+    ],
+    ids=["shampoo", "psgd_kron"],
+)
+def test_a_state_made_in_another_precision_is_refused_naming_the_option(made, used, message):
+    params, grads = draws({"a": (4, 3)}, steps=1)
+    with pytest.raises(ValueError, match=message):
+        used().update(grads[0], made().init(params), params)
+    layout = fb.FlatLayout.of(params)
+    flat = layout.flatten(params)
+    with pytest.raises(ValueError, match="shapes and dtypes"):  # the same inside fuse
+        fb.fuse(used(), layout).update(layout.flatten(grads[0]), fb.fuse(made(), layout).init(flat), flat)

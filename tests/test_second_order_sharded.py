@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
-from second_order_scenarios import MAKERS, STEPS, local_gradients, seed, start
+from second_order_scenarios import MAKERS, STEPS, local_gradients, seed, start, with_nan
 
 import functional_bagua as fb
 
@@ -58,3 +58,27 @@ def test_ranks_holding_different_gradients_are_refused_alike(ranks, name):
         assert message is not None, f"rank {rank} ran on"
         assert "every rank of the group must hold the same gradients" in message
         assert "allreduce_gradients" in message
+
+
+def test_a_nan_gradient_under_apply_if_finite_is_skipped_as_by_one_process(ranks):
+    world = len(ranks)
+    tx = fb.apply_if_finite(MAKERS["psgd_kron"](None), 3)
+    params = start()
+    state = tx.init(params)
+    for step in range(STEPS):
+        seed(step)
+        per_rank = [with_nan(local_gradients(r, step), r, step) for r in range(world)]
+        mean = {k: sum(g[k] for g in per_rank) / world for k in params}
+        u, state = tx.update(mean, state, params)
+        params = fb.apply_updates(params, u)
+    for rank, result in enumerate(ranks):
+        got = result["sharded_second_order"]["psgd_kron, a NaN step skipped"]
+        for k in params:
+            torch.testing.assert_close(got[k], params[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+def test_a_decomposition_that_raises_on_its_owner_raises_on_every_rank_not_a_hang(ranks):
+    for rank, result in enumerate(ranks):
+        message = result["sharded_second_order"]["shampoo, a NaN statistic"]
+        assert message is not None, f"rank {rank} ran on"
+        assert "the computation of rank 1's rows raised" in message

@@ -136,9 +136,10 @@ COMPILED_SHAPES = {"a": (5, 5), "b": (5, 5), "tall": (6, 3), "bias": (4,), "scal
 
 def test_a_compiled_update_equals_the_eager_one_also_with_a_late_first_gradient():
     params, grads = draws(COMPILED_SHAPES, steps=7)
-    # "b" gets its first gradient at step 2: in the compiled step it shares a batch with "a", each
-    # row at its own count (its bias corrections, refreshes and start of preconditioning its own)
-    grads = [dict(g, b=None) if t < 2 else g for t, g in enumerate(grads)]
+    # "b" gets its first gradient at step 1: in the compiled step it shares a batch with "a", each
+    # row at its own count (its bias corrections, refreshes and start of preconditioning its own:
+    # with roots every 2nd gradient, the two rows refresh in alternate steps)
+    grads = [dict(g, b=None) if t < 1 else g for t, g in enumerate(grads)]
     tx = fb.shampoo(lr=1e-2, weight_decay=0.1, **OPTIONS[1])
     compiled = torch.compile(tx.update, fullgraph=True)
     expected = trace(tx.update, tx.init(params), params, grads)

@@ -1,4 +1,4 @@
-"""Helpers for the matrix work of the preconditioned optimizers (SOAP, Shampoo), batched over
+"""Helpers for the matrix work of the preconditioned optimizers (SOAP, Shampoo, PSGD-Kron), batched over
 tensors of one shape: shapes viewed with small dimensions merged, state kept as the rows of one
 tensor between steps, and per-matrix calls where rounding must match an unbatched reference."""
 
@@ -188,19 +188,23 @@ def owner_computes(
 ) -> Any:
     """``fn`` on a batch that every rank of ``group`` holds alike, each row computed by one rank
     (rank ``r`` of ``W`` takes rows ``r, r + W, ...``: a batch's rows cost alike, so the split is
-    balanced) and the results gathered by all in one all-gather. ``batch`` is a tensor (``fn``
-    maps it to a tensor) or a tuple of row-aligned tensors (``fn`` takes them as arguments and
-    returns a tensor or a tuple), row by row. ``group=None``: this process computes all.
+    balanced) and the results gathered by all. ``batch`` is a tensor (``fn`` maps it to a
+    tensor) or a tuple of row-aligned tensors (``fn`` takes them as arguments and returns a
+    tensor or a tuple), row by row. ``group=None``: this process computes all.
 
-    The all-gather also carries a fingerprint (two sums) of ``agreed`` (default: the batch) from
-    every rank: where the ranks' differ (gradients not averaged before, say), every rank raises
-    the same ValueError instead of mixing rows computed from different matrices.
+    Two all-gathers: first a fingerprint of ``agreed`` (default: the batch; float64 sums, one
+    weighted by position, and counts of non-finite values, compared bit for bit) and whether ``fn`` raised, then the results
+    as bytes (no dtype is converted). Where ``fn`` raised on some rank, every rank raises a
+    RuntimeError naming it; where the fingerprints differ (gradients not averaged before, say),
+    every rank raises the same ValueError instead of mixing rows computed from different
+    matrices. (Ranks whose step counts differ may call this a different number of times: that
+    is not caught here.)
 
     Args:
         fn: the computation, batched.
         batch: the rows, the same on every rank.
         group: a torch process group, or ``None``.
-        name: the transform, named in the error.
+        name: the transform, named in the errors.
         agreed: the tensors that must be equal on every rank (default: ``batch``).
     """
     inputs = batch if isinstance(batch, tuple) else (batch,)
@@ -210,38 +214,61 @@ def owner_computes(
     rows, per_rank = inputs[0].shape[0], math.ceil(inputs[0].shape[0] / world)
     mine = tuple(x[rank::world] for x in inputs)
     owned = mine[0].shape[0]
-    done = fn(*mine) if owned else fn(*(x[:1] for x in inputs))  # (fewer rows than ranks: shapes only)
-    outs = done if isinstance(done, tuple) else (done,)
-    dtype = outs[0].dtype if all(o.dtype == outs[0].dtype for o in outs) else torch.float64
-    widths = [math.prod(o.shape[1:]) for o in outs]
-    payload = inputs[0].new_zeros(per_rank, sum(widths), dtype=dtype)
-    if owned:
-        payload[:owned] = torch.cat([o.reshape(owned, -1).to(dtype) for o in outs], dim=1)
-    message = torch.cat([payload.reshape(-1), _fingerprint(agreed or inputs).to(dtype)])
-    gathered = [torch.empty_like(message) for _ in range(world)]
-    dist.all_gather(gathered, message, group=group)
-    differing = [r for r in range(world) if not torch.equal(gathered[r][-2:], gathered[0][-2:])]
+    failure: Optional[Exception] = None
+    try:
+        done = fn(*mine) if owned else fn(*(x[:1] for x in inputs))  # (fewer rows than ranks: shapes only)
+    except Exception as error:  # every rank must still take part in the all-gathers
+        failure, done = error, None
+    raised = torch.tensor([float(failure is not None)], dtype=torch.float64, device=inputs[0].device)
+    status = torch.cat([_fingerprint(agreed or inputs), raised])
+    statuses = [torch.empty_like(status) for _ in range(world)]
+    dist.all_gather(statuses, status, group=group)
+    failed = [r for r in range(world) if statuses[r][-1]]
+    if failed:
+        raise RuntimeError(
+            f"{name}: the computation of rank {failed[0]}'s rows raised"
+            + (f": {failure!r}" if failure is not None else " (its own error says why)")
+        ) from failure
+    bits = [s[:-1].view(torch.int64) for s in statuses]  # bit for bit: NaN equals NaN
+    differing = [r for r in range(world) if not torch.equal(bits[r], bits[0])]
     if differing:
         raise ValueError(
             f"{name}: with group=, every rank of the group must hold the same gradients and state (chain "
             f"allreduce_gradients before it), but rank {differing[0]}'s differ from rank 0's"
         )
-    per_row = [g[:-2].view(per_rank, -1) for g in gathered]
-    merged = torch.stack([per_row[j % world][j // world] for j in range(rows)])
-    results = tuple(part.reshape(rows, *o.shape[1:]).to(o.dtype) for part, o in zip(merged.split(widths, dim=1), outs))
+    outs = done if isinstance(done, tuple) else (done,)
+    row_bytes = [math.prod(o.shape[1:]) * o.element_size() for o in outs]
+    payload = torch.zeros(per_rank, sum(row_bytes), dtype=torch.uint8, device=inputs[0].device)
+    if owned:
+        payload[:owned] = torch.cat([o.contiguous().reshape(owned, -1).view(torch.uint8) for o in outs], dim=1)
+    gathered = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(gathered, payload, group=group)
+    merged = torch.stack([gathered[j % world][j // world] for j in range(rows)])
+    results = tuple(
+        part.contiguous().view(o.dtype).reshape(rows, *o.shape[1:])
+        for part, o in zip(merged.split(row_bytes, dim=1), outs)
+    )
     return results if isinstance(done, tuple) else results[0]
 
 
 def _fingerprint(tensors: tuple) -> torch.Tensor:
-    """Two sums of ``tensors`` (of their values and of their squares, in float64): equal on
-    ranks that hold equal tensors, and all but surely not equal otherwise."""
-    values = [t.to(torch.float64).reshape(-1) for t in tensors]
-    return torch.stack([sum(v.sum() for v in values), sum(v.square().sum() for v in values)])
+    """Three float64 sums of ``tensors``' finite values (of the values, of their squares, and of
+    the values weighted by position: tensor and element) and the counts of NaN, +inf and -inf:
+    bit for bit equal on ranks that hold equal tensors (a NaN's bits may not be: they are
+    counted, not summed), and all but surely not equal otherwise."""
+    sums = torch.zeros(6, dtype=torch.float64, device=tensors[0].device)
+    for i, t in enumerate(tensors):
+        v = t.to(torch.float64).reshape(-1)
+        special = torch.stack([v.isnan().sum(), v.isposinf().sum(), v.isneginf().sum()]).to(torch.float64)
+        v = v.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        position = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device) / max(v.numel(), 1) + i
+        sums = sums + torch.cat([torch.stack([v.sum(), v.square().sum(), (v * position).sum()]), special])
+    return sums
 
 
 def check_fused_state(name: str, state: list, expected: Any, key: str) -> None:
-    """Raise a ValueError unless one flat buffer's state (one value per field) has the shapes of
-    ``expected``, what the transform's ``init`` makes inside this fused update.
+    """Raise a ValueError unless one flat buffer's state (one value per field) has the shapes and
+    dtypes of ``expected``, what the transform's ``init`` makes inside this fused update.
 
     Args:
         name: the transform's name.
@@ -253,14 +280,15 @@ def check_fused_state(name: str, state: list, expected: Any, key: str) -> None:
     if got != [_shapes(field) for field in expected]:
         raise ValueError(
             f"{name}: the state of the flat buffer {key!r} was made for another layout or other options (its shapes "
-            f"{got} differ from {[_shapes(field) for field in expected]}); make it with fuse(tx, layout).init(flat)"
+            f"and dtypes {got} differ from {[_shapes(field) for field in expected]}); make it with "
+            "fuse(tx, layout).init(flat)"
         )
 
 
 def _shapes(value: Any) -> Any:
-    """The shapes of a nest of tuples of tensors (``None`` for anything else)."""
+    """The shapes and dtypes of a nest of tuples of tensors (``None`` for anything else)."""
     if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
+        return (*value.shape, str(value.dtype).replace("torch.", ""))
     if isinstance(value, tuple):
         return tuple(_shapes(v) for v in value)
     return None

@@ -75,7 +75,10 @@ class ScaleByPsgdKronState(NamedTuple):
     schedule); ``updates_skipped``: steps since the preconditioner last updated;
     ``preconditioner_updates``: its updates so far; per tensor ``steps`` (its gradients so far,
     for the momentum's bias correction, as the reference's ``state["step"]``), ``mu`` (the
-    momentum ``m``) and ``factors`` (its ``Q_i``, matrices and vectors)."""
+    momentum ``m``) and ``factors`` (its ``Q_i``, matrices and vectors). Inside
+    :func:`~functional_bagua.fuse`, per flat buffer, ``steps``, ``mu`` and ``factors`` are tuples
+    over its groups of equal-shaped tensors, each stacked along a leading dimension (``steps``
+    of shape ``(B,)``)."""
 
     count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     updates_skipped: torch.Tensor
@@ -98,6 +101,8 @@ def update_probability(
         decay: the rate of the anneal.
         flat_start: the steps at ``max_prob``.
     """
+    if step <= flat_start:  # (where the exponential would only grow, and may overflow)
+        return max_prob
     return min(max_prob, max(min_prob, max_prob * math.exp(-decay * (step - flat_start))))
 
 
@@ -162,7 +167,9 @@ def scale_by_psgd_kron(
         group: a torch process group whose ranks hold the same gradients (after
             ``allreduce_gradients``): each tensor's factors are fitted by one of its ranks (with
             that rank's probe) and shared, the perturbed momentum with them
-            (``batched_matrices.owner_computes``); ``None``: all here.
+            (``batched_matrices.owner_computes``: ranks whose inputs differ are refused, each
+            with the same ValueError); eager only (a TypeError under torch.compile); ``None``:
+            all here.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleByPsgdKronState`.
@@ -310,7 +317,9 @@ def scale_by_psgd_kron(
         steps, mus, factors = fields
         present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
         for i in present:
-            _check_leaf(x.updates[i], mus[i], factors[i], factor_shapes(tuple(x.updates[i].shape)), x.spec, i)
+            _check_leaf(
+                x.updates[i], mus[i], factors[i], factor_shapes(tuple(x.updates[i].shape)), precond_dtype, x.spec, i
+            )
         batches = []
         members_of = _batches(x.updates, present, factors, view_of)
         for members in members_of:
@@ -560,13 +569,20 @@ def balanced(qs: list) -> list:
     return [q * (target / n).view(-1, *([1] * (q.dim() - 1))) for q, n in zip(qs, norms)]
 
 
-def _check_leaf(g: torch.Tensor, mu: torch.Tensor, factors: tuple, expected: list, spec: object, i: int) -> None:
+def _check_leaf(
+    g: torch.Tensor, mu: torch.Tensor, factors: tuple, expected: list, dtype: torch.dtype, spec: object, i: int
+) -> None:
     """Raise a ValueError unless one tensor's state is what ``init`` makes for ``g``'s shape
-    (``expected``: its factors' shapes)."""
+    (``expected``: its factors' shapes, in ``dtype``)."""
     got = [tuple(q.shape) for q in factors] if isinstance(factors, tuple) else None
     if mu.shape != g.shape or got != expected:
         raise ValueError(
             f"{NAME}: the state of {tree.leaf_name(spec, i)!r} was made for another parameter or other options: its "  # type: ignore[arg-type]
             f"momentum has shape {tuple(mu.shape)} and its factors {got}, where a parameter of shape "
             f"{tuple(g.shape)} with these options has {expected}; make the state with this transform, tx.init(params)"
+        )
+    if any(q.dtype != dtype for q in factors):
+        raise ValueError(
+            f"{NAME}: the factors of {tree.leaf_name(spec, i)!r} are {factors[0].dtype}, made with another "  # type: ignore[arg-type]
+            f"precond_dtype than this transform's {dtype}; make the state with this transform, tx.init(params)"
         )

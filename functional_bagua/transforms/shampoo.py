@@ -81,7 +81,10 @@ class ScaleByShampooState(NamedTuple):
     """Per tensor: ``count`` (its gradients so far), and per block (in :func:`blocks_of` order):
     ``mu`` (``M``, the filtered gradient; an empty tensor for ``b1 = 0``), ``graft`` (``V``, the
     grafting method's second moments; empty without), and tuples of the statistics ``L_i``
-    (``statistics``) and of their inverse roots ``R_i`` (``roots``), one per dimension."""
+    (``statistics``) and of their inverse roots ``R_i`` (``roots``), one per dimension. Inside
+    :func:`~functional_bagua.fuse`, per flat buffer, each field is a tuple over its groups of
+    equal-shaped tensors: their counts ``(B,)``, and per block its state stacked along a leading
+    dimension of ``B``."""
 
     count: PyTree  # a field named like tuple.count, as in optax
     mu: PyTree
@@ -138,7 +141,8 @@ def scale_by_shampoo(
         group: a torch process group whose ranks hold the same gradients (after
             ``allreduce_gradients``): each inverse root is computed by one of its ranks and
             shared (``batched_matrices.owner_computes``, owner-computes as the distributed-Shampoo
-            reference); ``None``: all here.
+            reference; ranks whose statistics differ are refused, each with the same
+            ValueError); eager only (a TypeError under torch.compile); ``None``: all here.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleByShampooState`.
@@ -227,7 +231,7 @@ def scale_by_shampoo(
         present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
         for i in present:
             shapes = block_shapes(tuple(x.updates[i].shape))
-            _check_leaf(x.updates[i], [column[i] for column in fields], shapes, moments_kept, x, i)
+            _check_leaf(x.updates[i], [column[i] for column in fields], shapes, moments_kept, matrix_dtype, x, i)
         # traced, the counts are not read: blocks of one shape step together, each at its own count
         steps = None if traced else dict(zip(present, (c + 1 for c in read_counts([fields[0][i] for i in present]))))
         stepped = set(present)
@@ -468,11 +472,20 @@ def precondition(m: torch.Tensor, roots: list) -> torch.Tensor:
     return m
 
 
-def _check_leaf(g: torch.Tensor, leaf: list, block_shapes: list, moments: tuple, x: LeafLists, i: int) -> None:
+def _check_leaf(
+    g: torch.Tensor,
+    leaf: list,
+    block_shapes: list,
+    moments: tuple,
+    matrix_dtype: torch.dtype,
+    x: LeafLists,
+    i: int,
+) -> None:
     """Raise a ValueError unless one tensor's state (``leaf``: one value per field) is what
     ``init`` makes for ``g``'s shape with these options (``block_shapes``: its blocks' shapes;
-    ``moments``: whether ``M`` and ``V`` are kept, else empty placeholders)."""
-    _, mu, graft, statistics, _ = leaf
+    ``moments``: whether ``M`` and ``V`` are kept, else empty placeholders; ``matrix_dtype``:
+    the roots' dtype)."""
+    _, mu, graft, statistics, roots = leaf
     expected = tuple(tuple((n, n) for n in shape) for shape in block_shapes)
     got = None
     if isinstance(statistics, tuple) and all(isinstance(b, tuple) for b in statistics):
@@ -483,6 +496,12 @@ def _check_leaf(g: torch.Tensor, leaf: list, block_shapes: list, moments: tuple,
             f"{NAME}: the state of {name!r} (statistics {got}) was made for another parameter or other options: a "
             f"parameter of shape {tuple(g.shape)} with these options (max_preconditioner_dim, merge_dims) has "
             f"{expected}; make the state with this transform, tx.init(params)"
+        )
+    root_dtypes = {m.dtype for block in roots for m in block} if isinstance(roots, tuple) else set()
+    if root_dtypes - {matrix_dtype}:
+        raise ValueError(
+            f"{NAME}: the roots of {name!r} are {sorted(map(str, root_dtypes))}, made with another matrix_dtype than "
+            f"this transform's {matrix_dtype}; make the state with this transform, tx.init(params)"
         )
     for held, kept, moment in zip((mu, graft), moments, ("mu", "graft")):
         shapes = [tuple(m.shape) for m in held] if isinstance(held, tuple) else None

@@ -156,7 +156,9 @@ def scale_by_soap(
         matrix_dtype: the precision of ``eigh`` and QR (module docstring).
         group: a torch process group whose ranks hold the same gradients (after
             ``allreduce_gradients``): each eigendecomposition and QR is computed by one of its
-            ranks and shared (``batched_matrices.owner_computes``); ``None``: all here.
+            ranks and shared (``batched_matrices.owner_computes``: ranks whose statistics differ
+            are refused, each with the same ValueError); eager only (a TypeError under
+            torch.compile); ``None``: all here.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleBySoapState`.
