@@ -1,8 +1,8 @@
 """PSGD-Kron compiled and fused, each against a second code path: inside fb.fuse (flat buffers,
 state stacked per shape) against the unfused update, both drawing their probes from one stream;
-compiled (torch.compile, make_train_step) against the eager update, with inductor's random
-numbers those of eager torch (``fallback_random``); a fused state through a checkpoint; what it
-refuses."""
+compiled (torch.compile, make_train_step) against the eager update, the probes drawn by torch's
+own randn in both (the transform's standard_normal operator) from the same seed; a fused state
+through a checkpoint; what it refuses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import io
 import optree
 import pytest
 import torch
-import torch._inductor.config
 
 import functional_bagua as fb
 from functional_bagua.transforms import psgd_kron
@@ -164,8 +163,7 @@ def test_a_compiled_update_equals_the_eager_one_also_with_a_late_first_gradient(
         u, eager_state = tx.update(g, eager_state, eager_params)
         eager_params = fb.apply_updates(eager_params, u)
         torch.manual_seed(t)
-        with torch._inductor.config.patch(fallback_random=True):  # inductor's draws: eager torch's
-            u, state = compiled(g, state, params)
+        u, state = compiled(g, state, params)
         params = fb.apply_updates(params, u)
         for k in params:
             torch.testing.assert_close(
@@ -176,24 +174,42 @@ def test_a_compiled_update_equals_the_eager_one_also_with_a_late_first_gradient(
             torch.testing.assert_close(have, want, rtol=1e-12, atol=1e-14)
 
 
-def test_a_compiled_fused_train_step_equals_the_eager_fused_one():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
-    batch = (torch.randn(64, 6, dtype=torch.float64), torch.randn(64, 3, dtype=torch.float64))
-    tx = fb.psgd_kron(lr=1e-2, precond_dtype=torch.float64, **OPTIONS[2])
-    params = {k: v.detach().clone() for k, v in fb.params_of(model).items()}
+# a GPT-2's shapes, scaled down (hidden 8, 2 layers, vocabulary 128, 32 positions), float32 as
+# trained: vectors of one shape lying apart in the buffer, gathered inside the fit's torch.cond
+GPT2_LIKE = [(128, 8), (32, 8)] + [
+    (8,),
+    (8,),
+    (8, 24),
+    (24,),
+    (8, 8),
+    (8,),
+    (8,),
+    (8,),
+    (8, 32),
+    (32,),
+    (32, 8),
+    (8,),
+] * 2
+
+
+def test_a_compiled_fused_update_equals_the_eager_fused_one_on_a_gpt2s_shapes():
+    gen = torch.Generator().manual_seed(0)
+    params = {f"p{i:02d}": torch.randn(shape, generator=gen) / 10 for i, shape in enumerate(GPT2_LIKE)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(4)]
     layout = fb.FlatLayout.of(params)
-    with torch._inductor.config.patch(fallback_random=True):
-        compiled = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=True, layout=layout)
-        eager = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=False, layout=layout)
-        flat = layout.flatten(params)
-        flat_state = fb.fuse(tx, layout).init(flat)
-        eager_flat, eager_state = flat.copy(), fb.fuse(tx, layout).init(flat)
-        for t in range(6):
-            torch.manual_seed(t)
-            flat, flat_state, loss = compiled(flat, flat_state, batch)
-            torch.manual_seed(t)
-            eager_flat, eager_state, eager_loss = eager(eager_flat, eager_state, batch)
-            torch.testing.assert_close(loss, eager_loss, rtol=1e-10, atol=0)
-            for k in flat:
-                torch.testing.assert_close(flat[k], eager_flat[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"{t}: {m}")
+    tx = fb.fuse(fb.psgd_kron(lr=1e-2), layout)
+
+    def step(p: dict, s: object, g: dict) -> tuple:
+        u, s = tx.update(g, s, p)
+        return fb.apply_updates(p, u), s
+
+    compiled = torch.compile(step, fullgraph=True)
+    flat = layout.flatten(params)
+    state, eager_flat, eager_state = tx.init(flat), flat, tx.init(flat)
+    for t, g in enumerate(grads):
+        torch.manual_seed(t)
+        flat, state = compiled(flat, state, layout.flatten(g))
+        torch.manual_seed(t)
+        eager_flat, eager_state = step(eager_flat, eager_state, layout.flatten(g))
+        for k in flat:  # inductor rounds its float32 kernels otherwise than eager torch
+            torch.testing.assert_close(flat[k], eager_flat[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{t}: {m}")

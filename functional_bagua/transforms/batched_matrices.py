@@ -46,13 +46,21 @@ def cached_eagerly(fn: Callable[[tuple], _T]) -> Callable[[tuple], _T]:
     return shaped
 
 
-def _row_index(flat: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The indices into ``flat`` of the elements of tensors at ``rows.offsets``, row by row."""
+def row_index(flat: torch.Tensor, rows: Rows) -> Optional[torch.Tensor]:
+    """The indices into ``flat`` of the elements of the tensors at ``rows``, row by row, or
+    ``None`` where they lie one after the other (:func:`gather_rows` takes a view).
+
+    Args:
+        flat: a 1-D flat buffer (its device).
+        rows: where its tensors lie.
+    """
+    if rows.offsets is None:
+        return None
     offsets = torch.tensor(rows.offsets, device=flat.device)
     return (offsets[:, None] + torch.arange(rows.numel, device=flat.device)).reshape(-1)
 
 
-def gather_rows(flat: torch.Tensor, rows: Rows, shape: tuple) -> torch.Tensor:
+def gather_rows(flat: torch.Tensor, rows: Rows, shape: tuple, index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The tensors at ``rows`` of a flat buffer, stacked as ``(rows.number, *shape)``: a view where
     they lie one after the other, else one gather.
 
@@ -60,11 +68,13 @@ def gather_rows(flat: torch.Tensor, rows: Rows, shape: tuple) -> torch.Tensor:
         flat: a 1-D flat buffer.
         rows: where its tensors to stack lie.
         shape: the view of each row.
+        index: :func:`row_index` of ``rows``, made ahead (inside a ``torch.cond`` branch, a
+            tensor built from constants fails inductor's compile: make it outside and pass it).
     """
     if rows.offsets is None:
         stacked = flat.narrow(0, rows.start, rows.number * rows.numel)
     else:
-        stacked = flat[_row_index(flat, rows)]
+        stacked = flat[index if index is not None else row_index(flat, rows)]
     return stacked.view(rows.number, *shape)
 
 
@@ -80,7 +90,7 @@ def scatter_rows(flat: torch.Tensor, values: torch.Tensor, rows: Rows) -> torch.
     values = values.reshape(-1).to(flat.dtype)
     if rows.offsets is None:
         return torch.slice_scatter(flat, values, 0, rows.start, rows.start + values.numel())
-    return flat.index_copy(0, _row_index(flat, rows), values)
+    return flat.index_copy(0, row_index(flat, rows), values)  # type: ignore[arg-type]
 
 
 def own_storage(state: object) -> object:

@@ -30,8 +30,9 @@ batch (batched products and triangular solves), their state kept as the rows of 
 
 Compiled (``torch.compile``, ``make_train_step``) the schedule is computed from the counters in
 the graph, and the fit (with its probe draws) and the balancing run under ``torch.cond``, only
-in the steps that take them: the global RNG advances as in an eager run, and with
-``torch._inductor.config.fallback_random = True`` the compiled step draws the same probes.
+in the steps that take them. The probes come from torch's own ``randn`` through one operator
+(:func:`standard_normals`), so a compiled step draws the same numbers as an eager one from the
+same seed (inductor's generator would draw others, several times slower on the CPU).
 Inside :func:`~functional_bagua.fuse` the state of each flat buffer is kept per group of
 equal-shaped tensors, stacked, and the probes are drawn once per buffer (``V`` for the whole
 buffer, each tensor's its slice): the same distribution as the unfused draws, other numbers
@@ -60,6 +61,7 @@ from functional_bagua.transforms.batched_matrices import (
     own_storage,
     owner_computes,
     restack,
+    row_index,
     scatter_rows,
 )
 from functional_bagua.tree import PyTree
@@ -337,7 +339,8 @@ def scale_by_psgd_kron(
         probe_shapes = {i: (view_of(tuple(x.updates[i].shape)), x.updates[i].device) for i in present}
 
         def probes() -> list:
-            drawn = {i: draw_probe(shape, precond_dtype, device) for i, (shape, device) in probe_shapes.items()}
+            shapes, devices = zip(*probe_shapes.values()) if probe_shapes else ((), ())
+            drawn = dict(zip(probe_shapes, draw_probes(list(shapes), precond_dtype, list(devices))))
             return [torch.stack([drawn[i] for i in members]) for members in members_of]
 
         return batches, probes
@@ -361,13 +364,14 @@ def scale_by_psgd_kron(
                 batches.append(
                     batch_of(gather_rows(g, rows, view), buffer_state[1][j], counts, list(buffer_state[2][j]), (i, j))
                 )
-                where.append((i, rows, view))
+                where.append((i, rows, view, row_index(g, rows)))
         # each buffer once, in order; Python values only (as for the tensors' probes)
-        buffers = {i: (tuple(x.updates[i].shape), x.updates[i].device) for i, _, _ in where}
+        buffers = {i: (tuple(x.updates[i].shape), x.updates[i].device) for i, *_ in where}
 
         def probes() -> list:
-            drawn = {i: draw_probe(shape, precond_dtype, device) for i, (shape, device) in buffers.items()}
-            return [gather_rows(drawn[i], rows, view) for i, rows, view in where]
+            shapes, devices = zip(*buffers.values()) if buffers else ((), ())
+            drawn = dict(zip(buffers, draw_probes(list(shapes), precond_dtype, list(devices))))
+            return [gather_rows(drawn[i], rows, view, index) for i, rows, view, index in where]
 
         return batches, probes
 
@@ -505,6 +509,59 @@ def draw_probe(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.randn(shape, dtype=dtype, device=device)
 
 
+def draw_probes(shapes: list, dtype: torch.dtype, devices: list) -> list[torch.Tensor]:
+    """One probe per ``(shape, device)``, in order (:func:`draw_probe`); traced, one
+    :func:`standard_normals` per device, which a compiled step runs as torch's own ``randn``
+    calls in this order: the same numbers as eagerly.
+
+    Args:
+        shapes: the probes' shapes.
+        dtype: their dtype.
+        devices: their devices, one per shape.
+    """
+    if not torch.compiler.is_compiling():
+        return [draw_probe(shape, dtype, device) for shape, device in zip(shapes, devices)]
+    drawn: list = [None] * len(shapes)
+    for device in dict.fromkeys(devices):  # each device's generator in its own order
+        mine = [k for k, d in enumerate(devices) if d == device]
+        sizes = [n for k in mine for n in shapes[k]]
+        for k, probe in zip(mine, standard_normals(sizes, [len(shapes[k]) for k in mine], dtype, device)):
+            drawn[k] = probe
+    return drawn
+
+
+def _split_shapes(sizes: list[int], ranks: list[int]) -> list[list[int]]:
+    """The shapes laid out one after the other in ``sizes``, of ``ranks`` dimensions each."""
+    ends = [sum(ranks[: k + 1]) for k in range(len(ranks))]
+    return [sizes[end - rank : end] for end, rank in zip(ends, ranks)]
+
+
+@torch.library.custom_op(
+    "functional_bagua::standard_normals", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def standard_normals(
+    sizes: list[int], ranks: list[int], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """``torch.randn(shape)`` for each shape in order (the shapes' sizes one after the other in
+    ``sizes``, of ``ranks`` dimensions each), from the global RNG, as one operator: inductor runs
+    it as it is (its own CPU normal generator is several times slower than torch's, and draws
+    other numbers), keeps the draws' order, and never merges two calls
+    (``nondeterministic_seeded``).
+
+    Args:
+        sizes: the draws' shapes, concatenated.
+        ranks: the number of dimensions of each.
+        dtype: their dtype.
+        device: their device.
+    """
+    return [torch.randn(shape, dtype=dtype, device=device) for shape in _split_shapes(sizes, ranks)]
+
+
+@standard_normals.register_fake
+def _(sizes: list[int], ranks: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(shape, dtype=dtype, device=device) for shape in _split_shapes(sizes, ranks)]
+
+
 def _batches(grads: list, present: list, factors: list, view_of: Callable) -> list[list[int]]:
     """The tensors that step together: one view shape, factor shapes, dtype and device."""
     batches: dict[tuple, list[int]] = {}
@@ -527,8 +584,10 @@ def along(
         return x / q.view(shape) if inverse_transpose else x * q.view(shape)
     moved = x.movedim(d + 1, -1)
     flat = moved.reshape(moved.shape[0], -1, moved.shape[-1])
-    if inverse_transpose:  # y = x q^-1 along the last dimension: y q = x
-        out = torch.linalg.solve_triangular(q, flat, upper=True, left=False)
+    if inverse_transpose:  # y = x q^-1 along the last dimension: y q = x, solved as q^T y^T = x^T
+        # (the same substitution; LAPACK's left-sided batched solve is several times faster here)
+        transposed = torch.linalg.solve_triangular(q.transpose(-2, -1), flat.transpose(-2, -1), upper=False)
+        out = transposed.transpose(-2, -1)
     else:
         out = flat @ (q if transpose else q.transpose(-2, -1))
     return out.reshape(moved.shape).movedim(-1, d + 1)
