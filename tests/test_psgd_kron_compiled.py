@@ -6,11 +6,10 @@ through a checkpoint; what it refuses."""
 
 from __future__ import annotations
 
-import io
-
 import optree
 import pytest
 import torch
+from second_order_helpers import ShardLike, draws, resumed_and_uninterrupted, trace
 
 import functional_bagua as fb
 from functional_bagua.transforms import psgd_kron
@@ -48,23 +47,6 @@ class ProbeStream:
         return values.reshape(shape)
 
 
-def draws(shapes: dict, steps: int, dtype=torch.float64, seed: int = 0) -> tuple[dict, list]:  # noqa: ANN001
-    gen = torch.Generator().manual_seed(seed)
-    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()} for _ in range(steps)]
-    return params, grads
-
-
-def trace(update, state, params: dict, grads: list) -> list:  # noqa: ANN001
-    """The parameters after each step of ``update`` (a pure ``tx.update``)."""
-    out = []
-    for g in grads:
-        u, state = update(g, state, params)
-        params = fb.apply_updates(params, u)
-        out.append(params)
-    return out
-
-
 @pytest.mark.parametrize("options", OPTIONS, ids=["defaults", "one_diag", "annealed_balanced_gradient_fit"])
 def test_fused_psgd_kron_equals_unfused_psgd_kron(options, monkeypatch):
     params, grads = draws(FUSED_SHAPES, steps=8)
@@ -95,23 +77,8 @@ def test_a_fused_state_is_stacked_per_shape_and_resumes_from_a_checkpoint_bit_fo
     j = list(groups).index((6, 4))
     assert tuple(direction.mu[key][j].shape) == (3, 6, 4)
     assert [tuple(q.shape) for q in direction.factors[key][j]] == [(3, 6, 6), (3, 4, 4)]
-    p = flat
     torch.manual_seed(1)
-    for g in grads[:3]:
-        u, state = tx.update(layout.flatten(g), state, p)
-        p = fb.apply_updates(p, u)
-    buffer = io.BytesIO()
-    torch.save({"params": p, "state": fb.state_dict(state)}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    p_loaded, state_loaded = saved["params"], fb.load_state_dict(tx.init(flat), saved["state"])
-    for t, g in enumerate(grads[3:]):
-        torch.manual_seed(10 + t)
-        u, state = tx.update(layout.flatten(g), state, p)
-        p = fb.apply_updates(p, u)
-        torch.manual_seed(10 + t)
-        u, state_loaded = tx.update(layout.flatten(g), state_loaded, p_loaded)
-        p_loaded = fb.apply_updates(p_loaded, u)
+    p, p_loaded = resumed_and_uninterrupted(tx, layout, params, grads, seed=lambda t: torch.manual_seed(10 + t))
     assert torch.equal(p[key], p_loaded[key])
 
 
@@ -128,12 +95,6 @@ def test_a_fused_state_for_another_layout_is_refused():
 def test_inside_shard_and_with_weight_decay_inside_fuse_it_is_refused_with_the_reason():
     params, _ = draws({"a": (6, 4)}, steps=1)
     layout = fb.FlatLayout.of(params)
-
-    class ShardLike:  # what distributed.shard makes active: segments that raise, no shape groups
-        is_shard = True
-
-        def segments(self, key: str) -> tuple:
-            raise NotImplementedError
 
     from functional_bagua import layout_context
 

@@ -10,6 +10,7 @@ import io
 import optree
 import pytest
 import torch
+from second_order_helpers import draws
 
 import functional_bagua as fb
 
@@ -23,13 +24,6 @@ TRANSFORMS = {
     "shampoo": lambda: fb.shampoo(grafting="adam", precondition_frequency=2),
     "psgd_kron": lambda: fb.psgd_kron(),
 }
-
-
-def draws(shapes: dict, steps: int, dtype=torch.float64, seed: int = 0) -> tuple[dict, list]:  # noqa: ANN001
-    gen = torch.Generator().manual_seed(seed)
-    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()} for _ in range(steps)]
-    return params, grads
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))

@@ -4,10 +4,9 @@ against the eager update; a fused state through a checkpoint; what it refuses.""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
+from second_order_helpers import ShardLike, draws, resumed_and_uninterrupted, trace
 
 import functional_bagua as fb
 
@@ -29,23 +28,6 @@ OPTIONS = [
     {"grafting": "adam", "max_preconditioner_dim": 4, "precondition_frequency": 2, "start_preconditioning_step": 3},
     {"betas": (0.0, 0.99), "grafting": "adagrad", "merge_dims": True, "max_preconditioner_dim": 8},
 ]
-
-
-def draws(shapes: dict, steps: int, dtype=torch.float64, seed: int = 0) -> tuple[dict, list]:  # noqa: ANN001
-    gen = torch.Generator().manual_seed(seed)
-    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()} for _ in range(steps)]
-    return params, grads
-
-
-def trace(update, state, params: dict, grads: list) -> list:  # noqa: ANN001
-    """The parameters after each step of ``update`` (a pure ``tx.update``)."""
-    out = []
-    for g in grads:
-        u, state = update(g, state, params)
-        params = fb.apply_updates(params, u)
-        out.append(params)
-    return out
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=["defaults", "blocked_adam_grafting", "merged_adagrad_no_b1"])
@@ -82,20 +64,7 @@ def test_a_fused_state_is_stacked_per_shape_and_block_and_resumes_from_a_checkpo
         [(1, 4, 4), (1, 4, 4)],
         [(1, 1, 1), (1, 4, 4)],
     ]
-    p = flat
-    for g in grads[:3]:
-        u, state = tx.update(layout.flatten(g), state, p)
-        p = fb.apply_updates(p, u)
-    buffer = io.BytesIO()
-    torch.save({"params": p, "state": fb.state_dict(state)}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    p_loaded, state_loaded = saved["params"], fb.load_state_dict(tx.init(flat), saved["state"])
-    for g in grads[3:]:
-        u, state = tx.update(layout.flatten(g), state, p)
-        p = fb.apply_updates(p, u)
-        u, state_loaded = tx.update(layout.flatten(g), state_loaded, p_loaded)
-        p_loaded = fb.apply_updates(p_loaded, u)
+    p, p_loaded = resumed_and_uninterrupted(tx, layout, params, grads)
     assert torch.equal(p[key], p_loaded[key])
 
 
@@ -116,12 +85,6 @@ def test_a_fused_state_for_another_layout_or_blocking_is_refused():
 def test_shampoo_inside_shard_is_refused_with_the_reason():
     params, _ = draws({"a": (6, 4)}, steps=1)
     layout = fb.FlatLayout.of(params)
-
-    class ShardLike:  # what distributed.shard makes active: segments that raise, no shape groups
-        is_shard = True
-
-        def segments(self, key: str) -> tuple:
-            raise NotImplementedError
 
     from functional_bagua import layout_context
 

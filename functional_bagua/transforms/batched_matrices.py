@@ -31,6 +31,22 @@ def check_state_type(name: str, state: object, state_type: type) -> None:
         )
 
 
+def refuse_group_under_compile(name: str, group: Any, shared: str) -> None:
+    """Raise a TypeError while traced where ``group`` is set: owner-computes shares its results
+    with collectives that run eagerly.
+
+    Args:
+        name: the transform's name.
+        group: its ``group=`` argument.
+        shared: what the ranks share (named in the message).
+    """
+    if group is not None and torch.compiler.is_compiling():
+        raise TypeError(
+            f"{name}: group= shares its {shared} with collectives that run eagerly; build the step with "
+            "compile=False, or leave group out"
+        )
+
+
 def cached_eagerly(fn: Callable[[tuple], _T]) -> Callable[[tuple], _T]:
     """``fn`` of a shape, cached when called eagerly and computed afresh while traced (dynamo
     traces through an ``lru_cache`` and warns about it).

@@ -42,6 +42,7 @@ buffer, each tensor's its slice): the same distribution as the unfused draws, ot
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -60,6 +61,7 @@ from functional_bagua.transforms.batched_matrices import (
     one_minus_power,
     own_storage,
     owner_computes,
+    refuse_group_under_compile,
     restack,
     row_index,
     scatter_rows,
@@ -260,11 +262,7 @@ def scale_by_psgd_kron(
 
     def update(grads: PyTree, state: ScaleByPsgdKronState, params: Optional[PyTree] = None) -> tuple:
         check_state_type(NAME, state, ScaleByPsgdKronState)
-        if group is not None and torch.compiler.is_compiling():
-            raise TypeError(
-                f"{NAME}: group= shares its fitted factors with collectives that run eagerly; build the step with "
-                "compile=False, or leave group out"
-            )
+        refuse_group_under_compile(NAME, group, "fitted factors")
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
@@ -274,9 +272,10 @@ def scale_by_psgd_kron(
         batches, probes = fused_batches(x, fields) if fused else tensor_batches(x, fields)
         refit, balance = decisions(state)
         qs = balanced_if(balance, [b.factors for b in batches])
-        # a copy of the gradient: inside fuse, the groups' gradients are views of one buffer, and
-        # torch.cond takes no operands that alias each other
-        fitted = [b.momentum if momentum_into_precond_update else b.g.to(precond_dtype, copy=True) for b in batches]
+        # traced, a copy of the gradient: inside fuse, the groups' gradients are views of one buffer,
+        # and torch.cond takes no operands that alias each other
+        traced = torch.compiler.is_compiling()
+        fitted = [b.momentum if momentum_into_precond_update else b.g.to(precond_dtype, copy=traced) for b in batches]
         fitted, qs = fitted_if(refit, fitted, qs, probes)
         directions = []
         for b, fitted_b, qs_b in zip(batches, fitted, qs):
@@ -284,14 +283,11 @@ def scale_by_psgd_kron(
             dims = tuple(range(1, u.dim()))
             directions.append(u * (CLIP_RMS / (u.square().mean(dims, keepdim=True).sqrt() + 1e-12)).clamp(max=1.0))
         updates, steps, mus, factors = (fused_written if fused else tensors_written)(x, fields, batches, directions, qs)
+        fitted_now = torch.as_tensor(refit, device=state.count.device)  # a bool, or traced a 0-dim tensor
         new_state = ScaleByPsgdKronState(
             count=state.count + 1,
-            updates_skipped=torch.where(refit, 0, state.updates_skipped + 1)
-            if isinstance(refit, torch.Tensor)
-            else (torch.zeros_like(state.updates_skipped) if refit else state.updates_skipped + 1),
-            preconditioner_updates=state.preconditioner_updates + refit
-            if isinstance(refit, torch.Tensor)
-            else (state.preconditioner_updates + 1 if refit else state.preconditioner_updates),
+            updates_skipped=torch.where(fitted_now, 0, state.updates_skipped + 1),
+            preconditioner_updates=state.preconditioner_updates + fitted_now,
             steps=x.unflatten(steps),
             mu=x.unflatten(mus),
             factors=x.unflatten(factors),
@@ -532,7 +528,7 @@ def draw_probes(shapes: list, dtype: torch.dtype, devices: list) -> list[torch.T
 
 def _split_shapes(sizes: list[int], ranks: list[int]) -> list[list[int]]:
     """The shapes laid out one after the other in ``sizes``, of ``ranks`` dimensions each."""
-    ends = [sum(ranks[: k + 1]) for k in range(len(ranks))]
+    ends = itertools.accumulate(ranks)
     return [sizes[end - rank : end] for end, rank in zip(ends, ranks)]
 
 

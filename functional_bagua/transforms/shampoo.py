@@ -66,6 +66,7 @@ from functional_bagua.transforms.batched_matrices import (
     own_storage,
     owner_computes,
     per_row,
+    refuse_group_under_compile,
     restack,
     scatter_rows,
 )
@@ -177,8 +178,9 @@ def scale_by_shampoo(
         matrix = at_least_float32(like.dtype)  # low-precision roots would not cancel: float32 at least
         statistics = tuple(like.new_zeros(*rows, n, n, dtype=matrix) for n in shape)
         roots = tuple(torch.zeros_like(m, dtype=matrix_dtype) for m in statistics)
-        mu = like.new_zeros(*rows, *shape, dtype=matrix) if b1 > 0 else like.new_zeros(0)
-        graft = like.new_zeros(*rows, *shape, dtype=matrix) if grafting in SECOND_MOMENTS else like.new_zeros(0)
+        mu, graft = (
+            like.new_zeros(*rows, *shape, dtype=matrix) if kept else like.new_zeros(0) for kept in moments_kept
+        )
         return mu, graft, statistics, roots
 
     def init_leaf(p: torch.Tensor) -> tuple:
@@ -215,12 +217,8 @@ def scale_by_shampoo(
 
     def update(grads: PyTree, state: ScaleByShampooState, params: Optional[PyTree] = None) -> tuple:
         check_state_type(NAME, state, ScaleByShampooState)
+        refuse_group_under_compile(NAME, group, "inverse roots")
         traced = torch.compiler.is_compiling()
-        if traced and group is not None:
-            raise TypeError(
-                f"{NAME}: group= shares its inverse roots with collectives that run eagerly; build the step with "
-                "compile=False, or leave group out"
-            )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
@@ -297,8 +295,10 @@ def scale_by_shampoo(
                         t,
                     )
                     directions.append(direction)
-                    new_state.append([mu if new[0] is None else new[0], graft if new[1] is None else new[1]])
-                    new_state[-1] += [tuple(new[2]), tuple(new[3])]
+                    m, v, new_statistics, new_roots = new
+                    new_state.append(
+                        (mu if m is None else m, graft if v is None else v, tuple(new_statistics), tuple(new_roots))
+                    )
                 u = scatter_rows(u, assembled(directions, view, cut(tuple(shape)), len(g_rows)), rows)
                 per_group.append((count + 1, *(tuple(column) for column in zip(*new_state))))
             updates[i] = u

@@ -75,6 +75,7 @@ from functional_bagua.transforms.batched_matrices import (
     owner_computes,
     per_element,
     per_row,
+    refuse_group_under_compile,
     restack,
     rows_of,
     scatter_rows,
@@ -199,12 +200,8 @@ def scale_by_soap(
 
     def update(grads: PyTree, state: ScaleBySoapState, params: Optional[PyTree] = None) -> tuple:
         check_state_type(NAME, state, ScaleBySoapState)
+        refuse_group_under_compile(NAME, group, "decompositions")
         traced = torch.compiler.is_compiling()
-        if traced and group is not None:
-            raise TypeError(
-                f"{NAME}: group= shares its decompositions with collectives that run eagerly; build the step with "
-                "compile=False, or leave group out"
-            )
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")

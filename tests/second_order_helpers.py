@@ -1,0 +1,65 @@
+"""Shared by the tests of the compiled and fused second-order transforms (SOAP, Shampoo,
+PSGD-Kron): draws of parameters and gradients, a pure update run over several steps, a
+checkpoint round trip of a fused state, and the layout that ``distributed.shard`` makes active."""
+
+from __future__ import annotations
+
+import io
+from typing import Callable
+
+import torch
+
+import functional_bagua as fb
+
+
+def draws(shapes: dict, steps: int, dtype=torch.float64, seed: int = 0) -> tuple[dict, list]:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()} for _ in range(steps)]
+    return params, grads
+
+
+def trace(update, state, params: dict, grads: list) -> list:  # noqa: ANN001
+    """The parameters after each step of ``update`` (a pure ``tx.update``)."""
+    out = []
+    for g in grads:
+        u, state = update(g, state, params)
+        params = fb.apply_updates(params, u)
+        out.append(params)
+    return out
+
+
+def resumed_and_uninterrupted(
+    tx: fb.GradientTransformation, layout: fb.FlatLayout, params: dict, grads: list, seed: Callable = lambda t: None
+) -> tuple[dict, dict]:
+    """The flat parameters after all ``grads`` with the fused ``tx``: run through, and saved
+    (``fb.state_dict``, ``torch.save``) after half of them and resumed from the file.
+    ``seed(t)`` runs before each of the later steps, on both runs."""
+    flat = layout.flatten(params)
+    state, p = tx.init(flat), flat
+    half = len(grads) // 2
+    for g in grads[:half]:
+        u, state = tx.update(layout.flatten(g), state, p)
+        p = fb.apply_updates(p, u)
+    buffer = io.BytesIO()
+    torch.save({"params": p, "state": fb.state_dict(state)}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    p_loaded, state_loaded = saved["params"], fb.load_state_dict(tx.init(flat), saved["state"])
+    for t, g in enumerate(grads[half:]):
+        seed(t)
+        u, state = tx.update(layout.flatten(g), state, p)
+        p = fb.apply_updates(p, u)
+        seed(t)
+        u, state_loaded = tx.update(layout.flatten(g), state_loaded, p_loaded)
+        p_loaded = fb.apply_updates(p_loaded, u)
+    return p, p_loaded
+
+
+class ShardLike:
+    """What ``distributed.shard`` makes active: segments that raise, no shape groups."""
+
+    is_shard = True
+
+    def segments(self, key: str) -> tuple:
+        raise NotImplementedError
