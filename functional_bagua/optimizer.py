@@ -37,8 +37,10 @@ number it would move in torch. Built from a transform
   schedule drives.
 
 A transform made of building blocks (``fb.chain(fb.scale_by_adam(), fb.scale(-1e-3))``) has
-none: its group holds no ``"lr"``, and torch's schedulers raise ``KeyError: 'lr'`` on it; build
-it from an alias, or use the factory form above.
+none: its group holds no ``"lr"``, and reading one (as torch's schedulers do) raises a
+``KeyError`` that names the numbers the group does show and the two forms that show an ``"lr"``:
+an alias (or :func:`~functional_bagua.scale_by_learning_rate`) in the chain, or the factory form
+above.
 
 Built from a :func:`~functional_bagua.partition`, it has one param group per label (``group["label"]``),
 each running that label's transform; the labels' function receives ``{name: tensor}`` when the
@@ -93,6 +95,20 @@ from functional_bagua.tree import copy_into
 
 Factory = Callable[..., GradientTransformation]
 TENSOR_NUMBERS = "numbers_as_tensors"  # a saved group's entry: the numbers its transform read from tensors
+
+
+class ParamGroup(dict):
+    """One of torch's param groups (a dict), whose missing entry is named when read: torch's
+    schedulers read ``group["lr"]``, which a transform made of building blocks does not show."""
+
+    def __missing__(self, key: Any) -> Any:
+        shown = sorted(k for k in self if k != "params")
+        raise KeyError(
+            f"{NAME}: this param group holds no {key!r}; its transform shows {shown or 'no numbers'}. A torch "
+            "scheduler needs 'lr': build the transform from an alias (fb.adamw(1e-3)) or put "
+            "fb.scale_by_learning_rate(1e-3) in the chain, or use the factory form "
+            "fb.Optimizer(params, fb.adamw, lr=1e-3)"
+        )
 
 
 @dataclasses.dataclass
@@ -232,6 +248,7 @@ class Optimizer(torch.optim.Optimizer):
         for label_group, label_tx in [(param_group, tx)] if parts is None else _split_by_label(param_group, parts):
             given = set(label_group)
             super().add_param_group(label_group)
+            self.param_groups[-1] = ParamGroup(self.param_groups[-1])
             self._set_up_group(len(self.param_groups) - 1, label_tx, given)
 
     def _set_up_group(self, index: int, tx: Union[Factory, GradientTransformation], given: set[str]) -> None:
@@ -342,7 +359,10 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for i, (group, ours) in enumerate(zip(self.param_groups, self._groups)):
+        # read past dynamo's handling of ``optimizer.param_groups`` (written for torch's own
+        # optimizers' plain-dict groups, it fails on a dict subclass)
+        groups = self.__dict__["param_groups"]
+        for i, (group, ours) in enumerate(zip(groups, self._groups)):
             keys = positions(len(group["params"]))
             grads = {k: p.grad for k, p in zip(keys, group["params"])}
             if all(g is None for g in grads.values()):

@@ -142,6 +142,36 @@ def test_groups_of_different_built_transforms_each_show_their_own():
     assert shown == [{"lr": 3e-3, "betas": (0.9, 0.999)}, {}, {"lr": 0.2, "momentum": 0.0}]
 
 
+def test_a_scheduler_on_a_group_without_lr_names_the_forms_that_show_one():
+    """Building blocks show no lr: torch's scheduler reads group["lr"], and the KeyError says
+    what the group shows and how to build one that shows an lr."""
+    model = make_model("shapes", DTYPE)
+    opt = fb.Optimizer(model.parameters(), fb.chain(fb.scale_by_adam(b1=0.8), fb.scale(-1e-3)))
+    with pytest.raises(
+        KeyError,
+        match=r"holds no 'lr'; its transform shows no numbers.*"
+        r"fb.scale_by_learning_rate\(1e-3\).*fb.Optimizer\(params, fb.adamw, lr=1e-3\)",
+    ):
+        torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    assert "lr" not in opt.param_groups[0] and opt.param_groups[0].get("lr") is None
+
+
+def test_a_compiled_step_over_groups_without_numbers_is_the_eager_one():
+    """torch.compile(opt.step) traces the groups (which name what they miss) as the eager step runs them."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = make_model("shapes", DTYPE)
+        opt = fb.Optimizer(model.parameters(), fb.chain(fb.scale_by_adam(), fb.scale(-1e-2)))
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for x, y in batches(3, DTYPE):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            step()
+        runs.append(model)
+    assert_models_equal(*runs)
+
+
 def test_a_compiled_step_compiles_once_more_at_the_first_change_then_reads_the_tensor():
     """The first lr change builds the transform again with a tensor lr (one new graph); the
     later ones are written into it (no new graph), and the run is the eager one."""
