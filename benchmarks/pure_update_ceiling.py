@@ -32,51 +32,64 @@ import functional_bagua as fb  # noqa: E402
 LR, B1, B2, EPS, WD, MOMENTUM = 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.9
 
 
+def number(x: float, like: list) -> torch.Tensor:
+    """``x`` as a 0-dim tensor of the tensors' dtype: torch's CPU multi-tensor ops convert a Python
+    number once per tensor (about 1 us each), a 0-dim tensor once, to the same bits (float32 and
+    float64; what :mod:`functional_bagua.foreach` passes them)."""
+    return torch.tensor(x, dtype=like[0].dtype)
+
+
+def numbers(x: float, like: list) -> list:
+    """``x`` as a list of one 0-dim tensor, for add and sub (their multi-tensor form with a
+    0-dim tensor converts it per tensor too)."""
+    return [number(x, like)] * len(like)
+
+
 def pure_foreach_adamw(ps: list, gs: list, ms: list, vs: list, step: int) -> tuple:
     """AdamW out of place, one foreach op per term: the new (params, m, v)."""
     bc1, bc2 = 1 - B1**step, 1 - B2**step
     m = torch._foreach_lerp(ms, gs, 1 - B1)
-    v = torch._foreach_mul(vs, B2)
+    v = torch._foreach_mul(vs, number(B2, vs))
     torch._foreach_addcmul_(v, gs, gs, 1 - B2)  # in place on a fresh temporary: still pure
     denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, bc2**0.5)
-    torch._foreach_add_(denom, EPS)
-    new_p = torch._foreach_mul(ps, 1 - LR * WD)
+    torch._foreach_div_(denom, number(bc2**0.5, v))
+    torch._foreach_add_(denom, numbers(EPS, v))
+    new_p = torch._foreach_mul(ps, number(1 - LR * WD, ps))
     torch._foreach_addcdiv_(new_p, m, denom, -LR / bc1)
     return new_p, m, v
 
 
 def pure_foreach_sgd(ps: list, gs: list, bufs: list) -> tuple:
-    buf = torch._foreach_mul(bufs, MOMENTUM)
+    buf = torch._foreach_mul(bufs, number(MOMENTUM, bufs))
     torch._foreach_add_(buf, gs)
     return torch._foreach_add(ps, buf, alpha=-LR), buf
 
 
 def chain_ops_adamw(ps: list, gs: list, ms: list, vs: list, step: int) -> list:
     """The multi-tensor calls ``fb.adamw``'s pure update and ``apply_updates`` make, in their
-    order and with their roundings (the chain's links: Adam's direction, the decayed weights, the
-    learning rate; then the sum), without any of the Python around them: the floor of the tree
-    path for these bits."""
+    order, with their roundings and operands (the chain's links: Adam's direction, the decayed
+    weights, the learning rate; then the sum), without any of the Python around them: the floor
+    of the tree path for these bits."""
     bc1, bc2 = torch.tensor(1 - B1**step, dtype=torch.float64), torch.tensor(1 - B2**step, dtype=torch.float64)
     m = torch._foreach_lerp(ms, gs, 1 - B1)
-    v = torch._foreach_mul(vs, B2)
+    v = torch._foreach_mul(vs, number(B2, vs))
     torch._foreach_addcmul_(v, gs, gs, 1 - B2)
     denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, bc2.sqrt())
-    torch._foreach_add_(denom, EPS)
-    u = torch._foreach_div(m, bc1)
+    torch._foreach_div_(denom, bc2.sqrt().to(v[0].dtype))
+    torch._foreach_add_(denom, numbers(EPS, v))
+    u = torch._foreach_div(m, bc1.to(m[0].dtype))
     torch._foreach_div_(u, denom)
     torch._foreach_add_(u, ps, alpha=WD)
-    torch._foreach_mul_(u, -LR)
+    torch._foreach_mul_(u, number(-LR, u))
     return torch._foreach_add(ps, u)
 
 
 def chain_ops_sgd(ps: list, gs: list, bufs: list) -> list:
     """``fb.sgd``'s multi-tensor calls with momentum (the buffer, the learning rate, the sum),
     without the Python around them."""
-    buf = torch._foreach_mul(bufs, MOMENTUM)
+    buf = torch._foreach_mul(bufs, number(MOMENTUM, bufs))
     torch._foreach_add_(buf, gs)
-    return torch._foreach_add(ps, torch._foreach_mul(buf, -LR))
+    return torch._foreach_add(ps, torch._foreach_mul(buf, number(-LR, buf)))
 
 
 def pure_flat_adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, piece: int) -> tuple:

@@ -110,13 +110,54 @@ _HALF_TYPES = (torch.bfloat16, torch.float16)
 _TENSOR_OVERLOAD = {torch._foreach_add, torch._foreach_mul, torch._foreach_div}  # (tensors, 0-dim tensor)
 
 
+# On the CPU, torch's multi-tensor ops with a number (or a 0-dim tensor of another dtype) convert
+# it once per tensor of the list (about 1 us each, more than the arithmetic of a small tensor).
+# Given as a 0-dim tensor of the tensors' dtype instead (mul, div), or as a list of it (add, sub:
+# broadcast), it is converted once, and the bits are the same for float32 and float64 tensors:
+# either way the kernel reads the value rounded once to the tensors' dtype.
+_AS_TENSOR = {torch._foreach_mul, torch._foreach_div, torch._foreach_mul_, torch._foreach_div_}
+_AS_TENSORS = {torch._foreach_add, torch._foreach_sub, torch._foreach_add_, torch._foreach_sub_}
+_CONVERTED_ONCE = (torch.float32, torch.float64)
+
+
+def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
+    """``b`` (a number, or a shared 0-dim tensor: :func:`_is_shared_scalar`) as the operand of
+    ``foreach(a.items, ...)`` that gives each tensor the single-tensor op's bits and dtype
+    fastest, or ``None`` where the multi-tensor op would not (a 0-dim tensor, which a ``b`` of
+    another dtype promotes, and torch's multi-tensor add does not). On the CPU, for float32 and
+    float64 tensors that autograd records nowhere, that is a 0-dim tensor of their dtype (or a
+    list of it); else ``b`` itself."""
+    is_tensor = isinstance(b, torch.Tensor)
+    if is_tensor and any(t.dim() == 0 and t.dtype != b.dtype for t in a.items):
+        return None
+    as_tensor, as_tensors = foreach in _AS_TENSOR, foreach in _AS_TENSORS
+    if (
+        not (as_tensor or as_tensors)
+        or not a.items
+        or is_tensor
+        and (b.requires_grad or b.dtype not in _CONVERTED_ONCE)
+    ):
+        return b
+    dtype = a.items[0].dtype
+    if (
+        dtype not in _CONVERTED_ONCE
+        or a.items[0].device.type != "cpu"
+        or any(t.dtype is not dtype or t.requires_grad for t in a.items)
+    ):
+        return b
+    converted = (b if b.dtype == dtype else b.to(dtype)) if is_tensor else torch.tensor(b, dtype=dtype)
+    return converted if as_tensor else [converted] * len(a.items)
+
+
 def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leaves", b: Any, **kwargs: Any) -> "Leaves":
     """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors, a number, or,
     for add/mul/div, a 0-dim tensor on the tensors' device), else ``fallback`` on each pair."""
-    if isinstance(b, Leaves) or _is_scalar(b):
-        return Leaves(foreach(a.items, _items(b, len(a.items)) if isinstance(b, Leaves) else b, **kwargs))
-    if foreach in _TENSOR_OVERLOAD and _is_shared_scalar(b, a):
-        return Leaves(foreach(a.items, b, **kwargs))
+    if isinstance(b, Leaves):
+        return Leaves(foreach(a.items, _items(b, len(a.items)), **kwargs))
+    if _is_scalar(b) or foreach in _TENSOR_OVERLOAD and _is_shared_scalar(b, a):
+        operand = _scalar_operand(foreach, a, b)
+        if operand is not None:
+            return Leaves(foreach(a.items, operand, **kwargs))
     return _map(fallback, (a, b), kwargs)
 
 
@@ -125,8 +166,13 @@ def _binary_in_place(
 ) -> "Leaves":
     """``a``'s tensors overwritten with ``a <op> b``: ``foreach`` (torch's in-place multi-tensor
     op) for tensors, a number or a shared 0-dim tensor, else the tensor method on each pair."""
-    if foreach is not None and (isinstance(b, Leaves) or _is_scalar(b) or _is_shared_scalar(b, a)):
-        foreach(a.items, _items(b, len(a.items)) if isinstance(b, Leaves) else b, **kwargs)
+    operand = (
+        _scalar_operand(foreach, a, b) if foreach is not None and (_is_scalar(b) or _is_shared_scalar(b, a)) else None
+    )
+    if foreach is not None and isinstance(b, Leaves):
+        foreach(a.items, _items(b, len(a.items)), **kwargs)
+    elif foreach is not None and operand is not None:
+        foreach(a.items, operand, **kwargs)
     else:
         for t, x in zip(a.items, _items(b, len(a.items))):
             getattr(t, method)(x, **kwargs)

@@ -179,3 +179,47 @@ def test_in_place_ops_on_leaves_are_the_tensor_methods(method):
     getattr(leaves, method)(per_item)
     for got, x, y in zip(leaves.items, xs, per_item.items):
         assert torch.equal(got, getattr(x.clone(), method)(y))
+
+
+FACTORS = [
+    0.9,
+    -1e-3,
+    1 / 3,
+    1e-8,
+    3,
+    1e30,
+    (1 - 0.999**7, torch.float64),
+    (1 / 3, torch.float32),
+    (0.5, torch.float64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "add_", "mul_", "div_"])
+def test_a_number_or_0_dim_factor_gives_each_tensor_its_single_tensor_bits(dtype, op):
+    """Leaves pass a number (or a 0-dim tensor of another dtype) to torch's multi-tensor ops in
+    the form they convert once; each tensor (0-dim and strided ones too) gets the bits and dtype
+    of the single-tensor op, ``getattr(t, op)(factor)``."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        (torch.randn(1000, generator=gen) * 10).to(dtype),
+        torch.randn((), generator=gen).to(dtype),
+        torch.randn(3, 5, generator=gen).to(dtype)[:, ::2],
+    ]
+    for factor in FACTORS:
+        b = torch.tensor(factor[0], dtype=factor[1]) if isinstance(factor, tuple) else factor
+        expected = [getattr(t.clone(), op)(b) for t in tensors]
+        got = getattr(foreach.Leaves([t.clone() for t in tensors]), op)(b).items
+        for e, g in zip(expected, got):
+            assert g.dtype == e.dtype and g.shape == e.shape, (op, factor)
+            assert torch.equal(g, e), (op, factor)
+
+
+def test_a_number_meets_tensors_of_several_dtypes_as_each_single_tensor_op():
+    tensors = [torch.linspace(-3, 3, 7), torch.linspace(-3, 3, 7, dtype=torch.float64), torch.tensor(0.7)]
+    for op in ("mul", "add", "div"):
+        for b in (0.9, torch.tensor(1 / 3, dtype=torch.float64)):
+            got = getattr(foreach.Leaves(tensors), op)(b).items
+            for t, g in zip(tensors, got):
+                e = getattr(t, op)(b)
+                assert g.dtype == e.dtype and torch.equal(g, e), (op, b)
