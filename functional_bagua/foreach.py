@@ -18,7 +18,9 @@ alias). A rule that needs something only one tensor has (its shape, a Python num
 values) raises a :class:`PerTensorOnly` error here, and :func:`run_grouped` runs it one tensor at
 a time instead. Step counts that every tensor of a group shares (the usual case: all stepped as
 often) enter the rule as one tensor, so its scalar arithmetic (bias corrections) runs once per
-group; each tensor still gets its own count back.
+group; each tensor still gets its own count back. A number (or a 0-dim factor) reaches torch's CPU
+multi-tensor ops as a 0-dim tensor of the tensors' dtype, which they convert once rather than
+once per tensor, to the same bits (:func:`_scalar_operand`).
 
 :func:`per_tensor` turns the grouped path off in this thread (the reference in the tests, and
 what torch.compile traces: inductor fuses the per-tensor ops itself).
