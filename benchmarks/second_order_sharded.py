@@ -3,13 +3,19 @@ of ranks that share them.
 
     python benchmarks/second_order_sharded.py [--matrices 32] [--size 128] [--ranks 1,2]
     python benchmarks/second_order_sharded.py --computation psgd_kron_fit
+    python benchmarks/second_order_sharded.py --computation shampoo_roots_of_many_shapes --matrices 12
 
 Each run spawns the ranks (gloo on 127.0.0.1, one thread each) and times, on every rank,
 ``batched_matrices.owner_computes`` over ``--matrices`` matrices of ``--size x --size`` that all
 ranks hold: the rank's own computations, and the whole call with the all-gather that shares
 them. Medians of 5 calls. ``shampoo_root``: Shampoo's inverse root (``eigh`` in float64) of
 symmetric matrices; ``psgd_kron_fit``: PSGD-Kron's fit of both triangular factors of each
-matrix (float32), inside ``scale_by_psgd_kron(group=...)``'s update.
+matrix (float32), inside ``scale_by_psgd_kron(group=...)``'s update;
+``shampoo_roots_of_many_shapes``: the inverse roots of ``--matrices`` matrices of as many sizes
+(``--size`` down in steps of 4: one batch each, as a model of many shapes gives), all in one
+update's :class:`~functional_bagua.transforms.batched_matrices.Owners` (each row to the rank
+least loaded so far) and, for comparison, each batch balanced alone (every single-row batch on
+rank 0).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 from common import table  # noqa: E402
 
-from functional_bagua.transforms.batched_matrices import owner_computes  # noqa: E402
+from functional_bagua.transforms.batched_matrices import Owners, owner_computes  # noqa: E402
 from functional_bagua.transforms.shampoo import inverse_root  # noqa: E402
 
 
@@ -37,7 +43,7 @@ def _rank(rank: int, world: int, port: int, matrices: int, size: int, out_dir: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    timings = (_psgd_kron_fit if computation == "psgd_kron_fit" else _shampoo_root)(matrices, size)
+    timings = COMPUTATIONS[computation](matrices, size)
     torch.save(timings, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -95,6 +101,45 @@ def _shampoo_root(matrices: int, size: int) -> dict:
     return dict(own=statistics.median(own), whole=statistics.median(whole))
 
 
+def _shampoo_roots_of_many_shapes(matrices: int, size: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(matrices):
+        a = torch.randn(1, size - 4 * i, size - 4 * i, generator=gen, dtype=torch.float64)
+        batches.append(a @ a.mT)
+    timings = {}
+    for how in ("update", "per batch"):
+        own: list = []
+        whole, per_update = [], []
+
+        def timed_root(m: torch.Tensor, own: list = own) -> torch.Tensor:
+            start = time.perf_counter()
+            out = inverse_root(m, 1e-12, 4, torch.float64)
+            if m.device.type != "meta":  # a rank that owns no row learns the shapes on meta: no time
+                own.append(time.perf_counter() - start)
+            return out
+
+        for _ in range(5):
+            owners = Owners(dist.group.WORLD, "benchmark", "roots")
+            owners.begin_update()
+            own.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            for batch in batches:  # "per batch": the process group, each batch balanced alone
+                owner_computes(timed_root, batch, owners if how == "update" else dist.group.WORLD)
+            whole.append(time.perf_counter() - start)
+            per_update.append(sum(own))  # this update's own computations
+        timings[how] = dict(own=statistics.median(per_update), whole=statistics.median(whole))
+    return timings
+
+
+COMPUTATIONS = {
+    "shampoo_root": _shampoo_root,
+    "psgd_kron_fit": _psgd_kron_fit,
+    "shampoo_roots_of_many_shapes": _shampoo_roots_of_many_shapes,
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,7 +151,7 @@ def main() -> None:
     parser.add_argument("--matrices", type=int, default=32)
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--ranks", default="1,2")
-    parser.add_argument("--computation", default="shampoo_root", choices=["shampoo_root", "psgd_kron_fit"])
+    parser.add_argument("--computation", default="shampoo_root", choices=list(COMPUTATIONS))
     args = parser.parse_args()
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
@@ -121,19 +166,29 @@ def main() -> None:
             while not context.join(timeout=300):
                 pass
             results = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
-        rows.append(
-            dict(
-                ranks=world,
-                own_decompositions_ms=1e3 * max(r["own"] for r in results),
-                with_all_gather_ms=1e3 * max(r["whole"] for r in results),
+        by_how = results[0] if "own" not in results[0] else {"": results[0]}
+        for how in by_how:
+            per_rank = [r if how == "" else r[how] for r in results]
+            rows.append(
+                dict(
+                    ranks=world,
+                    owners=how,
+                    own_decompositions_ms=1e3 * max(r["own"] for r in per_rank),
+                    with_all_gather_ms=1e3 * max(r["whole"] for r in per_rank),
+                )
             )
-        )
     base = rows[0]["own_decompositions_ms"]
     for r in rows:
         r["own x 1 rank"] = r["own_decompositions_ms"] / base
-    what = "float64 eigh" if args.computation == "shampoo_root" else "PSGD-Kron fits, float32"
-    print(f"{args.matrices} matrices of {args.size} x {args.size}, {what}, one thread per rank; slowest rank's medians")
-    print(table(rows, ["ranks", "own_decompositions_ms", "with_all_gather_ms", "own x 1 rank"]))
+    what = {
+        "shampoo_root": f"{args.matrices} matrices of {args.size} x {args.size}, float64 eigh",
+        "psgd_kron_fit": f"{args.matrices} matrices of {args.size} x {args.size}, PSGD-Kron fits, float32",
+        "shampoo_roots_of_many_shapes": f"{args.matrices} matrices of sizes {args.size} down by 4, one batch each, "
+        "float64 eigh",
+    }[args.computation]
+    print(f"{what}, one thread per rank; slowest rank's medians")
+    columns = ["ranks", "owners", "own_decompositions_ms", "with_all_gather_ms", "own x 1 rank"]
+    print(table(rows, columns if rows[0]["owners"] else [c for c in columns if c != "owners"]))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import functional_bagua as fb
 import functional_bagua.distributed as fbd
+from functional_bagua.transforms.batched_matrices import Owners, owner_computes
 
 SHAPES = {"a": (6, 6), "b": (6, 6), "c": (6, 6), "d": (5, 5), "e": (5, 5), "f": (4, 3, 3, 3)}
 STEPS = 5
@@ -91,3 +92,18 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
     except RuntimeError as error:
         out["shampoo, a NaN statistic"] = str(error)
     return out
+
+
+def balanced_owners(rank: int, world_size: int) -> dict:
+    """Six batches through one update's Owners (four single 8 x 8 matrices, then three 4 x 4 and
+    one 2 x 2): each matrix's norm, computed by its owner and gathered, and the loads after."""
+    owners = Owners(dist.group.WORLD, "balance test", "norms")
+    owners.begin_update()
+    results = [owner_computes(torch.linalg.matrix_norm, batch, owners) for batch in owner_batches()]
+    return {"results": results, "loads": list(owners.loads)}
+
+
+def owner_batches() -> list:
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(1, 8, 8)] * 4 + [(3, 4, 4), (1, 2, 2)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
-from second_order_scenarios import MAKERS, STEPS, local_gradients, seed, start, with_nan
+from second_order_scenarios import MAKERS, STEPS, local_gradients, owner_batches, seed, start, with_nan
 
 import functional_bagua as fb
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU")
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two", "four"])
 def ranks(request):
-    return run_ranks(request.param, ["sharded_second_order"], module="second_order_scenarios")
+    return run_ranks(request.param, ["sharded_second_order", "balanced_owners"], module="second_order_scenarios")
 
 
 @pytest.mark.parametrize("name", list(MAKERS))
@@ -82,3 +82,17 @@ def test_a_decomposition_that_raises_on_its_owner_raises_on_every_rank_not_a_han
         message = result["sharded_second_order"]["shampoo, a NaN statistic"]
         assert message is not None, f"rank {rank} ran on"
         assert "the computation of rank 1's rows raised" in message
+
+
+def test_rows_of_all_batches_spread_by_cost_and_gather_right(ranks):
+    """Single-row batches go to the least-loaded rank of the update so far, not each to rank 0:
+    every rank ends with a load within one row's cost (8^3) of the others', makes the same
+    choices, and gets each matrix's own result."""
+    expected = [torch.linalg.matrix_norm(batch) for batch in owner_batches()]
+    loads = ranks[0]["balanced_owners"]["loads"]
+    assert max(loads) - min(loads) <= 8**3, loads
+    for rank, result in enumerate(ranks):
+        got = result["balanced_owners"]
+        assert got["loads"] == loads, f"rank {rank} chose other owners"
+        for e, g in zip(expected, got["results"]):
+            assert torch.equal(g, e), f"rank {rank}"

@@ -209,44 +209,99 @@ def at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
 
 
+class Owners:
+    """Which rank of a process group computes each row that :func:`owner_computes` is given
+    during one update: the least loaded so far in the update (ties to the lowest rank), a row
+    of ``n`` elements costing ``n^1.5`` (``k^3`` for a ``k x k`` matrix, what a decomposition
+    costs). Rows of every batch and every dimension are so spread by cost, not batch by batch
+    from rank 0. Every rank makes the same choices: it sees the same shapes in the same order
+    (:func:`owner_computes` compares the loads too).
+
+    Args:
+        group: the torch process group, or ``None`` (this process computes all).
+        name: the transform, named in errors.
+        shared: what the ranks share (named in the error under torch.compile).
+
+    Example::
+
+        owners = Owners(group, "scale_by_soap", "decompositions")
+        owners.begin_update()                      # in each update: loads from zero
+        bases = owner_computes(eigenbasis, statistics, owners)
+    """
+
+    def __init__(self, group: Any, name: str, shared: str) -> None:
+        self.group, self.name, self.shared = group, name, shared
+        self.loads: list[float] = []
+
+    def begin_update(self) -> None:
+        """Start an update: loads from zero (a TypeError while traced, with a group: the
+        results are shared by collectives that run eagerly)."""
+        refuse_group_under_compile(self.name, self.group, self.shared)
+        if self.group is not None:  # (without one, nothing is written: a compiled step reads no loads)
+            self.loads = [0.0] * dist.get_world_size(self.group)
+
+    def assign(self, rows: int, row_numel: int) -> list[int]:
+        """The owner of each of ``rows`` rows of ``row_numel`` elements, its cost added to its
+        owner's load."""
+        if not self.loads:
+            self.begin_update()
+        cost, owners = float(row_numel) ** 1.5, []
+        for _ in range(rows):
+            owner = min(range(len(self.loads)), key=lambda r: (self.loads[r], r))
+            self.loads[owner] += cost
+            owners.append(owner)
+        return owners
+
+
 def owner_computes(
     fn: Callable[..., Any], batch: Any, group: Any, name: str = "owner_computes", agreed: Optional[tuple] = None
 ) -> Any:
     """``fn`` on a batch that every rank of ``group`` holds alike, each row computed by one rank
-    (rank ``r`` of ``W`` takes rows ``r, r + W, ...``: a batch's rows cost alike, so the split is
-    balanced) and the results gathered by all. ``batch`` is a tensor (``fn`` maps it to a
-    tensor) or a tuple of row-aligned tensors (``fn`` takes them as arguments and returns a
-    tensor or a tuple), row by row. ``group=None``: this process computes all.
+    (:class:`Owners`: the least loaded in the update so far) and the results gathered by all.
+    ``batch`` is a tensor (``fn`` maps it to a tensor) or a tuple of row-aligned tensors (``fn``
+    takes them as arguments and returns a tensor or a tuple), row by row. ``group=None``: this
+    process computes all.
 
     Two all-gathers: first a fingerprint of ``agreed`` (default: the batch; float64 sums, one
-    weighted by position, and counts of non-finite values, compared bit for bit) and whether ``fn`` raised, then the results
-    as bytes (no dtype is converted). Where ``fn`` raised on some rank, every rank raises a
-    RuntimeError naming it; where the fingerprints differ (gradients not averaged before, say),
-    every rank raises the same ValueError instead of mixing rows computed from different
-    matrices. (Ranks whose step counts differ may call this a different number of times: that
-    is not caught here.)
+    weighted by position, and counts of non-finite values) and of the loads before this batch,
+    compared bit for bit, with whether ``fn`` raised; then the results as bytes (no dtype is
+    converted). Where ``fn`` raised on some rank, every rank raises a RuntimeError naming it;
+    where the fingerprints differ (gradients not averaged before, say), every rank raises the
+    same ValueError instead of mixing rows computed from different matrices. (Ranks whose step
+    counts differ may call this a different number of times: that is not caught here.)
 
     Args:
         fn: the computation, batched.
         batch: the rows, the same on every rank.
-        group: a torch process group, or ``None``.
+        group: an :class:`Owners` (its loads carry over from the update's earlier batches), a
+            torch process group (this batch alone is balanced), or ``None``.
         name: the transform, named in the errors.
         agreed: the tensors that must be equal on every rank (default: ``batch``).
     """
     inputs = batch if isinstance(batch, tuple) else (batch,)
-    if group is None or dist.get_world_size(group) == 1:
+    owners = group if isinstance(group, Owners) else Owners(group, name, "results")
+    if owners.group is None or dist.get_world_size(owners.group) == 1:
         return fn(*inputs)
+    group = owners.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows, per_rank = inputs[0].shape[0], math.ceil(inputs[0].shape[0] / world)
-    mine = tuple(x[rank::world] for x in inputs)
-    owned = mine[0].shape[0]
+    rows = inputs[0].shape[0]
+    loads_before = list(owners.loads) or [0.0] * world
+    owner_of = owners.assign(rows, math.prod(inputs[0].shape[1:]))
+    held = [[j for j in range(rows) if owner_of[j] == r] for r in range(world)]
+    per_rank = max(len(h) for h in held)
+    owned = len(held[rank])
     failure: Optional[Exception] = None
     try:
-        done = fn(*mine) if owned else fn(*(x[:1] for x in inputs))  # (fewer rows than ranks: shapes only)
+        if owned:
+            index = torch.tensor(held[rank], dtype=torch.long, device=inputs[0].device)
+            done = fn(*(x.index_select(0, index) for x in inputs))
+        else:
+            done = _shapes_only(fn, inputs)
     except Exception as error:  # every rank must still take part in the all-gathers
         failure, done = error, None
     raised = torch.tensor([float(failure is not None)], dtype=torch.float64, device=inputs[0].device)
-    status = torch.cat([_fingerprint(agreed or inputs), raised])
+    loads = torch.tensor(loads_before, dtype=torch.float64, device=inputs[0].device)
+    status = torch.cat([_fingerprint(agreed or inputs), loads, raised])
     statuses = [torch.empty_like(status) for _ in range(world)]
     dist.all_gather(statuses, status, group=group)
     failed = [r for r in range(world) if statuses[r][-1]]
@@ -269,12 +324,23 @@ def owner_computes(
         payload[:owned] = torch.cat([o.contiguous().reshape(owned, -1).view(torch.uint8) for o in outs], dim=1)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     dist.all_gather(gathered, payload, group=group)
-    merged = torch.stack([gathered[j % world][j // world] for j in range(rows)])
+    place = {j: (r, k) for r in range(world) for k, j in enumerate(held[r])}
+    merged = torch.stack([gathered[place[j][0]][place[j][1]] for j in range(rows)])
     results = tuple(
         part.contiguous().view(o.dtype).reshape(rows, *o.shape[1:])
         for part, o in zip(merged.split(row_bytes, dim=1), outs)
     )
     return results if isinstance(done, tuple) else results[0]
+
+
+def _shapes_only(fn: Callable[..., Any], inputs: tuple) -> Any:
+    """What ``fn`` gives for one row, for its shapes and dtypes only (a rank that owns no row of
+    a batch): computed on the meta device (no data, no time), or on a real row where ``fn``
+    cannot run there."""
+    try:
+        return fn(*(x[:1].to("meta") for x in inputs))
+    except Exception:  # an operation without a meta kernel: the first row, computed
+        return fn(*(x[:1] for x in inputs))
 
 
 def _fingerprint(tensors: tuple) -> torch.Tensor:

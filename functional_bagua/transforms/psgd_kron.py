@@ -54,6 +54,7 @@ from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
+    Owners,
     cached_eagerly,
     check_fused_state,
     check_state_type,
@@ -61,7 +62,6 @@ from functional_bagua.transforms.batched_matrices import (
     one_minus_power,
     own_storage,
     owner_computes,
-    refuse_group_under_compile,
     restack,
     row_index,
     scatter_rows,
@@ -202,6 +202,8 @@ def scale_by_psgd_kron(
     if not 0.0 < min_prob <= max_prob <= 1.0:
         raise ValueError(f"{NAME}: need 0 < min_prob <= max_prob <= 1, got {min_prob} and {max_prob}")
 
+    owners = Owners(group, NAME, "fitted factors")  # who computes which rows (group=), per update
+
     @cached_eagerly
     def view_of(shape: tuple) -> tuple:
         view = merged_shape(shape) if merge_dims else tuple(shape)
@@ -262,7 +264,7 @@ def scale_by_psgd_kron(
 
     def update(grads: PyTree, state: ScaleByPsgdKronState, params: Optional[PyTree] = None) -> tuple:
         check_state_type(NAME, state, ScaleByPsgdKronState)
-        refuse_group_under_compile(NAME, group, "fitted factors")
+        owners.begin_update()
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
@@ -403,7 +405,7 @@ def scale_by_psgd_kron(
             return fitted, qs
         if refit is True:
             done = [
-                owner_computes(fit_rows, (f, v, *q), group, NAME, agreed=(f, *q))
+                owner_computes(fit_rows, (f, v, *q), owners, NAME, agreed=(f, *q))
                 for f, v, q in zip(fitted, probes(), qs)
             ]
             return [d[0] for d in done], [list(d[1:]) for d in done]

@@ -56,6 +56,7 @@ from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
+    Owners,
     at_least_float32,
     cached_eagerly,
     check_fused_state,
@@ -66,7 +67,6 @@ from functional_bagua.transforms.batched_matrices import (
     own_storage,
     owner_computes,
     per_row,
-    refuse_group_under_compile,
     restack,
     scatter_rows,
 )
@@ -157,6 +157,8 @@ def scale_by_shampoo(
         b1, b2, epsilon, max_preconditioner_dim, precondition_frequency, start, grafting, grafting_beta2, matrix_dtype
     )
 
+    owners = Owners(group, NAME, "inverse roots")  # who computes which rows (group=), per update
+
     @cached_eagerly
     def view_of(shape: tuple) -> tuple:
         view = merge_small_dims(shape, max_preconditioner_dim) if merge_dims and len(shape) > 1 else shape
@@ -217,7 +219,7 @@ def scale_by_shampoo(
 
     def update(grads: PyTree, state: ScaleByShampooState, params: Optional[PyTree] = None) -> tuple:
         check_state_type(NAME, state, ScaleByShampooState)
-        refuse_group_under_compile(NAME, group, "inverse roots")
+        owners.begin_update()
         traced = torch.compiler.is_compiling()
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
@@ -354,7 +356,7 @@ def scale_by_shampoo(
             if t % precondition_frequency:
                 return roots
             return [
-                owner_computes(lambda m: inverse_root(m, epsilon, root, matrix_dtype), stat / correction, group)
+                owner_computes(lambda m: inverse_root(m, epsilon, root, matrix_dtype), stat / correction, owners)
                 for stat in statistics
             ]
         scaled = tuple(stat / correction for stat in statistics)

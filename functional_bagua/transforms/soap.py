@@ -65,6 +65,7 @@ from functional_bagua.flat import Rows
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
+    Owners,
     at_least_float32,
     cached_eagerly,
     check_fused_state,
@@ -75,7 +76,6 @@ from functional_bagua.transforms.batched_matrices import (
     owner_computes,
     per_element,
     per_row,
-    refuse_group_under_compile,
     restack,
     rows_of,
     scatter_rows,
@@ -171,6 +171,8 @@ def scale_by_soap(
     shampoo = b2 if shampoo_beta is None else shampoo_beta
     _check_arguments(b1, b2, shampoo, eps, precondition_frequency, max_precondition_dim, matrix_dtype)
 
+    owners = Owners(group, NAME, "decompositions")  # who computes which rows (group=), per update
+
     @cached_eagerly
     def layout(shape: tuple) -> Layout:
         """The layout of a tensor of ``shape``."""
@@ -200,7 +202,7 @@ def scale_by_soap(
 
     def update(grads: PyTree, state: ScaleBySoapState, params: Optional[PyTree] = None) -> tuple:
         check_state_type(NAME, state, ScaleBySoapState)
-        refuse_group_under_compile(NAME, group, "decompositions")
+        owners.begin_update()
         traced = torch.compiler.is_compiling()
         x = LeafLists.of(grads, params, who=NAME, complex_ok=False, grouped=False)
         fields = [
@@ -268,7 +270,7 @@ def scale_by_soap(
             bases = [
                 None
                 if stat is None
-                else owner_computes(functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=each), stat, group)
+                else owner_computes(functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=each), stat, owners)
                 for stat, each in zip(statistics, exact)
             ]
             return torch.zeros_like(g), _Batch(s.count, s.counts, s.mu, s.nu, statistics, bases)
@@ -313,7 +315,7 @@ def scale_by_soap(
         bases = list(bases)
         for d, (stat, basis) in enumerate(zip(statistics, bases)):
             if stat is not None:
-                bases[d], nu = power_iteration(stat, basis, nu, d, matrix_dtype, exact[d], group)
+                bases[d], nu = power_iteration(stat, basis, nu, d, matrix_dtype, exact[d], owners)
         return bases, project(m, bases), nu
 
     def decompose_traced(
