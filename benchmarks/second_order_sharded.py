@@ -4,6 +4,7 @@ of ranks that share them.
     python benchmarks/second_order_sharded.py [--matrices 32] [--size 128] [--ranks 1,2]
     python benchmarks/second_order_sharded.py --computation psgd_kron_fit
     python benchmarks/second_order_sharded.py --computation shampoo_roots_of_many_shapes --matrices 12
+    python benchmarks/second_order_sharded.py --computation soap_by_tensor --ranks 1,2
 
 Each run spawns the ranks (gloo on 127.0.0.1, one thread each) and times, on every rank,
 ``batched_matrices.owner_computes`` over ``--matrices`` matrices of ``--size x --size`` that all
@@ -15,7 +16,10 @@ matrix (float32), inside ``scale_by_psgd_kron(group=...)``'s update;
 (``--size`` down in steps of 4: one batch each, as a model of many shapes gives), all in one
 update's :class:`~functional_bagua.transforms.batched_matrices.Owners` (each row to the rank
 least loaded so far) and, for comparison, each batch balanced alone (every single-row batch on
-rank 0).
+rank 0). ``soap_by_tensor``: a step of SOAP on a 4-layer GPT-2 of hidden 256 (vocabulary 8192)
+under ``shard_by_tensor`` against ``allreduce_gradients`` followed by SOAP, where every rank
+preconditions every tensor (``--matrices`` and ``--size`` unused): the step time and the bytes of
+each rank's optimizer state.
 """
 
 from __future__ import annotations
@@ -133,10 +137,41 @@ def _shampoo_roots_of_many_shapes(matrices: int, size: int) -> dict:
     return timings
 
 
+def _soap_by_tensor(matrices: int, size: int) -> dict:
+    from optimizer_step import gpt2_small_shapes
+
+    import functional_bagua as fb
+    import functional_bagua.distributed as fbd
+
+    del matrices, size
+    gen = torch.Generator().manual_seed(0)
+    shapes = gpt2_small_shapes(hidden=256, layers=4, vocab=8192, positions=256)
+    params = {f"p{i:03d}": torch.randn(s, generator=gen) * 0.02 for i, s in enumerate(shapes)}
+    grads = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()}
+    timings = {}
+    for how, tx in (
+        ("by tensor", fbd.shard_by_tensor(fb.soap(precondition_frequency=10))),
+        ("allreduce, then soap", fb.chain(fbd.allreduce_gradients(), fb.soap(precondition_frequency=10))),
+    ):
+        state = tx.init(params)
+        steps = []
+        for _ in range(12):  # the first initializes the bases; then 10 steps and a refresh
+            dist.barrier()
+            start = time.perf_counter()
+            _, state = tx.update(grads, state, params)
+            steps.append(time.perf_counter() - start)
+        held = [t for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor)]
+        timings[how] = dict(
+            own=statistics.median(steps[1:]), whole=sum(steps[1:]), state_mb=sum(t.nbytes for t in held) / 2**20
+        )
+    return timings
+
+
 COMPUTATIONS = {
     "shampoo_root": _shampoo_root,
     "psgd_kron_fit": _psgd_kron_fit,
     "shampoo_roots_of_many_shapes": _shampoo_roots_of_many_shapes,
+    "soap_by_tensor": _soap_by_tensor,
 }
 
 
@@ -169,14 +204,24 @@ def main() -> None:
         by_how = results[0] if "own" not in results[0] else {"": results[0]}
         for how in by_how:
             per_rank = [r if how == "" else r[how] for r in results]
-            rows.append(
-                dict(
-                    ranks=world,
-                    owners=how,
-                    own_decompositions_ms=1e3 * max(r["own"] for r in per_rank),
-                    with_all_gather_ms=1e3 * max(r["whole"] for r in per_rank),
-                )
+            row = dict(
+                ranks=world,
+                owners=how,
+                own_decompositions_ms=1e3 * max(r["own"] for r in per_rank),
+                with_all_gather_ms=1e3 * max(r["whole"] for r in per_rank),
             )
+            if "state_mb" in per_rank[0]:
+                row = dict(
+                    ranks=world,
+                    transform=how,
+                    step_ms=row["own_decompositions_ms"],
+                    state_mb_per_rank=max(r["state_mb"] for r in per_rank),
+                )
+            rows.append(row)
+    if "step_ms" in rows[0]:
+        print("SOAP on a GPT-2 of hidden 256, 4 layers; one thread per rank; the slowest rank's median step")
+        print(table(rows, ["ranks", "transform", "step_ms", "state_mb_per_rank"]))
+        return
     base = rows[0]["own_decompositions_ms"]
     for r in rows:
         r["own x 1 rank"] = r["own_decompositions_ms"] / base

@@ -4,11 +4,14 @@ slice of every global batch, and a transform chain averages them and updates the
     torchrun --nproc-per-node 2 examples/distributed_train.py                       # allreduce + clip + adamw
     torchrun --nproc-per-node 2 examples/distributed_train.py --compression minmax_uint8
     torchrun --nproc-per-node 2 examples/distributed_train.py --shard                # ZeRO: sharded AdamW state
+    torchrun --nproc-per-node 2 examples/distributed_train.py --shard-by-tensor      # SOAP, each rank its tensors
     torchrun --nproc-per-node 2 examples/distributed_train.py --periodic-average 4   # local SGD
 
-Runs on CPU with gloo (NCCL when CUDA is available). The modes are exclusive: ``--shard`` reduces
-gradients itself (no compression), and ``--periodic-average`` sends no gradients at all. With the
-all-reduce and with ``--shard`` every rank ends with the same parameters, which the script checks
+Runs on CPU with gloo (NCCL when CUDA is available). The modes are exclusive: ``--shard`` and
+``--shard-by-tensor`` reduce gradients themselves (no compression), and ``--periodic-average``
+sends no gradients at all. ``--shard-by-tensor`` trains with SOAP, each rank keeping the state of
+the tensors it owns. With the all-reduce and with either shard every rank ends with the same
+parameters, which the script checks
 at the end; with ``--periodic-average`` the ranks agree right after each average, up to the
 rounding of ``p + (average - p)`` on each rank (checked then), and drift apart in between (the
 script prints both).
@@ -38,6 +41,8 @@ def make_tx(args) -> fb.GradientTransformation:
     adamw = fb.adamw(args.lr, weight_decay=1e-4)
     if args.shard:
         return fbd.shard(adamw)  # reduce-scatter gradients, AdamW on this rank's shard, all-gather
+    if args.shard_by_tensor:  # SOAP needs whole tensors: each rank preconditions the tensors it owns
+        return fbd.shard_by_tensor(fb.soap(lr=args.lr, weight_decay=1e-4, precondition_frequency=10))
     if args.periodic_average:
         return fb.chain(adamw, fbd.periodic_average(args.periodic_average))  # no gradient traffic
     return fb.chain(
@@ -136,6 +141,9 @@ if __name__ == "__main__":
     parser.add_argument("--compression", choices=["fp16", "bf16", "minmax_uint8"], default=None)
     parser.add_argument("--shard", action="store_true", help="ZeRO: shard the AdamW state across ranks")
     parser.add_argument(
+        "--shard-by-tensor", action="store_true", help="SOAP, each rank keeping the state of the tensors it owns"
+    )
+    parser.add_argument(
         "--periodic-average",
         type=int,
         default=0,
@@ -143,11 +151,14 @@ if __name__ == "__main__":
         help="local SGD: no gradient all-reduce, average the parameters every PERIOD steps",
     )
     args = parser.parse_args()
-    if args.shard and args.compression:
-        parser.error("--shard reduce-scatters the gradients itself and has no compression; drop --compression")
-    if args.periodic_average and (args.shard or args.compression):
+    if args.shard and args.shard_by_tensor:
+        parser.error("--shard and --shard-by-tensor are two ways to shard the state; pick one")
+    for flag, given in (("--shard", args.shard), ("--shard-by-tensor", args.shard_by_tensor)):
+        if given and args.compression:
+            parser.error(f"{flag} reduce-scatters the gradients itself and has no compression; drop --compression")
+    if args.periodic_average and (args.shard or args.shard_by_tensor or args.compression):
         parser.error(
             "--periodic-average sends no gradients (it averages the parameters every PERIOD steps); "
-            "it combines with neither --shard nor --compression"
+            "it combines with neither --shard, --shard-by-tensor nor --compression"
         )
     main(args)

@@ -118,6 +118,9 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
     keys, accessors, leaves, spec = _keyed_leaves(template)
     expected = [k for k, leaf in zip(keys, leaves) if leaf is not None]
     source = _source_keys(expected, flat)  # template key -> checkpoint key
+    for key, accessor, leaf in zip(keys, accessors, leaves):  # first: a checkpoint that belongs elsewhere
+        if leaf is not None and key in source and _must_match(accessor):
+            _refuse_if_elsewhere(key, flat[source[key]], leaf)
     missing = [k for k in expected if k not in source]
     unexpected = sorted(set(flat) - set(source.values()))
     if missing or unexpected:
@@ -128,7 +131,7 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
             )
         warnings.warn(f"load_state_dict: {problem}; loaded the rest", UserWarning, stacklevel=2)
     new_leaves = []
-    for key, accessor, leaf in zip(keys, accessors, leaves):
+    for key, leaf in zip(keys, leaves):
         if leaf is None or key not in source:
             new_leaves.append(leaf)
             continue
@@ -142,13 +145,18 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
             raise ValueError(
                 f"load_state_dict: {key!r} is {got} in the checkpoint, the state expects {leaf.dtype} {tuple(leaf.shape)}"
             )
-        if _must_match(accessor) and not torch.equal(value.to(leaf.device), leaf):
-            raise ValueError(
-                f"load_state_dict: {key!r} is {value.tolist()} in the checkpoint, {leaf.tolist()} in this state: the "
-                "checkpoint belongs elsewhere (another rank's shard, or another world size); load each rank's own file"
-            )
         new_leaves.append(value.detach().to(leaf.device, copy=True))
     return spec.unflatten(new_leaves)
+
+
+def _refuse_if_elsewhere(key: str, value: Any, leaf: torch.Tensor) -> None:
+    """Raise unless a ``must_match_on_load()`` field's saved ``value`` equals the template's."""
+    if not isinstance(value, torch.Tensor) or value.shape != leaf.shape or not torch.equal(value.to(leaf.device), leaf):
+        shown = value.tolist() if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"load_state_dict: {key!r} is {shown} in the checkpoint, {leaf.tolist()} in this state: the "
+            "checkpoint belongs elsewhere (another rank's shard, or another world size); load each rank's own file"
+        )
 
 
 def _nesting(expected: list, flat: dict) -> Optional[tuple[str, str]]:

@@ -72,7 +72,7 @@ def shape_groups_of(key: str, name: str) -> tuple:
     if groups is None:
         raise NotImplementedError(
             f"{name} cannot run inside shard(): it needs whole tensors, which a shard of the flat buffers does not "
-            "hold. Put it before shard() or run it unsharded."
+            "hold. Shard it by whole tensors (fbd.shard_by_tensor(...)), put it before shard(), or run it unsharded."
         )
     return groups(key)
 

@@ -374,7 +374,9 @@ DCP_STEPS = 3
 
 
 def dcp_tx():
-    return fbd.shard(TXS["adamw"]())
+    """shard(adamw), or shard_by_tensor(adamw) where $FB_DCP_SHARD says "by tensor"."""
+    by_tensor = os.environ.get("FB_DCP_SHARD") == "by tensor"
+    return (fbd.shard_by_tensor if by_tensor else fbd.shard)(TXS["adamw"]())
 
 
 def dcp_train(params, state, tx, data, model):

@@ -107,3 +107,66 @@ def owner_batches() -> list:
     gen = torch.Generator().manual_seed(3)
     shapes = [(1, 8, 8)] * 4 + [(3, 4, 4), (1, 2, 2)]
     return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+# --- shard_by_tensor: each rank the state of the whole tensors it owns ----------------------------
+
+WHOLE_TENSOR_MAKERS = {
+    **{name: (lambda make: lambda: make(None))(make) for name, make in MAKERS.items()},
+    "lamb": lambda: fb.lamb(1e-2),
+}
+MATRIX_SHAPES = {k: s for k, s in SHAPES.items() if len(s) == 2}  # Muon: matrices only
+
+
+def by_tensor(inner: fb.GradientTransformation, rank: int, shapes: dict = SHAPES, seed_rank: int = 0) -> tuple:
+    """The parameters after STEPS steps of ``shard_by_tensor(inner)`` on this rank's gradients,
+    and the bytes of this rank's inner state."""
+    tx = fbd.shard_by_tensor(inner)
+    params = {k: v for k, v in start().items() if k in shapes}
+    state = tx.init(params)
+    for step in range(STEPS):
+        seed(step, seed_rank)
+        grads = {k: v for k, v in local_gradients(rank, step).items() if k in shapes}
+        u, state = tx.update(grads, state, params)
+        params = fb.apply_updates(params, u)
+    held = [t for t in fb.tree.flatten(state.inner)[0] if isinstance(t, torch.Tensor)]
+    return params, sum(t.numel() * t.element_size() for t in held)
+
+
+def sharded_by_tensor(rank: int, world_size: int) -> dict:
+    out = {name: by_tensor(make(), rank) for name, make in WHOLE_TENSOR_MAKERS.items()}
+    out["muon"] = by_tensor(fb.muon(lr=0.02), rank, MATRIX_SHAPES)
+    out["soap, resumed"] = resumed_by_tensor(rank, world_size)
+    out["adamw"] = by_tensor(fb.adamw(1e-2), rank)
+    try:
+        tx = fbd.shard_by_tensor(fb.adamw(1e-2))
+        params = start()
+        state = tx.init(params)
+        grads = dict(local_gradients(rank, 0), a=None)
+        tx.update(grads, state, params)
+        out["a None gradient"] = None
+    except ValueError as error:
+        out["a None gradient"] = str(error)
+    return out
+
+
+def resumed_by_tensor(rank: int, world_size: int) -> dict:
+    """SOAP under shard_by_tensor saved after half the steps (fb.state_dict), loaded into a new
+    init and run on: the parameters, and the error loading the next rank's checkpoint raises."""
+    tx = fbd.shard_by_tensor(MAKERS["soap"](None))
+    params = start()
+    state = tx.init(params)
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            saved = fb.state_dict(state)
+            state = fb.load_state_dict(tx.init(params), {k: v.clone() for k, v in saved.items()})
+            others = [None] * world_size
+            dist.all_gather_object(others, {k: v.clone() for k, v in saved.items()})
+        u, state = tx.update(local_gradients(rank, step), state, params)
+        params = fb.apply_updates(params, u)
+    try:
+        fb.load_state_dict(tx.init(params), others[(rank + 1) % world_size])
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {"params": params, "another rank's": refused}

@@ -507,11 +507,17 @@ def test_train_step_with_torchs_kernel_after_the_reduction_equals_the_update_rul
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved_on, resumed_on", [(4, 2), (2, 4)])
-def test_sharded_state_saved_with_dcp_resumes_on_another_number_of_ranks(saved_on, resumed_on, tmp_path, monkeypatch):
-    """shard(adamw) for some steps on ``saved_on`` ranks, saved with DCP, loaded on ``resumed_on``
-    ranks (the moments resharded) and trained on: the run of one process on the global batch."""
+@pytest.mark.parametrize(
+    "saved_on, resumed_on, shard", [(4, 2, "flat"), (2, 4, "flat"), (4, 2, "by tensor")]
+)
+def test_sharded_state_saved_with_dcp_resumes_on_another_number_of_ranks(
+    saved_on, resumed_on, shard, tmp_path, monkeypatch
+):
+    """shard(adamw) (or shard_by_tensor(adamw)) for some steps on ``saved_on`` ranks, saved with
+    DCP, loaded on ``resumed_on`` ranks (the moments resharded, or each tensor's moments read by
+    its new owner) and trained on: the run of one process on the global batch."""
     monkeypatch.setenv("FB_DCP_DIR", str(tmp_path))
+    monkeypatch.setenv("FB_DCP_SHARD", shard)
     expected, _ = sc.train(sc.TXS["adamw"](), sc.global_batches())
     saved = run_ranks(saved_on, ["dcp_save_sharded"])
     for result in saved:

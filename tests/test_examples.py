@@ -82,6 +82,12 @@ def test_distributed_example_runs_under_torchrun_on_two_ranks():
     assert "parameters agree across ranks" in result.stdout
 
 
+def test_distributed_example_shards_soap_by_tensor_and_checks_the_ranks_agree():
+    result = run_distributed_example("--steps", "12", "--shard-by-tensor")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "parameters agree across ranks" in result.stdout
+
+
 def test_distributed_example_with_periodic_averaging_says_what_it_checked():
     """It printed "parameters agree across ranks" without checking; the ranks differ between averages."""
     result = run_distributed_example("--steps", "10", "--periodic-average", "4")

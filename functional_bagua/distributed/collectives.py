@@ -14,3 +14,4 @@ import torch.distributed._functional_collectives as funcol
 all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 reduce_scatter_single_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+wait_tensor = funcol.wait_tensor

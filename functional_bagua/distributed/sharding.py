@@ -10,7 +10,8 @@ zero-padded to a multiple of ``n`` and cut into ``n`` equal shards; rank ``r`` o
 so ``shard(adamw)`` gives the update of ``allreduce_gradients()`` followed by ``adamw`` while the
 moments of AdamW exist only for the local shard (per-rank state memory ~ 1/n). ``inner`` must be
 elementwise (sgd, adam, adamw, lion, ...): a shard cuts tensors apart, so per-tensor rules (LAMB's
-trust ratio, Adafactor, Muon) raise instead of computing norms of pieces.
+trust ratio, Adafactor, Muon) raise instead of computing norms of pieces; they run under
+:func:`~functional_bagua.distributed.shard_by_tensor`, which shards by whole tensors.
 
 Example (under torchrun)::
 
@@ -60,7 +61,8 @@ class _Shards:
     def segments(self, key: str) -> NoReturn:
         raise NotImplementedError(
             f"a per-tensor rule cannot run inside {NAME}(): each rank holds 1/world_size of the flat buffer "
-            f"{key!r}, which cuts tensors apart. Shard an elementwise optimizer (sgd, adam, adamw, lion, ...)."
+            f"{key!r}, which cuts tensors apart. Shard an elementwise optimizer (sgd, adam, adamw, lion, ...), or "
+            "shard this one by whole tensors: fbd.shard_by_tensor(inner)."
         )
 
 
