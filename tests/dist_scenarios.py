@@ -163,6 +163,7 @@ compiled_allreduce_minmax_uint8 = compiled(
     lambda: fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB, compression="minmax_uint8"), fb.sgd(LR))
 )
 compiled_shard_adamw = compiled(lambda: fbd.shard(TXS["adamw"]()))
+compiled_shard_by_tensor_lamb = compiled(lambda: fbd.shard_by_tensor(fb.lamb(1e-2)))
 compiled_periodic_average = compiled(lambda: fb.chain(fb.sgd(LR), fbd.periodic_average(2)))
 compiled_shift_one = compiled(lambda: fb.chain(fb.sgd(LR), fbd.decentralized("shift_one")))
 

@@ -48,6 +48,7 @@ COMPILED = [
     "compiled_allreduce_adamw",
     "compiled_allreduce_minmax_uint8",
     "compiled_shard_adamw",
+    "compiled_shard_by_tensor_lamb",
     "compiled_periodic_average",
     "compiled_shift_one",
     "compiled_train_step_overlapped",
