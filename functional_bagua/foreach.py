@@ -147,7 +147,10 @@ def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
         or any(t.dtype is not dtype or t.requires_grad for t in a.items)
     ):
         return b
-    converted = (b if b.dtype == dtype else b.to(dtype)) if is_tensor else torch.tensor(b, dtype=dtype)
+    if is_tensor:
+        converted = b if b.dtype == dtype else b.to(dtype)
+    else:  # an int through int64, rounded once (and too large for int64 refused) as the single-tensor op does
+        converted = torch.tensor(b, dtype=torch.int64 if isinstance(b, int) else dtype).to(dtype)
     return converted if as_tensor else [converted] * len(a.items)
 
 

@@ -36,6 +36,28 @@ class _Running(threading.local):
 
     def __init__(self) -> None:
         self.layouts: list[Layout] = []
+        self.owned_tensors = 0  # inside distributed.shard_by_tensor: each rank its own tensors
+
+
+def run_on_owned_tensors(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` on the whole tensors one rank owns (inside ``distributed.shard_by_tensor``):
+    transforms that reduce across all tensors refuse there (:func:`refuse_on_shards`), as do
+    those that share work among ranks themselves (``group=``: :func:`on_owned_tensors`).
+
+    Args:
+        fn: the function to call, a transform's ``update``.
+        *args: the arguments passed to ``fn``.
+    """
+    _RUNNING.owned_tensors += 1
+    try:
+        return fn(*args)
+    finally:
+        _RUNNING.owned_tensors -= 1
+
+
+def on_owned_tensors() -> bool:
+    """Whether the update running now in this thread holds only the tensors this rank owns."""
+    return _RUNNING.owned_tensors > 0
 
 
 _RUNNING = _Running()
@@ -119,12 +141,18 @@ def refuse_on_shards(name: str, why: str) -> None:
         why: why it cannot run on a shard, put in the message.
 
     Raises:
-        NotImplementedError: inside ``distributed.shard`` (the active layout has ``is_shard``).
+        NotImplementedError: inside ``distributed.shard`` (the active layout has ``is_shard``) and
+            inside ``distributed.shard_by_tensor``.
     """
     if getattr(active_layout(), "is_shard", False):
         raise NotImplementedError(
             f"{name} cannot run inside shard(): {why}. Put it before shard() (on the whole gradients) "
             "or use an unsharded chain."
+        )
+    if on_owned_tensors():
+        raise NotImplementedError(
+            f"{name} cannot run inside shard_by_tensor(): each rank holds only the tensors it owns, so {why}. "
+            "Put it before shard_by_tensor() (on the whole gradients) or use an unsharded chain."
         )
 
 

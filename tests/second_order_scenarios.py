@@ -6,6 +6,8 @@ every rank, or differently per rank)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -170,3 +172,47 @@ def resumed_by_tensor(rank: int, world_size: int) -> dict:
     except ValueError as error:
         refused = str(error)
     return {"params": params, "another rank's": refused}
+
+
+class _RaisesOn(NamedTuple):
+    """A transform whose update raises where it holds the tensor ``name`` (one rank's, under
+    shard_by_tensor)."""
+
+    name: str
+
+    def transform(self) -> fb.GradientTransformation:
+        def update(grads, state, params=None):
+            if self.name in grads:
+                raise ValueError(f"the update of {self.name!r} failed here")
+            return grads, state
+
+        return fb.GradientTransformation(lambda params: fb.EmptyState(), update)
+
+
+def refused_by_tensor(rank: int, world_size: int) -> dict:
+    """What shard_by_tensor refuses, each on every rank alike (the error's text, or None)."""
+    out = {}
+    cases = {
+        "clip_by_global_norm": lambda: fb.chain(fb.clip_by_global_norm(1.0), fb.adamw(1e-2)),
+        "apply_if_finite": lambda: fb.apply_if_finite(fb.adamw(1e-2), 3),
+        "soap with group=": lambda: MAKERS["soap"](dist.group.WORLD),
+        "an inner that raises on one rank": lambda: _RaisesOn("f").transform(),
+    }
+    for name, make in cases.items():
+        try:
+            by_tensor(make(), rank)
+            out[name] = None
+        except Exception as error:  # the kind is checked by the test
+            out[name] = f"{type(error).__name__}: {error}"
+    try:
+        fbd.shard_by_tensor(fb.sgd(0.1)).init({"a": {"b": torch.zeros(2)}, "a/b": torch.zeros(2)})
+        out["two tensors of one name"] = None
+    except ValueError as error:
+        out["two tensors of one name"] = str(error)
+    # an empty tensor of its own dtype, owned by rank 1 on two ranks: its update is gathered too
+    params = {"a": torch.ones(10, dtype=torch.float64), "z": torch.zeros(0, 3), "b": torch.ones(4, dtype=torch.float64)}
+    tx = fbd.shard_by_tensor(fb.sgd(0.1))
+    grads = {k: torch.full_like(v, float(rank + 1)) for k, v in params.items()}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    out["updates with an empty tensor"] = updates
+    return out

@@ -188,6 +188,8 @@ FACTORS = [
     1e-8,
     3,
     1e30,
+    2**60 + 2**36 + 1,  # ints past 2^53: rounded once to the tensors' dtype, as the single-tensor op does
+    -(2**60 + 2**36 + 1),
     (1 - 0.999**7, torch.float64),
     (1 / 3, torch.float32),
     (0.5, torch.float64),

@@ -26,10 +26,11 @@ pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU")
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two", "four"])
 def ranks(request):
-    results = run_ranks(request.param, ["sharded_by_tensor"], module="second_order_scenarios")
+    results = run_ranks(request.param, ["sharded_by_tensor", "refused_by_tensor"], module="second_order_scenarios")
     for rank, result in enumerate(results):
-        assert not isinstance(result["sharded_by_tensor"], ScenarioError), (rank, result["sharded_by_tensor"])
-    return [result["sharded_by_tensor"] for result in results]
+        for name in ("sharded_by_tensor", "refused_by_tensor"):
+            assert not isinstance(result[name], ScenarioError), (rank, result[name])
+    return [{**result["sharded_by_tensor"], **result["refused_by_tensor"]} for result in results]
 
 
 def one_process(inner, world, shapes=SHAPES, only=None):
@@ -112,3 +113,42 @@ def test_tensors_weigh_their_gradient_and_the_state_inner_keeps_for_them():
     assert adamw == [8 * 36 * 3 + 8, 8 * 40 * 3 + 8]  # the gradient, two moments, and a count of int64
     assert soap[0] > adamw[0] and soap[0] >= 8 * 36 * 7
     assert owners_by_size([5, 9, 4, 3], 2) == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("clip_by_global_norm", "NotImplementedError: clip_by_global_norm cannot run inside shard_by_tensor()"),
+        ("apply_if_finite", "NotImplementedError: apply_if_finite cannot run inside shard_by_tensor()"),
+        ("soap with group=", "ValueError: scale_by_soap: group= inside shard_by_tensor()"),
+    ],
+)
+def test_what_needs_every_tensor_or_shares_work_itself_is_refused_on_every_rank(ranks, case, says):
+    """A global norm or a decision over all tensors would see one rank's tensors only (silently
+    other numbers), and group= would pair its collectives with other ranks' (a hang)."""
+    for rank, result in enumerate(ranks):
+        assert (result[case] or "").startswith(says), f"rank {rank}: {result[case]}"
+
+
+def test_an_inner_that_raises_on_one_rank_raises_on_every_rank_not_a_hang(ranks):
+    owner = owners_by_size(weights(fb.identity(), list(start().values()), list(SHAPES)), len(ranks))
+    owner_of_f = owner[list(SHAPES).index("f")]
+    others = f"RuntimeError: shard_by_tensor: inner's update raised on rank {owner_of_f} (its own error says why)"
+    for rank, result in enumerate(ranks):
+        message = result["an inner that raises on one rank"] or ""
+        assert message == ("ValueError: the update of 'f' failed here" if rank == owner_of_f else others), message
+
+
+def test_two_tensors_of_one_name_are_refused(ranks):
+    for result in ranks:
+        assert "the parameters ['a/b'] share a name" in (result["two tensors of one name"] or "")
+
+
+def test_an_empty_tensor_of_its_own_dtype_gets_its_update(ranks):
+    world = len(ranks)
+    mean = sum(range(1, world + 1)) / world
+    for rank, result in enumerate(ranks):
+        updates = result["updates with an empty tensor"]
+        assert updates["z"] is not None and updates["z"].shape == (0, 3), f"rank {rank}"
+        assert torch.equal(updates["a"], torch.full((10,), -0.1 * mean, dtype=torch.float64)), f"rank {rank}"
+        assert torch.equal(updates["b"], torch.full((4,), -0.1 * mean, dtype=torch.float64)), f"rank {rank}"

@@ -37,10 +37,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from functional_bagua import tree
+from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed import collectives
-from functional_bagua.distributed.process_group import Agreement, Group, resolve
+from functional_bagua.distributed.process_group import Agreement, resolve
 from functional_bagua.distributed.sharding import ShardState
 from functional_bagua.flat import group_key
 from functional_bagua.tree import PyTree
@@ -183,7 +183,14 @@ def shard_by_tensor(
         g = resolve(group, NAME)
         agreement.init(params, g)
         leaves, spec = tree.flatten(params)
-        plan = plan_of(leaves, tree.leaf_names(spec), g.world_size)
+        names = tree.leaf_names(spec)
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"{NAME}: the parameters {repeated} share a name (a '/' inside a key, or the keys 0 and '0'); "
+                "inner sees this rank's tensors by name: rename them"
+            )
+        plan = plan_of(leaves, names, g.world_size)
         device = tree.device_of(params)
         return TensorShardState(
             torch.tensor(g.rank, device=device),
@@ -198,8 +205,11 @@ def shard_by_tensor(
         for name, leaf in zip(names, leaves):
             if leaf is None:
                 raise ValueError(f"{NAME}: gradient of {name!r} is None; every rank must send every gradient")
-        if not torch.compiler.is_compiling():
-            _check_state(state, g)
+        if not isinstance(state, TensorShardState):
+            raise ValueError(
+                f"{NAME}: got a state of type {type(state).__name__}, expected TensorShardState; pass the state "
+                "this transform's init made"
+            )
         agreement.check(leaves)
         plan = plan_of(leaves, names, g.world_size)
         shapes = [tuple(t.shape) for t in leaves]
@@ -212,17 +222,32 @@ def shard_by_tensor(
         owned_params = None
         if params is not None:
             owned_params = plan.mine(tree.leaves_matching(spec, params, "params", "the gradients"), g.rank)
-        owned_updates, inner_state = inner.update(owned_grads, state.inner, owned_params)
-        updates = [None] * len(leaves)
-        own = _owned_updates(owned_updates, plan, leaves, g.rank)
-        for key in plan.parts:
-            like = [u if u is not None else leaves[i] for i, u in enumerate(own)]
-            # waited for here: the updates returned are plain tensors (nothing left in flight)
-            gathered = collectives.wait_tensor(
-                collectives.all_gather_single(plan.packed(key, like, g.rank), 0, g.group)
+        failure: Optional[Exception] = None
+        try:  # a failure on one rank must still meet the others' all-gathers, then raise on every rank
+            owned_updates, inner_state = layout_context.run_on_owned_tensors(
+                inner.update, owned_grads, state.inner, owned_params
             )
-            for r, part in enumerate(gathered.split(plan.length[key])):
-                for i, tensor in plan.unpacked(key, part, shapes, r).items():
+            own = _owned_updates(owned_updates, plan, leaves, g.rank)
+        except Exception as error:
+            if torch.compiler.is_compiling():
+                raise
+            failure, own, inner_state = error, [None] * len(leaves), None
+        updates: list = [None] * len(leaves)
+        eager = not torch.compiler.is_compiling()
+        for k, key in enumerate(plan.parts):
+            like = [u if u is not None else leaves[i] for i, u in enumerate(own)]
+            part = plan.packed(key, like, g.rank)
+            flagged = eager and k == 0  # eagerly, the first all-gather carries whether each rank's inner raised
+            if flagged:
+                part = torch.cat([part, part.new_full((1,), float(failure is not None))])
+            # waited for here: the updates returned are plain tensors (nothing left in flight)
+            gathered = collectives.wait_tensor(collectives.all_gather_single(part, 0, g.group))
+            rows = gathered.view(g.world_size, plan.length[key] + int(flagged))
+            if flagged:
+                _raise_if_failed(rows[:, -1], failure, g.rank)
+                rows = rows[:, :-1]
+            for r in range(g.world_size):
+                for i, tensor in plan.unpacked(key, rows[r], shapes, r).items():
                     updates[i] = tensor
         return spec.unflatten(updates), TensorShardState(state.rank, state.world_size, inner_state)
 
@@ -249,15 +274,12 @@ def _owned_updates(owned: Any, plan: _Plan, grads: list, rank: int) -> list:
     return updates
 
 
-def _check_state(state: Any, g: Group) -> None:
-    """Raise unless ``state`` is a :class:`TensorShardState` made on this rank of a group of this size."""
-    if not isinstance(state, TensorShardState):
-        raise ValueError(
-            f"{NAME}: got a state of type {type(state).__name__}, expected TensorShardState; pass the state this "
-            "transform's init made"
-        )
-    if int(state.rank) != g.rank or int(state.world_size) != g.world_size:
-        raise ValueError(
-            f"{NAME}: the state was made on rank {int(state.rank)} of {int(state.world_size)}, this is rank {g.rank} "
-            f"of {g.world_size}; each rank updates the state its own init made"
-        )
+def _raise_if_failed(flags: torch.Tensor, failure: Optional[Exception], rank: int) -> None:
+    """Raise on every rank where some rank's ``inner`` raised (``flags``: one per rank): this
+    rank's own error where it is one of them, else a RuntimeError naming the first."""
+    failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if not failed:
+        return
+    if failure is not None:
+        raise failure
+    raise RuntimeError(f"{NAME}: inner's update raised on rank {failed[0]} (its own error says why)")

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from functional_bagua import layout_context
 from functional_bagua.flat import Rows
 
 _T = TypeVar("_T")
@@ -237,6 +238,11 @@ class Owners:
         """Start an update: loads from zero (a TypeError while traced, with a group: the
         results are shared by collectives that run eagerly)."""
         refuse_group_under_compile(self.name, self.group, self.shared)
+        if self.group is not None and layout_context.on_owned_tensors():
+            raise ValueError(
+                f"{self.name}: group= inside shard_by_tensor(): there each rank holds other tensors, and the work "
+                "is already split by tensor; leave group out"
+            )
         if self.group is not None:  # (without one, nothing is written: a compiled step reads no loads)
             self.loads = [0.0] * dist.get_world_size(self.group)
 
