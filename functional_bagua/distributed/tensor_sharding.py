@@ -18,9 +18,12 @@ the whole, uneven by at most the largest tensor's). Per flat buffer (dtype and d
 one reduce-scatter and one all-gather per step, each of the largest rank's share times ``n``.
 
 ``inner`` sees the tensors a rank owns as a flat dict ``{name: tensor}`` (the names of
-:func:`~functional_bagua.tree.leaf_names`), in the order of the parameter tree; a rank may own
-none. Where ``inner`` decides by a parameter's name (a ``partition`` labelled by names), its
-labels read these names.
+:func:`~functional_bagua.tree.leaf_names`, which must differ), in the order of the parameter
+tree; a rank may own none. Where ``inner`` decides by a parameter's name (a ``partition``
+labelled by names), its labels read these names. What needs every tensor refuses to run inside
+(``clip_by_global_norm``'s global norm, ``apply_if_finite``'s decision: put them before), and so
+does a second-order transform's ``group=`` (the work is already split by tensor). Where
+``inner`` raises on one rank, every rank raises (eagerly: the first all-gather carries a flag).
 
 Example (under torchrun)::
 
