@@ -63,3 +63,28 @@ class ShardLike:
 
     def segments(self, key: str) -> tuple:
         raise NotImplementedError
+
+
+def compiled_fused_and_eager_steps(model, tx, batch, steps: int = 6):  # noqa: ANN001, ANN201
+    """``make_train_step`` compiled over flat buffers and eager over the tree, from the same
+    model and batch: per step, ``(t, loss, eager_loss, params from the buffers, eager params)``."""
+    params = {k: v.detach().clone() for k, v in fb.params_of(model).items()}
+    layout = fb.FlatLayout.of(params)
+    compiled = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=True, layout=layout)
+    eager = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=False)
+    flat, flat_state = layout.flatten(params), fb.fuse(tx, layout).init(layout.flatten(params))
+    state = tx.init(params)
+    for t in range(steps):
+        flat, flat_state, loss = compiled(flat, flat_state, batch)
+        params, state, eager_loss = eager(params, state, batch)
+        yield t, loss, eager_loss, layout.unflatten(flat), params
+
+
+def fused_trace(tx, params: dict, grads: list) -> list:  # noqa: ANN001
+    """The parameters after each step of ``fb.fuse(tx)`` over flat buffers of ``params``, as trees."""
+    layout = fb.FlatLayout.of(params)
+    fused = fb.fuse(tx, layout)
+    flat = layout.flatten(params)
+    return [
+        layout.unflatten(f) for f in trace(fused.update, fused.init(flat), flat, [layout.flatten(g) for g in grads])
+    ]

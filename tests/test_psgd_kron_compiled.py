@@ -9,7 +9,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from second_order_helpers import ShardLike, draws, resumed_and_uninterrupted, trace
+from second_order_helpers import ShardLike, draws, fused_trace, resumed_and_uninterrupted, trace
 
 import functional_bagua as fb
 from functional_bagua.transforms import psgd_kron
@@ -51,15 +51,11 @@ class ProbeStream:
 def test_fused_psgd_kron_equals_unfused_psgd_kron(options, monkeypatch):
     params, grads = draws(FUSED_SHAPES, steps=8)
     tx = fb.psgd_kron(lr=1e-2, precond_dtype=torch.float64, **options)
-    layout = fb.FlatLayout.of(params)
-    fused = fb.fuse(tx, layout)
     monkeypatch.setattr(psgd_kron, "draw_probe", ProbeStream())
     expected = trace(tx.update, tx.init(params), params, grads)
     monkeypatch.setattr(psgd_kron, "draw_probe", ProbeStream())
-    flat_grads = [layout.flatten(g) for g in grads]
-    got = trace(fused.update, fused.init(layout.flatten(params)), layout.flatten(params), flat_grads)
-    for t, (want, flat) in enumerate(zip(expected, got)):
-        back = layout.unflatten(flat)
+    got = fused_trace(tx, params, grads)
+    for t, (want, back) in enumerate(zip(expected, got)):
         for k in params:
             torch.testing.assert_close(back[k], want[k], rtol=1e-13, atol=1e-15, msg=lambda m: f"step {t} {k}: {m}")
 

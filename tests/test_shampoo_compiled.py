@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from second_order_helpers import ShardLike, draws, resumed_and_uninterrupted, trace
+from second_order_helpers import (
+    ShardLike,
+    compiled_fused_and_eager_steps,
+    draws,
+    fused_trace,
+    resumed_and_uninterrupted,
+    trace,
+)
 
 import functional_bagua as fb
 
@@ -34,14 +41,9 @@ OPTIONS = [
 def test_fused_shampoo_equals_unfused_shampoo(options):
     params, grads = draws(FUSED_SHAPES, steps=6)
     tx = fb.shampoo(lr=1e-2, weight_decay=0.1, **options)
-    layout = fb.FlatLayout.of(params)
-    fused = fb.fuse(tx, layout)
     expected = trace(tx.update, tx.init(params), params, grads)
-    got = trace(
-        fused.update, fused.init(layout.flatten(params)), layout.flatten(params), [layout.flatten(g) for g in grads]
-    )
-    for t, (want, flat) in enumerate(zip(expected, got)):
-        back = layout.unflatten(flat)
+    got = fused_trace(tx, params, grads)
+    for t, (want, back) in enumerate(zip(expected, got)):
         for k in params:
             torch.testing.assert_close(back[k], want[k], rtol=1e-13, atol=1e-15, msg=lambda m: f"step {t} {k}: {m}")
 
@@ -119,17 +121,8 @@ def test_a_compiled_fused_train_step_equals_the_eager_unfused_one():
     tx = fb.shampoo(
         lr=1e-2, weight_decay=0.01, betas=(0.9, 0.99), grafting="rmsprop", precondition_frequency=2, epsilon=1e-6
     )  # full-rank enough: see below
-    params = {k: v.detach().clone() for k, v in fb.params_of(model).items()}
-    layout = fb.FlatLayout.of(params)
-    compiled = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=True, layout=layout)
-    eager = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=False)
-    flat, flat_state = layout.flatten(params), fb.fuse(tx, layout).init(layout.flatten(params))
-    state = tx.init(params)
-    for t in range(6):
-        flat, flat_state, loss = compiled(flat, flat_state, batch)
-        params, state, eager_loss = eager(params, state, batch)
+    for t, loss, eager_loss, back, params in compiled_fused_and_eager_steps(model, tx, batch):
         torch.testing.assert_close(loss, eager_loss, rtol=1e-10, atol=0)
-        back = layout.unflatten(flat)
         for k in params:
             torch.testing.assert_close(back[k], params[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"step {t} {k}: {m}")
 

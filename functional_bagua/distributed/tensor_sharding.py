@@ -237,8 +237,8 @@ def shard_by_tensor(
             failure, own, inner_state = error, [None] * len(leaves), None
         updates: list = [None] * len(leaves)
         eager = not torch.compiler.is_compiling()
+        like = [u if u is not None else leaves[i] for i, u in enumerate(own)]  # this rank's own packed
         for k, key in enumerate(plan.parts):
-            like = [u if u is not None else leaves[i] for i, u in enumerate(own)]
             part = plan.packed(key, like, g.rank)
             flagged = eager and k == 0  # eagerly, the first all-gather carries whether each rank's inner raised
             if flagged:

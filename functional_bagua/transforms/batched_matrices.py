@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from functional_bagua import layout_context
+from functional_bagua import layout_context, tree
+from functional_bagua.checks import check_param
 from functional_bagua.flat import Rows
 
 _T = TypeVar("_T")
@@ -362,6 +364,63 @@ def _fingerprint(tensors: tuple) -> torch.Tensor:
         position = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device) / max(v.numel(), 1) + i
         sums = sums + torch.cat([torch.stack([v.sum(), v.square().sum(), (v * position).sum()]), special])
     return sums
+
+
+def initial_fields(
+    params: Any,
+    name: str,
+    width: int,
+    init_leaf: Callable[[torch.Tensor], tuple],
+    fused_state_of: Callable[[torch.Tensor, Any], tuple],
+    groups_of: Callable[[str], Any],
+) -> list:
+    """The ``width`` fields of a preconditioner's initial state, each a tree of ``params``'
+    structure: every parameter checked (real, dense), then ``init_leaf(p)`` for it or, inside
+    :func:`~functional_bagua.fuse`, ``fused_state_of(buffer, groups_of(key))`` for each flat
+    buffer (state stacked per shape); ``None`` in every field for a ``None`` parameter.
+
+    Args:
+        params: the parameter tree (or, inside fuse, its flat buffers).
+        name: the transform, named in the errors.
+        width: the number of fields.
+        init_leaf: one tensor's fields.
+        fused_state_of: one flat buffer's fields, from its groups of equal-shaped tensors.
+        groups_of: a buffer's groups, from its key.
+    """
+    leaves, spec = tree.flatten(params)
+    for i, p in enumerate(leaves):
+        if p is not None:
+            check_param(p, functools.partial(tree.leaf_name, spec, i), name, complex_ok=False)
+    fused, keys = layout_context.active_layout() is not None, tree.leaf_names(spec)
+    per_leaf = [
+        (None,) * width if p is None else fused_state_of(p, groups_of(keys[i])) if fused else init_leaf(p)
+        for i, p in enumerate(leaves)
+    ]
+    return [spec.unflatten([s[f] for s in per_leaf]) for f in range(width)]
+
+
+def fused_buffers(
+    x: Any, fields: list, name: str, fused_state_of: Callable[[torch.Tensor, Any], tuple], groups_of: Callable
+) -> Iterator[tuple[int, torch.Tensor, Any, list]]:
+    """The flat buffers of a fused update that have a gradient: ``(i, g, groups, state)`` each
+    (its index, its gradient, its groups of equal-shaped tensors, its state, one value per
+    field), the state checked against what ``fused_state_of`` makes (:func:`check_fused_state`).
+
+    Args:
+        x: the update's checked leaves (:class:`~functional_bagua.leaf_lists.LeafLists`).
+        fields: the state's fields, each a list with one value per buffer.
+        name: the transform, named in the errors.
+        fused_state_of: one flat buffer's initial fields, from its groups.
+        groups_of: a buffer's groups, from its key.
+    """
+    keys = tree.leaf_names(x.spec)
+    for i, g in enumerate(x.updates):
+        if g is None:
+            continue
+        groups = groups_of(keys[i])
+        buffer_state = [column[i] for column in fields]
+        check_fused_state(name, buffer_state, fused_state_of(g.new_empty(0, device="meta"), groups), keys[i])
+        yield i, g, groups, buffer_state
 
 
 def check_fused_state(name: str, state: list, expected: Any, key: str) -> None:

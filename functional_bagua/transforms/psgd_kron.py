@@ -41,7 +41,6 @@ buffer, each tensor's its slice): the same distribution as the unfused draws, ot
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional
@@ -50,15 +49,15 @@ import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     Owners,
     cached_eagerly,
-    check_fused_state,
     check_state_type,
+    fused_buffers,
     gather_rows,
+    initial_fields,
     one_minus_power,
     own_storage,
     owner_computes,
@@ -228,27 +227,15 @@ def scale_by_psgd_kron(
         )
 
     def init(params: PyTree) -> ScaleByPsgdKronState:
-        leaves, spec = tree.flatten(params)
-        for i, p in enumerate(leaves):
-            if p is not None:
-                check_param(p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=False)
         counter = zero_count(params)
-        if layout_context.active_layout() is not None:  # flat buffers: stacked per shape
-            keys = tree.leaf_names(spec)
-            per_leaf = [
-                (None,) * 3 if p is None else fused_state_of(p, layout_context.shape_groups_of(keys[i], NAME))
-                for i, p in enumerate(leaves)
-            ]
-        else:
-            per_leaf = [
-                (None,) * 3
-                if p is None
-                else (zero_count(p), torch.zeros_like(p), init_factors(p, view_of(tuple(p.shape))))
-                for p in leaves
-            ]
-        return ScaleByPsgdKronState(
-            counter, counter.clone(), counter.clone(), *(spec.unflatten([s[f] for s in per_leaf]) for f in range(3))
-        )
+        fields = initial_fields(params, NAME, 3, init_leaf, fused_state_of, groups_of)
+        return ScaleByPsgdKronState(counter, counter.clone(), counter.clone(), *fields)
+
+    def init_leaf(p: torch.Tensor) -> tuple:
+        return zero_count(p), torch.zeros_like(p), init_factors(p, view_of(tuple(p.shape)))
+
+    def groups_of(key: str) -> tuple:
+        return layout_context.shape_groups_of(key, NAME)
 
     def fused_state_of(flat: torch.Tensor, groups: tuple) -> tuple:
         """The initial ``steps``, ``mu`` and ``factors`` of one flat buffer of
@@ -348,14 +335,8 @@ def scale_by_psgd_kron(
         each group of equal-shaped tensors gathered, and the function drawing their probes: one
         draw per buffer, in its order (the tensors' probes one after the other, as the unfused
         update draws them where the buffer holds the tensors in the parameters' order)."""
-        keys = tree.leaf_names(x.spec)
         batches, where = [], []
-        for i, g in enumerate(x.updates):
-            if g is None:
-                continue
-            groups = layout_context.shape_groups_of(keys[i], NAME)
-            buffer_state = [column[i] for column in fields]
-            check_fused_state(NAME, buffer_state, fused_state_of(g.new_empty(0, device="meta"), groups), keys[i])
+        for i, g, groups, buffer_state in fused_buffers(x, fields, NAME, fused_state_of, groups_of):
             for j, (shape, rows) in enumerate(groups):
                 view = view_of(tuple(shape))
                 counts = buffer_state[0][j] + 1

@@ -43,7 +43,6 @@ as an eager one's would be by any other rounding.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional
@@ -52,16 +51,16 @@ import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.checks import check_param
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     Owners,
     at_least_float32,
     cached_eagerly,
-    check_fused_state,
     check_state_type,
+    fused_buffers,
     gather_rows,
+    initial_fields,
     merge_small_dims,
     one_minus_power,
     own_storage,
@@ -190,19 +189,10 @@ def scale_by_shampoo(
         return (zero_count(p), *(tuple(b[f] for b in per_block) for f in range(4)))  # no blocks: empty
 
     def init(params: PyTree) -> ScaleByShampooState:
-        leaves, spec = tree.flatten(params)
-        for i, p in enumerate(leaves):
-            if p is not None:
-                check_param(p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=False)
-        if layout_context.active_layout() is not None:  # flat buffers: stacked per shape
-            keys = tree.leaf_names(spec)
-            per_leaf = [
-                (None,) * 5 if p is None else fused_state_of(p, layout_context.shape_groups_of(keys[i], NAME))
-                for i, p in enumerate(leaves)
-            ]
-        else:
-            per_leaf = [init_leaf(p) if p is not None else (None,) * 5 for p in leaves]
-        return ScaleByShampooState(*(spec.unflatten([s[f] for s in per_leaf]) for f in range(5)))
+        return ScaleByShampooState(*initial_fields(params, NAME, 5, init_leaf, fused_state_of, groups_of))
+
+    def groups_of(key: str) -> tuple:
+        return layout_context.shape_groups_of(key, NAME)
 
     def fused_state_of(flat: torch.Tensor, groups: tuple) -> tuple:
         """The initial state of one flat buffer of :func:`~functional_bagua.fuse`: per field of
@@ -268,15 +258,9 @@ def scale_by_shampoo(
         """The update on flat buffers (inside :func:`~functional_bagua.fuse`): per buffer, each
         group of equal-shaped tensors gathered into one batch, stepped block by block, and
         scattered back."""
-        keys = tree.leaf_names(x.spec)
         updates: list = list(x.updates)
         new_fields = [list(column) for column in fields]
-        for i, g in enumerate(x.updates):
-            if g is None:
-                continue
-            groups = layout_context.shape_groups_of(keys[i], NAME)
-            buffer_state = [column[i] for column in fields]
-            check_fused_state(NAME, buffer_state, fused_state_of(g.new_empty(0, device="meta"), groups), keys[i])
+        for i, g, groups, buffer_state in fused_buffers(x, fields, NAME, fused_state_of, groups_of):
             counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
             u = torch.zeros_like(g)
             per_group = []

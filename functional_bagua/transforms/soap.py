@@ -60,7 +60,6 @@ import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.checks import check_param
 from functional_bagua.flat import Rows
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
@@ -68,9 +67,10 @@ from functional_bagua.transforms.batched_matrices import (
     Owners,
     at_least_float32,
     cached_eagerly,
-    check_fused_state,
     check_state_type,
+    fused_buffers,
     gather_rows,
+    initial_fields,
     merge_small_dims,
     own_storage,
     owner_computes,
@@ -184,16 +184,7 @@ def scale_by_soap(
         return zero_count(p), torch.zeros_like(p), torch.zeros_like(p), matrices, tuple(m.clone() for m in matrices)
 
     def init(params: PyTree) -> ScaleBySoapState:
-        leaves, spec = tree.flatten(params)
-        for i, p in enumerate(leaves):
-            if p is not None:
-                check_param(p, functools.partial(tree.leaf_name, spec, i), NAME, complex_ok=False)
-        if layout_context.active_layout() is not None:  # flat buffers: stacked per shape
-            keys = tree.leaf_names(spec)
-            per_leaf = [(None,) * 5 if p is None else fused_state_of(p, _groups(keys[i])) for i, p in enumerate(leaves)]
-        else:
-            per_leaf = [init_leaf(p) if p is not None else (None,) * 5 for p in leaves]
-        return ScaleBySoapState(*(spec.unflatten([s[f] for s in per_leaf]) for f in range(5)))
+        return ScaleBySoapState(*initial_fields(params, NAME, 5, init_leaf, fused_state_of, _groups))
 
     def _groups(key: str) -> list[tuple[Layout, Rows]]:
         """The groups of equal-shaped tensors of the flat buffer ``key`` of the fused update
@@ -236,15 +227,9 @@ def scale_by_soap(
     def fused_update(x: LeafLists, fields: list, traced: bool) -> tuple:
         """The update on flat buffers (inside :func:`~functional_bagua.fuse`): per buffer, each
         group of equal-shaped tensors gathered into one batch, stepped, and scattered back."""
-        keys = tree.leaf_names(x.spec)
         updates: list = list(x.updates)
         new_fields = [list(column) for column in fields]
-        for i, g in enumerate(x.updates):
-            if g is None:
-                continue
-            groups = _groups(keys[i])
-            buffer_state = [column[i] for column in fields]
-            check_fused_state(NAME, buffer_state, fused_state_of(g.new_empty(0, device="meta"), groups), keys[i])
+        for i, g, groups, buffer_state in fused_buffers(x, fields, NAME, fused_state_of, _groups):
             counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
             u = torch.zeros_like(g)
             per_group = []
