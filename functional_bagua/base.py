@@ -86,7 +86,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     next_names = [next((n for n in names[k + 1 :] if n), None) for k in range(len(transforms))]
     first_name = next((n for n in names if n), "")
     link_runs: list[Any] = [getattr(t.update, "on_lists", None) for t in transforms]
-    on_lists = bool(first_name) and all(run is not None for run in link_runs)
+    on_lists = first_name != "" and all(run is not None for run in link_runs)
     needs_params = any(getattr(t.update, "needs_params", False) for t in transforms)
 
     def init(params: Params) -> tuple[OptState, ...]:
@@ -126,7 +126,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_state)
 
     update.transforms = transforms  # type: ignore[attr-defined]  # what it chains, for make_train_step
-    update.fresh_updates = bool(transforms) and ownership.returns_fresh_updates(transforms[-1])  # type: ignore[attr-defined]
+    update.fresh_updates = len(transforms) > 0 and ownership.returns_fresh_updates(transforms[-1])  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 

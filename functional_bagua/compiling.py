@@ -63,6 +63,11 @@ def compile_own(fn: Callable, **compile_kwargs: Any) -> Callable:
 
 
 _OBSERVED = re.compile(r"raised exception (TypeError|ValueError)\((.*)\)", re.DOTALL)
+# torch 2.11-2.12 put it in the debug context of the whole message, as a ConstantVariable's repr
+_PYTHON_STRING = r"\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'"
+_OBSERVED_IN_CONTEXT = re.compile(
+    rf"raised exception (TypeError|ValueError)\(\[ConstantVariable\(str: ({_PYTHON_STRING})\)\]\)"
+)
 
 
 def raised_while_tracing(error: BaseException) -> Optional[Exception]:
@@ -73,7 +78,7 @@ def raised_while_tracing(error: BaseException) -> Optional[Exception]:
     cause: Optional[BaseException] = error
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        found = _OBSERVED.fullmatch(str(cause).strip())
+        found = _OBSERVED.fullmatch(str(cause).strip()) or _OBSERVED_IN_CONTEXT.search(str(cause))
         if found is not None:
             try:
                 message = ast.literal_eval(found.group(2))

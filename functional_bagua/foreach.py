@@ -191,7 +191,7 @@ def _is_shared_scalar(b: Any, a: "Leaves") -> bool:
         isinstance(b, torch.Tensor)
         and b.dim() == 0
         and not b.is_complex()
-        and bool(a.items)
+        and len(a.items) > 0
         and b.device == a.items[0].device
     )
 

@@ -8,12 +8,13 @@ import io
 from typing import Callable
 
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 
 
 def draws(shapes: dict, steps: int, dtype=torch.float64, seed: int = 0) -> tuple[dict, list]:  # noqa: ANN001
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
     grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()} for _ in range(steps)]
     return params, grads

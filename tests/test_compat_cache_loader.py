@@ -118,7 +118,10 @@ def test_dataloader_workers_share_the_store_through_their_own_connections():
 
     dataset = Reporting(Slow(), backend="store", dataset_name="workers", writer_buffer_size=1, store=store)
     parents_store = dataset.cache_loader.store
-    loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=2, timeout=60)
+    # workers make CPU tensors whatever the test device (a forked process cannot start CUDA)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=2, num_workers=2, timeout=60, worker_init_fn=lambda _: torch.set_default_device("cpu")
+    )
     batches = list(loader)
     assert torch.cat([x for x, _ in batches]).flatten().tolist() == [float(i) for i in range(8)]
     assert all(bool(own.all()) for _, own in batches)

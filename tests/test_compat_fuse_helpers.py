@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from devices import seeded
 
 from functional_bagua.compat.contrib.fuse import optimizer as fo
 from functional_bagua.compat.utils import check_contiguous
@@ -23,7 +24,7 @@ def model_and_adam():
 
 
 def train(model, opt, steps=3, seed=1):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     for _ in range(steps):
         opt.zero_grad(set_to_none=False)
         model(torch.randn(5, 4, generator=gen)).pow(2).sum().backward()

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from devices import seeded
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from functional_bagua.compat.contrib import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
@@ -29,7 +30,7 @@ def samplers(costs, replicas, **kwargs):
 def test_one_rank_unshuffled_gives_the_samples_in_order_of_cost():
     """Bagua's own test: costs a permutation of 0..n-1, so the i-th sample loaded costs i."""
     n = 10
-    data = TensorDataset(torch.randn(n, 2), torch.randperm(n, generator=torch.Generator().manual_seed(0)))
+    data = TensorDataset(torch.randn(n, 2), torch.randperm(n, generator=seeded(0)))
     sampler = LoadBalancingDistributedSampler(data, by_cost, num_replicas=1, rank=0, shuffle=False)
     assert [batch[1].item() for batch in DataLoader(data, batch_size=1, sampler=sampler)] == list(range(n))
 
@@ -47,7 +48,7 @@ def test_unshuffled_ranks_take_neighbours_in_cost_as_written_out():
 
 @pytest.mark.parametrize("random_level", [0.0, 0.3, 1.0])
 def test_shuffled_ranks_split_the_data_and_each_position_is_balanced(random_level):
-    costs = torch.randint(0, 1000, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    costs = torch.randint(0, 1000, (120,), generator=seeded(1)).tolist()
     replicas = 4
     for epoch in range(3):
         ranks = samplers(costs, replicas, shuffle=True, seed=7, random_level=random_level)
@@ -63,6 +64,17 @@ def test_shuffled_ranks_split_the_data_and_each_position_is_balanced(random_leve
         assert spread <= widest_gap + noise
         if random_level == 0.0:
             assert spread <= widest_gap
+
+
+def test_the_shuffle_draws_on_the_cpu_whatever_torchs_default_device():
+    """Its generator is a CPU one: under another default device (CUDA; here "meta", which no
+    generator can draw on) the ranks still get the CPU's order, as every rank must agree."""
+    costs = list(range(30))
+    ranks = samplers(costs, 2, seed=3, random_level=0.5)
+    expected = [list(s) for s in ranks]
+    with torch.device("meta"):
+        got = [list(s) for s in ranks]
+    assert got == expected
 
 
 def test_the_shuffle_follows_seed_and_epoch_and_is_the_same_on_every_rank():
@@ -87,7 +99,9 @@ def test_lengths_are_torchs_distributed_samplers(n, replicas, drop_last):
     ours = samplers(costs, replicas, drop_last=drop_last)
     theirs = [DistributedSampler(range(n), replicas, r, drop_last=drop_last) for r in range(replicas)]
     assert [len(s) for s in ours] == [len(t) for t in theirs]
-    assert [len(list(s)) for s in ours] == [len(list(t)) for t in theirs]
+    with torch.device("cpu"):  # torch's sampler draws with a CPU generator on the default device
+        theirs_drawn = [list(t) for t in theirs]
+    assert [len(list(s)) for s in ours] == [len(t) for t in theirs_drawn]
     if drop_last:
         taken = [i for s in ours for i in s]
         assert len(taken) == len(set(taken))  # nothing repeats
@@ -98,7 +112,7 @@ def test_batches_of_growing_size_as_in_bagua_own_test():
     starts at the sample of cost 1 + 2 + ... + i."""
     total_batch = 5
     n = sum(range(1, total_batch + 1))
-    data = TensorDataset(torch.randn(n, 2), torch.randperm(n, generator=torch.Generator().manual_seed(2)))
+    data = TensorDataset(torch.randn(n, 2), torch.randperm(n, generator=seeded(2)))
 
     def growing(indices):
         batch, size = [], 1

@@ -202,7 +202,7 @@ def test_a_number_or_0_dim_factor_gives_each_tensor_its_single_tensor_bits(dtype
     """Leaves pass a number (or a 0-dim tensor of another dtype) to torch's multi-tensor ops in
     the form they convert once; each tensor (0-dim and strided ones too) gets the bits and dtype
     of the single-tensor op, ``getattr(t, op)(factor)``."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     tensors = [
         (torch.randn(1000, generator=gen) * 10).to(dtype),
         torch.randn((), generator=gen).to(dtype),

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 from functional_bagua import schedules as S
@@ -182,6 +183,31 @@ def test_where_the_library_compiles_an_untraceable_schedule_raises_its_type_erro
     assert isinstance(recovered, TypeError) and "warmup_written_for_lambda_lr" in str(recovered)
 
 
+@pytest.mark.parametrize(
+    ("kind", "literal", "message"),
+    [
+        (
+            TypeError,
+            "\"the schedule 'w' reads t as a number: torch.where(t < 3, a, b)\"",
+            "the schedule 'w' reads t as a number: torch.where(t < 3, a, b)",
+        ),
+        (ValueError, "'lr must be positive, got \\'-1\\' ([0])'", "lr must be positive, got '-1' ([0])"),
+    ],
+)
+def test_the_error_in_the_debug_context_of_older_torch_is_recovered(kind, literal, message):
+    """torch 2.11 (the GPU machine's) reports the traced code's error only inside the debug
+    context of its whole message, as a ConstantVariable's repr (this text as it printed it)."""
+    from functional_bagua.compiling import raised_while_tracing
+
+    text = (
+        "Observed exception\n  Explanation: Dynamo found no exception handler at the top-level compiled function"
+        f"\n\n  Developer debug context: raised exception {kind.__name__}([ConstantVariable(str: {literal})])\n\n"
+        " For more details about this graph break, please visit: https://meta-pytorch.github.io/..."
+    )
+    recovered = raised_while_tracing(RuntimeError(text))
+    assert type(recovered) is kind and str(recovered) == message
+
+
 # --- checkpoints across a change of hyperparameters ----------------------------------------------------
 
 
@@ -228,7 +254,7 @@ def test_one_element_tensor_hyperparameters_of_any_shape_step_as_torchs():
     tx = fb.adam(lr=1e-2, betas=betas)
     params = fb.params_of(model)
     state = tx.init(params)
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     for _ in range(4):
         x, y = (
             torch.randn(5, 3, generator=gen, dtype=torch.float64),

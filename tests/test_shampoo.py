@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from devices import seeded
 
 import functional_bagua as fb
 
@@ -22,7 +23,7 @@ SHAPES = {"tall": (6, 4), "tall_twin": (6, 4), "square": (5, 5), "vector": (5,),
 
 
 def draws(shapes: dict, steps: int, seed: int = 0) -> tuple[dict, list]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
     grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()} for _ in range(steps)]
     return params, grads
@@ -232,7 +233,7 @@ def test_complex_parameters_are_refused_and_scalars_step():
 def test_float32_statistics_of_less_than_full_rank_give_finite_steps():
     """One gradient of a 16 x 8 float32 matrix: its 16 x 16 statistic has rank 8, and rounding
     leaves some eigenvalues below 0 (beyond epsilon); the roots stay finite."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     params = {"w": torch.randn(16, 8, generator=gen), "b": torch.randn(16, generator=gen)}
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
     trace = run(fb.shampoo(lr=3e-3, betas=(0.9, 0.999), grafting="adam"), params, grads)

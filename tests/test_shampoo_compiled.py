@@ -4,8 +4,11 @@ against the eager update; a fused state through a checkpoint; what it refuses.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from devices import ON_CUDA, at
 from second_order_helpers import (
     ShardLike,
     compiled_fused_and_eager_steps,
@@ -43,9 +46,12 @@ def test_fused_shampoo_equals_unfused_shampoo(options):
     tx = fb.shampoo(lr=1e-2, weight_decay=0.1, **options)
     expected = trace(tx.update, tx.init(params), params, grads)
     got = fused_trace(tx, params, grads)
+    # on CUDA cuBLAS's products differ in the last bits with the batch (and inductor's from cuBLAS's);
+    # the inverse roots of near-singular statistics amplify that (up to 3e-7 measured on an H200)
+    tolerance = dict(rtol=1e-6, atol=1e-7) if ON_CUDA else dict(rtol=1e-13, atol=1e-15)
     for t, (want, back) in enumerate(zip(expected, got)):
         for k in params:
-            torch.testing.assert_close(back[k], want[k], rtol=1e-13, atol=1e-15, msg=lambda m: f"step {t} {k}: {m}")
+            torch.testing.assert_close(back[k], want[k], **tolerance, msg=lambda m: f"step {t} {k}: {m}")
 
 
 def test_a_fused_state_is_stacked_per_shape_and_block_and_resumes_from_a_checkpoint_bit_for_bit():
@@ -80,7 +86,9 @@ def test_a_fused_state_for_another_layout_or_blocking_is_refused():
         fb.fuse(tx, other_layout).init(other_layout.flatten(other)),
         fb.fuse(fb.scale_by_shampoo(max_preconditioner_dim=3), layout).init(flat),
     ):
-        with pytest.raises(ValueError, match="state of the flat buffer 'float64@cpu' was made for another layout"):
+        with pytest.raises(
+            ValueError, match=f"state of the flat buffer '{re.escape(at('float64'))}' was made for another layout"
+        ):
             fb.fuse(tx, layout).update(layout.flatten(grads[0]), state, flat)
 
 
@@ -109,9 +117,12 @@ def test_a_compiled_update_equals_the_eager_one_also_with_a_late_first_gradient(
     compiled = torch.compile(tx.update, fullgraph=True)
     expected = trace(tx.update, tx.init(params), params, grads)
     got = trace(compiled, tx.init(params), params, grads)
+    # on CUDA cuBLAS's products differ in the last bits with the batch (and inductor's from cuBLAS's);
+    # the inverse roots of near-singular statistics amplify that (up to 3e-7 measured on an H200)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if ON_CUDA else dict(rtol=1e-11, atol=1e-13)
     for t, (want, have) in enumerate(zip(expected, got)):
         for k in params:
-            torch.testing.assert_close(have[k], want[k], rtol=1e-11, atol=1e-13, msg=lambda m: f"step {t} {k}: {m}")
+            torch.testing.assert_close(have[k], want[k], **tolerance, msg=lambda m: f"step {t} {k}: {m}")
 
 
 def test_a_compiled_fused_train_step_equals_the_eager_unfused_one():

@@ -4,8 +4,11 @@ against the eager update; a fused state through a checkpoint; what it refuses.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from devices import ON_CUDA, at
 from second_order_helpers import (
     ShardLike,
     compiled_fused_and_eager_steps,
@@ -73,7 +76,9 @@ def test_a_fused_state_for_another_layout_is_refused():
     tx = fb.scale_by_soap()
     layout, other_layout = fb.FlatLayout.of(params), fb.FlatLayout.of(other)
     state = fb.fuse(tx, other_layout).init(other_layout.flatten(other))
-    with pytest.raises(ValueError, match="state of the flat buffer 'float64@cpu' was made for another layout"):
+    with pytest.raises(
+        ValueError, match=f"state of the flat buffer '{re.escape(at('float64'))}' was made for another layout"
+    ):
         fb.fuse(tx, layout).update(layout.flatten(grads[0]), state, layout.flatten(params))
 
 
@@ -104,9 +109,12 @@ def test_a_compiled_update_equals_the_eager_one_also_with_a_late_first_gradient(
     compiled = torch.compile(tx.update, fullgraph=True)
     expected = trace(tx.update, tx.init(params), params, grads)
     got = trace(compiled, tx.init(params), params, grads)
+    # on CUDA inductor's products and cuBLAS's differ in the last bits, and the eigenbases move by
+    # that rounding over the eigenvalues' gaps (7e-9 measured on an H200)
+    tolerance = dict(rtol=1e-6, atol=1e-7) if ON_CUDA else dict(rtol=1e-12, atol=1e-14)
     for t, (want, have) in enumerate(zip(expected, got)):
         for k in params:
-            torch.testing.assert_close(have[k], want[k], rtol=1e-12, atol=1e-14, msg=lambda m: f"step {t} {k}: {m}")
+            torch.testing.assert_close(have[k], want[k], **tolerance, msg=lambda m: f"step {t} {k}: {m}")
 
 
 def test_a_compiled_fused_train_step_equals_the_eager_unfused_one():
@@ -118,8 +126,10 @@ def test_a_compiled_fused_train_step_equals_the_eager_unfused_one():
         torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
         # inductor rounds its products otherwise than eager; eigenvectors of close eigenvalues move
         # by rounding over the gap, and Adam in the eigenbasis amplifies what little they move
+        # (on CUDA, cuBLAS's and inductor's products differ by more: 2e-7 at step 5)
+        tolerance = dict(rtol=1e-5, atol=1e-6) if ON_CUDA else dict(rtol=1e-6, atol=1e-8)
         for k in params:
-            torch.testing.assert_close(back[k], params[k], rtol=1e-6, atol=1e-8, msg=lambda m: f"step {t} {k}: {m}")
+            torch.testing.assert_close(back[k], params[k], **tolerance, msg=lambda m: f"step {t} {k}: {m}")
 
 
 def test_group_under_compile_is_refused_naming_the_way_out():

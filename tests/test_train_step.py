@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import seeded
 from models import batches, default_dtype, loss_fn, make_model
 from torch._dynamo.testing import CompileCounter
 
@@ -268,7 +269,7 @@ def test_a_dozen_compiled_steps_of_different_configurations_in_one_process():
                 params = layout.flatten(params)
             state = (fb.fuse(tx, layout) if layout is not None else tx).init(params)
             step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, layout=layout, compile=compile)
-            gen = torch.Generator().manual_seed(i)
+            gen = seeded(i)
             for _ in range(2):
                 batch = (torch.randn(4, 3, generator=gen).double(), torch.randn(4, 1, generator=gen).double())
                 params, state, loss = step(params, state, batch)

@@ -99,9 +99,10 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         which the ranks take them (``num_samples`` chunk indices)."""
         costs = self.item_complexity_map
         if self.shuffle:
-            generator = torch.Generator()
+            # on the CPU whatever torch's default device is: the same draws on every rank and machine
+            generator = torch.Generator(device="cpu")
             generator.manual_seed(self.seed + self.epoch)
-            noise = torch.randint(self.random_number, (len(costs),), generator=generator).tolist()
+            noise = torch.randint(self.random_number, (len(costs),), generator=generator, device="cpu").tolist()
             costs = {i: cost + extra for (i, cost), extra in zip(costs.items(), noise)}
         order = sorted(costs, key=costs.__getitem__)  # stable: ties by index
         count = max(1, self.num_samples)
@@ -109,7 +110,7 @@ class LoadBalancingDistributedSampler(Sampler[int]):
             [order[(c * self.num_replicas + k) % len(order)] for k in range(self.num_replicas)] for c in range(count)
         ]
         if self.shuffle:
-            taken = torch.randperm(count, generator=generator).tolist()
+            taken = torch.randperm(count, generator=generator, device="cpu").tolist()
         else:
             taken = list(range(count))
         return chunks, taken[: self.num_samples]

@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, TypeVar
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -170,6 +171,38 @@ def restack(tensors: list, shape: tuple) -> torch.Tensor:
     cannot be inspected)."""
     base = None if torch.compiler.is_compiling() else rows_of(tensors, shape)
     return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
+
+
+def flat_operand_cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], operands: tuple) -> Any:
+    """``torch.cond(pred, true_fn, false_fn, operands)`` with every tensor of ``operands`` passed
+    as a 1-D view and given back to the branches in its own shape.
+
+    Inductor may lay out an operand that the graph computes with padded strides (its
+    comprehensive padding, on by default on CUDA: a stride above 1024 elements rounded up to 128
+    bytes, e.g. 5000 -> 5024 for a batch of 50 x 100 matrices), while it compiles each branch for
+    the operand's dense strides; the branch's stride check then fails at the first call. A 1-D
+    tensor has no stride to pad.
+
+    Args:
+        pred: a boolean scalar tensor (or a Python bool), as for ``torch.cond``.
+        true_fn, false_fn: the branches, each called with ``operands``' structure.
+        operands: a tuple (nested tuples allowed) of tensors.
+
+    Example::
+
+        kept = lambda m: m.clone()
+        out = flat_operand_cond(refresh, lambda m: m @ m, kept, (matrices,))
+    """
+    leaves, spec = tree.flatten(operands)
+    shapes = [leaf.shape for leaf in leaves]
+
+    def in_shapes(branch: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*flat: torch.Tensor) -> Any:
+            return branch(*optree.tree_unflatten(spec, [f.view(shape) for f, shape in zip(flat, shapes)]))
+
+        return run
+
+    return torch.cond(pred, in_shapes(true_fn), in_shapes(false_fn), tuple(leaf.reshape(-1) for leaf in leaves))
 
 
 def per_row(values: Any, like: torch.Tensor) -> Any:

@@ -276,7 +276,7 @@ def stateless(
         raise ValueError(f"{name}: in_place is for elementwise rules, not per_tensor ones")
     own_rules = {  # (the rule, the rule on complex tensors' real views), by whether it may overwrite u
         overwrite: (leaf_rule, leaf_rule if per_tensor else _stateless_on_real_views(leaf_rule))
-        for overwrite, leaf_rule in ((False, update_leaf), (True, in_place or update_leaf))
+        for overwrite, leaf_rule in ((False, update_leaf), (True, update_leaf if in_place is None else in_place))
     }
 
     def init(params: PyTree) -> EmptyState:

@@ -55,6 +55,7 @@ from functional_bagua.transforms.batched_matrices import (
     Owners,
     cached_eagerly,
     check_state_type,
+    flat_operand_cond,
     fused_buffers,
     gather_rows,
     initial_fields,
@@ -375,7 +376,7 @@ def scale_by_psgd_kron(
         def kept(chosen: tuple) -> tuple:
             return tuple(tuple(f.clone() for f in q) for q in chosen)
 
-        done = iter(torch.cond(balance, rebalanced, kept, (tuple(tuple(qs[k]) for k in which),)))
+        done = iter(flat_operand_cond(balance, rebalanced, kept, (tuple(tuple(qs[k]) for k in which),)))
         return [list(next(done)) if k in which else q for k, q in enumerate(qs)]
 
     def fitted_if(refit: Any, fitted: list, qs: list, probes: Callable[[], list]) -> tuple:
@@ -398,7 +399,7 @@ def scale_by_psgd_kron(
         def kept(fitted: tuple, qs: tuple) -> tuple:
             return tuple(f.clone() for f in fitted), tuple(tuple(f.clone() for f in q) for q in qs)
 
-        new_fitted, new_qs = torch.cond(refit, fitted_all, kept, (tuple(fitted), tuple(tuple(q) for q in qs)))
+        new_fitted, new_qs = flat_operand_cond(refit, fitted_all, kept, (tuple(fitted), tuple(tuple(q) for q in qs)))
         return list(new_fitted), [list(q) for q in new_qs]
 
     def tensors_written(x: LeafLists, fields: list, batches: list, directions: list, qs: list) -> tuple:

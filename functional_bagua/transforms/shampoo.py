@@ -58,6 +58,7 @@ from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
     cached_eagerly,
     check_state_type,
+    flat_operand_cond,
     fused_buffers,
     gather_rows,
     initial_fields,
@@ -169,7 +170,7 @@ def scale_by_shampoo(
 
     @cached_eagerly
     def block_shapes(shape: tuple) -> list[tuple]:
-        return [tuple(len(range(*piece.indices(n))) for piece, n in zip(s, view_of(shape))) for s in cut(shape)]
+        return [tuple(piece.stop - piece.start for piece in s) for s in cut(shape)]  # blocks_of's slices
 
     moments_kept = (b1 > 0, grafting in SECOND_MOMENTS)  # M and V, else empty placeholders
 
@@ -355,7 +356,7 @@ def scale_by_shampoo(
         def kept(scaled: tuple, roots: tuple, rows: torch.Tensor) -> tuple:
             return tuple(r.clone() for r in roots)
 
-        return list(torch.cond(refreshing.any(), recomputed, kept, (scaled, tuple(roots), refreshing)))
+        return list(flat_operand_cond(refreshing.any(), recomputed, kept, (scaled, tuple(roots), refreshing)))
 
     def accumulate(statistic: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
         """``L_d`` with this step's ``G_(d) G_(d)^T`` (module docstring), per batch element."""

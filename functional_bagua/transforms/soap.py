@@ -68,6 +68,7 @@ from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
     cached_eagerly,
     check_state_type,
+    flat_operand_cond,
     fused_buffers,
     gather_rows,
     initial_fields,
@@ -329,7 +330,9 @@ def scale_by_soap(
         def kept(*operands: Any) -> tuple:
             return tuple(t.clone() for t in operands[1])
 
-        bases = torch.cond(first.any(), initialized, kept, (statistics, tuple(bases_per_dim[d] for d in on), first))
+        bases = flat_operand_cond(
+            first.any(), initialized, kept, (statistics, tuple(bases_per_dim[d] for d in on), first)
+        )
         refreshing = ((counts - 1) % precondition_frequency == 0) & ~first
 
         def unstacked(bases: tuple) -> list:
@@ -346,7 +349,9 @@ def scale_by_soap(
         def kept_all(statistics: tuple, bases: tuple, mu: torch.Tensor, nu: torch.Tensor, rows: torch.Tensor) -> tuple:
             return tuple(t.clone() for t in (*bases, mu, nu))
 
-        done = torch.cond(refreshing.any(), refreshed_rows, kept_all, (statistics, tuple(bases), mu, nu, refreshing))
+        done = flat_operand_cond(
+            refreshing.any(), refreshed_rows, kept_all, (statistics, tuple(bases), mu, nu, refreshing)
+        )
         return unstacked(tuple(done[: len(on)])), done[-2], done[-1]
 
     def accumulate(statistics: list, g: torch.Tensor, exact: list) -> list:
