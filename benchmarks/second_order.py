@@ -4,6 +4,7 @@
     python benchmarks/second_order.py                          # CPU, configs a and g
     python benchmarks/second_order.py --device cuda --configs a,d --steps 30
     python benchmarks/second_order.py --optimizers shampoo
+    python benchmarks/second_order.py --device cuda --skip heavyball   # not the peer (its compile autotunes)
 
 Shampoo: inverse roots every 10 steps, blocks of 1024, Adam grafting, ours in float32 (its
 ``matrix_dtype``) and in float64 (its default); pytorch-optimizer's ``Shampoo`` (no blocking, no
@@ -285,6 +286,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizers", default="soap", help="soap, shampoo, kron, or several: soap,shampoo")
+    parser.add_argument("--skip", default="", help="comma-separated parts of variant names not to run, e.g. heavyball")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{machine(args.device)}; {steady_malloc()}")
@@ -294,9 +296,13 @@ def main() -> None:
         rows = []
         families = {"soap": VARIANTS, "shampoo": SHAMPOO_VARIANTS, "kron": KRON_VARIANTS}
         for name, make in families[optimizer].items():
+            if any(part and part in name for part in args.skip.split(",")):
+                continue
             result = measure(make, params, args.device, args.steps)
             if result is not None:
                 rows.append(dict(variant=name, **result))
+                # each row as it ends: a run stopped at a time limit keeps what it measured
+                print(f"  {name}: first step {result['first_s']:.3g} s, median {result['ms']:.3g} ms", flush=True)
         adamw = next(r["ms"] for r in rows if r["variant"].startswith("torch AdamW"))
         heavy = next((r["ms"] for r in rows if r["variant"].startswith("heavyball")), None)
         heavy_first = next((r["first_s"] for r in rows if r["variant"].startswith("heavyball")), None)
