@@ -8,7 +8,8 @@
 
 Shampoo: inverse roots every 10 steps, blocks of 1024, Adam grafting, ours in float32 (its
 ``matrix_dtype``) and in float64 (its default); pytorch-optimizer's ``Shampoo`` (no blocking, no
-grafting, roots every 10 steps from an SVD) for scale; heavyball has no plain Shampoo.
+grafting, roots every 10 steps from an SVD) for scale; heavyball has no plain Shampoo. Ours also
+with ``root_method="newton"`` (the coupled Newton iteration, ``eigh`` where it does not converge).
 PSGD-Kron (``--optimizers kron``): ours, kron-torch's ``Kron`` (the reference) and heavyball's
 ``PSGDKron``, each with its defaults and lr 3e-4 (the preconditioner updates every step for the
 first 500 steps in all three).
@@ -21,7 +22,9 @@ same hyperparameters everywhere (the reference's defaults: eigenbases refreshed 
 no dimension above 10000 preconditioned, nothing merged, vectors not preconditioned); heavyball
 with its own compiled step (its default), its preconditioner schedule off and float32 storage.
 
-Per variant: the first step (initialisation and, where compiled, compilation: inductor's cache
+Every variant cycles through the same three gradient draws (statistics of full rank after a
+few steps, as in training: with one gradient repeated, a 100 x 100 statistic of a 50 x 100
+matrix would keep rank 50). Per variant: the first step (initialisation and, where compiled, compilation: inductor's cache
 is a fresh directory per run) in seconds, then
 the median of ``--steps`` steps with its range and the mean (which counts the eigenbasis refresh
 every 10th step), and the ratios of the median to torch's AdamW (foreach) and to heavyball's SOAP.
@@ -32,12 +35,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))  # first compiles cold
 
@@ -60,6 +64,15 @@ CONFIGS = {
 }
 
 
+DRAWS = 3  # the gradients each variant cycles through: statistics reach full rank, as in training
+
+
+def gradient_draws(params: list, once: bool = False) -> Any:
+    """``DRAWS`` random gradients for ``params`` (lists of tensors), cycled endlessly (``once``: the list)."""
+    draws = [[torch.randn_like(p) for p in params] for _ in range(DRAWS)]
+    return draws if once else itertools.cycle(draws)
+
+
 def make_params(shapes: list, device: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randn(s, generator=gen).div_(10).to(device) for s in shapes]
@@ -67,11 +80,11 @@ def make_params(shapes: list, device: str) -> list[torch.Tensor]:
 
 def stepper_torch(params: list, device: str) -> Callable[[], None]:
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    grads = [torch.randn_like(p) for p in ps]
+    draws = gradient_draws(ps)
     opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True)
 
     def step() -> None:
-        for p, g in zip(ps, grads):
+        for p, g in zip(ps, next(draws)):
             p.grad = g
         opt.step()
 
@@ -85,10 +98,10 @@ def stepper_pure(make_tx: Callable[[], fb.GradientTransformation]) -> Callable:
         tx = make_tx()
         holder = {"p": [p.clone() for p in params]}
         holder["s"] = tx.init(holder["p"])
-        grads = [torch.randn_like(p) for p in params]
+        draws = gradient_draws(params)
 
         def step() -> None:
-            u, holder["s"] = tx.update(grads, holder["s"], holder["p"])
+            u, holder["s"] = tx.update(next(draws), holder["s"], holder["p"])
             holder["p"] = fb.apply_updates(holder["p"], u)
 
         return step
@@ -106,7 +119,9 @@ def stepper_compiled_fused(make_tx: Callable[[], fb.GradientTransformation]) -> 
         tx = fb.fuse(make_tx(), layout)
         holder = {"p": layout.flatten(named)}
         holder["s"] = tx.init(holder["p"])
-        grads = layout.flatten({k: torch.randn_like(v) for k, v in named.items()})
+        draws = itertools.cycle(
+            [layout.flatten(dict(zip(named, g))) for g in gradient_draws(list(named.values()), once=True)]
+        )
 
         def update(p: dict, s: object, g: dict) -> tuple:
             u, s = tx.update(g, s, p)
@@ -115,7 +130,7 @@ def stepper_compiled_fused(make_tx: Callable[[], fb.GradientTransformation]) -> 
         compiled = torch.compile(update, fullgraph=True)
 
         def step() -> None:
-            holder["p"], holder["s"] = compiled(holder["p"], holder["s"], grads)
+            holder["p"], holder["s"] = compiled(holder["p"], holder["s"], next(draws))
 
         return step
 
@@ -124,11 +139,11 @@ def stepper_compiled_fused(make_tx: Callable[[], fb.GradientTransformation]) -> 
 
 def stepper_fb_optimizer(params: list, device: str) -> Callable[[], None]:
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    grads = [torch.randn_like(p) for p in ps]
+    draws = gradient_draws(ps)
     opt = fb.Optimizer(ps, fb.soap(**HYPER))
 
     def step() -> None:
-        for p, g in zip(ps, grads):
+        for p, g in zip(ps, next(draws)):
             p.grad = g
         opt.step()
 
@@ -141,11 +156,11 @@ def stepper_reference(params: list, device: str) -> Optional[Callable[[], None]]
     except ImportError:
         return None
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    grads = [torch.randn_like(p) for p in ps]
+    draws = gradient_draws(ps)
     opt = SOAP(ps, **HYPER)
 
     def step() -> None:
-        for p, g in zip(ps, grads):
+        for p, g in zip(ps, next(draws)):
             p.grad = g
         opt.step()
 
@@ -158,7 +173,7 @@ def stepper_heavyball(params: list, device: str) -> Optional[Callable[[], None]]
     except ImportError:
         return None
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    grads = [torch.randn_like(p) for p in ps]
+    draws = gradient_draws(ps)
     opt = heavyball.SOAP(
         ps,
         lr=HYPER["lr"],
@@ -174,7 +189,7 @@ def stepper_heavyball(params: list, device: str) -> Optional[Callable[[], None]]
     )
 
     def step() -> None:
-        for p, g in zip(ps, grads):
+        for p, g in zip(ps, next(draws)):
             p.grad = g
         opt.step()
 
@@ -190,11 +205,11 @@ def stepper_reference_shampoo(params: list, device: str) -> Optional[Callable[[]
     except ImportError:
         return None
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    grads = [torch.randn_like(p) for p in ps]
+    draws = gradient_draws(ps)
     opt = Shampoo(ps, lr=1e-3, preconditioning_compute_steps=10)
 
     def step() -> None:
-        for p, g in zip(ps, grads):
+        for p, g in zip(ps, next(draws)):
             p.grad = g.clone()  # its step transposes the gradient in place
         opt.step()
 
@@ -208,6 +223,12 @@ SHAMPOO_VARIANTS = {
     "fb.shampoo compiled, fused (float32 roots)": stepper_compiled_fused(
         lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float32)
     ),
+    "fb.shampoo (float32 Newton roots)": stepper_pure(
+        lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float32, root_method="newton")
+    ),
+    "fb.shampoo compiled, fused (float32 Newton roots)": stepper_compiled_fused(
+        lambda: fb.shampoo(**SHAMPOO, matrix_dtype=torch.float32, root_method="newton")
+    ),
     "pytorch-optimizer Shampoo (reference)": stepper_reference_shampoo,
 }
 
@@ -215,14 +236,14 @@ SHAMPOO_VARIANTS = {
 def stepper_torch_optimizer(make_optimizer: Callable) -> Callable:
     def make(params: list, device: str) -> Optional[Callable[[], None]]:
         ps = [torch.nn.Parameter(p.clone()) for p in params]
-        grads = [torch.randn_like(p) for p in ps]
+        draws = gradient_draws(ps)
         try:
             opt = make_optimizer(ps)
         except ImportError:
             return None
 
         def step() -> None:
-            for p, g in zip(ps, grads):
+            for p, g in zip(ps, next(draws)):
                 p.grad = g
             with contextlib.redirect_stdout(io.StringIO()):  # kron-torch prints its memory use
                 opt.step()

@@ -1087,6 +1087,9 @@ def shampoo(
     use_bias_correction: bool = True,
     matrix_dtype: torch.dtype = torch.float64,
     group: Optional[torch.distributed.ProcessGroup] = None,
+    root_method: str = "eigh",
+    newton_iterations: int = 20,
+    newton_tolerance: float = 1e-6,
 ) -> GradientTransformation:
     """Shampoo, with the defaults of the distributed-Shampoo reference (Meta's
     ``DistributedShampoo``): the direction of :func:`~functional_bagua.scale_by_shampoo`, then
@@ -1113,6 +1116,10 @@ def shampoo(
         matrix_dtype: the precision of the eigendecompositions and roots.
         group: share the inverse roots among the ranks of this process group, each computed by
             one (after ``allreduce_gradients``; see :func:`~functional_bagua.scale_by_shampoo`).
+        root_method: ``"eigh"`` or ``"newton"`` (the coupled Newton iteration, batched matmuls
+            only, for GPUs; ``eigh`` where it does not converge).
+        newton_iterations: the most steps of the Newton iteration.
+        newton_tolerance: where it stops.
 
     Returns:
         A GradientTransformation.
@@ -1138,6 +1145,9 @@ def shampoo(
         use_bias_correction,
         matrix_dtype,
         group,
+        root_method=root_method,
+        newton_iterations=newton_iterations,
+        newton_tolerance=newton_tolerance,
     )
     return chain(direction, add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
 

@@ -209,6 +209,9 @@ def test_a_checkpointed_state_resumes_bit_for_bit_and_a_state_for_other_blocks_i
         ({"b2": 0.0}, r"b2 must be in \(0, 1\], got 0.0"),
         ({"epsilon": 0.0}, "epsilon must be > 0"),
         ({"grafting": "lion"}, "grafting must be one of"),
+        ({"root_method": "svd"}, r"root_method must be one of \('eigh', 'newton'\), got 'svd'"),
+        ({"newton_iterations": 0}, "newton_iterations must be an int >= 1, got 0"),
+        ({"newton_tolerance": 0.0}, "newton_tolerance must be > 0, got 0.0"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
@@ -238,3 +241,51 @@ def test_float32_statistics_of_less_than_full_rank_give_finite_steps():
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
     trace = run(fb.shampoo(lr=3e-3, betas=(0.9, 0.999), grafting="adam"), params, grads)
     assert all(torch.isfinite(p).all() for step in trace for p in step.values())
+
+
+# ---- the coupled Newton iteration for the inverse roots ------------------------------------------
+
+
+def spd_batch(eigenvalues: list, seed: int) -> tuple:
+    """Symmetric matrices ``Q diag(lambda) Q^T`` with the given eigenvalues (one list per matrix)."""
+    gen = seeded(seed)
+    n = len(eigenvalues[0])
+    q = torch.linalg.qr(torch.randn(len(eigenvalues), n, n, generator=gen, dtype=torch.float64)).Q
+    values = torch.tensor(eigenvalues, dtype=torch.float64)
+    return q, values, (q * values.unsqueeze(-2)) @ q.mT
+
+
+@pytest.mark.parametrize("root", [2, 4, 6])
+def test_newton_inverse_roots_equal_the_roots_written_out(root):
+    from functional_bagua.transforms.shampoo import inverse_root_newton
+
+    q, values, a = spd_batch([[0.3, 1.0, 2.0, 7.0, 40.0], [1e-3, 0.1, 0.5, 0.9, 3.0]], seed=root)
+    got = inverse_root_newton(a, 1e-9, root, torch.float64, iterations=60, tolerance=1e-13)
+    expected = (q * (values + 1e-9).pow(-1.0 / root).unsqueeze(-2)) @ q.mT
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_newton_leaves_to_eigh_the_matrices_it_does_not_converge_on():
+    """A statistic of rank 1 with epsilon far below its scale needs many more steps than given:
+    that matrix takes eigh's root (bit for bit), the well-conditioned one keeps Newton's."""
+    from functional_bagua.transforms.shampoo import inverse_root, inverse_root_newton
+
+    _, _, a = spd_batch([[4.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]], seed=0)
+    got = inverse_root_newton(a, 1e-12, 4, torch.float64, iterations=10, tolerance=1e-10)
+    eigh_roots = inverse_root(a, 1e-12, 4, torch.float64)
+    assert torch.equal(got[0], inverse_root(a[:1], 1e-12, 4, torch.float64)[0])
+    assert not torch.equal(got[1], eigh_roots[1])
+    torch.testing.assert_close(got[1], eigh_roots[1], rtol=1e-9, atol=1e-12)
+
+
+def test_shampoo_with_newton_roots_steps_as_with_eigh_roots():
+    params, grads = draws({"w": (6, 4), "twin": (6, 4), "v": (5,)}, steps=8)
+    options = dict(lr=1e-2, epsilon=1e-6, grafting="adam", precondition_frequency=2)
+    eigh = run(fb.shampoo(**options), params, grads)
+    newton = run(
+        fb.shampoo(**options, root_method="newton", newton_tolerance=1e-12, newton_iterations=60), params, grads
+    )
+    for t, (want, got) in enumerate(zip(eigh, newton)):
+        for k in params:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11, msg=lambda m: f"step {t} {k}: {m}")
+    assert any(not torch.equal(newton[-1][k], eigh[-1][k]) for k in params)  # the other method indeed

@@ -205,6 +205,21 @@ def flat_operand_cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable
     return torch.cond(pred, in_shapes(true_fn), in_shapes(false_fn), tuple(leaf.reshape(-1) for leaf in leaves))
 
 
+def float_operands(like: torch.Tensor, *values: Any) -> torch.Tensor:
+    """``values`` (floats) as a float64 vector on ``like``'s device, to hand the floats that a
+    ``torch.cond`` branch reads to it as an operand: dynamo turns a closure's float that differs
+    between two compiles of the same code (two optimizers of other epsilons, say) into a symbolic
+    float, which ``torch.cond`` cannot take in (it lifts what a branch reads: tensors and ints
+    only). Each element, a 0-dim tensor, enters arithmetic as the number would: a 0-dim tensor
+    does not widen another tensor's dtype.
+
+    Example::
+
+        constants = float_operands(stat, epsilon)   # in the branch: constants[0]
+    """
+    return torch.stack([like.new_full((), value, dtype=torch.float64) for value in values])
+
+
 def per_row(values: Any, like: torch.Tensor) -> Any:
     """``values`` (one per batch element) shaped to broadcast along ``like``'s dimension 0; a
     number as it is.

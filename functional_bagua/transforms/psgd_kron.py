@@ -56,6 +56,7 @@ from functional_bagua.transforms.batched_matrices import (
     cached_eagerly,
     check_state_type,
     flat_operand_cond,
+    float_operands,
     fused_buffers,
     gather_rows,
     initial_fields,
@@ -392,14 +393,15 @@ def scale_by_psgd_kron(
             ]
             return [d[0] for d in done], [list(d[1:]) for d in done]
 
-        def fitted_all(fitted: tuple, qs: tuple) -> tuple:
-            done = [fit(f, v, list(q)) for f, v, q in zip(fitted, probes(), qs)]
+        def fitted_all(fitted: tuple, qs: tuple, lr: torch.Tensor) -> tuple:
+            done = [fit(f, v, list(q), lr[0]) for f, v, q in zip(fitted, probes(), qs)]
             return tuple(d[0].contiguous() for d in done), tuple(tuple(f.contiguous() for f in d[1]) for d in done)
 
-        def kept(fitted: tuple, qs: tuple) -> tuple:
+        def kept(fitted: tuple, qs: tuple, lr: torch.Tensor) -> tuple:
             return tuple(f.clone() for f in fitted), tuple(tuple(f.clone() for f in q) for q in qs)
 
-        new_fitted, new_qs = flat_operand_cond(refit, fitted_all, kept, (tuple(fitted), tuple(tuple(q) for q in qs)))
+        operands = (tuple(fitted), tuple(tuple(q) for q in qs), float_operands(fitted[0], precond_lr))
+        new_fitted, new_qs = flat_operand_cond(refit, fitted_all, kept, operands)
         return list(new_fitted), [list(q) for q in new_qs]
 
     def tensors_written(x: LeafLists, fields: list, batches: list, directions: list, qs: list) -> tuple:
@@ -438,9 +440,10 @@ def scale_by_psgd_kron(
         perturbed, new = fit(g, v, list(qs))
         return (perturbed, *new)
 
-    def fit(g: torch.Tensor, v: torch.Tensor, qs: list) -> tuple[torch.Tensor, list]:
-        """One update of a batch's factors with the probes ``v`` (module docstring); returns the
-        perturbed ``G`` and the new factors."""
+    def fit(g: torch.Tensor, v: torch.Tensor, qs: list, lr: Any = precond_lr) -> tuple[torch.Tensor, list]:
+        """One update of a batch's factors with the probes ``v`` and the step size ``lr``
+        (``precond_lr``; a 0-dim tensor of it under ``torch.cond``: :func:`float_operands`),
+        module docstring; returns the perturbed ``G`` and the new factors."""
         tiny = torch.finfo(precond_dtype).tiny
         dims = tuple(range(1, g.dim()))
         g = g + PROBE_SCALE * g.abs().mean(dims, keepdim=True) * v
@@ -452,7 +455,7 @@ def scale_by_psgd_kron(
         for d, q in enumerate(qs):
             diagonal = q.dim() < 3
             aa, bb = gram(a, d, diagonal), gram(b, d, diagonal)
-            difference, total = (aa - bb) * precond_lr, aa + bb
+            difference, total = (aa - bb) * lr, aa + bb
             norm = total.abs().amax(dim=tuple(range(1, total.dim())))
             if diagonal:
                 new.append(q - difference * (q / norm.clamp(min=tiny).unsqueeze(-1)))

@@ -21,7 +21,9 @@ gradient: ``"sgd"``: ``A = M_hat``; ``"adagrad"``: ``V <- V + G^2``, ``A = M_hat
 ``A = M_hat / (sqrt(V / (1 - grafting_beta2^t)) + e)``. Without grafting ``P`` is not rescaled,
 and before ``start_preconditioning_step`` it is ``M_hat``. The inverse roots come from ``eigh``
 (``(max(lambda, 0) + epsilon)^(-1/(2k))`` on each eigenvalue: a statistic is positive
-semi-definite, so a negative eigenvalue is rounding) in ``matrix_dtype``. Blocks of one shape
+semi-definite, so a negative eigenvalue is rounding) in ``matrix_dtype``, or with
+``root_method="newton"`` from the coupled Newton iteration (:func:`inverse_root_newton`: matmuls
+only, ``eigh`` for a matrix it leaves unconverged). Blocks of one shape
 are batched: one ``eigh`` and one batched matmul per shape, whatever the number of tensors.
 Each tensor counts its own gradients, as torch.optim's ``state["step"]``. The statistics,
 moments and filtered gradient are kept in float32 at least (for bfloat16 and float16 parameters
@@ -59,6 +61,7 @@ from functional_bagua.transforms.batched_matrices import (
     cached_eagerly,
     check_state_type,
     flat_operand_cond,
+    float_operands,
     fused_buffers,
     gather_rows,
     initial_fields,
@@ -74,6 +77,7 @@ from functional_bagua.tree import PyTree
 
 NAME = "scale_by_shampoo"
 GRAFTINGS = (None, "sgd", "adagrad", "rmsprop", "adam")
+ROOT_METHODS = ("eigh", "newton")
 SECOND_MOMENTS = ("adagrad", "rmsprop", "adam")  # the grafting methods that keep V
 NORM_FLOOR = 1e-16  # added to the Shampoo direction's norm before grafting, as the reference
 
@@ -121,6 +125,9 @@ def scale_by_shampoo(
     use_bias_correction: bool = True,
     matrix_dtype: torch.dtype = torch.float64,
     group: Any = None,
+    root_method: str = "eigh",
+    newton_iterations: int = 20,
+    newton_tolerance: float = 1e-6,
 ) -> GradientTransformation:
     """Shampoo's direction ``P`` (module docstring); chain it with a learning rate.
 
@@ -144,6 +151,13 @@ def scale_by_shampoo(
             shared (``batched_matrices.owner_computes``, owner-computes as the distributed-Shampoo
             reference; ranks whose statistics differ are refused, each with the same
             ValueError); eager only (a TypeError under torch.compile); ``None``: all here.
+        root_method: ``"eigh"`` (the reference's default) or ``"newton"``: the coupled Newton
+            iteration, batched matmuls only (:func:`inverse_root_newton`: for GPUs, where ``eigh``
+            of many matrices is slow; on the CPU it is slower than ``eigh``), ``eigh`` for a
+            matrix that has not converged.
+        newton_iterations: the most steps of the Newton iteration (an int >= 1; compiled, the
+            iteration is unrolled to this many).
+        newton_tolerance: it stops where ``max |M_k - I| <= newton_tolerance``.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleByShampooState`.
@@ -156,6 +170,15 @@ def scale_by_shampoo(
     _check_arguments(
         b1, b2, epsilon, max_preconditioner_dim, precondition_frequency, start, grafting, grafting_beta2, matrix_dtype
     )
+    _check_root_method(root_method, newton_iterations, newton_tolerance)
+
+    def inverse_root_of(statistic: torch.Tensor, root: int, constants: Any = (epsilon, newton_tolerance)) -> Any:
+        """The inverse roots by ``root_method``; ``constants``: epsilon and the Newton tolerance
+        (numbers, or under ``torch.cond`` a tensor of the two: :func:`float_operands`)."""
+        eps, tolerance = constants[0], constants[1]
+        if root_method == "newton":
+            return inverse_root_newton(statistic, eps, root, matrix_dtype, newton_iterations, tolerance)
+        return inverse_root(statistic, eps, root, matrix_dtype)
 
     owners = Owners(group, NAME, "inverse roots")  # who computes which rows (group=), per update
 
@@ -341,22 +364,23 @@ def scale_by_shampoo(
             if t % precondition_frequency:
                 return roots
             return [
-                owner_computes(lambda m: inverse_root(m, epsilon, root, matrix_dtype), stat / correction, owners)
-                for stat in statistics
+                owner_computes(lambda m: inverse_root_of(m, root), stat / correction, owners) for stat in statistics
             ]
         scaled = tuple(stat / correction for stat in statistics)
         refreshing = t % precondition_frequency == 0
 
-        def recomputed(scaled: tuple, roots: tuple, rows: torch.Tensor) -> tuple:
+        def recomputed(scaled: tuple, roots: tuple, rows: torch.Tensor, constants: torch.Tensor) -> tuple:
             return tuple(
-                torch.where(per_row(rows, r), inverse_root(stat, epsilon, root, matrix_dtype), r).contiguous()
+                torch.where(per_row(rows, r), inverse_root_of(stat, root, constants), r).contiguous()
                 for stat, r in zip(scaled, roots)
             )
 
-        def kept(scaled: tuple, roots: tuple, rows: torch.Tensor) -> tuple:
+        def kept(scaled: tuple, roots: tuple, rows: torch.Tensor, constants: torch.Tensor) -> tuple:
             return tuple(r.clone() for r in roots)
 
-        return list(flat_operand_cond(refreshing.any(), recomputed, kept, (scaled, tuple(roots), refreshing)))
+        constants = float_operands(scaled[0], epsilon, newton_tolerance)
+        operands = (scaled, tuple(roots), refreshing, constants)
+        return list(flat_operand_cond(refreshing.any(), recomputed, kept, operands))
 
     def accumulate(statistic: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
         """``L_d`` with this step's ``G_(d) G_(d)^T`` (module docstring), per batch element."""
@@ -429,7 +453,7 @@ def _block(t: torch.Tensor, k: int, view_of: Callable, cut: Callable) -> torch.T
     return t.reshape(view_of(shape))[cut(shape)[k]]
 
 
-def inverse_root(statistic: torch.Tensor, epsilon: float, root: int, matrix_dtype: torch.dtype) -> torch.Tensor:
+def inverse_root(statistic: torch.Tensor, epsilon: Any, root: int, matrix_dtype: torch.dtype) -> torch.Tensor:
     """``(L + epsilon I)^(-1/root)`` per batch element, from ``eigh`` in ``matrix_dtype``
     (``(max(lambda, 0) + epsilon)^(-1/root)`` on each eigenvalue), in ``matrix_dtype``.
 
@@ -444,6 +468,66 @@ def inverse_root(statistic: torch.Tensor, epsilon: float, root: int, matrix_dtyp
     # of less than full rank give some), which epsilon alone would not keep off a negative root
     scaled = vectors * (values.clamp(min=0) + epsilon).pow(-1.0 / root).unsqueeze(-2)
     return scaled @ vectors.mT
+
+
+def inverse_root_newton(
+    statistic: torch.Tensor, epsilon: Any, root: int, matrix_dtype: torch.dtype, iterations: int, tolerance: Any
+) -> torch.Tensor:
+    """``(L + epsilon I)^(-1/root)`` for each matrix of a batch ``(B, n, n)`` by the coupled Newton
+    iteration (Guo and Higham, 2006; the distributed-Shampoo reference's ``CoupledNewtonConfig``),
+    matmuls only::
+
+        A = L + epsilon I,   z = (root + 1) / (2 ||A||_F),   X_0 = z^(1/root) I,   M_0 = z A
+        T_k = ((root + 1) I - M_k) / root,   X_(k+1) = X_k T_k,   M_(k+1) = T_k^root M_k
+
+    ``X_k -> A^(-1/root)`` as ``M_k -> I``; each matrix stops where ``max |M_k - I| <= tolerance``.
+    One that has not after ``iterations`` steps (a statistic too far from full rank for
+    ``epsilon``, or one that is not finite) takes :func:`inverse_root`'s, from ``eigh``: eagerly
+    only for those matrices, traced under ``torch.cond`` only in a step where some has not
+    converged. The result is symmetrized, as the root of a symmetric matrix is.
+
+    Args:
+        statistic: a batch of symmetric positive semi-definite matrices.
+        epsilon: added to the diagonal.
+        root: the root (``2k`` for a tensor of ``k`` dimensions).
+        matrix_dtype: the precision of the iteration.
+        iterations: the most steps (all of them, when traced).
+        tolerance: the largest ``|M_k - I|`` entry of a converged matrix.
+
+    Example::
+
+        roots = inverse_root_newton(statistics, 1e-12, 4, torch.float32, 20, 1e-6)
+    """
+    eye = torch.eye(statistic.shape[-1], dtype=matrix_dtype, device=statistic.device)
+    a = statistic.to(matrix_dtype) + epsilon * eye
+    z = (root + 1) / (2 * torch.linalg.matrix_norm(a))
+    x = z.pow(1.0 / root)[:, None, None] * eye
+    m = z[:, None, None] * a
+    converged = (m - eye).abs().amax(dim=(-2, -1)) <= tolerance
+    traced = torch.compiler.is_compiling()
+    for _ in range(iterations):
+        if not traced and bool(converged.all()):
+            break
+        t = ((root + 1) * eye - m) / root
+        stay = converged[:, None, None]
+        x = torch.where(stay, x, x @ t)
+        m = torch.where(stay, m, torch.linalg.matrix_power(t, root) @ m)
+        converged = (m - eye).abs().amax(dim=(-2, -1)) <= tolerance
+    x = (x + x.mT) / 2
+    if traced:
+        eps = epsilon if isinstance(epsilon, torch.Tensor) else float_operands(statistic, epsilon)[0]
+        return flat_operand_cond(
+            converged.all(),
+            lambda stat, newton, done, eps: newton.clone(),
+            lambda stat, newton, done, eps: torch.where(
+                done[:, None, None], newton, inverse_root(stat, eps, root, matrix_dtype)
+            ),
+            (statistic, x, converged, eps),
+        )
+    if bool(converged.all()):
+        return x
+    left = (~converged).nonzero().squeeze(-1)
+    return x.index_copy(0, left, inverse_root(statistic.index_select(0, left), epsilon, root, matrix_dtype))
 
 
 def precondition(m: torch.Tensor, roots: list) -> torch.Tensor:
@@ -499,6 +583,15 @@ def _check_leaf(
                 f"max_preconditioner_dim, merge_dims): blocks of shapes {shapes}, expected {wanted}; make the state "
                 "with this transform, tx.init(params)"
             )
+
+
+def _check_root_method(root_method: str, newton_iterations: int, newton_tolerance: float) -> None:
+    if root_method not in ROOT_METHODS:
+        raise ValueError(f"{NAME}: root_method must be one of {ROOT_METHODS}, got {root_method!r}")
+    if isinstance(newton_iterations, bool) or not isinstance(newton_iterations, int) or newton_iterations < 1:
+        raise ValueError(f"{NAME}: newton_iterations must be an int >= 1, got {newton_iterations!r}")
+    if not newton_tolerance > 0.0 or not math.isfinite(newton_tolerance):
+        raise ValueError(f"{NAME}: newton_tolerance must be > 0, got {newton_tolerance!r}")
 
 
 def _check_arguments(
