@@ -6,8 +6,9 @@ every rank, or differently per rank)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -85,6 +86,8 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
             out[f"{name}, not averaged"] = None
         except ValueError as error:
             out[f"{name}, not averaged"] = str(error)
+    for name, make in MAKERS.items():  # rank 1 a step ahead: refused alike, not a hang
+        out[f"{name}, counts differ"] = differing_counts(make(dist.group.WORLD), rank)
     # a NaN gradient under apply_if_finite: PSGD-Kron's fit takes it (the step is then skipped)
     out["psgd_kron, a NaN step skipped"] = run(MAKERS["psgd_kron"](dist.group.WORLD), rank, nan=True)
     # Shampoo's eigh raises on the NaN statistic, on the rank that owns it: every rank raises
@@ -94,6 +97,25 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
     except RuntimeError as error:
         out["shampoo, a NaN statistic"] = str(error)
     return out
+
+
+def differing_counts(tx: fb.GradientTransformation, rank: int) -> Optional[str]:
+    """Equal gradients on every rank, but rank 1's state a step ahead (its counts one higher):
+    the ranks would refresh in different steps. The error each rank raises, or ``None``."""
+    params = start()
+    state = tx.init(params)
+    if rank == 1:  # the transform's own state is the chain's first
+        own = state[0]
+        ahead = {field: optree.tree_map(lambda c: c + 1, getattr(own, field)) for field in ("count",)}
+        state = (own._replace(**ahead), *state[1:])
+    try:
+        for step in range(3):
+            seed(step)
+            u, state = tx.update(local_gradients(0, step), state, params)
+            params = fb.apply_updates(params, u)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def balanced_owners(rank: int, world_size: int) -> dict:

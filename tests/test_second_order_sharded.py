@@ -60,6 +60,16 @@ def test_ranks_holding_different_gradients_are_refused_alike(ranks, name):
         assert "allreduce_gradients" in message
 
 
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_ranks_at_different_counts_are_refused_alike_not_a_hang(ranks, name):
+    """Rank 1 a step ahead would refresh in other steps than the others, calling the shared
+    computation a different number of times: every rank raises before any of it."""
+    for rank, result in enumerate(ranks):
+        message = result["sharded_second_order"][f"{name}, counts differ"]
+        assert message is not None, f"rank {rank} ran on"
+        assert "every rank of the group must step the same tensors at the same counts" in message
+
+
 def test_a_nan_gradient_under_apply_if_finite_is_skipped_as_by_one_process(ranks):
     world = len(ranks)
     tx = fb.apply_if_finite(MAKERS["psgd_kron"](None), 3)

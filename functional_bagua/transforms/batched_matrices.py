@@ -296,6 +296,34 @@ class Owners:
         if self.group is not None:  # (without one, nothing is written: a compiled step reads no loads)
             self.loads = [0.0] * dist.get_world_size(self.group)
 
+    def agree(self, decided: Callable[[], list], device: torch.device) -> None:
+        """Check that every rank decided alike what it computes in this update (``decided``:
+        integers, such as which tensors step at which counts): ranks that differ would call
+        :func:`owner_computes` a different number of times and wait in its collectives for
+        ever. One all-gather of ``decided``'s length and three weighted sums, compared; where
+        they differ, the same ValueError on every rank. Nothing without a group of two ranks
+        or more.
+
+        Args:
+            decided: gives the integers that decide this update's computations on this rank
+                (called only with a group: it may read the device, :func:`decided_by`).
+            device: where the collective's tensor lives (the gradients' device).
+        """
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return
+        values = [int(v) for v in decided()]
+        weighted = [sum((k + 1) ** power * v for k, v in enumerate(values)) for power in range(3)]
+        mine = torch.tensor([len(values), *weighted], dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(everyone, mine, group=self.group)
+        differing = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
+        if differing:
+            raise ValueError(
+                f"{self.name}: with group=, every rank of the group must step the same tensors at the same counts "
+                f"(the same state: one checkpoint loaded on every rank), but rank {differing[0]}'s differ from "
+                "rank 0's"
+            )
+
     def assign(self, rows: int, row_numel: int) -> list[int]:
         """The owner of each of ``rows`` rows of ``row_numel`` elements, its cost added to its
         owner's load."""
@@ -307,6 +335,24 @@ class Owners:
             self.loads[owner] += cost
             owners.append(owner)
         return owners
+
+
+def decided_by(updates: list, counts: Any) -> list:
+    """What decides which matrices a preconditioner's update computes: the indices of the
+    gradients present and every count in ``counts`` (a tree of integer tensors; one device sync).
+
+    Args:
+        updates: the gradients (``None`` where absent).
+        counts: the state's counters.
+    """
+    present = [i for i, g in enumerate(updates) if g is not None]
+    tensors = [t.reshape(-1) for t in optree.tree_leaves(counts) if isinstance(t, torch.Tensor)]
+    return present + (torch.cat(tensors).tolist() if tensors else [])
+
+
+def device_of(updates: list) -> torch.device:
+    """The device of the first gradient present (the CPU where none is)."""
+    return next((g.device for g in updates if g is not None), torch.device("cpu"))
 
 
 def owner_computes(
@@ -324,7 +370,8 @@ def owner_computes(
     converted). Where ``fn`` raised on some rank, every rank raises a RuntimeError naming it;
     where the fingerprints differ (gradients not averaged before, say), every rank raises the
     same ValueError instead of mixing rows computed from different matrices. (Ranks whose step
-    counts differ may call this a different number of times: that is not caught here.)
+    counts differ would call this a different number of times: the transforms check first that
+    they agree, :meth:`Owners.agree`.)
 
     Args:
         fn: the computation, batched.

@@ -55,6 +55,8 @@ from functional_bagua.transforms.batched_matrices import (
     Owners,
     cached_eagerly,
     check_state_type,
+    decided_by,
+    device_of,
     flat_operand_cond,
     float_operands,
     fused_buffers,
@@ -259,6 +261,8 @@ def scale_by_psgd_kron(
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
             for name, field in zip(("steps", "mu", "factors"), state[3:])
         ]
+        if not torch.compiler.is_compiling():  # with group=: every rank decides alike (else its collectives would wait)
+            owners.agree(lambda: decided_by(x.updates, (fields[0], state[:3])), device_of(x.updates))
         fused = layout_context.active_layout() is not None
         batches, probes = fused_batches(x, fields) if fused else tensor_batches(x, fields)
         refit, balance = decisions(state)

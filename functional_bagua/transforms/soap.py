@@ -68,6 +68,8 @@ from functional_bagua.transforms.batched_matrices import (
     at_least_float32,
     cached_eagerly,
     check_state_type,
+    decided_by,
+    device_of,
     flat_operand_cond,
     fused_buffers,
     gather_rows,
@@ -201,6 +203,8 @@ def scale_by_soap(
             tree.leaves_up_to(x.spec, field, f"the state's {name!r}", "the gradients")
             for name, field in zip(ScaleBySoapState._fields, state)
         ]
+        if not traced:  # with group=: every rank decides alike (else its collectives would wait for ever)
+            owners.agree(lambda: decided_by(x.updates, fields[0]), device_of(x.updates))
         if layout_context.active_layout() is not None:
             return fused_update(x, fields, traced)
         stepping = _batches(x.updates, fields[0], layout, traced)
