@@ -21,7 +21,7 @@ always written:
 6. ``e2e``: a GPT-2-small-like model (2 of its 12 layers, to fit the budget) trained under bf16
    autocast (end_to_end.py).
 7. ``bagua``: Bagua's headline case, ``fuse_step`` vs ``step`` on BERT-base (fused_optimizer.py).
-8. ``second`` (only when named: ``--only second``): SOAP, Shampoo and PSGD-Kron, eager and
+8. ``second`` (only when named: ``--only second``): Shampoo (eigh and Newton roots), PSGD-Kron and SOAP, eager and
    compiled over flat buffers, against the references and heavyball on 200 x (50, 100) and GPT-2
    small's shapes (second_order.py).
 
@@ -136,7 +136,7 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
         ),
         (
             "second",
-            [py, bench("second_order.py"), "--device", device, "--optimizers", "soap" if quick else "soap,shampoo,kron"]
+            [py, bench("second_order.py"), "--device", device, "--optimizers", "soap" if quick else "shampoo,kron,soap"]
             + ["--configs", "a" if quick else "a,d", "--steps", "2" if quick else "10"],
             "",
         ),
