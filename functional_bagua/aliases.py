@@ -1117,7 +1117,7 @@ def shampoo(
         group: share the inverse roots among the ranks of this process group, each computed by
             one (after ``allreduce_gradients``; see :func:`~functional_bagua.scale_by_shampoo`).
         root_method: ``"eigh"`` or ``"newton"`` (the coupled Newton iteration, batched matmuls
-            only, for GPUs; ``eigh`` where it does not converge).
+            only, meant for GPUs and not yet measured there; ``eigh`` where it does not converge).
         newton_iterations: the most steps of the Newton iteration.
         newton_tolerance: where it stops.
 

@@ -178,7 +178,13 @@ def test_a_compiled_fused_update_with_padded_strides_equals_the_eager_one(name):
     layout = fb.FlatLayout.of(params)
     # SOAP one-sided: a 40 x 40 statistic of rank 33 would have a degenerate eigenspace, whose basis
     # eager and compiled rounding pick differently
-    tx = fb.soap(precondition_frequency=2, max_precondition_dim=35) if name == "soap" else TRANSFORMS[name]()
+    # Shampoo's roots by Newton: its torch.cond for the unconverged matrices nests in the refresh's
+    tx = {
+        "soap": lambda: fb.soap(precondition_frequency=2, max_precondition_dim=35),
+        "shampoo": lambda: fb.shampoo(
+            grafting="adam", precondition_frequency=2, root_method="newton", newton_iterations=4
+        ),
+    }.get(name, TRANSFORMS[name])()
     fused = fb.fuse(tx, layout)
 
     def step(p: dict, s: object, g: dict) -> tuple:
@@ -222,3 +228,24 @@ def test_two_compiled_optimizers_differing_in_a_float_their_refresh_reads(make):
             torch.manual_seed(0)
             got, states[1] = compiled(g, states[1], params)
             torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-14)
+
+
+def test_flat_operand_cond_gives_the_branches_their_operands_eagerly_and_compiled():
+    """Nested tuples, a 0-dim and a strided tensor come back as given; anything else is named."""
+    from functional_bagua.transforms.batched_matrices import flat_operand_cond
+
+    operands = ((torch.arange(6.0).reshape(2, 3), (torch.tensor(2.0),)), torch.arange(12.0).reshape(3, 4).mT)
+
+    def branch(pair, strided):
+        (matrix, (scalar,)) = pair
+        return matrix * scalar, strided @ strided.mT
+
+    def other(pair, strided):
+        return pair[0].clone(), strided.mT @ strided
+
+    expected = branch(*operands)
+    for run in (flat_operand_cond, torch.compile(flat_operand_cond, backend="eager", fullgraph=True)):
+        got = run(torch.tensor(True), branch, other, operands)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="operands must be tensors in nested tuples, got int"):
+        flat_operand_cond(torch.tensor(True), branch, other, (*operands, 3))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 import optree
 import torch
@@ -173,6 +173,13 @@ def restack(tensors: list, shape: tuple) -> torch.Tensor:
     return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
 
 
+class _Leaf(NamedTuple):
+    """Where :func:`flat_operand_cond` put an operand, and its shape."""
+
+    place: int
+    shape: torch.Size
+
+
 def flat_operand_cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], operands: tuple) -> Any:
     """``torch.cond(pred, true_fn, false_fn, operands)`` with every tensor of ``operands`` passed
     as a 1-D view and given back to the branches in its own shape.
@@ -193,16 +200,30 @@ def flat_operand_cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable
         kept = lambda m: m.clone()
         out = flat_operand_cond(refresh, lambda m: m @ m, kept, (matrices,))
     """
-    leaves, spec = tree.flatten(operands)
-    shapes = [leaf.shape for leaf in leaves]
+    flat: list = []
+
+    def flattened(node: Any) -> Any:  # the structure, each leaf its place in ``flat`` and shape
+        if isinstance(node, tuple):
+            return tuple(flattened(child) for child in node)
+        if not isinstance(node, torch.Tensor):
+            raise TypeError(f"flat_operand_cond: operands must be tensors in nested tuples, got {type(node).__name__}")
+        flat.append(node.reshape(-1))
+        return _Leaf(len(flat) - 1, node.shape)
+
+    structure = flattened(operands)
+
+    def rebuilt(node: Any, given: tuple) -> Any:
+        if not isinstance(node, _Leaf):
+            return tuple(rebuilt(child, given) for child in node)
+        return given[node.place].view(node.shape)
 
     def in_shapes(branch: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*flat: torch.Tensor) -> Any:
-            return branch(*optree.tree_unflatten(spec, [f.view(shape) for f, shape in zip(flat, shapes)]))
+        def run(*given: Any) -> Any:
+            return branch(*rebuilt(structure, given))
 
         return run
 
-    return torch.cond(pred, in_shapes(true_fn), in_shapes(false_fn), tuple(leaf.reshape(-1) for leaf in leaves))
+    return torch.cond(pred, in_shapes(true_fn), in_shapes(false_fn), tuple(flat))
 
 
 def float_operands(like: torch.Tensor, *values: Any) -> torch.Tensor:

@@ -154,9 +154,9 @@ def scale_by_shampoo(
             reference; ranks whose statistics differ are refused, each with the same
             ValueError); eager only (a TypeError under torch.compile); ``None``: all here.
         root_method: ``"eigh"`` (the reference's default) or ``"newton"``: the coupled Newton
-            iteration, batched matmuls only (:func:`inverse_root_newton`: for GPUs, where ``eigh``
-            of many matrices is slow; on the CPU it is slower than ``eigh``), ``eigh`` for a
-            matrix that has not converged.
+            iteration, batched matmuls only (:func:`inverse_root_newton`; meant for GPUs, where
+            ``eigh`` of many matrices is slow, not yet measured there; on the CPU slower than
+            ``eigh``), ``eigh`` for a matrix that has not converged.
         newton_iterations: the most steps of the Newton iteration (an int >= 1; compiled, the
             iteration is unrolled to this many).
         newton_tolerance: it stops where ``max |M_k - I| <= newton_tolerance``.
@@ -488,7 +488,11 @@ def inverse_root_newton(
     One that has not after ``iterations`` steps (a statistic too far from full rank for
     ``epsilon``, or one that is not finite) takes :func:`inverse_root`'s, from ``eigh``: eagerly
     only for those matrices, traced under ``torch.cond`` only in a step where some has not
-    converged. The result is symmetrized, as the root of a symmetric matrix is.
+    converged. The result is symmetrized, as the root of a symmetric matrix is. A ``tolerance``
+    below what ``matrix_dtype`` resolves (or float32 products in TF32) leaves every matrix to
+    ``eigh`` after ``iterations`` wasted steps; unlike :func:`inverse_root`, negative eigenvalues
+    of ``L`` (rounding) are not clamped to 0 first. Eagerly each step reads whether all have
+    converged (a device sync).
 
     Args:
         statistic: a batch of symmetric positive semi-definite matrices.
