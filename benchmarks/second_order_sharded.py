@@ -15,8 +15,9 @@ matrix (float32), inside ``scale_by_psgd_kron(group=...)``'s update;
 ``shampoo_roots_of_many_shapes``: the inverse roots of ``--matrices`` matrices of as many sizes
 (``--size`` down in steps of 4: one batch each, as a model of many shapes gives), all in one
 update's :class:`~functional_bagua.transforms.batched_matrices.Owners` (each row to the rank
-least loaded so far) and, for comparison, each batch balanced alone (every single-row batch on
-rank 0). ``soap_by_tensor``: a step of SOAP on a 4-layer GPT-2 of hidden 256 (vocabulary 8192)
+least loaded so far) with every batch's results in one all-gather
+(``owner_computes_all``), the same owners with an all-gather per batch, and, for comparison,
+each batch balanced alone (every single-row batch on rank 0). ``soap_by_tensor``: a step of SOAP on a 4-layer GPT-2 of hidden 256 (vocabulary 8192)
 under ``shard_by_tensor`` against ``allreduce_gradients`` followed by SOAP, where every rank
 preconditions every tensor (``--matrices`` and ``--size`` unused): the step time and the bytes of
 each rank's optimizer state.
@@ -39,7 +40,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 from common import table  # noqa: E402
 
-from functional_bagua.transforms.batched_matrices import Owners, owner_computes  # noqa: E402
+from functional_bagua.transforms.batched_matrices import Owners, owner_computes, owner_computes_all  # noqa: E402
 from functional_bagua.transforms.shampoo import inverse_root  # noqa: E402
 
 
@@ -112,7 +113,7 @@ def _shampoo_roots_of_many_shapes(matrices: int, size: int) -> dict:
         a = torch.randn(1, size - 4 * i, size - 4 * i, generator=gen, dtype=torch.float64)
         batches.append(a @ a.mT)
     timings = {}
-    for how in ("update", "per batch"):
+    for how in ("one all-gather", "update", "per batch"):
         own: list = []
         whole, per_update = [], []
 
@@ -123,16 +124,19 @@ def _shampoo_roots_of_many_shapes(matrices: int, size: int) -> dict:
                 own.append(time.perf_counter() - start)
             return out
 
-        for _ in range(5):
+        for repeat in range(6):  # the first a warm-up
             owners = Owners(dist.group.WORLD, "benchmark", "roots")
             owners.begin_update()
             own.clear()
             dist.barrier()
             start = time.perf_counter()
-            for batch in batches:  # "per batch": the process group, each batch balanced alone
+            if how == "one all-gather":  # every batch's results shared at once
+                owner_computes_all(timed_root, batches, owners)
+            for batch in batches if how != "one all-gather" else []:  # "per batch": each balanced alone
                 owner_computes(timed_root, batch, owners if how == "update" else dist.group.WORLD)
-            whole.append(time.perf_counter() - start)
-            per_update.append(sum(own))  # this update's own computations
+            if repeat:
+                whole.append(time.perf_counter() - start)
+                per_update.append(sum(own))  # this update's own computations
         timings[how] = dict(own=statistics.median(per_update), whole=statistics.median(whole))
     return timings
 
@@ -222,9 +226,9 @@ def main() -> None:
         print("SOAP on a GPT-2 of hidden 256, 4 layers; one thread per rank; the slowest rank's median step")
         print(table(rows, ["ranks", "transform", "step_ms", "state_mb_per_rank"]))
         return
-    base = rows[0]["own_decompositions_ms"]
-    for r in rows:
-        r["own x 1 rank"] = r["own_decompositions_ms"] / base
+    base = {r["owners"]: r["own_decompositions_ms"] for r in rows if r["ranks"] == rows[0]["ranks"]}
+    for r in rows:  # against the same way of sharing on the fewest ranks
+        r["own x 1 rank"] = r["own_decompositions_ms"] / base[r["owners"]]
     what = {
         "shampoo_root": f"{args.matrices} matrices of {args.size} x {args.size}, float64 eigh",
         "psgd_kron_fit": f"{args.matrices} matrices of {args.size} x {args.size}, PSGD-Kron fits, float32",

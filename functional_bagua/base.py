@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from functional_bagua import checks, foreach, ownership, tree
+from functional_bagua.compiling import own_code
 from functional_bagua.leaf_lists import LeafLists
 
 Params = Any
@@ -127,7 +128,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     update.transforms = transforms  # type: ignore[attr-defined]  # what it chains, for make_train_step
     update.fresh_updates = len(transforms) > 0 and ownership.returns_fresh_updates(transforms[-1])  # type: ignore[attr-defined]
-    return GradientTransformation(init, update)
+    # a code object per chain: torch.compile(tx.update) of one chain does not count against another's
+    # recompile limit (dynamo's compiled code is kept per code object; each chain recompiles it)
+    return GradientTransformation(init, own_code(update))
 
 
 def hyperparameters_of(

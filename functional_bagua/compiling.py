@@ -24,16 +24,23 @@ _serial = itertools.count()
 
 
 def own_code(fn: Callable) -> Callable:
-    """A copy of ``fn`` (same globals, closure and defaults) with a code object of its own, named
-    ``<name>_<n>`` (which is how it shows in dynamo's logs).
+    """A copy of ``fn`` (same globals, closure, defaults and attributes) with a code object of its
+    own, named ``<name>_<n>`` (which is how it shows in dynamo's logs).
 
     Args:
         fn: a Python function (not a builtin, not a bound method).
+
+    While traced (a transform built inside a compiled update, by ``inject_hyperparams``), ``fn``
+    itself: the graph inlines it, no code object is compiled for it.
     """
+    if torch.compiler.is_compiling():
+        return fn
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_serial)}")
     copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
+    copy.__dict__.update(fn.__dict__)
+    copy.__wrapped__ = fn  # type: ignore[attr-defined]  # what it copies (ownership.granted_to)
     return copy
 
 

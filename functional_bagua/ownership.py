@@ -41,7 +41,8 @@ def granted_to(update: Callable[..., Any]) -> bool:
     Args:
         update: the caller's own update function.
     """
-    return _GRANT.to is update
+    granted = _GRANT.to
+    return granted is not None and (granted is update or getattr(granted, "__wrapped__", None) is update)
 
 
 def update_owning(tx: "GradientTransformation", owned: bool, *args: Any) -> Any:

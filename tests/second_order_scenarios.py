@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import functional_bagua as fb
 import functional_bagua.distributed as fbd
-from functional_bagua.transforms.batched_matrices import Owners, owner_computes
+from functional_bagua.transforms.batched_matrices import Owners, owner_computes, owner_computes_all
 
 SHAPES = {"a": (6, 6), "b": (6, 6), "c": (6, 6), "d": (5, 5), "e": (5, 5), "f": (4, 3, 3, 3)}
 STEPS = 5
@@ -124,7 +124,25 @@ def balanced_owners(rank: int, world_size: int) -> dict:
     owners = Owners(dist.group.WORLD, "balance test", "norms")
     owners.begin_update()
     results = [owner_computes(torch.linalg.matrix_norm, batch, owners) for batch in owner_batches()]
-    return {"results": results, "loads": list(owners.loads)}
+    out = {"results": results, "loads": list(owners.loads)}
+    # all six at once, counting the collectives: the norms, and each with its transpose (a tuple)
+    calls = []
+    all_gather = dist.all_gather
+    dist.all_gather = lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
+    try:
+        owners = Owners(dist.group.WORLD, "balance test", "norms")
+        owners.begin_update()
+        out["all at once"] = owner_computes_all(torch.linalg.matrix_norm, owner_batches(), owners)
+        out["loads at once"] = list(owners.loads)
+        pairs = owner_computes_all(lambda m: (m.mT.contiguous(), torch.linalg.matrix_norm(m)), owner_batches(), None)
+        out["tuples at once"] = owner_computes_all(
+            lambda m: (m.mT.contiguous(), torch.linalg.matrix_norm(m)), owner_batches(), dist.group.WORLD
+        )
+        out["tuples here"] = pairs
+    finally:
+        dist.all_gather = all_gather
+    out["all-gathers"] = len(calls)
+    return out
 
 
 def owner_batches() -> list:

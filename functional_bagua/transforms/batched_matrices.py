@@ -380,81 +380,130 @@ def owner_computes(
     fn: Callable[..., Any], batch: Any, group: Any, name: str = "owner_computes", agreed: Optional[tuple] = None
 ) -> Any:
     """``fn`` on a batch that every rank of ``group`` holds alike, each row computed by one rank
-    (:class:`Owners`: the least loaded in the update so far) and the results gathered by all.
-    ``batch`` is a tensor (``fn`` maps it to a tensor) or a tuple of row-aligned tensors (``fn``
-    takes them as arguments and returns a tensor or a tuple), row by row. ``group=None``: this
-    process computes all.
-
-    Two all-gathers: first a fingerprint of ``agreed`` (default: the batch; float64 sums, one
-    weighted by position, and counts of non-finite values) and of the loads before this batch,
-    compared bit for bit, with whether ``fn`` raised; then the results as bytes (no dtype is
-    converted). Where ``fn`` raised on some rank, every rank raises a RuntimeError naming it;
-    where the fingerprints differ (gradients not averaged before, say), every rank raises the
-    same ValueError instead of mixing rows computed from different matrices. (Ranks whose step
-    counts differ would call this a different number of times: the transforms check first that
-    they agree, :meth:`Owners.agree`.)
+    and the results gathered by all: :func:`owner_computes_all` of the one batch.
 
     Args:
         fn: the computation, batched.
-        batch: the rows, the same on every rank.
-        group: an :class:`Owners` (its loads carry over from the update's earlier batches), a
-            torch process group (this batch alone is balanced), or ``None``.
+        batch: the rows (a tensor, or a tuple of row-aligned tensors), the same on every rank.
+        group: an :class:`Owners`, a torch process group, or ``None`` (this process computes all).
         name: the transform, named in the errors.
         agreed: the tensors that must be equal on every rank (default: ``batch``).
     """
-    inputs = batch if isinstance(batch, tuple) else (batch,)
+    return owner_computes_all(fn, [batch], group, name, None if agreed is None else [agreed])[0]
+
+
+def owner_computes_all(
+    fn: Any, batches: list, group: Any, name: str = "owner_computes", agreed: Optional[list] = None
+) -> list:
+    """``fn`` (or the ``fn[i]`` of a list, one per batch) on each of ``batches`` (of any
+    shapes), which every rank of ``group`` holds alike,
+    each row computed by one rank (:class:`Owners`: the least loaded in the update so far) and
+    the results of all the batches gathered by all in one all-gather. A batch is a tensor
+    (``fn`` maps it to a tensor) or a tuple of row-aligned tensors (``fn`` takes them as
+    arguments and returns a tensor or a tuple), row by row. ``group=None``: this process
+    computes all.
+
+    The all-gather carries, before the results (as bytes: no dtype is converted), a fingerprint
+    of ``agreed`` (default: the batches; float64 sums, one weighted by position, and counts of
+    non-finite values), the loads before these batches and whether ``fn`` raised; the sizes
+    come from the shapes, the same on every rank (the transforms check first that the ranks
+    step alike, :meth:`Owners.agree`; a rank that owns no row of a batch learns its result's
+    shapes on the meta device). Where ``fn`` raised on some rank, every rank raises a
+    RuntimeError naming it; where the fingerprints differ (gradients not averaged before, say),
+    every rank raises the same ValueError instead of mixing rows computed from different
+    matrices.
+
+    Args:
+        fn: the computation, batched, or a list of one per batch.
+        batches: the batches, each the same on every rank.
+        group: an :class:`Owners` (its loads carry over from the update's earlier batches), a
+            torch process group (these batches alone are balanced), or ``None``.
+        name: the transform, named in the errors.
+        agreed: per batch, the tensors that must be equal on every rank (default: the batches).
+
+    Returns:
+        ``fn``'s result for each batch, all rows.
+
+    Example::
+
+        roots = owner_computes_all(lambda m: inverse_root(m, 1e-12, 4, torch.float64), [left, right], owners)
+    """
+    inputs = [b if isinstance(b, tuple) else (b,) for b in batches]
+    fns = fn if isinstance(fn, list) else [fn] * len(inputs)
     owners = group if isinstance(group, Owners) else Owners(group, name, "results")
-    if owners.group is None or dist.get_world_size(owners.group) == 1:
-        return fn(*inputs)
-    group = owners.group
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows = inputs[0].shape[0]
+    if owners.group is None or dist.get_world_size(owners.group) == 1 or not inputs:
+        return [f(*x) for f, x in zip(fns, inputs)]
+    world, rank = dist.get_world_size(owners.group), dist.get_rank(owners.group)
+    device = inputs[0][0].device
     loads_before = list(owners.loads) or [0.0] * world
-    owner_of = owners.assign(rows, math.prod(inputs[0].shape[1:]))
-    held = [[j for j in range(rows) if owner_of[j] == r] for r in range(world)]
-    per_rank = max(len(h) for h in held)
-    owned = len(held[rank])
+    held = []  # per batch, per rank: the rows it computes
+    for x in inputs:
+        owner_of = owners.assign(x[0].shape[0], math.prod(x[0].shape[1:]))
+        held.append([[j for j in range(x[0].shape[0]) if owner_of[j] == r] for r in range(world)])
     failure: Optional[Exception] = None
-    try:
-        if owned:
-            index = torch.tensor(held[rank], dtype=torch.long, device=inputs[0].device)
-            done = fn(*(x.index_select(0, index) for x in inputs))
-        else:
-            done = _shapes_only(fn, inputs)
-    except Exception as error:  # every rank must still take part in the all-gathers
-        failure, done = error, None
-    raised = torch.tensor([float(failure is not None)], dtype=torch.float64, device=inputs[0].device)
-    loads = torch.tensor(loads_before, dtype=torch.float64, device=inputs[0].device)
-    status = torch.cat([_fingerprint(agreed or inputs), loads, raised])
-    statuses = [torch.empty_like(status) for _ in range(world)]
-    dist.all_gather(statuses, status, group=group)
-    failed = [r for r in range(world) if statuses[r][-1]]
+    done: list = []
+    for f, x, rows in zip(fns, inputs, held):
+        try:  # every rank must still take part in the all-gather: a failure is flagged in it
+            mine = torch.tensor(rows[rank], dtype=torch.long, device=device)
+            done.append(f(*(t.index_select(0, mine) for t in x)) if rows[rank] and failure is None else None)
+        except Exception as error:
+            failure = error
+            done.append(None)
+    shaped = [d if d is not None else _shapes_only(f, x) for f, d, x in zip(fns, done, inputs)]
+    outs = [_as_tuple(out) for out in shaped]
+    row_bytes = [[math.prod(o.shape[1:]) * o.element_size() for o in out] for out in outs]
+    per_rank = [max(len(r) for r in rows) for rows in held]
+    payloads = []
+    for d, rows, widths, most in zip(done, held, row_bytes, per_rank):
+        payload = torch.zeros(most, sum(widths), dtype=torch.uint8, device=device)
+        if d is not None:
+            owned = len(rows[rank])
+            payload[:owned] = torch.cat([o.contiguous().reshape(owned, -1).view(torch.uint8) for o in _as_tuple(d)], 1)
+        payloads.append(payload.reshape(-1))
+    every_agreed = tuple(t for tensors in (agreed or inputs) for t in _as_tuple(tensors))
+    raised = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
+    loads = torch.tensor(loads_before, dtype=torch.float64, device=device)
+    status = torch.cat([_fingerprint(every_agreed), loads, raised])
+    message = torch.cat([status.view(torch.uint8), *payloads])
+    gathered = [torch.empty_like(message) for _ in range(world)]
+    dist.all_gather(gathered, message, group=owners.group)
+    _check_statuses([g[: status.numel() * 8].view(torch.float64) for g in gathered], failure, name)
+    results = []
+    offset = status.numel() * 8
+    for x, shape, out, rows, widths, most in zip(inputs, shaped, outs, held, row_bytes, per_rank):
+        size = most * sum(widths)
+        per_owner = [g[offset : offset + size].view(most, sum(widths)) for g in gathered]
+        offset += size
+        place = {j: (r, k) for r in range(world) for k, j in enumerate(rows[r])}
+        merged = torch.stack([per_owner[place[j][0]][place[j][1]] for j in range(x[0].shape[0])])
+        parts = tuple(
+            part.contiguous().view(o.dtype).reshape(x[0].shape[0], *o.shape[1:])
+            for part, o in zip(merged.split(widths, dim=1), out)
+        )
+        results.append(parts if isinstance(shape, tuple) else parts[0])
+    return results
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _check_statuses(statuses: list, failure: Optional[Exception], name: str) -> None:
+    """Raise on every rank where some rank's ``fn`` raised (the last entry of its status), or
+    where the ranks' fingerprints and loads differ (compared bit for bit: NaN equals NaN)."""
+    failed = [r for r, status in enumerate(statuses) if status[-1]]
     if failed:
         raise RuntimeError(
             f"{name}: the computation of rank {failed[0]}'s rows raised"
             + (f": {failure!r}" if failure is not None else " (its own error says why)")
         ) from failure
-    bits = [s[:-1].view(torch.int64) for s in statuses]  # bit for bit: NaN equals NaN
-    differing = [r for r in range(world) if not torch.equal(bits[r], bits[0])]
+    bits = [status[:-1].view(torch.int64) for status in statuses]
+    differing = [r for r in range(len(statuses)) if not torch.equal(bits[r], bits[0])]
     if differing:
         raise ValueError(
             f"{name}: with group=, every rank of the group must hold the same gradients and state (chain "
             f"allreduce_gradients before it), but rank {differing[0]}'s differ from rank 0's"
         )
-    outs = done if isinstance(done, tuple) else (done,)
-    row_bytes = [math.prod(o.shape[1:]) * o.element_size() for o in outs]
-    payload = torch.zeros(per_rank, sum(row_bytes), dtype=torch.uint8, device=inputs[0].device)
-    if owned:
-        payload[:owned] = torch.cat([o.contiguous().reshape(owned, -1).view(torch.uint8) for o in outs], dim=1)
-    gathered = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(gathered, payload, group=group)
-    place = {j: (r, k) for r in range(world) for k, j in enumerate(held[r])}
-    merged = torch.stack([gathered[place[j][0]][place[j][1]] for j in range(rows)])
-    results = tuple(
-        part.contiguous().view(o.dtype).reshape(rows, *o.shape[1:])
-        for part, o in zip(merged.split(row_bytes, dim=1), outs)
-    )
-    return results if isinstance(done, tuple) else results[0]
 
 
 def _shapes_only(fn: Callable[..., Any], inputs: tuple) -> Any:

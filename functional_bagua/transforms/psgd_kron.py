@@ -49,6 +49,7 @@ import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.compiling import own_code
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
@@ -64,7 +65,7 @@ from functional_bagua.transforms.batched_matrices import (
     initial_fields,
     one_minus_power,
     own_storage,
-    owner_computes,
+    owner_computes_all,
     restack,
     row_index,
     scatter_rows,
@@ -391,10 +392,8 @@ def scale_by_psgd_kron(
         if refit is False:
             return fitted, qs
         if refit is True:
-            done = [
-                owner_computes(fit_rows, (f, v, *q), owners, NAME, agreed=(f, *q))
-                for f, v, q in zip(fitted, probes(), qs)
-            ]
+            inputs = [(f, v, *q) for f, v, q in zip(fitted, probes(), qs)]  # every batch's fits in one all-gather
+            done = owner_computes_all(fit_rows, inputs, owners, NAME, agreed=[(f, *q) for f, q in zip(fitted, qs)])
             return [d[0] for d in done], [list(d[1:]) for d in done]
 
         def fitted_all(fitted: tuple, qs: tuple, lr: torch.Tensor) -> tuple:
@@ -468,7 +467,9 @@ def scale_by_psgd_kron(
                 new.append(q - (torch.triu(difference) / bound.clamp(min=tiny)[:, None, None]) @ q)
         return g, new
 
-    return GradientTransformation(init, update)
+    # a code object per instance: dynamo's compiled graphs of one do not count against another's
+    # recompile limit (each configuration, its closure's numbers, would otherwise recompile it)
+    return GradientTransformation(init, own_code(update))
 
 
 class _Batch(NamedTuple):

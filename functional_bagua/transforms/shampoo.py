@@ -53,6 +53,7 @@ import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.compiling import own_code
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
@@ -70,7 +71,7 @@ from functional_bagua.transforms.batched_matrices import (
     merge_small_dims,
     one_minus_power,
     own_storage,
-    owner_computes,
+    owner_computes_all,
     per_row,
     restack,
     scatter_rows,
@@ -367,9 +368,10 @@ def scale_by_shampoo(
         if not isinstance(t, torch.Tensor):
             if t % precondition_frequency:
                 return roots
-            return [
-                owner_computes(lambda m: inverse_root_of(m, root), stat / correction, owners) for stat in statistics
-            ]
+            # the roots of every dimension in one all-gather
+            return owner_computes_all(
+                lambda m: inverse_root_of(m, root), [s / correction for s in statistics], owners, NAME
+            )
         scaled = tuple(stat / correction for stat in statistics)
         refreshing = t % precondition_frequency == 0
 
@@ -401,7 +403,9 @@ def scale_by_shampoo(
             return m_hat / ((v / one_minus_power(grafting_beta2, t, v)).sqrt() + grafting_epsilon)
         return m_hat / (v.sqrt() + grafting_epsilon)
 
-    return GradientTransformation(init, update)
+    # a code object per instance: dynamo's compiled graphs of one do not count against another's
+    # recompile limit (each configuration, its closure's numbers, would otherwise recompile it)
+    return GradientTransformation(init, own_code(update))
 
 
 def _block_batches(grads: list, present: list, steps: Optional[dict], block_shapes: Callable) -> list:

@@ -60,6 +60,7 @@ import torch
 
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.compiling import own_code
 from functional_bagua.flat import Rows
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
@@ -77,6 +78,7 @@ from functional_bagua.transforms.batched_matrices import (
     merge_small_dims,
     own_storage,
     owner_computes,
+    owner_computes_all,
     per_element,
     per_row,
     restack,
@@ -257,12 +259,16 @@ def scale_by_soap(
         exact = rounding_matters(view, s.count, precondition_frequency)
         statistics = accumulate(s.statistics, g, exact)
         if s.count == 0:  # eager, every row at its first gradient
-            bases = [
-                None
-                if stat is None
-                else owner_computes(functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=each), stat, owners)
-                for stat, each in zip(statistics, exact)
-            ]
+            on = [d for d, stat in enumerate(statistics) if stat is not None]  # every dimension's in one all-gather
+            found = iter(
+                owner_computes_all(
+                    [functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=exact[d]) for d in on],
+                    [statistics[d] for d in on],
+                    owners,
+                    NAME,
+                )
+            )
+            bases = [next(found) if stat is not None else None for stat in statistics]
             return torch.zeros_like(g), _Batch(s.count, s.counts, s.mu, s.nu, statistics, bases)
         projected = project(g, s.bases)
         mu = torch.lerp(s.mu, projected, 1 - b1)
@@ -364,7 +370,9 @@ def scale_by_soap(
             None if stat is None else accumulated(stat, g, d, shampoo, exact[d]) for d, stat in enumerate(statistics)
         ]
 
-    return GradientTransformation(init, update)
+    # a code object per instance: dynamo's compiled graphs of one do not count against another's
+    # recompile limit (each configuration, its closure's numbers, would otherwise recompile it)
+    return GradientTransformation(init, own_code(update))
 
 
 class _Batch:
