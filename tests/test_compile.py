@@ -54,3 +54,22 @@ def test_compiles_once_and_equals_eager(make, shapes_of):
         for k in params:
             torch.testing.assert_close(params[k], eager_params[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
     assert counter.frame_count == 1
+
+
+def test_many_optimizers_compiled_in_one_process_each_compile_once():
+    """torch.compile(tx.update) of ten chains (and of second-order transforms) that differ in
+    their numbers: dynamo keeps compiled code per code object, and its recompile limit (8) once
+    failed the ninth configuration under fullgraph; each chain has a code object of its own."""
+    params, grads = problem(fb.sgd, torch.float64)
+    params, grads = {"w": params["w"]}, {"w": grads["w"]}
+    steps = [grads, {k: -0.5 * g for k, g in grads.items()}]
+    for k in range(10):
+        for tx in (fb.sgd(0.1 * (k + 1), momentum=0.5), fb.scale_by_shampoo(epsilon=10.0 ** -(k + 1))):
+            counter = CompileCounter()
+            compiled = torch.compile(tx.update, backend=counter, fullgraph=True)
+            state_c = state_e = tx.init(params)
+            for g in steps:
+                got, state_c = compiled(g, state_c, params)
+                expected, state_e = tx.update(g, state_e, params)
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            assert counter.frame_count == 1, (k, counter.frame_count)

@@ -228,10 +228,9 @@ def flat_operand_cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable
 
 def float_operands(like: torch.Tensor, *values: Any) -> torch.Tensor:
     """``values`` (floats) as a float64 vector on ``like``'s device, to hand the floats that a
-    ``torch.cond`` branch reads to it as an operand: dynamo turns a closure's float that differs
-    between two compiles of the same code (two optimizers of other epsilons, say) into a symbolic
-    float, which ``torch.cond`` cannot take in (it lifts what a branch reads: tensors and ints
-    only). Each element, a 0-dim tensor, enters arithmetic as the number would: a 0-dim tensor
+    ``torch.cond`` branch reads to it as an operand: dynamo makes a closure's float symbolic
+    (compiled with ``dynamic=True``, or one code object recompiled for another value), which
+    ``torch.cond`` cannot take in (it lifts what a branch reads: tensors and ints only). Each element, a 0-dim tensor, enters arithmetic as the number would: a 0-dim tensor
     does not widen another tensor's dtype.
 
     Example::
