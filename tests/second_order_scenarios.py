@@ -86,6 +86,7 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
             out[f"{name}, not averaged"] = None
         except ValueError as error:
             out[f"{name}, not averaged"] = str(error)
+    out["shampoo, all-gathers per step"] = all_gathers_per_step(MAKERS["shampoo"](dist.group.WORLD), rank)
     for name, make in MAKERS.items():  # rank 1 a step ahead: refused alike, not a hang
         out[f"{name}, counts differ"] = differing_counts(make(dist.group.WORLD), rank)
     # a NaN gradient under apply_if_finite: PSGD-Kron's fit takes it (the step is then skipped)
@@ -97,6 +98,24 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
     except RuntimeError as error:
         out["shampoo, a NaN statistic"] = str(error)
     return out
+
+
+def all_gathers_per_step(tx: fb.GradientTransformation, rank: int) -> list:
+    """The all-gathers of each of four steps on equal gradients (no all-reduce), counted."""
+    params, counts = start(), []
+    state = tx.init(params)
+    all_gather = dist.all_gather
+    calls: list = []
+    dist.all_gather = lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
+    try:
+        for step in range(4):
+            calls.clear()
+            u, state = tx.update(local_gradients(0, step), state, params)
+            params = fb.apply_updates(params, u)
+            counts.append(len(calls))
+    finally:
+        dist.all_gather = all_gather
+    return counts
 
 
 def differing_counts(tx: fb.GradientTransformation, rank: int) -> Optional[str]:

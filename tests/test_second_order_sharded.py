@@ -62,6 +62,13 @@ def test_ranks_holding_different_gradients_are_refused_alike(ranks, name):
         assert "allreduce_gradients" in message
 
 
+def test_shampoo_shares_all_the_roots_of_an_update_in_one_all_gather(ranks):
+    """Blocks of three shapes (3 batches, 8 dimensions): each step one all-gather that checks the
+    ranks step alike, and in the steps that refresh (every 2nd) one more with every root."""
+    for rank, result in enumerate(ranks):
+        assert result["sharded_second_order"]["shampoo, all-gathers per step"] == [1, 2, 1, 2], f"rank {rank}"
+
+
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_ranks_at_different_counts_are_refused_alike_not_a_hang(ranks, name):
     """Rank 1 a step ahead would refresh in other steps than the others, calling the shared

@@ -45,6 +45,7 @@ as an eager one's would be by any other rounding.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional
@@ -260,7 +261,8 @@ def scale_by_shampoo(
             for column in fields
         ]
         per_block: dict[int, list] = {i: [None] * len(cut(tuple(x.updates[i].shape))) for i in present}
-        for members, t in _block_batches(x.updates, present, steps, block_shapes):
+        batches, calls = _block_batches(x.updates, present, steps, block_shapes), []
+        for members, t in batches:
             if t is None:
                 t = torch.stack([fields[0][i] for i, _ in members]) + 1
             shape = block_shapes(tuple(x.updates[members[0][0]].shape))[members[0][1]]
@@ -269,7 +271,8 @@ def scale_by_shampoo(
                 for f, kept in zip((1, 2, 3, 4), (*moments_kept, True, True))
             )
             grads_b = torch.stack([_block(x.updates[i], k, view_of, cut) for i, k in members])
-            direction, *new = step(grads_b, mu, graft, statistics, roots, t)
+            calls.append((grads_b, mu, graft, statistics, roots, t))
+        for (members, _), (direction, *new) in zip(batches, steps_all(calls)):
             for row, (i, k) in enumerate(members):
                 per_block[i][k] = (direction[row], *(unstacked(n, fields[f][i][k], row) for f, n in enumerate(new, 1)))
         updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]
@@ -289,39 +292,59 @@ def scale_by_shampoo(
         scattered back."""
         updates: list = list(x.updates)
         new_fields = [list(column) for column in fields]
-        for i, g, groups, buffer_state in fused_buffers(x, fields, NAME, fused_state_of, groups_of):
+        buffers, calls = list(fused_buffers(x, fields, NAME, fused_state_of, groups_of)), []
+        for _, g, groups, buffer_state in buffers:  # every block's step, its roots all at once
             counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
+            for j, (shape, rows) in enumerate(groups):
+                t = buffer_state[0][j] + 1 if counts is None else counts[j] + 1  # inside fuse all rows step together
+                g_rows = gather_rows(g, rows, view_of(tuple(shape)))
+                for k, piece in enumerate(cut(tuple(shape))):
+                    mu, graft, statistics, roots = (buffer_state[f][j][k] for f in range(1, 5))
+                    calls.append(
+                        (
+                            g_rows[(slice(None),) + piece],
+                            mu if moments_kept[0] else None,
+                            graft if moments_kept[1] else None,
+                            list(statistics),
+                            list(roots),
+                            t,
+                        )
+                    )
+        stepped = iter(steps_all(calls))
+        for i, g, groups, buffer_state in buffers:
             u = torch.zeros_like(g)
             per_group = []
             for j, (shape, rows) in enumerate(groups):
-                count = buffer_state[0][j]
-                t = count + 1 if counts is None else counts[j] + 1  # inside fuse all rows step together
-                view = view_of(tuple(shape))
-                g_rows = gather_rows(g, rows, view)
                 directions, new_state = [], []
-                for k, piece in enumerate(cut(tuple(shape))):
-                    mu, graft, statistics, roots = (buffer_state[f][j][k] for f in range(1, 5))
-                    direction, *new = step(
-                        g_rows[(slice(None),) + piece],
-                        mu if moments_kept[0] else None,
-                        graft if moments_kept[1] else None,
-                        list(statistics),
-                        list(roots),
-                        t,
-                    )
+                for k in range(len(cut(tuple(shape)))):
+                    mu, graft = buffer_state[1][j][k], buffer_state[2][j][k]
+                    direction, m, v, new_statistics, new_roots = next(stepped)
                     directions.append(direction)
-                    m, v, new_statistics, new_roots = new
                     new_state.append(
                         (mu if m is None else m, graft if v is None else v, tuple(new_statistics), tuple(new_roots))
                     )
-                u = scatter_rows(u, assembled(directions, view, cut(tuple(shape)), len(g_rows)), rows)
-                per_group.append((count + 1, *(tuple(column) for column in zip(*new_state))))
+                view = view_of(tuple(shape))
+                u = scatter_rows(u, assembled(directions, view, cut(tuple(shape)), rows.number), rows)
+                per_group.append((buffer_state[0][j] + 1, *(tuple(column) for column in zip(*new_state))))
             updates[i] = u
             for f in range(5):
                 new_fields[f][i] = tuple(group_state[f] for group_state in per_group)
         return x.unflatten(updates), ScaleByShampooState(*(x.unflatten(column) for column in new_fields))
 
-    def step(
+    def steps_all(calls: list) -> list:
+        """One step (module docstring) of each batch of same-shape blocks in ``calls`` (per batch:
+        ``g``, ``M``, ``V`` (``None`` where not kept), the statistics and roots per dimension,
+        stacked, and the count ``t``: an int, or traced per block a 1-D tensor), every refresh of
+        the update at once (:func:`refreshed_all`): per batch, the direction and the new ``M``,
+        ``V``, statistics and roots."""
+        moments = [moments_and_statistics(*call) for call in calls]
+        new_roots = refreshed_all([(statistics, call[4], call[5]) for call, (*_, statistics) in zip(calls, moments)])
+        return [
+            (direction_of(call[0].dtype, m_hat, v, roots, call[5]), m, v, statistics, roots)
+            for call, (m, m_hat, v, statistics), roots in zip(calls, moments, new_roots)
+        ]
+
+    def moments_and_statistics(
         g: torch.Tensor,
         mu: Optional[torch.Tensor],
         graft: Optional[torch.Tensor],
@@ -329,10 +352,9 @@ def scale_by_shampoo(
         roots: list,
         t: Any,
     ) -> tuple:
-        """One step of a batch ``g`` of same-shape blocks (module docstring), each at count ``t``
-        (an int, or per block a 1-D tensor, traced): the direction, and the new ``M`` and ``V``
-        (``None`` where not kept), statistics and roots (per dimension, stacked)."""
-        out_dtype, g = g.dtype, g.to(at_least_float32(g.dtype))  # the moments too: float32 at least
+        """A batch's new ``M``, ``M_hat``, ``V`` and statistics (``roots`` unused: the arguments
+        of :func:`steps_all`)."""
+        g = g.to(at_least_float32(g.dtype))  # the moments too: float32 at least
         m = torch.lerp(mu, g, 1 - b1) if mu is not None else None
         m_hat = g if m is None else (m / one_minus_power(b1, t, m) if use_bias_correction else m)
         v = None
@@ -340,38 +362,55 @@ def scale_by_shampoo(
             v = torch.addcmul(graft, g, g)
         elif graft is not None:  # rmsprop, adam
             v = torch.lerp(graft, g.square(), 1 - grafting_beta2)
-        statistics = [accumulate(stat, g, d) for d, stat in enumerate(statistics)]
-        roots = refreshed(statistics, roots, t)
+        return m, m_hat, v, [accumulate(stat, g, d) for d, stat in enumerate(statistics)]
+
+    def direction_of(out_dtype: torch.dtype, m_hat: torch.Tensor, v: Any, roots: list, t: Any) -> torch.Tensor:
+        """A batch's direction ``P`` (grafted, or the grafted direction before
+        ``start_preconditioning_step``) in ``out_dtype``."""
         grafted = graft_direction(m_hat, v, t)
         traced = isinstance(t, torch.Tensor)
         if not traced and t < start:
-            return grafted.to(out_dtype), m, v, statistics, roots
+            return grafted.to(out_dtype)
         # in the roots' precision: their large entries (epsilon^(-1/2k) where a statistic is of
         # less than full rank) cancel only there
-        direction = precondition(m_hat.to(matrix_dtype), roots).to(g.dtype)
+        direction = precondition(m_hat.to(matrix_dtype), roots).to(m_hat.dtype)
         if grafting is not None:
             dims = tuple(range(1, direction.dim()))
             grafted_norm = grafted.square().sum(dims, keepdim=True).sqrt()
             direction = direction * (grafted_norm / (direction.square().sum(dims, keepdim=True).sqrt() + NORM_FLOOR))
         if traced:
             direction = torch.where(per_row(t < start, direction), grafted, direction)
-        return direction.to(out_dtype), m, v, statistics, roots
+        return direction.to(out_dtype)
 
-    def refreshed(statistics: list, roots: list, t: Any) -> list:
-        """The roots, recomputed from the statistics where the count ``t`` is a multiple of
-        ``precondition_frequency``: eagerly for the whole batch (one count), traced under
-        ``torch.cond`` (run only in a step where some block refreshes; the others keep theirs)."""
+    def refreshed_all(requests: list) -> list:
+        """Per request ``(statistics, roots, t)`` of a batch, its roots, recomputed from the
+        statistics where the count ``t`` is a multiple of ``precondition_frequency``: eagerly
+        every refreshing batch's roots in one :func:`owner_computes_all` (with ``group=``, one
+        all-gather for the update); traced per batch under ``torch.cond``."""
+        if any(isinstance(t, torch.Tensor) for _, _, t in requests):
+            return [refreshed(*request) for request in requests]
+        fns, batches, places = [], [], []
+        for n, (statistics, _, t) in enumerate(requests):
+            if not statistics or t % precondition_frequency:
+                continue
+            correction = one_minus_power(b2, t, statistics[0]) if use_bias_correction and b2 < 1 else 1.0
+            for d, stat in enumerate(statistics):
+                fns.append(functools.partial(inverse_root_of, root=2 * len(statistics)))
+                batches.append(stat / correction)
+                places.append((n, d))
+        new_roots = [list(roots) for _, roots, _ in requests]
+        for (n, d), root in zip(places, owner_computes_all(fns, batches, owners, NAME) if batches else []):
+            new_roots[n][d] = root
+        return new_roots
+
+    def refreshed(statistics: list, roots: list, t: torch.Tensor) -> list:
+        """Traced, a batch's roots recomputed under ``torch.cond`` from its statistics, in a step
+        where some block refreshes (``t`` a multiple of ``precondition_frequency``; the others
+        keep theirs)."""
         if not statistics:
             return roots
         root = 2 * len(statistics)
         correction = one_minus_power(b2, t, statistics[0]) if use_bias_correction and b2 < 1 else 1.0
-        if not isinstance(t, torch.Tensor):
-            if t % precondition_frequency:
-                return roots
-            # the roots of every dimension in one all-gather
-            return owner_computes_all(
-                lambda m: inverse_root_of(m, root), [s / correction for s in statistics], owners, NAME
-            )
         scaled = tuple(stat / correction for stat in statistics)
         refreshing = t % precondition_frequency == 0
 
