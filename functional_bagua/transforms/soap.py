@@ -77,7 +77,6 @@ from functional_bagua.transforms.batched_matrices import (
     initial_fields,
     merge_small_dims,
     own_storage,
-    owner_computes,
     owner_computes_all,
     per_element,
     per_row,
@@ -308,10 +307,17 @@ def scale_by_soap(
         """The eigenbases after one power iteration each, with ``mu`` carried over to them and
         ``nu`` reordered as they are (module docstring)."""
         m = project(mu, bases, back=True)  # m in the parameter's basis, for the new eigenbasis
+        on = [d for d, stat in enumerate(statistics) if stat is not None]
+        products = {}
+        for d in on:
+            products[d], nu = ordered_product(statistics[d], bases[d], nu, d, matrix_dtype, exact[d])
+        # every dimension's QR in one all-gather (with group=)
+        found = owner_computes_all(
+            [functools.partial(orthonormal, exact=exact[d]) for d in on], [products[d] for d in on], owners, NAME
+        )
         bases = list(bases)
-        for d, (stat, basis) in enumerate(zip(statistics, bases)):
-            if stat is not None:
-                bases[d], nu = power_iteration(stat, basis, nu, d, matrix_dtype, exact[d], owners)
+        for d, q in zip(on, found):
+            bases[d] = q.to(bases[d].dtype).contiguous()
         return bases, project(m, bases), nu
 
     def decompose_traced(
@@ -621,31 +627,29 @@ def eigenbasis(statistic: torch.Tensor, matrix_dtype: Optional[torch.dtype], exa
     return vectors.flip(-1).to(statistic.dtype).contiguous()  # LAPACK's column-major result: rows restack
 
 
-def power_iteration(
+def ordered_product(
     statistic: torch.Tensor,
     basis: torch.Tensor,
     nu: torch.Tensor,
     d: int,
     matrix_dtype: Optional[torch.dtype],
     exact: bool,
-    group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power iteration of the eigenbasis of dimension ``d`` (module docstring): the new
-    basis, and ``nu`` with its entries along dimension ``d`` in the new basis's order (one
-    matrix at a time where ``exact``)."""
+    """The first half of one power iteration of the eigenbasis of dimension ``d`` (module
+    docstring): ``L_d Q_d`` with its columns by decreasing eigenvalue estimate, in
+    ``matrix_dtype`` (:func:`orthonormal` makes it the new basis), and ``nu`` with its entries
+    along dimension ``d`` in that order (one matrix at a time where ``exact``)."""
     product = per_element(torch.matmul, statistic, basis) if exact else statistic @ basis
     estimates = (basis * product).sum(dim=-2)
     order = torch.argsort(estimates, dim=-1, descending=True)
     product = product.gather(-1, order.unsqueeze(-2).expand_as(product))
     index = order.view(order.shape[0], *([1] * d), -1, *([1] * (nu.dim() - d - 2))).expand_as(nu)
-    nu = nu.gather(d + 1, index)
-    product = product.to(matrix_dtype or torch.float32)
+    return product.to(matrix_dtype or torch.float32), nu.gather(d + 1, index)
 
-    def qr(matrices: torch.Tensor) -> torch.Tensor:
-        return per_element(lambda m: torch.linalg.qr(m).Q, matrices) if exact else torch.linalg.qr(matrices).Q
 
-    q = owner_computes(qr, product, group)
-    return q.to(basis.dtype).contiguous(), nu
+def orthonormal(matrices: torch.Tensor, exact: bool) -> torch.Tensor:
+    """The ``Q`` of each matrix's QR decomposition (one matrix at a time where ``exact``)."""
+    return per_element(lambda m: torch.linalg.qr(m).Q, matrices) if exact else torch.linalg.qr(matrices).Q
 
 
 def _check_arguments(
