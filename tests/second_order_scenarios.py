@@ -91,12 +91,24 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
         out[f"{name}, counts differ"] = differing_counts(make(dist.group.WORLD), rank)
     # a NaN gradient under apply_if_finite: PSGD-Kron's fit takes it (the step is then skipped)
     out["psgd_kron, a NaN step skipped"] = run(MAKERS["psgd_kron"](dist.group.WORLD), rank, nan=True)
-    # Shampoo's eigh raises on the NaN statistic, on the rank that owns it: every rank raises
+    # Shampoo's eigh raises on the NaN statistic, on the rank that owns it: every rank raises; with
+    # Newton's roots too (every rank learns the results' shapes on meta before computing its own)
+    newton = lambda group: fb.shampoo(grafting="adam", precondition_frequency=2, root_method="newton", group=group)  # noqa: E731
+    for name, make in (("shampoo", MAKERS["shampoo"]), ("shampoo newton", newton)):
+        try:
+            run(make(dist.group.WORLD), rank, nan=True)
+            out[f"{name}, a NaN statistic"] = None
+        except RuntimeError as error:
+            out[f"{name}, a NaN statistic"] = str(error)
+    # gradients of other shapes on rank 1: refused alike before anything is shared
+    shapes = {"a": (6, 6), "b": (5, 5) if rank == 0 else (5, 4)}
+    tx = fb.shampoo(precondition_frequency=1, group=dist.group.WORLD)
+    params = {k: torch.ones(s, dtype=torch.float64) for k, s in shapes.items()}
     try:
-        run(MAKERS["shampoo"](dist.group.WORLD), rank, nan=True)
-        out["shampoo, a NaN statistic"] = None
-    except RuntimeError as error:
-        out["shampoo, a NaN statistic"] = str(error)
+        tx.update({k: torch.ones(s, dtype=torch.float64) for k, s in shapes.items()}, tx.init(params), params)
+        out["shampoo, other shapes"] = None
+    except ValueError as error:
+        out["shampoo, other shapes"] = str(error)
     return out
 
 

@@ -69,6 +69,13 @@ def test_shampoo_shares_all_the_roots_of_an_update_in_one_all_gather(ranks):
         assert result["sharded_second_order"]["shampoo, all-gathers per step"] == [1, 2, 1, 2], f"rank {rank}"
 
 
+def test_ranks_holding_gradients_of_other_shapes_are_refused_alike_not_a_hang(ranks):
+    for rank, result in enumerate(ranks):
+        message = result["sharded_second_order"]["shampoo, other shapes"]
+        assert message is not None, f"rank {rank} ran on"
+        assert "every rank of the group must step the same tensors (shapes, dtypes) at the same counts" in message
+
+
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_ranks_at_different_counts_are_refused_alike_not_a_hang(ranks, name):
     """Rank 1 a step ahead would refresh in other steps than the others, calling the shared
@@ -76,7 +83,7 @@ def test_ranks_at_different_counts_are_refused_alike_not_a_hang(ranks, name):
     for rank, result in enumerate(ranks):
         message = result["sharded_second_order"][f"{name}, counts differ"]
         assert message is not None, f"rank {rank} ran on"
-        assert "every rank of the group must step the same tensors at the same counts" in message
+        assert "every rank of the group must step the same tensors (shapes, dtypes) at the same counts" in message
 
 
 def test_a_nan_gradient_under_apply_if_finite_is_skipped_as_by_one_process(ranks):
@@ -96,9 +103,10 @@ def test_a_nan_gradient_under_apply_if_finite_is_skipped_as_by_one_process(ranks
             torch.testing.assert_close(got[k], params[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {k}: {m}")
 
 
-def test_a_decomposition_that_raises_on_its_owner_raises_on_every_rank_not_a_hang(ranks):
+@pytest.mark.parametrize("roots", ["shampoo", "shampoo newton"])
+def test_a_decomposition_that_raises_on_its_owner_raises_on_every_rank_not_a_hang(ranks, roots):
     for rank, result in enumerate(ranks):
-        message = result["sharded_second_order"]["shampoo, a NaN statistic"]
+        message = result["sharded_second_order"][f"{roots}, a NaN statistic"]
         assert message is not None, f"rank {rank} ran on"
         assert re.search(r"the computation of rank \d's rows raised", message), message
 

@@ -332,16 +332,17 @@ class Owners:
         if self.group is None or dist.get_world_size(self.group) == 1:
             return
         values = [int(v) for v in decided()]
-        weighted = [sum((k + 1) ** power * v for k, v in enumerate(values)) for power in range(3)]
+        prime = 2**61 - 1  # the sums kept in int64
+        weighted = [sum((k + 1) ** power * v for k, v in enumerate(values)) % prime for power in range(3)]
         mine = torch.tensor([len(values), *weighted], dtype=torch.int64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, mine, group=self.group)
         differing = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
         if differing:
             raise ValueError(
-                f"{self.name}: with group=, every rank of the group must step the same tensors at the same counts "
-                f"(the same state: one checkpoint loaded on every rank), but rank {differing[0]}'s differ from "
-                "rank 0's"
+                f"{self.name}: with group=, every rank of the group must step the same tensors (shapes, dtypes) at "
+                f"the same counts (the same state: one checkpoint loaded on every rank), but rank {differing[0]}'s "
+                "differ from rank 0's"
             )
 
     def assign(self, rows: int, row_numel: int) -> list[int]:
@@ -358,21 +359,32 @@ class Owners:
 
 
 def decided_by(updates: list, counts: Any) -> list:
-    """What decides which matrices a preconditioner's update computes: the indices of the
-    gradients present and every count in ``counts`` (a tree of integer tensors; one device sync).
+    """What decides which matrices a preconditioner's update computes: the indices, shapes and
+    dtypes of the gradients present and every count in ``counts`` (a tree of integer tensors;
+    one device sync).
 
     Args:
         updates: the gradients (``None`` where absent).
         counts: the state's counters.
     """
     present = [i for i, g in enumerate(updates) if g is not None]
+    shapes = [n for i in present for n in (*updates[i].shape, -1, _DTYPE_CODES.index(updates[i].dtype), -1)]
     tensors = [t.reshape(-1) for t in optree.tree_leaves(counts) if isinstance(t, torch.Tensor)]
-    return present + (torch.cat(tensors).tolist() if tensors else [])
+    return present + shapes + (torch.cat(tensors).tolist() if tensors else [])
 
 
-def device_of(updates: list) -> torch.device:
-    """The device of the first gradient present (the CPU where none is)."""
-    return next((g.device for g in updates if g is not None), torch.device("cpu"))
+_DTYPE_CODES = [torch.float64, torch.float32, torch.bfloat16, torch.float16] + [
+    dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
+]  # a number per dtype (its first place), alike on every rank
+
+
+def device_of(updates: list, state: Any = None) -> torch.device:
+    """The device of the first gradient present, else of the first tensor of ``state`` (the
+    CPU where there is none)."""
+    tensors = [g for g in updates if g is not None] + [
+        t for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor)
+    ]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def owner_computes(
@@ -439,17 +451,24 @@ def owner_computes_all(
     for x in inputs:
         owner_of = owners.assign(x[0].shape[0], math.prod(x[0].shape[1:]))
         held.append([[j for j in range(x[0].shape[0]) if owner_of[j] == r] for r in range(world)])
+    # the results' shapes and dtypes first, on every rank alike (the sizes of the all-gather):
+    # where they cannot be found, every rank raises here, before any collective
+    shaped = [_shapes_only(f, x) for f, x in zip(fns, inputs)]
+    outs = [_as_tuple(out) for out in shaped]
     failure: Optional[Exception] = None
     done: list = []
-    for f, x, rows in zip(fns, inputs, held):
+    for f, x, rows, out in zip(fns, inputs, held, outs):
         try:  # every rank must still take part in the all-gather: a failure is flagged in it
             mine = torch.tensor(rows[rank], dtype=torch.long, device=device)
-            done.append(f(*(t.index_select(0, mine) for t in x)) if rows[rank] and failure is None else None)
+            result = f(*(t.index_select(0, mine) for t in x)) if rows[rank] and failure is None else None
+            if result is not None and [(o.shape[1:], o.dtype) for o in _as_tuple(result)] != [
+                (o.shape[1:], o.dtype) for o in out
+            ]:
+                raise RuntimeError(f"{name}: a result's shapes or dtypes differ from those its first row gives")
+            done.append(result)
         except Exception as error:
             failure = error
             done.append(None)
-    shaped = [d if d is not None else _shapes_only(f, x) for f, d, x in zip(fns, done, inputs)]
-    outs = [_as_tuple(out) for out in shaped]
     row_bytes = [[math.prod(o.shape[1:]) * o.element_size() for o in out] for out in outs]
     per_rank = [max(len(r) for r in rows) for rows in held]
     payloads = []
@@ -475,8 +494,8 @@ def owner_computes_all(
         offset += size
         place = {j: (r, k) for r in range(world) for k, j in enumerate(rows[r])}
         merged = torch.stack([per_owner[place[j][0]][place[j][1]] for j in range(x[0].shape[0])])
-        parts = tuple(
-            part.contiguous().view(o.dtype).reshape(x[0].shape[0], *o.shape[1:])
+        parts = tuple(  # each part copied to storage of its own: its bytes view as its dtype
+            part.clone(memory_format=torch.contiguous_format).view(o.dtype).reshape(x[0].shape[0], *o.shape[1:])
             for part, o in zip(merged.split(widths, dim=1), out)
         )
         results.append(parts if isinstance(shape, tuple) else parts[0])
@@ -506,9 +525,10 @@ def _check_statuses(statuses: list, failure: Optional[Exception], name: str) -> 
 
 
 def _shapes_only(fn: Callable[..., Any], inputs: tuple) -> Any:
-    """What ``fn`` gives for one row, for its shapes and dtypes only (a rank that owns no row of
-    a batch): computed on the meta device (no data, no time), or on a real row where ``fn``
-    cannot run there."""
+    """What ``fn`` gives for one row, for its shapes and dtypes only (what every rank learns
+    before computing its own rows): computed on the meta device (no data, no time), or on the
+    real first row where ``fn`` cannot run there (the same row, and so the same outcome, on
+    every rank that holds the same batch)."""
     try:
         return fn(*(x[:1].to("meta") for x in inputs))
     except Exception:  # an operation without a meta kernel: the first row, computed

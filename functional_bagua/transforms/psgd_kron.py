@@ -263,7 +263,7 @@ def scale_by_psgd_kron(
             for name, field in zip(("steps", "mu", "factors"), state[3:])
         ]
         if not torch.compiler.is_compiling():  # with group=: every rank decides alike (else its collectives would wait)
-            owners.agree(lambda: decided_by(x.updates, (fields[0], state[:3])), device_of(x.updates))
+            owners.agree(lambda: decided_by(x.updates, (fields[0], state[:3])), device_of(x.updates, state[:3]))
         fused = layout_context.active_layout() is not None
         batches, probes = fused_batches(x, fields) if fused else tensor_batches(x, fields)
         refit, balance = decisions(state)

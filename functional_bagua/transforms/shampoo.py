@@ -245,7 +245,7 @@ def scale_by_shampoo(
             for name, field in zip(ScaleByShampooState._fields, state)
         ]
         if not traced:  # with group=: every rank decides alike (else its collectives would wait for ever)
-            owners.agree(lambda: decided_by(x.updates, fields[0]), device_of(x.updates))
+            owners.agree(lambda: decided_by(x.updates, fields[0]), device_of(x.updates, fields[0]))
         if layout_context.active_layout() is not None:
             return fused_update(x, fields, traced)
         present = [i for i, g in enumerate(x.updates) if g is not None and g.numel()]  # an empty one: nothing
@@ -270,8 +270,8 @@ def scale_by_shampoo(
                 stacked([fields[f][i][k] for i, k in members], shape, kept)
                 for f, kept in zip((1, 2, 3, 4), (*moments_kept, True, True))
             )
-            grads_b = torch.stack([_block(x.updates[i], k, view_of, cut) for i, k in members])
-            calls.append((grads_b, mu, graft, statistics, roots, t))
+            # the stacked gradient is made when its batch steps: not every batch's at once
+            calls.append((functools.partial(stacked_blocks, x.updates, members), mu, graft, statistics, roots, t))
         for (members, _), (direction, *new) in zip(batches, steps_all(calls)):
             for row, (i, k) in enumerate(members):
                 per_block[i][k] = (direction[row], *(unstacked(n, fields[f][i][k], row) for f, n in enumerate(new, 1)))
@@ -331,6 +331,10 @@ def scale_by_shampoo(
                 new_fields[f][i] = tuple(group_state[f] for group_state in per_group)
         return x.unflatten(updates), ScaleByShampooState(*(x.unflatten(column) for column in new_fields))
 
+    def stacked_blocks(updates: list, members: list) -> torch.Tensor:
+        """The blocks ``(tensor index, block index)`` of ``members``, stacked."""
+        return torch.stack([_block(updates[i], k, view_of, cut) for i, k in members])
+
     def steps_all(calls: list) -> list:
         """One step (module docstring) of each batch of same-shape blocks in ``calls`` (per batch:
         ``g``, ``M``, ``V`` (``None`` where not kept), the statistics and roots per dimension,
@@ -340,33 +344,37 @@ def scale_by_shampoo(
         moments = [moments_and_statistics(*call) for call in calls]
         new_roots = refreshed_all([(statistics, call[4], call[5]) for call, (*_, statistics) in zip(calls, moments)])
         return [
-            (direction_of(call[0].dtype, m_hat, v, roots, call[5]), m, v, statistics, roots)
-            for call, (m, m_hat, v, statistics), roots in zip(calls, moments, new_roots)
+            (direction_of(out_dtype, m, g, v, roots, call[5]), m, v, statistics, roots)
+            for call, (out_dtype, m, g, v, statistics), roots in zip(calls, moments, new_roots)
         ]
 
     def moments_and_statistics(
-        g: torch.Tensor,
+        g: Any,
         mu: Optional[torch.Tensor],
         graft: Optional[torch.Tensor],
         statistics: list,
         roots: list,
         t: Any,
     ) -> tuple:
-        """A batch's new ``M``, ``M_hat``, ``V`` and statistics (``roots`` unused: the arguments
-        of :func:`steps_all`)."""
-        g = g.to(at_least_float32(g.dtype))  # the moments too: float32 at least
+        """A batch's gradient dtype, new ``M``, the gradient where there is no ``M`` (its
+        direction's ``M_hat``; else ``None``: nothing else is kept until the directions), new
+        ``V`` and new statistics (``roots`` unused: the arguments of :func:`steps_all`; ``g`` a
+        tensor, or a function that makes it)."""
+        g = g() if callable(g) else g
+        out_dtype, g = g.dtype, g.to(at_least_float32(g.dtype))  # the moments too: float32 at least
         m = torch.lerp(mu, g, 1 - b1) if mu is not None else None
-        m_hat = g if m is None else (m / one_minus_power(b1, t, m) if use_bias_correction else m)
         v = None
         if graft is not None and grafting == "adagrad":
             v = torch.addcmul(graft, g, g)
         elif graft is not None:  # rmsprop, adam
             v = torch.lerp(graft, g.square(), 1 - grafting_beta2)
-        return m, m_hat, v, [accumulate(stat, g, d) for d, stat in enumerate(statistics)]
+        statistics = [accumulate(stat, g, d) for d, stat in enumerate(statistics)]
+        return out_dtype, m, g if m is None else None, v, statistics
 
-    def direction_of(out_dtype: torch.dtype, m_hat: torch.Tensor, v: Any, roots: list, t: Any) -> torch.Tensor:
+    def direction_of(out_dtype: torch.dtype, m: Any, g: Any, v: Any, roots: list, t: Any) -> torch.Tensor:
         """A batch's direction ``P`` (grafted, or the grafted direction before
-        ``start_preconditioning_step``) in ``out_dtype``."""
+        ``start_preconditioning_step``) in ``out_dtype``, from ``M_hat`` (``g`` without ``M``)."""
+        m_hat = g if m is None else (m / one_minus_power(b1, t, m) if use_bias_correction else m)
         grafted = graft_direction(m_hat, v, t)
         traced = isinstance(t, torch.Tensor)
         if not traced and t < start:
@@ -549,6 +557,8 @@ def inverse_root_newton(
 
         roots = inverse_root_newton(statistics, 1e-12, 4, torch.float32, 20, 1e-6)
     """
+    if statistic.is_meta:  # shapes only (owner_computes): no data to iterate on
+        return torch.empty(statistic.shape, dtype=matrix_dtype, device="meta")
     eye = torch.eye(statistic.shape[-1], dtype=matrix_dtype, device=statistic.device)
     a = statistic.to(matrix_dtype) + epsilon * eye
     z = (root + 1) / (2 * torch.linalg.matrix_norm(a))

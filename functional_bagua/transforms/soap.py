@@ -205,7 +205,7 @@ def scale_by_soap(
             for name, field in zip(ScaleBySoapState._fields, state)
         ]
         if not traced:  # with group=: every rank decides alike (else its collectives would wait for ever)
-            owners.agree(lambda: decided_by(x.updates, fields[0]), device_of(x.updates))
+            owners.agree(lambda: decided_by(x.updates, fields[0]), device_of(x.updates, fields[0]))
         if layout_context.active_layout() is not None:
             return fused_update(x, fields, traced)
         stepping = _batches(x.updates, fields[0], layout, traced)
