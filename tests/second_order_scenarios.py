@@ -6,7 +6,8 @@ every rank, or differently per rank)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import contextlib
+from typing import Iterator, NamedTuple, Optional
 
 import optree
 import torch
@@ -112,21 +113,27 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def all_gathers_counted() -> Iterator[list]:
+    """``dist.all_gather`` counted while inside: the list gets one entry per call."""
+    all_gather, calls = dist.all_gather, []
+    dist.all_gather = lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
+    try:
+        yield calls
+    finally:
+        dist.all_gather = all_gather
+
+
 def all_gathers_per_step(tx: fb.GradientTransformation, rank: int) -> list:
     """The all-gathers of each of four steps on equal gradients (no all-reduce), counted."""
     params, counts = start(), []
     state = tx.init(params)
-    all_gather = dist.all_gather
-    calls: list = []
-    dist.all_gather = lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
-    try:
+    with all_gathers_counted() as calls:
         for step in range(4):
             calls.clear()
             u, state = tx.update(local_gradients(0, step), state, params)
             params = fb.apply_updates(params, u)
             counts.append(len(calls))
-    finally:
-        dist.all_gather = all_gather
     return counts
 
 
@@ -157,10 +164,7 @@ def balanced_owners(rank: int, world_size: int) -> dict:
     results = [owner_computes(torch.linalg.matrix_norm, batch, owners) for batch in owner_batches()]
     out = {"results": results, "loads": list(owners.loads)}
     # all six at once, counting the collectives: the norms, and each with its transpose (a tuple)
-    calls = []
-    all_gather = dist.all_gather
-    dist.all_gather = lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
-    try:
+    with all_gathers_counted() as calls:
         owners = Owners(dist.group.WORLD, "balance test", "norms")
         owners.begin_update()
         out["all at once"] = owner_computes_all(torch.linalg.matrix_norm, owner_batches(), owners)
@@ -170,8 +174,6 @@ def balanced_owners(rank: int, world_size: int) -> dict:
             lambda m: (m.mT.contiguous(), torch.linalg.matrix_norm(m)), owner_batches(), dist.group.WORLD
         )
         out["tuples here"] = pairs
-    finally:
-        dist.all_gather = all_gather
     out["all-gathers"] = len(calls)
     return out
 

@@ -368,14 +368,10 @@ def decided_by(updates: list, counts: Any) -> list:
         counts: the state's counters.
     """
     present = [i for i, g in enumerate(updates) if g is not None]
-    shapes = [n for i in present for n in (*updates[i].shape, -1, _DTYPE_CODES.index(updates[i].dtype), -1)]
+    # each shape, then its dtype's name as character codes, each closed by -1
+    shapes = [n for i in present for n in (*updates[i].shape, -1, *map(ord, str(updates[i].dtype)), -1)]
     tensors = [t.reshape(-1) for t in optree.tree_leaves(counts) if isinstance(t, torch.Tensor)]
     return present + shapes + (torch.cat(tensors).tolist() if tensors else [])
-
-
-_DTYPE_CODES = [torch.float64, torch.float32, torch.bfloat16, torch.float16] + [
-    dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
-]  # a number per dtype (its first place), alike on every rank
 
 
 def device_of(updates: list, state: Any = None) -> torch.device:
