@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from devices import seeded
+from devices import ON_CUDA, seeded
 from helpers import ALL_ALIASES, RICH_SETTINGS, problem
 from torch._dynamo.testing import CompileCounter
 
@@ -63,6 +63,10 @@ def test_many_optimizers_compiled_in_one_process_each_compile_once():
     params, grads = problem(fb.sgd, torch.float64)
     params, grads = {"w": params["w"]}, {"w": grads["w"]}
     steps = [grads, {k: -0.5 * g for k, g in grads.items()}]
+    # CUDA's eigh rounds a matrix by itself otherwise than in the batch the traced update builds
+    # (H200: 1.1e-16 apart in float64 after one step, 5.2e-15 after two, the roots amplifying what
+    # the eigenvalues differ); on the CPU both are bit for bit
+    tolerance = dict(rtol=1e-9, atol=1e-12) if ON_CUDA else dict(rtol=0, atol=0)
     for k in range(10):
         for tx in (fb.sgd(0.1 * (k + 1), momentum=0.5), fb.scale_by_shampoo(epsilon=10.0 ** -(k + 1))):
             counter = CompileCounter()
@@ -71,5 +75,5 @@ def test_many_optimizers_compiled_in_one_process_each_compile_once():
             for g in steps:
                 got, state_c = compiled(g, state_c, params)
                 expected, state_e = tx.update(g, state_e, params)
-                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+                torch.testing.assert_close(got, expected, **tolerance)
             assert counter.frame_count == 1, (k, counter.frame_count)
