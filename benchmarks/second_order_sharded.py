@@ -5,6 +5,7 @@ of ranks that share them.
     python benchmarks/second_order_sharded.py --computation psgd_kron_fit
     python benchmarks/second_order_sharded.py --computation shampoo_roots_of_many_shapes --matrices 12
     python benchmarks/second_order_sharded.py --computation soap_by_tensor --ranks 1,2
+    python benchmarks/second_order_sharded.py --computation soap_refresh --ranks 1,2,4
 
 Each run spawns the ranks (gloo on 127.0.0.1, one thread each) and times, on every rank,
 ``batched_matrices.owner_computes`` over ``--matrices`` matrices of ``--size x --size`` that all
@@ -20,7 +21,10 @@ least loaded so far) with every batch's results in one all-gather
 each batch balanced alone (every single-row batch on rank 0). ``soap_by_tensor``: a step of SOAP on a 4-layer GPT-2 of hidden 256 (vocabulary 8192)
 under ``shard_by_tensor`` against ``allreduce_gradients`` followed by SOAP, where every rank
 preconditions every tensor (``--matrices`` and ``--size`` unused): the step time and the bytes of
-each rank's optimizer state.
+each rank's optimizer state. ``soap_refresh``: SOAP refreshing its eigenbases every step on a
+4-layer GPT-2 of hidden 256 (vocabulary 2048), with ``group=`` (each rank the QRs it owns, every
+batch's results in one all-gather) and without (every rank all): the median and slowest of 5
+steps, and the all-gathers per step.
 """
 
 from __future__ import annotations
@@ -171,8 +175,41 @@ def _soap_by_tensor(matrices: int, size: int) -> dict:
     return timings
 
 
+def _soap_refresh(matrices: int, size: int) -> dict:
+    """SOAP refreshing every step on a 4-layer GPT-2 of hidden 256, with ``group=`` (each rank
+    the QRs it owns, every batch's shared in one all-gather) and without (every rank all)."""
+    from optimizer_step import gpt2_small_shapes
+
+    import functional_bagua as fb
+
+    del matrices, size
+    gen = torch.Generator().manual_seed(0)
+    shapes = gpt2_small_shapes(hidden=256, layers=4, vocab=2048, positions=256)
+    params = {f"p{i:03d}": torch.randn(s, generator=gen) * 0.02 for i, s in enumerate(shapes)}
+    grads = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()}
+    timings = {}
+    all_gather = dist.all_gather
+    for how, group in (("group=", dist.group.WORLD), ("every rank all", None)):
+        tx = fb.soap(precondition_frequency=1, group=group)
+        state = tx.init(params)
+        _, state = tx.update(grads, state, params)  # the first eigenbases
+        steps, calls = [], []
+        dist.all_gather = lambda *args, calls=calls, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
+        try:
+            for _ in range(5):
+                dist.barrier()
+                start = time.perf_counter()
+                _, state = tx.update(grads, state, params)
+                steps.append(time.perf_counter() - start)
+        finally:
+            dist.all_gather = all_gather
+        timings[how] = dict(own=statistics.median(steps), whole=max(steps), all_gathers=len(calls) / len(steps))
+    return timings
+
+
 COMPUTATIONS = {
     "shampoo_root": _shampoo_root,
+    "soap_refresh": _soap_refresh,
     "psgd_kron_fit": _psgd_kron_fit,
     "shampoo_roots_of_many_shapes": _shampoo_roots_of_many_shapes,
     "soap_by_tensor": _soap_by_tensor,
@@ -214,6 +251,14 @@ def main() -> None:
                 own_decompositions_ms=1e3 * max(r["own"] for r in per_rank),
                 with_all_gather_ms=1e3 * max(r["whole"] for r in per_rank),
             )
+            if "all_gathers" in per_rank[0]:
+                row = dict(
+                    ranks=world,
+                    transform=how,
+                    step_ms=row["own_decompositions_ms"],
+                    slowest_step_ms=row["with_all_gather_ms"],
+                    all_gathers_per_step=per_rank[0]["all_gathers"],
+                )
             if "state_mb" in per_rank[0]:
                 row = dict(
                     ranks=world,
@@ -222,6 +267,10 @@ def main() -> None:
                     state_mb_per_rank=max(r["state_mb"] for r in per_rank),
                 )
             rows.append(row)
+    if "all_gathers_per_step" in rows[0]:
+        print("SOAP refreshing every step on a GPT-2 of hidden 256, 4 layers; one thread per rank; slowest rank's")
+        print(table(rows, ["ranks", "transform", "step_ms", "slowest_step_ms", "all_gathers_per_step"]))
+        return
     if "step_ms" in rows[0]:
         print("SOAP on a GPT-2 of hidden 256, 4 layers; one thread per rank; the slowest rank's median step")
         print(table(rows, ["ranks", "transform", "step_ms", "state_mb_per_rank"]))

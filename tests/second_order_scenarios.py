@@ -74,10 +74,29 @@ def run(
     return params
 
 
+def run_fused(tx: fb.GradientTransformation, rank: int) -> dict:
+    """:func:`run` on flat buffers (``fb.fuse``, eagerly), the gradients averaged first: the
+    parameters after STEPS steps."""
+    params = start()
+    layout = fb.FlatLayout.of(params)
+    fused, flat = fb.fuse(tx, layout), layout.flatten(params)
+    state = fused.init(flat)
+    for step in range(STEPS):
+        seed(step)
+        grads = layout.flatten(local_gradients(rank, step))
+        for g in grads.values():
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+        u, state = fused.update(grads, state, flat)
+        flat = fb.apply_updates(flat, u)
+    return layout.unflatten(flat)
+
+
 def sharded_second_order(rank: int, world_size: int) -> dict:
     """Each rank its own gradients, averaged by allreduce_gradients, then the transform with its
     decompositions shared among the ranks: the parameters after STEPS steps."""
     out = {name: run(make(dist.group.WORLD), rank) for name, make in MAKERS.items()}
+    out.update({f"{name}, fused": run_fused(make(dist.group.WORLD), rank) for name, make in MAKERS.items()})
     # probes drawn from RNGs seeded per rank: each fit is its owner's, shared with its perturbed
     # momentum, so the ranks still agree
     out["psgd_kron, RNG per rank"] = run(MAKERS["psgd_kron"](dist.group.WORLD), rank, seed_rank=rank)
@@ -87,7 +106,8 @@ def sharded_second_order(rank: int, world_size: int) -> dict:
             out[f"{name}, not averaged"] = None
         except ValueError as error:
             out[f"{name}, not averaged"] = str(error)
-    out["shampoo, all-gathers per step"] = all_gathers_per_step(MAKERS["shampoo"](dist.group.WORLD), rank)
+    for name in ("shampoo", "soap"):
+        out[f"{name}, all-gathers per step"] = all_gathers_per_step(MAKERS[name](dist.group.WORLD), rank)
     for name, make in MAKERS.items():  # rank 1 a step ahead: refused alike, not a hang
         out[f"{name}, counts differ"] = differing_counts(make(dist.group.WORLD), rank)
     # a NaN gradient under apply_if_finite: PSGD-Kron's fit takes it (the step is then skipped)

@@ -239,3 +239,35 @@ def test_flat_operand_cond_gives_the_branches_their_operands_eagerly_and_compile
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     with pytest.raises(TypeError, match="operands must be tensors in nested tuples, got int"):
         flat_operand_cond(torch.tensor(True), branch, other, (*operands, 3))
+
+
+def test_the_ranks_fingerprint_tells_equal_tensors_from_nearly_equal_ones():
+    """What ranks compare before sharing results: equal for equal tensors (a NaN whatever its
+    bits), different for one element a rounding step off, two rows or columns swapped, or the
+    tensors in another order."""
+    from functional_bagua.transforms.batched_matrices import _fingerprint
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 5, 4, generator=gen), torch.randn(6, generator=gen, dtype=torch.float64)
+
+    def bits(*tensors: torch.Tensor) -> torch.Tensor:
+        return _fingerprint(tensors).view(torch.int64)
+
+    base = bits(a, b)
+    assert torch.equal(bits(a.clone(), b.clone()), base)
+    nans = []
+    for nan_bits in (0x7FC00000, 0x7FC00001):  # two float32 NaNs whose bits differ
+        nan = a.clone()
+        nan.view(torch.int32)[0, 0, 0] = nan_bits
+        nans.append(nan)
+    assert nans[0].view(torch.int32)[0, 0, 0] != nans[1].view(torch.int32)[0, 0, 0]
+    assert torch.equal(bits(nans[0], b), bits(nans[1], b))
+    one_ulp = a.clone()
+    one_ulp[1, 2, 3] = torch.nextafter(one_ulp[1, 2, 3], torch.tensor(float("inf")))
+    rows_swapped, columns_swapped = a.clone(), a.clone()
+    rows_swapped[0, [1, 3]] = a[0, [3, 1]]
+    columns_swapped[2, :, [0, 2]] = a[2, :, [2, 0]]
+    for changed in (one_ulp, rows_swapped, columns_swapped):
+        assert not torch.equal(bits(changed, b), base)
+    assert not torch.equal(bits(a, b.flip(0)), base)
+    assert not torch.equal(bits(b, a), base)

@@ -21,24 +21,34 @@ def ranks(request):
     return run_ranks(request.param, ["sharded_second_order", "balanced_owners"], module="second_order_scenarios")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["tree", "fused"])
 @pytest.mark.parametrize("name", list(MAKERS))
-def test_shared_decompositions_equal_one_process_on_the_global_batch(ranks, name):
+def test_shared_decompositions_equal_one_process_on_the_global_batch(ranks, name, fused):
+    """Per tensor, and inside ``fb.fuse`` (eagerly, the state stacked per shape; PSGD-Kron then
+    draws its probes in the buffer's order of shapes), against one process doing the same."""
     world = len(ranks)
-    tx = MAKERS[name](None)
     params = start()
-    state = tx.init(params)
+    layout = fb.FlatLayout.of(params)
+    tx, into = (fb.fuse(MAKERS[name](None), layout), layout.flatten) if fused else (MAKERS[name](None), dict)
+    flat = into(params)
+    state = tx.init(flat)
     for step in range(STEPS):
         seed(step)
         per_rank = [local_gradients(r, step) for r in range(world)]
         mean = {k: sum(g[k] for g in per_rank) / world for k in params}
-        u, state = tx.update(mean, state, params)
-        params = fb.apply_updates(params, u)
+        u, state = tx.update(into(mean), state, flat)
+        flat = fb.apply_updates(flat, u)
+    expected = layout.unflatten(flat) if fused else flat
     for rank, result in enumerate(ranks):
         got = result["sharded_second_order"]
         assert not isinstance(got, ScenarioError), got
         for k in params:
             torch.testing.assert_close(
-                got[name][k], params[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {k}: {m}"
+                got[f"{name}, fused" if fused else name][k],
+                expected[k],
+                rtol=1e-10,
+                atol=1e-12,
+                msg=lambda m: f"rank {rank} {k}: {m}",
             )
 
 
@@ -67,6 +77,14 @@ def test_shampoo_shares_all_the_roots_of_an_update_in_one_all_gather(ranks):
     ranks step alike, and in the steps that refresh (every 2nd) one more with every root."""
     for rank, result in enumerate(ranks):
         assert result["sharded_second_order"]["shampoo, all-gathers per step"] == [1, 2, 1, 2], f"rank {rank}"
+
+
+def test_soap_shares_all_the_decompositions_of_an_update_in_one_all_gather(ranks):
+    """Three batches of tensors: each step one all-gather that checks the ranks step alike, and
+    one more with every eigendecomposition of the update (the first step's eigh, every 2nd
+    step's QR) in the steps that decompose."""
+    for rank, result in enumerate(ranks):
+        assert result["sharded_second_order"]["soap, all-gathers per step"] == [2, 1, 2, 1], f"rank {rank}"
 
 
 def test_ranks_holding_gradients_of_other_shapes_are_refused_alike_not_a_hang(ranks):

@@ -161,9 +161,10 @@ def scale_by_soap(
         matrix_dtype: the precision of ``eigh`` and QR (module docstring).
         group: a torch process group whose ranks hold the same gradients (after
             ``allreduce_gradients``): each eigendecomposition and QR is computed by one of its
-            ranks and shared (``batched_matrices.owner_computes``: ranks whose statistics differ
-            are refused, each with the same ValueError); eager only (a TypeError under
-            torch.compile); ``None``: all here.
+            ranks and shared, all of an update's in one all-gather
+            (``batched_matrices.owner_computes_all``: ranks whose statistics differ are refused,
+            each with the same ValueError); eager only (a TypeError under torch.compile);
+            ``None``: all here.
 
     Returns:
         A GradientTransformation whose state is a :class:`ScaleBySoapState`.
@@ -216,13 +217,16 @@ def scale_by_soap(
             for column in fields
         ]
         updates: list = [None if g is None else torch.zeros_like(g) for g in x.updates]  # empty ones stay 0
+        calls = []
         for members, count in stepping:
-            shape = x.updates[members[0]].shape
-            view = layout(shape)
+            view = layout(x.updates[members[0]].shape)
             batch_state = [[column[i] for i in members] for column in fields]
             check = functools.partial(_check_states, x.updates, fields, members, view, x.spec)
             batch = _Batch.stacked(count, batch_state, view, check, traced)
-            u, batch = step(restack([x.updates[i] for i in members], view.shape), batch, view)
+            # the stacked gradient is made when its batch steps: not every batch's at once
+            calls.append((functools.partial(restack, [x.updates[i] for i in members], view.shape), batch, view))
+        for (members, _), (u, batch) in zip(stepping, steps_all(calls)):
+            shape = x.updates[members[0]].shape
             for i, (u_i, count_i, mu_i, nu_i, statistics_i, bases_i) in zip(members, batch.rows(u, shape)):
                 updates[i] = u_i
                 new_fields[0][i], new_fields[1][i], new_fields[2][i] = count_i, mu_i, nu_i
@@ -235,13 +239,18 @@ def scale_by_soap(
         group of equal-shaped tensors gathered into one batch, stepped, and scattered back."""
         updates: list = list(x.updates)
         new_fields = [list(column) for column in fields]
-        for i, g, groups, buffer_state in fused_buffers(x, fields, NAME, fused_state_of, _groups):
+        buffers, calls = list(fused_buffers(x, fields, NAME, fused_state_of, _groups)), []
+        for _, g, groups, buffer_state in buffers:
             counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
-            u = torch.zeros_like(g)
-            per_group = []
             for j, (view, rows) in enumerate(groups):
                 batch = _Batch.of_group(None if counts is None else counts[j], [f[j] for f in buffer_state], view)
-                u_rows, batch = step(gather_rows(g, rows, view.shape), batch, view)
+                calls.append((gather_rows(g, rows, view.shape), batch, view))
+        stepped = iter(steps_all(calls))  # every group's step, its decompositions all at once
+        for i, g, groups, buffer_state in buffers:
+            u = torch.zeros_like(g)
+            per_group = []
+            for j, (_, rows) in enumerate(groups):
+                u_rows, batch = next(stepped)
                 u = scatter_rows(u, u_rows, rows)
                 per_group.append(batch.grouped(buffer_state[3][j], buffer_state[4][j]))
             updates[i] = u
@@ -249,29 +258,39 @@ def scale_by_soap(
                 new_fields[f][i] = tuple(state_j[f] for state_j in per_group)
         return x.unflatten(updates), ScaleBySoapState(*(x.unflatten(column) for column in new_fields))
 
-    def step(g: torch.Tensor, s: "_Batch", view: Layout) -> tuple[torch.Tensor, "_Batch"]:
-        """One step of a batch of same-layout tensors (module docstring): ``u`` and the batch's
-        new state (a new :class:`_Batch`: torch.compile loses attributes set on an older object
-        after a ``torch.cond``). ``m`` is kept in the eigenbasis (the same numbers: projecting is
-        linear), so each step projects ``g`` once and ``u`` back once; a refresh carries ``m``
-        over to the new eigenbasis."""
+    def steps_all(calls: list) -> list:
+        """One step (module docstring) of each batch in ``calls`` (per batch ``(g, batch,
+        view)``, ``g`` a tensor or a function that makes it), every decomposition of the update
+        at once: eagerly one :func:`owner_computes_all` (with ``group=``, one all-gather for the
+        update); traced, each batch's under ``torch.cond``. Per batch, ``u`` and its new state."""
+        begun = [begin(g() if callable(g) else g, s, view) for g, s, view in calls]
+        decompositions = [fn for b in begun for fn in b.decompositions]
+        operands = [operand for b in begun for operand in b.operands]
+        found = iter(owner_computes_all(decompositions, operands, owners, NAME) if decompositions else [])
+        return [b.finish([next(found) for _ in b.decompositions]) for b in begun]
+
+    def begin(g: torch.Tensor, s: "_Batch", view: Layout) -> "Begun":
+        """A batch's step up to its decompositions (:class:`Begun`). ``m`` is kept in the
+        eigenbasis (the same numbers: projecting is linear), so each step projects ``g`` once
+        and ``u`` back once; a refresh carries ``m`` over to the new eigenbasis. The new state
+        is a new :class:`_Batch` (torch.compile loses attributes set on an older object after a
+        ``torch.cond``)."""
         exact = rounding_matters(view, s.count, precondition_frequency)
         statistics = accumulate(s.statistics, g, exact)
-        if s.count == 0:  # eager, every row at its first gradient
-            on = [d for d, stat in enumerate(statistics) if stat is not None]  # every dimension's in one all-gather
-            found = iter(
-                owner_computes_all(
-                    [functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=exact[d]) for d in on],
-                    [statistics[d] for d in on],
-                    owners,
-                    NAME,
-                )
-            )
-            bases = [next(found) if stat is not None else None for stat in statistics]
-            return torch.zeros_like(g), _Batch(s.count, s.counts, s.mu, s.nu, statistics, bases)
+        on = [d for d, stat in enumerate(statistics) if stat is not None]
+        if s.count == 0:  # eager, every row at its first gradient: its first eigenbases, u = 0
+
+            def first_bases(found: list) -> tuple:
+                bases = placed(found, on, [None] * len(statistics))
+                return torch.zeros_like(g), _Batch(s.count, s.counts, s.mu, s.nu, statistics, bases)
+
+            eigh = [functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=exact[d]) for d in on]
+            return Begun(eigh, [statistics[d] for d in on], first_bases)
         projected = project(g, s.bases)
         mu = torch.lerp(s.mu, projected, 1 - b1)
         nu = torch.lerp(s.nu, projected.square(), 1 - b2)
+        # the closures below hold only what the new state needs (not the batch's old moments)
+        count, counts, bases = s.count, s.counts, s.bases
         first = None if s.count is not None else s.counts == 1  # traced: the rows that only initialize
         if first is not None:
             mu, nu = torch.where(per_row(first, mu), s.mu, mu), torch.where(per_row(first, nu), s.nu, nu)
@@ -281,17 +300,19 @@ def scale_by_soap(
             u = u / (u.square().mean(dim=tuple(range(1, u.dim())), keepdim=True).sqrt() + eps) * per_row(correction, u)
         else:  # the correction folded into the first back-projection's matrix: one pass less
             u = project(mu / (nu.sqrt() + eps), s.bases, back=True, scale=correction)
-        bases = s.bases
         if first is not None:
             u = torch.where(per_row(first, u), 0.0, u)
-            bases, mu, nu = decompose_traced(statistics, bases, mu, nu, s.counts, first)
-        elif (
-            s.count is not None
-            and s.count % precondition_frequency == 0
-            and any(stat is not None for stat in statistics)
-        ):
-            bases, mu, nu = refreshed(statistics, bases, mu, nu, exact)
-        return u, _Batch(s.count, s.counts, mu, nu, statistics, bases)
+            new_bases, mu, nu = decompose_traced(statistics, s.bases, mu, nu, s.counts, first)
+            return Begun([], [], lambda found: (u, _Batch(None, counts, mu, nu, statistics, new_bases)))
+        if count is None or count % precondition_frequency or not on:
+            return Begun([], [], lambda found: (u, _Batch(count, counts, mu, nu, statistics, bases)))
+        m, nu, products = refresh_begun(statistics, bases, mu, nu, exact)
+
+        def refreshed_bases(found: list) -> tuple:
+            new_bases, new_mu = refresh_finished(bases, m, on, found)
+            return u, _Batch(count, counts, new_mu, nu, statistics, new_bases)
+
+        return Begun([functools.partial(orthonormal, exact=exact[d]) for d in on], products, refreshed_bases)
 
     def bias_correction(count: Optional[int], counts: torch.Tensor, dtype: torch.dtype) -> Any:
         """``sqrt(1 - b2^s) / (1 - b1^s)`` for ``s`` gradients before this one: a number when
@@ -303,22 +324,32 @@ def scale_by_soap(
         factor = torch.sqrt(1 - torch.pow(b2, before)) / (1 - torch.pow(b1, before))
         return factor.to(dtype)
 
+    def refresh_begun(statistics: list, bases: list, mu: torch.Tensor, nu: torch.Tensor, exact: list) -> tuple:
+        """The first half of a refresh of the eigenbases (one power iteration each, module
+        docstring): ``m`` in the parameter's basis (to carry over to the new eigenbases), ``nu``
+        reordered as the bases will be, and per preconditioned dimension ``L_d Q_d``, reordered,
+        whose QR (:func:`orthonormal`) is the new basis."""
+        m = project(mu, bases, back=True)
+        products = []
+        for d, stat in enumerate(statistics):
+            if stat is not None:
+                product, nu = ordered_product(stat, bases[d], nu, d, matrix_dtype, exact[d])
+                products.append(product)
+        return m, nu, products
+
+    def refresh_finished(bases: list, m: torch.Tensor, on: list, found: list) -> tuple:
+        """The second half of a refresh: the new bases (``found``, the QRs' ``Q`` of the
+        dimensions ``on``, in the bases' dtype) and ``m`` carried over to them."""
+        new = placed([q.to(bases[d].dtype).contiguous() for d, q in zip(on, found)], on, bases)
+        return new, project(m, new)
+
     def refreshed(statistics: list, bases: list, mu: torch.Tensor, nu: torch.Tensor, exact: list) -> tuple:
-        """The eigenbases after one power iteration each, with ``mu`` carried over to them and
-        ``nu`` reordered as they are (module docstring)."""
-        m = project(mu, bases, back=True)  # m in the parameter's basis, for the new eigenbasis
+        """A refresh computed here (traced, under ``torch.cond``): the new bases, ``mu`` and
+        ``nu``."""
         on = [d for d, stat in enumerate(statistics) if stat is not None]
-        products = {}
-        for d in on:
-            products[d], nu = ordered_product(statistics[d], bases[d], nu, d, matrix_dtype, exact[d])
-        # every dimension's QR in one all-gather (with group=)
-        found = owner_computes_all(
-            [functools.partial(orthonormal, exact=exact[d]) for d in on], [products[d] for d in on], owners, NAME
-        )
-        bases = list(bases)
-        for d, q in zip(on, found):
-            bases[d] = q.to(bases[d].dtype).contiguous()
-        return bases, project(m, bases), nu
+        m, nu, products = refresh_begun(statistics, bases, mu, nu, exact)
+        new, mu = refresh_finished(bases, m, on, [orthonormal(p, exact[d]) for d, p in zip(on, products)])
+        return new, mu, nu
 
     def decompose_traced(
         statistics_per_dim: list,
@@ -379,6 +410,25 @@ def scale_by_soap(
     # a code object per instance: dynamo's compiled graphs of one do not count against another's
     # recompile limit (each configuration, its closure's numbers, would otherwise recompile it)
     return GradientTransformation(init, own_code(update))
+
+
+class Begun(NamedTuple):
+    """A batch's step up to its decompositions: ``decompositions`` (functions, each of a batch
+    of matrices) of ``operands``, and ``finish``, which takes their results (in that order) and
+    gives ``u`` and the batch's new state. The decompositions of every batch of an update run
+    together (with ``group=``, in one all-gather)."""
+
+    decompositions: list
+    operands: list
+    finish: Callable[[list], tuple]
+
+
+def placed(found: list, on: list, matrices: list) -> list:
+    """``matrices`` with ``found``'s entries at the dimensions ``on``."""
+    new = list(matrices)
+    for d, matrix in zip(on, found):
+        new[d] = matrix
+    return new
 
 
 class _Batch:
