@@ -213,16 +213,21 @@ WHOLE_TENSOR_MAKERS = {
 MATRIX_SHAPES = {k: s for k, s in SHAPES.items() if len(s) == 2}  # Muon: matrices only
 
 
-def by_tensor(inner: fb.GradientTransformation, rank: int, shapes: dict = SHAPES, seed_rank: int = 0) -> tuple:
-    """The parameters after STEPS steps of ``shard_by_tensor(inner)`` on this rank's gradients,
-    and the bytes of this rank's inner state."""
+def by_tensor(
+    inner: fb.GradientTransformation, rank: int, shapes: dict = SHAPES, seed_rank: int = 0, compiled: bool = False
+) -> tuple:
+    """The parameters after STEPS steps of ``shard_by_tensor(inner)`` on this rank's gradients
+    (its update under ``torch.compile(fullgraph=True)`` where ``compiled``: traced by dynamo and
+    AOT autograd, run without inductor's code generation, which the compiled modules of each
+    transform test), and the bytes of this rank's inner state."""
     tx = fbd.shard_by_tensor(inner)
+    update = torch.compile(tx.update, fullgraph=True, backend="aot_eager") if compiled else tx.update
     params = {k: v for k, v in start().items() if k in shapes}
     state = tx.init(params)
     for step in range(STEPS):
         seed(step, seed_rank)
         grads = {k: v for k, v in local_gradients(rank, step).items() if k in shapes}
-        u, state = tx.update(grads, state, params)
+        u, state = update(grads, state, params)
         params = fb.apply_updates(params, u)
     held = [t for t in fb.tree.flatten(state.inner)[0] if isinstance(t, torch.Tensor)]
     return params, sum(t.numel() * t.element_size() for t in held)
@@ -233,6 +238,9 @@ def sharded_by_tensor(rank: int, world_size: int) -> dict:
     out["muon"] = by_tensor(fb.muon(lr=0.02), rank, MATRIX_SHAPES)
     out["soap, resumed"] = resumed_by_tensor(rank, world_size)
     out["adamw"] = by_tensor(fb.adamw(1e-2), rank)
+    if world_size == 2:  # compiled: SOAP's and Shampoo's conds between the collectives (2 ranks: CI's time)
+        for name in ("soap", "shampoo"):
+            out[f"{name}, compiled"] = by_tensor(WHOLE_TENSOR_MAKERS[name](), rank, compiled=True)
     try:
         tx = fbd.shard_by_tensor(fb.adamw(1e-2))
         params = start()

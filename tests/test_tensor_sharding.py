@@ -60,6 +60,17 @@ def test_whole_tensor_transforms_equal_one_process_on_the_global_batch(ranks, na
         assert_params_close(result[name][0], expected, rank)
 
 
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+def test_a_compiled_second_order_update_under_it_equals_one_process(ranks, name):
+    """Compiled, each shape's tensors step as one batch with the decompositions under
+    ``torch.cond``, between the reduce-scatter and the all-gather (2 ranks)."""
+    if len(ranks) != 2:
+        pytest.skip("compiled on 2 ranks only (each rank compiles: the suite's time)")
+    expected = one_process(WHOLE_TENSOR_MAKERS[name](), len(ranks))
+    for rank, result in enumerate(ranks):
+        assert_params_close(result[f"{name}, compiled"][0], expected, rank)
+
+
 def test_muon_and_adamw_equal_one_process_on_the_global_batch(ranks):
     muon = one_process(fb.muon(lr=0.02), len(ranks), MATRIX_SHAPES)
     adamw = one_process(fb.adamw(1e-2), len(ranks))
