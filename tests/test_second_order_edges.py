@@ -220,6 +220,23 @@ def test_a_compiled_refresh_that_reads_symbolic_floats():
         torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-14)
 
 
+def test_psgd_kron_compiled_with_dynamic_shapes_reads_its_constants_as_operands():
+    """Compiled with dynamic=True dynamo made the module's probe scale a symbolic float, which
+    the fit's torch.cond lifted as a tensor read by .item() (inductor: KeyError
+    'unbacked_bindings'); it is passed in as an operand with the fit's step size."""
+    params, grads = draws({"w": (5, 3), "b": (4,)}, steps=3)
+    tx = fb.psgd_kron(lr=1e-2, precond_dtype=torch.float64)
+    compiled = torch.compile(tx.update, fullgraph=True, dynamic=True)
+    states = [tx.init(params), tx.init(params)]
+    with torch._inductor.config.patch(fallback_random=True):  # the probes: torch's own randn
+        for step, g in enumerate(grads):
+            torch.manual_seed(step)
+            eager, states[0] = tx.update(g, states[0], params)
+            torch.manual_seed(step)
+            got, states[1] = compiled(g, states[1], params)
+            torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-9)
+
+
 def test_flat_operand_cond_gives_the_branches_their_operands_eagerly_and_compiled():
     """Nested tuples, a 0-dim and a strided tensor come back as given; anything else is named."""
     from functional_bagua.transforms.batched_matrices import flat_operand_cond

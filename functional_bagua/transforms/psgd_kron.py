@@ -396,14 +396,16 @@ def scale_by_psgd_kron(
             done = owner_computes_all(fit_rows, inputs, owners, NAME, agreed=[(f, *q) for f, q in zip(fitted, qs)])
             return [d[0] for d in done], [list(d[1:]) for d in done]
 
-        def fitted_all(fitted: tuple, qs: tuple, lr: torch.Tensor) -> tuple:
-            done = [fit(f, v, list(q), lr[0]) for f, v, q in zip(fitted, probes(), qs)]
+        def fitted_all(fitted: tuple, qs: tuple, constants: torch.Tensor) -> tuple:
+            done = [fit(f, v, list(q), constants[0], constants[1]) for f, v, q in zip(fitted, probes(), qs)]
             return tuple(d[0].contiguous() for d in done), tuple(tuple(f.contiguous() for f in d[1]) for d in done)
 
-        def kept(fitted: tuple, qs: tuple, lr: torch.Tensor) -> tuple:
+        def kept(fitted: tuple, qs: tuple, constants: torch.Tensor) -> tuple:
             return tuple(f.clone() for f in fitted), tuple(tuple(f.clone() for f in q) for q in qs)
 
-        operands = (tuple(fitted), tuple(tuple(q) for q in qs), float_operands(fitted[0], precond_lr))
+        # dynamo may make any float a branch reads symbolic, a module's constant too (dynamic=True)
+        constants = float_operands(fitted[0], precond_lr, PROBE_SCALE)
+        operands = (tuple(fitted), tuple(tuple(q) for q in qs), constants)
         new_fitted, new_qs = flat_operand_cond(refit, fitted_all, kept, operands)
         return list(new_fitted), [list(q) for q in new_qs]
 
@@ -443,13 +445,16 @@ def scale_by_psgd_kron(
         perturbed, new = fit(g, v, list(qs))
         return (perturbed, *new)
 
-    def fit(g: torch.Tensor, v: torch.Tensor, qs: list, lr: Any = precond_lr) -> tuple[torch.Tensor, list]:
-        """One update of a batch's factors with the probes ``v`` and the step size ``lr``
-        (``precond_lr``; a 0-dim tensor of it under ``torch.cond``: :func:`float_operands`),
-        module docstring; returns the perturbed ``G`` and the new factors."""
+    def fit(
+        g: torch.Tensor, v: torch.Tensor, qs: list, lr: Any = precond_lr, probe_scale: Any = PROBE_SCALE
+    ) -> tuple[torch.Tensor, list]:
+        """One update of a batch's factors with the probes ``v``, the step size ``lr``
+        (``precond_lr``) and the probes' scale (``PROBE_SCALE``), each a 0-dim tensor under
+        ``torch.cond`` (:func:`float_operands`), module docstring; returns the perturbed ``G``
+        and the new factors."""
         tiny = torch.finfo(precond_dtype).tiny
         dims = tuple(range(1, g.dim()))
-        g = g + PROBE_SCALE * g.abs().mean(dims, keepdim=True) * v
+        g = g + probe_scale * g.abs().mean(dims, keepdim=True) * v
         a, b = g, v
         for d, q in enumerate(qs):
             a = along(a, d, q)
