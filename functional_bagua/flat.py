@@ -13,6 +13,14 @@ a buffer of its own). A pure update writes new buffers every step; glibc's mallo
 when the process keeps its freed memory (``MALLOC_MMAP_THRESHOLD_=33554432`` and
 ``MALLOC_TRIM_THRESHOLD_=2147483647`` in the environment, or jemalloc/tcmalloc): benchmarks/RESULTS.md.
 
+Parameters sharded by FSDP2 (``fully_shard``) or otherwise held as DTensors are laid out by their
+local shards: each rank's buffers hold its own shards only (``"float32@cpu:shard0"``, a group per
+dtype, device and placement), so the optimizer state of a fused update stays sharded, and
+:meth:`FlatLayout.unflatten` gives the local shards back (write them into ``p.to_local()``).
+Elementwise transforms run on them as on whole tensors; a per-tensor rule (a norm, a factored
+moment, a preconditioner), which would see a part of each tensor only, refuses inside
+:func:`~functional_bagua.fuse` with a NotImplementedError.
+
 Flat buffers are a pytree too (a dict by group key), so any transform runs over them: elementwise
 math becomes one kernel per group whatever the number of tensors (see :mod:`functional_bagua.fusion`).
 :func:`flatten_parameters` re-points parameters into flat buffers, as Bagua's ``do_flatten`` does,
@@ -30,6 +38,11 @@ import optree
 import torch
 
 from functional_bagua import tree
+
+try:  # a torch built without torch.distributed has no DTensors either
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # pragma: no cover
+    DTensor = Partial = Replicate = Shard = ()  # type: ignore[assignment,misc]
 
 
 class Segment(NamedTuple):
@@ -83,26 +96,58 @@ def by_shape(segments: Sequence[Segment]) -> tuple:
 
 
 class FlatGroup(NamedTuple):
-    """The tensors sharing one buffer: ``key`` (``"float32@cpu"``), dtype, device, segments, size."""
+    """The tensors sharing one buffer: ``key`` (``"float32@cpu"``), dtype, device, segments, size,
+    and the placement of the DTensors whose local shards it holds (``""`` for plain tensors)."""
 
     key: str
     dtype: torch.dtype
     device: torch.device
     segments: tuple
     numel: int
+    placement: str = ""
 
 
-def group_key(dtype: torch.dtype, device: torch.device, part: int = 0) -> str:
+def group_key(dtype: torch.dtype, device: torch.device, part: int = 0, placement: str = "") -> str:
     """The key of the flat buffer that holds the tensors of ``dtype`` on ``device``, e.g. ``"float32@cpu"``;
-    ``"float32@cpu/1"`` for the second buffer of a group cut by a size cap.
+    ``"float32@cpu/1"`` for the second buffer of a group cut by a size cap; ``"float32@cpu:shard0"``
+    for the local shards of DTensors placed ``Shard(0)``.
 
     Args:
         dtype: the tensors' dtype (written without its ``torch.`` prefix).
         device: the tensors' device (written as ``str(device)``, e.g. ``cpu`` or ``cuda:0``).
         part: which buffer of the group (0 for the first, whose key has no suffix).
+        placement: the DTensors' placement (:func:`placement_of`), ``""`` for plain tensors.
     """
-    base = f"{str(dtype).removeprefix('torch.')}@{device}"
+    base = f"{str(dtype).removeprefix('torch.')}@{device}" + (f":{placement}" if placement else "")
     return f"{base}/{part}" if part else base
+
+
+def placement_of(t: torch.Tensor) -> str:
+    """A DTensor's placements on its mesh as a short name (``Shard(0)`` is ``"shard0"``; one
+    per mesh dimension, joined by ``-``: ``"replicate-shard0"`` for HSDP), ``""`` for a plain
+    tensor.
+
+    Args:
+        t: a tensor, a DTensor (an FSDP2 parameter or gradient) or not.
+    """
+    if not isinstance(t, DTensor):
+        return ""
+    names = []
+    for placement in t.placements:
+        if isinstance(placement, Shard):
+            names.append(f"shard{placement.dim}")
+        elif isinstance(placement, Replicate):
+            names.append("replicate")
+        elif isinstance(placement, Partial):
+            names.append("partial")
+        else:
+            names.append(type(placement).__name__.lower())
+    return "-".join(names)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (sharing its storage), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class FlatLayout:
@@ -115,7 +160,8 @@ class FlatLayout:
     Args:
         spec: the tree structure (an ``optree`` treespec) of the parameter tree.
         names: a readable name per leaf, in leaf order (the segments' names).
-        metas: ``(shape, dtype, device)`` per leaf, in leaf order.
+        metas: ``(shape, dtype, device)`` per leaf, in leaf order, or ``(shape, dtype, device,
+            placement)`` for the local shard of a DTensor (:func:`placement_of`).
         dict_keys: the tree's keys in leaf order when the tree is a flat dict (then :meth:`unflatten`
             builds the dict directly), else ``None``. :meth:`of` computes all four from a tree.
         max_bytes: the largest buffer, in bytes: a group that would grow past it continues in a
@@ -136,22 +182,24 @@ class FlatLayout:
         self._dict_keys = dict_keys  # the keys, in leaf order, when the tree is a flat dict
         segments: dict[str, list] = {}
         kinds: dict[str, tuple] = {}
-        parts: dict[tuple, int] = {}  # (dtype, device) -> the buffer being filled
+        parts: dict[tuple, int] = {}  # (dtype, device, placement) -> the buffer being filled
         self._slots = []  # per leaf: (group key, index of its segment)
-        for name, (shape, dtype, device) in zip(names, metas):
-            part = parts.setdefault((dtype, device), 0)
-            members = segments.get(group_key(dtype, device, part), [])
+        for name, (shape, dtype, device, *placed) in zip(names, metas):
+            placement = placed[0] if placed else ""
+            kind = (dtype, device, placement)
+            part = parts.setdefault(kind, 0)
+            members = segments.get(group_key(dtype, device, part, placement), [])
             filled = members[-1].offset + members[-1].numel if members else 0  # elements
             if members and max_bytes is not None and (filled + math.prod(shape)) * dtype.itemsize > max_bytes:
-                part = parts[(dtype, device)] = part + 1
+                part = parts[kind] = part + 1
                 filled = 0
-            key = group_key(dtype, device, part)
-            kinds.setdefault(key, (dtype, device))
+            key = group_key(dtype, device, part, placement)
+            kinds.setdefault(key, kind)
             members = segments.setdefault(key, [])
             members.append(Segment(name, filled, tuple(shape)))
             self._slots.append((key, len(members) - 1))
         self.groups = {
-            key: FlatGroup(key, kinds[key][0], kinds[key][1], tuple(segs), sum(s.numel for s in segs))
+            key: FlatGroup(key, kinds[key][0], kinds[key][1], tuple(segs), sum(s.numel for s in segs), kinds[key][2])
             for key, segs in segments.items()
         }
         self._by_shape = {key: by_shape(group.segments) for key, group in self.groups.items()}
@@ -162,7 +210,8 @@ class FlatLayout:
 
         Args:
             params: a pytree of dense tensors, such as :func:`~functional_bagua.params_of` gives; a
-                leaf that is not a tensor or not dense raises a TypeError naming it.
+                leaf that is not a tensor or not dense raises a TypeError naming it. DTensors (an
+                FSDP2 model's parameters) are laid out by their local shards (module docstring).
             max_buffer_mb: the largest flat buffer in MiB (module docstring); ``None`` (default)
                 for one buffer per (dtype, device).
 
@@ -182,7 +231,7 @@ class FlatLayout:
         return cls(
             spec,
             names,
-            [(tuple(p.shape), p.dtype, p.device) for p in leaves],
+            [(tuple(local_part(p).shape), p.dtype, local_part(p).device, placement_of(p)) for p in leaves],
             [path[0] for path in paths] if flat_dict else None,
             None if max_buffer_mb is None else int(max_buffer_mb * 2**20),
         )
@@ -190,6 +239,11 @@ class FlatLayout:
     @property
     def keys(self) -> list:
         return list(self.groups)
+
+    @property
+    def on_shards(self) -> bool:
+        """Whether some buffer holds the local shards of DTensors (module docstring)."""
+        return any(group.placement for group in self.groups.values())
 
     def segments(self, key: str) -> tuple:
         """The :class:`Segment` of each tensor in the buffer ``key``, in leaf order.
@@ -213,7 +267,8 @@ class FlatLayout:
 
     def flatten(self, params: Any) -> dict:
         """``{key: buffer}``: the leaves of ``params`` (a tree of this layout) copied into new flat
-        buffers, one ``torch.cat`` per group. Do it once; then keep working on the buffers.
+        buffers, one ``torch.cat`` per group (of DTensors, their local shards). Do it once; then
+        keep working on the buffers.
 
         Args:
             params: a tree of the layout's structure whose leaves are tensors of the shapes, dtypes
@@ -224,7 +279,7 @@ class FlatLayout:
         members: dict[str, list] = {key: [] for key in self.groups}
         for leaf, (key, i) in zip(leaves, self._slots):
             self._check_leaf(leaf, key, i)
-            members[key].append(leaf.reshape(-1))
+            members[key].append(local_part(leaf).reshape(-1))
         return {key: torch.cat(parts) if len(parts) > 1 else parts[0].clone() for key, parts in members.items()}
 
     def _check_leaf(self, leaf: object, key: str, i: int) -> None:
@@ -233,15 +288,28 @@ class FlatLayout:
         group, seg = self.groups[key], self.groups[key].segments[i]
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"FlatLayout.flatten: leaf {seg.name!r} is {type(leaf).__name__}, not a tensor")
-        if tuple(leaf.shape) != seg.shape or leaf.dtype != group.dtype or leaf.device != group.device:
+        local, placement = local_part(leaf), placement_of(leaf)
+        if (
+            tuple(local.shape) != seg.shape
+            or leaf.dtype != group.dtype
+            or local.device != group.device
+            or placement != group.placement
+        ):
+
+            def described(shape: tuple, dtype: torch.dtype, device: torch.device, placement: str) -> str:
+                return f"{shape} {dtype} on {device}" + (
+                    f" (a DTensor's local shard, {placement})" if placement else ""
+                )
+
             raise ValueError(
-                f"FlatLayout.flatten: leaf {seg.name!r} is {tuple(leaf.shape)} {leaf.dtype} on {leaf.device}, the "
-                f"layout holds {seg.shape} {group.dtype} on {group.device} there; make a layout of this tree "
-                "with FlatLayout.of(tree)"
+                f"FlatLayout.flatten: leaf {seg.name!r} is {described(tuple(local.shape), leaf.dtype, local.device, placement)}"
+                f", the layout holds {described(seg.shape, group.dtype, group.device, group.placement)} there; make a "
+                "layout of this tree with FlatLayout.of(tree)"
             )
 
     def unflatten(self, buffers: dict) -> Any:
-        """The tree of this layout whose leaves are views into ``buffers`` (no copy).
+        """The tree of this layout whose leaves are views into ``buffers`` (no copy); for DTensors,
+        their local shards (plain tensors).
 
         The views come from one ``torch.split`` per group, which autograd differentiates with a
         single concatenation (per-slice views would each cost a full-size zero buffer).

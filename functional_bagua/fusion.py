@@ -23,7 +23,7 @@ get a gradient at every step (flat gradients always do).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 
@@ -60,9 +60,12 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
             f"fuse: layout is {type(layout).__name__}, not a FlatLayout (make one with FlatLayout.of(params))"
         )
 
+    # what the rules inside see: over DTensors' local shards, a stand-in that refuses per-tensor rules
+    active = LocalShards(layout) if layout.on_shards else layout
+
     def init(params: dict[str, torch.Tensor]) -> OptState:
         layout.check(params)
-        return run_on_flat_buffers(layout, tx.init, params)
+        return run_on_flat_buffers(active, tx.init, params)
 
     def update(
         grads: dict[str, torch.Tensor], state: OptState, params: Optional[dict[str, torch.Tensor]] = None
@@ -70,9 +73,36 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
         layout.check(grads)
         if params is not None:
             layout.check(params)
-        return run_on_flat_buffers(layout, tx.update, grads, state, params)
+        return run_on_flat_buffers(active, tx.update, grads, state, params)
 
     return GradientTransformation(init, update)
+
+
+class LocalShards:
+    """Stands in for a layout over DTensors' local shards while a fused update runs: each rank
+    holds a part of each tensor, so a per-tensor rule (a norm, a factored moment, a
+    preconditioner) would compute on that part alone; it asks for the segments, and is refused."""
+
+    is_shard = True  # transforms that reduce across tensors refuse too (layout_context.refuse_on_shards)
+
+    def __init__(self, layout: FlatLayout) -> None:
+        self.layout = layout
+
+    def refusal(self, name: str, why: str) -> str:
+        """The message of a transform refused here (``why`` it needs whole tensors)."""
+        return (
+            f"{name} cannot run inside fuse() over DTensors' local shards (an FSDP2 model's parameters): {why}, and "
+            "each rank holds a part of each tensor. Run it unfused, on the DTensors themselves (fb.Optimizer, or "
+            "the update on the parameter tree), or fuse an elementwise optimizer (sgd, adam, adamw, lion, ...)."
+        )
+
+    def segments(self, key: str) -> NoReturn:
+        raise NotImplementedError(
+            self.refusal("a per-tensor rule", f"it needs whole tensors, buffer {key!r} holds shards")
+        )
+
+    def shape_groups(self, key: str) -> NoReturn:
+        raise NotImplementedError(self.refusal("a rule batching tensors by shape", "it needs whole tensors"))
 
 
 KERNELS = ("auto", "torch", "compiled", "eager")

@@ -144,9 +144,13 @@ def refuse_on_shards(name: str, why: str) -> None:
         NotImplementedError: inside ``distributed.shard`` (the active layout has ``is_shard``) and
             inside ``distributed.shard_by_tensor``.
     """
-    if getattr(active_layout(), "is_shard", False):
+    layout = active_layout()
+    if getattr(layout, "is_shard", False):
+        refusal = getattr(layout, "refusal", None)  # a layout over shards may say it its own way
         raise NotImplementedError(
-            f"{name} cannot run inside shard(): {why}. Put it before shard() (on the whole gradients) "
+            refusal(name, why)
+            if refusal is not None
+            else f"{name} cannot run inside shard(): {why}. Put it before shard() (on the whole gradients) "
             "or use an unsharded chain."
         )
     if on_owned_tensors():

@@ -193,3 +193,12 @@ def test_hugging_face_example_learns_the_task():
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate: .[integrations]")
     before, after = load_example("hf_trainer").main(steps=40)
     assert before < 0.7 and after > 0.9
+
+
+def test_fsdp2_example_keeps_the_state_sharded_and_matches_torch_adamw():
+    result = run_distributed_example("--steps", "6", script="fsdp2_train.py")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    shares = [float(m) for m in re.findall(r"\(([0-9.]+) of it on 2 ranks\)", result.stdout)]
+    assert len(shares) == 2 and all(0.4 < s < 0.6 for s in shares), result.stdout
+    apart = float(re.search(r"torch.optim.AdamW on the same batches: (\S+)", result.stdout).group(1))
+    assert apart < 1e-10, result.stdout

@@ -1,0 +1,133 @@
+"""FSDP2 (``fully_shard``) on gloo ranks (run by dist_harness.run_ranks, module
+"fsdp2_scenarios"): a fused optimizer over the flat buffers of each rank's local shards; the
+parameters after a few steps come back whole (``full_tensor``) for test_fsdp2.py to compare with
+one process and with FSDP2 + torch.optim."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import functional_bagua as fb
+
+STEPS = 4
+BATCH = 6  # per rank
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3)).double()
+
+
+def global_batches(world_size: int) -> list:
+    gen = torch.Generator().manual_seed(1)
+    n = BATCH * world_size
+    return [
+        (torch.randn(n, 6, generator=gen, dtype=torch.float64), torch.randn(n, 3, generator=gen, dtype=torch.float64))
+        for _ in range(STEPS)
+    ]
+
+
+def loss_of(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def sharded_model() -> torch.nn.Module:
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def trained(step: Callable, model: torch.nn.Module, rank: int, world_size: int) -> dict:
+    """``step()`` after each backward on this rank's part of each global batch; the whole parameters."""
+    for x, y in global_batches(world_size):
+        part = slice(rank * BATCH, (rank + 1) * BATCH)
+        loss_of(model, (x[part], y[part])).backward()
+        step()
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+def fused_on_local_shards(rank: int, world_size: int) -> dict:
+    """fb.fuse(adamw) over FlatLayout.of(the DTensor parameters): each rank's buffers hold its
+    shards; after each update the new local values are written into the shards."""
+    model = sharded_model()
+    named = dict(model.named_parameters())
+    layout = fb.FlatLayout.of(named)
+    tx = fb.fuse(fb.adamw(1e-2, weight_decay=0.1), layout)
+    flat = layout.flatten(named)
+    box = {"state": tx.init(flat), "flat": flat}
+
+    def step() -> None:
+        grads = layout.flatten({name: p.grad for name, p in named.items()})
+        updates, box["state"] = tx.update(grads, box["state"], box["flat"])
+        box["flat"] = fb.apply_updates(box["flat"], updates)
+        with torch.no_grad():
+            for name, local in layout.unflatten(box["flat"]).items():
+                named[name].to_local().copy_(local)
+        model.zero_grad()
+
+    params = trained(step, model, rank, world_size)
+    moments = [t for t in fb.tree.flatten(box["state"])[0] if isinstance(t, torch.Tensor) and t.dim() == 1]
+    return {
+        "params": params,
+        "keys": layout.keys,
+        "local elements": sum(p.to_local().numel() for p in named.values()),
+        "moment elements": [t.numel() for t in moments],
+    }
+
+
+def torch_adamw(rank: int, world_size: int) -> dict:
+    """FSDP2 with torch.optim.AdamW (foreach) on the same model and batches."""
+    model = sharded_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    return {"params": trained(step, model, rank, world_size)}
+
+
+PER_TENSOR_RULES = {
+    "lamb": lambda: fb.lamb(1e-2),
+    "adafactor": lambda: fb.adafactor(1e-2),
+    "muon": lambda: fb.muon(lr=0.02),
+    "soap": lambda: fb.soap(),
+    "shampoo": lambda: fb.shampoo(),
+    "psgd_kron": lambda: fb.psgd_kron(),
+}
+
+
+def refused_per_tensor_rules(rank: int, world_size: int) -> dict:
+    """Per-tensor rules fused over the local shards: each refused, with the reason (the error's
+    text; ``None`` where one ran on)."""
+    model = sharded_model()
+    named = dict(model.named_parameters())
+    layout = fb.FlatLayout.of(named)
+    flat = layout.flatten(named)
+    grads = layout.flatten({k: torch.ones_like(v) for k, v in named.items()})
+    out: dict = {}
+    for name, make in PER_TENSOR_RULES.items():
+        tx = fb.fuse(make(), layout)
+        try:
+            tx.update(grads, tx.init(flat), flat)
+            out[name] = None
+        except NotImplementedError as error:
+            out[name] = str(error)
+    return out
+
+
+def all_scenarios(rank: int, world_size: int) -> dict:
+    out = {
+        "fused": fused_on_local_shards(rank, world_size),
+        "torch": torch_adamw(rank, world_size),
+        "refused": refused_per_tensor_rules(rank, world_size),
+    }
+    dist.barrier()
+    return out

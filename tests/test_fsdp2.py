@@ -1,0 +1,57 @@
+"""FSDP2 on 2 and 4 gloo ranks: a fused optimizer over the flat buffers of each rank's local
+shards equals one process training the whole model on the global batch, and FSDP2 with
+torch.optim's AdamW; its state stays sharded; per-tensor rules are refused there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import ScenarioError, run_ranks
+from fsdp2_scenarios import PER_TENSOR_RULES, global_batches, loss_of, make_model
+
+pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["two", "four"])
+def ranks(request):
+    results = run_ranks(request.param, ["all_scenarios"], module="fsdp2_scenarios")
+    for rank, result in enumerate(results):
+        assert not isinstance(result.get("all_scenarios"), ScenarioError), (rank, result.get("all_scenarios"))
+    return [result["all_scenarios"] for result in results]
+
+
+def one_process(world_size: int) -> dict:
+    """torch.optim.AdamW on the whole model, each step on the whole global batch."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for batch in global_batches(world_size):
+        loss_of(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_fused_adamw_on_local_shards_equals_one_process_and_fsdp2_with_torch_adamw(ranks):
+    expected = one_process(len(ranks))
+    for rank, result in enumerate(ranks):
+        for name, want in expected.items():
+            for got in (result["fused"]["params"][name], result["torch"]["params"][name]):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_the_fused_state_holds_this_ranks_shards_only(ranks):
+    whole = sum(p.numel() for p in make_model().parameters())
+    local = [result["fused"]["local elements"] for result in ranks]
+    assert sum(local) == whole
+    for rank, result in enumerate(ranks):
+        assert result["fused"]["keys"] == ["float64@cpu:shard0"]
+        # mu and nu: one buffer each, of this rank's elements (the count is 0-dim)
+        assert result["fused"]["moment elements"] == [local[rank], local[rank]], f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", list(PER_TENSOR_RULES))
+def test_a_per_tensor_rule_over_local_shards_is_refused_with_the_reason(ranks, name):
+    for rank, result in enumerate(ranks):
+        message = result["refused"][name]
+        assert message is not None, f"rank {rank} ran on"
+        assert "local shards" in message and "each rank holds a part of each tensor" in message, message
