@@ -32,6 +32,7 @@ without a copy: :func:`span` views them as one, :func:`split_like` is its invers
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
@@ -120,6 +121,16 @@ def group_key(dtype: torch.dtype, device: torch.device, part: int = 0, placement
     """
     base = f"{str(dtype).removeprefix('torch.')}@{device}" + (f":{placement}" if placement else "")
     return f"{base}/{part}" if part else base
+
+
+def is_key_of_shards(key: object) -> bool:
+    """Whether ``key`` names a flat buffer of DTensors' local shards (``"float32@cpu:shard0"``,
+    :func:`group_key` with a placement).
+
+    Args:
+        key: a dict key, e.g. of an optimizer state's flat buffers.
+    """
+    return isinstance(key, str) and re.fullmatch(r"[a-z0-9]+@[^:/]+:[a-z0-9-]+(/[0-9]+)?", key) is not None
 
 
 def placement_of(t: torch.Tensor) -> str:
@@ -435,6 +446,12 @@ def flatten_parameters(params: Any) -> tuple[FlatLayout, dict[str, torch.Tensor]
     """
     detached = tree.tree_map(torch.Tensor.detach, params)
     layout = FlatLayout.of(detached)
+    if layout.on_shards:  # p.data = view would not re-point the shard FSDP2 holds
+        raise TypeError(
+            "flatten_parameters: the parameters are DTensors (an FSDP2 model's, say), whose local shards FSDP2 "
+            "owns and cannot be re-pointed into flat buffers; use FlatLayout.of(params) and fb.fuse, and write "
+            "the new values into p.to_local()"
+        )
     buffers = layout.flatten(detached)
     for p, view in zip(tree.flatten(params)[0], tree.flatten(layout.unflatten(buffers))[0]):
         p.data = view

@@ -123,8 +123,39 @@ def refused_per_tensor_rules(rank: int, world_size: int) -> dict:
     return out
 
 
+def refused_flattening(rank: int, world_size: int) -> dict:
+    """flatten_parameters and flatten_module on DTensor parameters: the error's text, or None."""
+    out: dict = {}
+    for name, flatten in (
+        ("flatten_parameters", lambda model: fb.flatten_parameters(dict(model.named_parameters()))),
+        ("flatten_module", fb.flatten_module),
+    ):
+        try:
+            flatten(sharded_model())
+            out[name] = None
+        except TypeError as error:
+            out[name] = str(error)
+    return out
+
+
+def refused_checkpoint(rank: int, world_size: int) -> dict:
+    """fbd.distributed_state_dict of a fused state over the local shards: the error's text, or None."""
+    import functional_bagua.distributed as fbd
+
+    named = dict(sharded_model().named_parameters())
+    layout = fb.FlatLayout.of(named)
+    tx = fb.fuse(fb.adamw(1e-2), layout)
+    try:
+        fbd.distributed_state_dict(tx.init(layout.flatten(named)), named)
+    except NotImplementedError as error:
+        return {"message": str(error)}
+    return {"message": None}
+
+
 def all_scenarios(rank: int, world_size: int) -> dict:
     out = {
+        "checkpoint": refused_checkpoint(rank, world_size),
+        "flattening": refused_flattening(rank, world_size),
         "fused": fused_on_local_shards(rank, world_size),
         "torch": torch_adamw(rank, world_size),
         "refused": refused_per_tensor_rules(rank, world_size),

@@ -55,3 +55,20 @@ def test_a_per_tensor_rule_over_local_shards_is_refused_with_the_reason(ranks, n
         message = result["refused"][name]
         assert message is not None, f"rank {rank} ran on"
         assert "local shards" in message and "each rank holds a part of each tensor" in message, message
+
+
+@pytest.mark.parametrize("name", ["flatten_parameters", "flatten_module"])
+def test_re_pointing_dtensor_parameters_into_flat_buffers_is_refused(ranks, name):
+    """FSDP2 owns its shards: p.data = view would leave them where they are (the buffers' writes lost)."""
+    for rank, result in enumerate(ranks):
+        message = result["flattening"][name]
+        assert message is not None, f"rank {rank} ran on"
+        assert "DTensors" in message and "p.to_local()" in message
+
+
+def test_saving_a_fused_state_over_local_shards_through_dcp_is_refused_not_lost(ranks):
+    """Each rank holds other elements under the same key: DCP would keep one rank's."""
+    for rank, result in enumerate(ranks):
+        message = result["checkpoint"]["message"]
+        assert message is not None, f"rank {rank} ran on"
+        assert "local shards" in message and "not saved through DCP yet" in message

@@ -288,3 +288,15 @@ def test_the_ranks_fingerprint_tells_equal_tensors_from_nearly_equal_ones():
         assert not torch.equal(bits(changed, b), base)
     assert not torch.equal(bits(a, b.flip(0)), base)
     assert not torch.equal(bits(b, a), base)
+    # entries moved so that every row and column sum stays
+    square = torch.tensor([[1.0, 2.0], [2.0, 1.0]])
+    assert not torch.equal(bits(square), bits(square.flip(0)))
+    # a NaN in one tensor hides no difference in another
+    changed_b = b.clone()
+    changed_b[2] += 1e6
+    assert not torch.equal(bits(nans[0], changed_b), bits(nans[0], b))
+    # +inf and -inf in different tensors do not cancel
+    inf, minus_inf = torch.tensor([float("inf"), 1.0]), torch.tensor([float("-inf"), 1.0])
+    assert not torch.equal(bits(inf, minus_inf), bits(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0])))
+    # empty tensors count for nothing (and raise nothing)
+    assert torch.equal(bits(a, b, torch.zeros(3, 0)), base)

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from functional_bagua.checkpoint import _keyed_leaves, _must_match
 from functional_bagua.distributed.process_group import resolve
 from functional_bagua.distributed.sharding import ShardState
-from functional_bagua.flat import FlatLayout
+from functional_bagua.flat import FlatLayout, is_key_of_shards
 from functional_bagua.tree import PyTree
 
 NAME = "distributed_state_dict"
@@ -57,6 +57,13 @@ def distributed_state_dict(
     mesh: Optional[DeviceMesh] = None
     out: dict[str, torch.Tensor] = {}
     for key, accessor, leaf in zip(keys, accessors, leaves):
+        if any(is_key_of_shards(getattr(entry, "entry", None)) for entry in accessor):
+            raise NotImplementedError(
+                f"{NAME}: the state's {key!r} is a flat buffer of DTensors' local shards (fb.fuse over an FSDP2 "
+                "model's parameters), which is not saved through DCP yet: each rank holds other elements under the "
+                "same key. Save each rank's fb.state_dict(state) on its own, or use fb.Optimizer, whose state DCP "
+                "saves (get_optimizer_state_dict)"
+            )
         if leaf is None or _must_match(accessor):
             continue
         buffer = _shard_buffer(accessor, lengths)

@@ -411,8 +411,8 @@ def owner_computes_all(
     computes all.
 
     The all-gather carries, before the results (as bytes: no dtype is converted), a fingerprint
-    of ``agreed`` (default: the batches; float64 sums of row sums, column sums and squares, the
-    first two also weighted by position), the loads before these batches and whether ``fn`` raised; the sizes
+    of ``agreed`` (default: the batches; float64 sums of the entries, of the entries weighted by
+    row and column, of their squares, and counts of non-finite values), the loads before these batches and whether ``fn`` raised; the sizes
     come from the shapes, the same on every rank (the transforms check first that the ranks
     step alike, :meth:`Owners.agree`; a rank that owns no row of a batch learns its result's
     shapes on the meta device). Where ``fn`` raised on some rank, every rank raises a
@@ -532,36 +532,34 @@ def _shapes_only(fn: Callable[..., Any], inputs: tuple) -> Any:
 
 
 def _fingerprint(tensors: tuple) -> torch.Tensor:
-    """Four float64 sums of ``tensors``, each viewed as a matrix (its last dimension the
-    columns): of its row sums, of its row sums weighted by row and of its column sums weighted
-    by column (the weights in (0, 1] plus the tensor's index), and its sum of squares; a
-    non-finite row sum, column sum or sum of squares (NaN, +inf, -inf) is replaced by a code
-    of its kind first (a NaN's bits may differ). Bit for bit equal on ranks that hold equal
-    tensors, and all but surely not equal otherwise; three reductions per tensor, so it costs
-    a fraction of the computations it guards."""
-    sums = torch.zeros(4, dtype=torch.float64, device=tensors[0].device)
+    """Six float64 numbers of ``tensors``, each viewed as a matrix ``M`` (its last dimension
+    the columns): the sums over the tensors of the finite parts of ``sum(M)``, of ``r^T M c``
+    (``r`` and ``c`` weights by row and column, in (0, 1] plus the tensor's index: a move of
+    entries changes it) and of ``sum(M^2)``, and the counts of NaN, +inf and -inf among the row
+    sums, the weighted row sums and the sums of squares (so a non-finite value, whose bits may
+    differ between ranks, is counted, not summed, and does not hide what differs elsewhere).
+    Bit for bit equal on ranks that hold equal tensors, and all but surely not equal for
+    generic differences; three reductions per tensor, a fraction of the computations it
+    guards."""
+    sums = torch.zeros(6, dtype=torch.float64, device=tensors[0].device)
     for i, t in enumerate(tensors):
-        m = t.to(torch.float64).reshape(-1, t.shape[-1] if t.dim() else 1)
-        if not m.numel():
+        if not t.numel():
             continue
-        rows, columns = (_coded(m.sum(dim)) for dim in (1, 0))
-        squares = _coded(torch.linalg.vector_norm(m).square())
-        sums = sums + torch.stack(
-            [rows.sum(), (rows * _weights(rows, i)).sum(), (columns * _weights(columns, i)).sum(), squares]
-        )
-    return _coded(sums)
+        m = t.to(torch.float64).reshape(-1, t.shape[-1] if t.dim() else 1)
+        rows = m.sum(1)
+        weighted = (m @ _weights(m.shape[1], i, m.device)) * _weights(m.shape[0], i, m.device)
+        squares = torch.linalg.vector_norm(m).square().reshape(1)
+        parts = (rows, weighted, squares)
+        finite = [p.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).sum() for p in parts]
+        special = torch.cat(parts)
+        counts = [special.isnan().sum(), special.isposinf().sum(), special.isneginf().sum()]
+        sums = sums + torch.stack([*finite, *(c.to(torch.float64) for c in counts)])
+    return sums.nan_to_num(nan=0.0)  # a NaN of finite parts' overflow (inf - inf), counted above
 
 
-NON_FINITE_CODES = dict(nan=1e100, posinf=2e100, neginf=-2e100)  # stand-ins in fingerprints
-
-
-def _coded(x: torch.Tensor) -> torch.Tensor:
-    return x.nan_to_num(**NON_FINITE_CODES)
-
-
-def _weights(x: torch.Tensor, offset: int) -> torch.Tensor:
-    """``offset`` plus each entry's position in (0, 1]."""
-    return torch.arange(1, x.numel() + 1, dtype=x.dtype, device=x.device) / x.numel() + offset
+def _weights(n: int, offset: int, device: torch.device) -> torch.Tensor:
+    """``offset`` plus each of ``n`` positions in (0, 1], float64."""
+    return torch.arange(1, n + 1, dtype=torch.float64, device=device) / n + offset
 
 
 def initial_fields(

@@ -222,9 +222,14 @@ def scale_by_soap(
             view = layout(x.updates[members[0]].shape)
             batch_state = [[column[i] for i in members] for column in fields]
             check = functools.partial(_check_states, x.updates, fields, members, view, x.spec)
-            batch = _Batch.stacked(count, batch_state, view, check, traced)
-            # the stacked gradient is made when its batch steps: not every batch's at once
-            calls.append((functools.partial(restack, [x.updates[i] for i in members], view.shape), batch, view))
+            # the stacked gradient and state are made when the batch steps: not every batch's at once
+            calls.append(
+                (
+                    functools.partial(restack, [x.updates[i] for i in members], view.shape),
+                    functools.partial(_Batch.stacked, count, batch_state, view, check, traced),
+                    view,
+                )
+            )
         for (members, _), (u, batch) in zip(stepping, steps_all(calls)):
             shape = x.updates[members[0]].shape
             for i, (u_i, count_i, mu_i, nu_i, statistics_i, bases_i) in zip(members, batch.rows(u, shape)):
@@ -244,7 +249,7 @@ def scale_by_soap(
             counts = None if traced else read_counts([c[0] for c in buffer_state[0]])
             for j, (view, rows) in enumerate(groups):
                 batch = _Batch.of_group(None if counts is None else counts[j], [f[j] for f in buffer_state], view)
-                calls.append((gather_rows(g, rows, view.shape), batch, view))
+                calls.append((functools.partial(gather_rows, g, rows, view.shape), batch, view))
         stepped = iter(steps_all(calls))  # every group's step, its decompositions all at once
         for i, g, groups, buffer_state in buffers:
             u = torch.zeros_like(g)
@@ -260,10 +265,14 @@ def scale_by_soap(
 
     def steps_all(calls: list) -> list:
         """One step (module docstring) of each batch in ``calls`` (per batch ``(g, batch,
-        view)``, ``g`` a tensor or a function that makes it), every decomposition of the update
+        view)``, ``g`` and ``batch`` each given or a function that makes it; the list is
+        emptied as the batches begin), every decomposition of the update
         at once: eagerly one :func:`owner_computes_all` (with ``group=``, one all-gather for the
         update); traced, each batch's under ``torch.cond``. Per batch, ``u`` and its new state."""
-        begun = [begin(g() if callable(g) else g, s, view) for g, s, view in calls]
+        begun = []
+        for k, (g, s, view) in enumerate(calls):
+            calls[k] = None  # each batch's stacked gradient and old state, freed once begun
+            begun.append(begin(g() if callable(g) else g, s() if callable(s) else s, view))
         decompositions = [fn for b in begun for fn in b.decompositions]
         operands = [operand for b in begun for operand in b.operands]
         found = iter(owner_computes_all(decompositions, operands, owners, NAME) if decompositions else [])
@@ -279,10 +288,11 @@ def scale_by_soap(
         statistics = accumulate(s.statistics, g, exact)
         on = [d for d, stat in enumerate(statistics) if stat is not None]
         if s.count == 0:  # eager, every row at its first gradient: its first eigenbases, u = 0
+            zeros, counts, mu, nu = torch.zeros_like(g), s.counts, s.mu, s.nu
 
             def first_bases(found: list) -> tuple:
                 bases = placed(found, on, [None] * len(statistics))
-                return torch.zeros_like(g), _Batch(s.count, s.counts, s.mu, s.nu, statistics, bases)
+                return zeros, _Batch(0, counts, mu, nu, statistics, bases)
 
             eigh = [functools.partial(eigenbasis, matrix_dtype=matrix_dtype, exact=exact[d]) for d in on]
             return Begun(eigh, [statistics[d] for d in on], first_bases)
