@@ -17,9 +17,11 @@ Parameters sharded by FSDP2 (``fully_shard``) or otherwise held as DTensors are 
 local shards: each rank's buffers hold its own shards only (``"float32@cpu:shard0"``, a group per
 dtype, device and placement), so the optimizer state of a fused update stays sharded, and
 :meth:`FlatLayout.unflatten` gives the local shards back (write them into ``p.to_local()``).
-Elementwise transforms run on them as on whole tensors; a per-tensor rule (a norm, a factored
-moment, a preconditioner), which would see a part of each tensor only, refuses inside
-:func:`~functional_bagua.fuse` with a NotImplementedError.
+Elementwise transforms run on them as on whole tensors, and so do rules that only need sums
+over each tensor (LAMB's and LARS's norms: this rank's parts summed across the ranks); a rule
+that needs the whole tensor (a factored moment, an orthogonalization, a preconditioner), which
+would see a part of it only, refuses inside :func:`~functional_bagua.fuse` with a
+NotImplementedError.
 
 Flat buffers are a pytree too (a dict by group key), so any transform runs over them: elementwise
 math becomes one kernel per group whatever the number of tensors (see :mod:`functional_bagua.fusion`).
@@ -214,6 +216,7 @@ class FlatLayout:
             for key, segs in segments.items()
         }
         self._by_shape = {key: by_shape(group.segments) for key, group in self.groups.items()}
+        self.meshes: dict[str, Any] = {}  # the DeviceMesh of each buffer of DTensors' shards (of() fills it)
 
     @classmethod
     def of(cls, params: Any, max_buffer_mb: Optional[float] = None) -> "FlatLayout":
@@ -239,13 +242,22 @@ class FlatLayout:
                 raise TypeError(f"FlatLayout: leaf {name!r} is {leaf.layout}; flat buffers hold dense tensors")
         paths = optree.treespec_paths(spec)
         flat_dict = type(params) is dict and all(len(path) == 1 for path in paths)
-        return cls(
+        layout = cls(
             spec,
             names,
             [(tuple(local_part(p).shape), p.dtype, local_part(p).device, placement_of(p)) for p in leaves],
             [path[0] for path in paths] if flat_dict else None,
             None if max_buffer_mb is None else int(max_buffer_mb * 2**20),
         )
+        for name, leaf, (key, _) in zip(names, leaves, layout._slots):  # the mesh of each buffer of shards
+            if isinstance(leaf, DTensor):
+                mesh = layout.meshes.setdefault(key, leaf.device_mesh)
+                if mesh != leaf.device_mesh:
+                    raise ValueError(
+                        f"FlatLayout: {name!r} lies on another device mesh than the earlier "
+                        f"DTensors of buffer {key!r}; lay out the parameters of each mesh separately"
+                    )
+        return layout
 
     @property
     def keys(self) -> list:

@@ -80,8 +80,10 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
 
 class LocalShards:
     """Stands in for a layout over DTensors' local shards while a fused update runs: each rank
-    holds a part of each tensor, so a per-tensor rule (a norm, a factored moment, a
-    preconditioner) would compute on that part alone; it asks for the segments, and is refused."""
+    holds a part of each tensor, so a rule that needs whole tensors (a factored moment, an
+    orthogonalization, a preconditioner) asks for the segments, and is refused; a rule that only
+    sums over each tensor (a norm) asks for this rank's lengths and adds its sums up across the
+    ranks (:func:`~functional_bagua.layout_context.summed_across_shards`)."""
 
     is_shard = True  # transforms that reduce across tensors refuse too (layout_context.refuse_on_shards)
 
@@ -93,13 +95,34 @@ class LocalShards:
         return (
             f"{name} cannot run inside fuse() over DTensors' local shards (an FSDP2 model's parameters): {why}, and "
             "each rank holds a part of each tensor. Run it unfused, on the DTensors themselves (fb.Optimizer, or "
-            "the update on the parameter tree), or fuse an elementwise optimizer (sgd, adam, adamw, lion, ...)."
+            "the update on the parameter tree), or fuse an elementwise optimizer (sgd, adam, adamw, lion, ...), lamb or lars."
         )
 
     def segments(self, key: str) -> NoReturn:
         raise NotImplementedError(
             self.refusal("a per-tensor rule", f"it needs whole tensors, buffer {key!r} holds shards")
         )
+
+    def segment_lengths(self, key: str) -> list:
+        """The number of elements of this rank's part of each tensor of buffer ``key``."""
+        return [seg.numel for seg in self.layout.groups[key].segments]
+
+    def summed_across_shards(self, key: str, sums: torch.Tensor) -> torch.Tensor:
+        """``sums`` over this rank's parts of the tensors of buffer ``key``, added up over the
+        ranks of each mesh dimension the tensors are sharded along (one all-reduce each; a
+        replicated dimension holds whole copies, added up nowhere)."""
+        import torch.distributed._functional_collectives as funcol  # only where there are shards
+
+        placement = self.layout.groups[key].placement
+        if not placement:  # plain tensors beside the DTensors: whole here
+            return sums
+        mesh = self.layout.meshes[key]
+        for dim, kind in enumerate(placement.split("-")):
+            if kind == "partial":
+                raise NotImplementedError(self.refusal("a sum over each tensor", "its parts are partial sums"))
+            if kind.startswith("shard"):
+                sums = funcol.wait_tensor(funcol.all_reduce(sums, "sum", mesh.get_group(dim)))
+        return sums
 
     def shape_groups(self, key: str) -> NoReturn:
         raise NotImplementedError(self.refusal("a rule batching tensors by shape", "it needs whole tensors"))

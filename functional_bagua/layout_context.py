@@ -19,6 +19,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional, Protocol, TypeVar
 
+import torch
+
 from functional_bagua import tree
 
 _T = TypeVar("_T")
@@ -77,6 +79,38 @@ def segments_of(key: str) -> Optional[tuple]:
     """
     layout = active_layout()
     return None if layout is None else layout.segments(key)
+
+
+def segment_lengths_of(key: str) -> list:
+    """The number of elements of each segment of the flat buffer ``key`` in the fused update
+    running now: for rules that only sum over each segment (:func:`summed_across_shards`), which
+    may also run where the buffer holds a part of each tensor (DTensors' local shards).
+
+    Args:
+        key: the group key of a flat buffer.
+    """
+    layout = active_layout()
+    assert layout is not None, "no fused update is running"
+    lengths = getattr(layout, "segment_lengths", None)
+    return lengths(key) if lengths is not None else [seg.numel for seg in layout.segments(key)]
+
+
+def on_local_shards() -> bool:
+    """Whether the fused update running now works on DTensors' local shards."""
+    return getattr(active_layout(), "summed_across_shards", None) is not None
+
+
+def summed_across_shards(key: str, sums: torch.Tensor) -> torch.Tensor:
+    """``sums`` (sums over the segments of the flat buffer ``key``, this rank's part of each)
+    added up over the ranks that hold the other parts, where the buffer holds DTensors' local
+    shards (one all-reduce); else ``sums`` as it is.
+
+    Args:
+        key: the group key of a flat buffer.
+        sums: a tensor of sums over this rank's part of each segment.
+    """
+    summed = getattr(active_layout(), "summed_across_shards", None)
+    return sums if summed is None else summed(key, sums)
 
 
 def shape_groups_of(key: str, name: str) -> tuple:

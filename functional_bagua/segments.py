@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from functional_bagua import layout_context
+
 
 @torch.library.custom_op("functional_bagua::segment_norms", mutates_args=())
 def _segment_norms(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -62,6 +64,23 @@ def _checked(x: torch.Tensor, lengths: Sequence[int]) -> list[int]:
 def norms(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """The 2-norm of each segment of the 1-D buffer ``x``, as a tensor of ``len(lengths)``, in ``x``'s dtype."""
     return _segment_norms(x, _checked(x, lengths))
+
+
+def norms_of_whole_tensors(key: str, lengths: Sequence[int], *xs: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`norms` of each of ``xs`` (buffers laid out as the flat buffer ``key`` of the fused
+    update running now): where that buffer holds DTensors' local shards, the norms of the whole
+    tensors, ``sqrt`` of this rank's squared norms summed across the ranks (one all-reduce for
+    all of ``xs``, :func:`~functional_bagua.layout_context.summed_across_shards`).
+
+    Args:
+        key: the flat buffer's group key.
+        lengths: the number of elements of each segment here.
+        *xs: 1-D buffers of ``sum(lengths)`` elements.
+    """
+    local = [norms(x, lengths) for x in xs]
+    if not layout_context.on_local_shards():
+        return local
+    return list(layout_context.summed_across_shards(key, torch.stack(local).square()).sqrt().unbind())
 
 
 def scale(x: torch.Tensor, factors: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

@@ -53,13 +53,22 @@ def trained(step: Callable, model: torch.nn.Module, rank: int, world_size: int) 
     return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
 
 
-def fused_on_local_shards(rank: int, world_size: int) -> dict:
-    """fb.fuse(adamw) over FlatLayout.of(the DTensor parameters): each rank's buffers hold its
+SUMMING_RULES = {  # norms: this rank's parts summed across the ranks
+    "lamb": lambda: fb.lamb(1e-2, weight_decay=0.1),
+    "lars": lambda: fb.lars(0.5, momentum=0.9, weight_decay=1e-3),
+    "clip + adamw": lambda: fb.chain(fb.clip_by_global_norm(0.05), fb.adamw(1e-2)),  # the global norm
+}
+
+
+def fused_on_local_shards(
+    rank: int, world_size: int, make: Callable = lambda: fb.adamw(1e-2, weight_decay=0.1)
+) -> dict:
+    """fb.fuse(make()) over FlatLayout.of(the DTensor parameters): each rank's buffers hold its
     shards; after each update the new local values are written into the shards."""
     model = sharded_model()
     named = dict(model.named_parameters())
     layout = fb.FlatLayout.of(named)
-    tx = fb.fuse(fb.adamw(1e-2, weight_decay=0.1), layout)
+    tx = fb.fuse(make(), layout)
     flat = layout.flatten(named)
     box = {"state": tx.init(flat), "flat": flat}
 
@@ -95,7 +104,6 @@ def torch_adamw(rank: int, world_size: int) -> dict:
 
 
 PER_TENSOR_RULES = {
-    "lamb": lambda: fb.lamb(1e-2),
     "adafactor": lambda: fb.adafactor(1e-2),
     "muon": lambda: fb.muon(lr=0.02),
     "soap": lambda: fb.soap(),
@@ -157,6 +165,7 @@ def all_scenarios(rank: int, world_size: int) -> dict:
         "checkpoint": refused_checkpoint(rank, world_size),
         "flattening": refused_flattening(rank, world_size),
         "fused": fused_on_local_shards(rank, world_size),
+        **{name: fused_on_local_shards(rank, world_size, make) for name, make in SUMMING_RULES.items()},
         "torch": torch_adamw(rank, world_size),
         "refused": refused_per_tensor_rules(rank, world_size),
     }

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
-from fsdp2_scenarios import PER_TENSOR_RULES, global_batches, loss_of, make_model
+from fsdp2_scenarios import PER_TENSOR_RULES, SUMMING_RULES, global_batches, loss_of, make_model
+
+import functional_bagua as fb
 
 pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU")
 
@@ -29,6 +31,31 @@ def one_process(world_size: int) -> dict:
         opt.step()
         opt.zero_grad()
     return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def one_process_of(tx: fb.GradientTransformation, world_size: int) -> dict:
+    """``tx`` unfused on the whole model's parameter tree, each step on the whole global batch."""
+    model = make_model()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    state = tx.init(params)
+    for batch in global_batches(world_size):
+        grads = torch.func.grad(lambda p: loss_of(lambda x: torch.func.functional_call(model, p, (x,)), batch))(params)
+        updates, state = tx.update(grads, state, params)
+        params = fb.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize("name", list(SUMMING_RULES))
+def test_norms_over_local_shards_are_the_whole_tensors_norms(ranks, name):
+    """LAMB's and LARS's per-tensor norms and clip_by_global_norm's global norm: this rank's
+    parts summed across the ranks (one all-reduce per buffer), as one process on the whole
+    tensors."""
+    expected = one_process_of(SUMMING_RULES[name](), len(ranks))
+    for rank, result in enumerate(ranks):
+        for key, want in expected.items():
+            torch.testing.assert_close(
+                result[name]["params"][key], want, rtol=1e-12, atol=1e-14, msg=lambda m: f"rank {rank} {key}: {m}"
+            )
 
 
 def test_fused_adamw_on_local_shards_equals_one_process_and_fsdp2_with_torch_adamw(ranks):

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -75,7 +76,10 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         norm_type: the order of the norm, as in :func:`global_norm`.
 
     Returns:
-        A stateless GradientTransformation (it refuses to run on the shards of a distributed update).
+        A stateless GradientTransformation. It refuses to run inside ``distributed.shard`` and
+        ``shard_by_tensor`` (put it before them); fused over DTensors' local shards (an FSDP2
+        model's) it takes the global norm across the ranks (:func:`norm_across_shards`; finite
+        ``norm_type`` only).
 
     Example::
 
@@ -87,14 +91,29 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
-        layout_context.refuse_on_shards("clip_by_global_norm", "the norm of one shard is not the global norm")
+        on_local_shards = layout_context.on_local_shards() and math.isfinite(norm_type)
+        if not on_local_shards:
+            layout_context.refuse_on_shards("clip_by_global_norm", "the norm of one shard is not the global norm")
         if all(u is None for u in tree.flatten(updates)[0]):
             return updates, state
-        total = global_norm(updates, norm_type)
+        total = norm_across_shards(updates, norm_type) if on_local_shards else global_norm(updates, norm_type)
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
         return tree.tree_map(lambda u: None if u is None else _scaled(u, factor), updates), state
 
     return GradientTransformation(init, update)
+
+
+def norm_across_shards(buffers: dict, norm_type: float) -> torch.Tensor:
+    """The global ``norm_type``-norm of the flat buffers of a fused update over DTensors' local
+    shards: per buffer this rank's ``sum(|u|^p)``, added up across the ranks holding the other
+    parts (one all-reduce per buffer, :func:`~functional_bagua.layout_context.summed_across_shards`),
+    then ``(sum over the buffers)^(1/p)``."""
+    sums = [
+        layout_context.summed_across_shards(key, torch.linalg.vector_norm(u, norm_type).pow(norm_type).reshape(1))
+        for key, u in buffers.items()
+        if u is not None
+    ]
+    return torch.cat([s.to(sums[0].dtype) for s in sums]).sum().pow(1.0 / norm_type)
 
 
 def _scaled(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

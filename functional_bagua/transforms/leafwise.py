@@ -239,17 +239,20 @@ def stateless(
     name: str,
     needs_params: bool = False,
     per_tensor: bool = False,
-    per_buffer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor], list], torch.Tensor]] = None,
+    per_buffer: Optional[Callable[[torch.Tensor, Optional[torch.Tensor], list, str], torch.Tensor]] = None,
     in_place: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None,
 ) -> GradientTransformation:
     """A transform without state applying ``update_leaf(u, p) -> new_u`` per tensor.
 
     ``None`` updates stay ``None``; each new update keeps its input's dtype; ``params`` (``p``
     is ``None`` without them) must match the updates' structure, else a ValueError names the keys.
-    ``per_tensor`` as in :func:`leafwise`. ``per_buffer(u, p, lengths)``, optional with
-    ``per_tensor``, is the same rule written for a whole flat buffer whose segments have
+    ``per_tensor`` as in :func:`leafwise`. ``per_buffer(u, p, lengths, key)``, optional with
+    ``per_tensor``, is the same rule written for a whole flat buffer ``key`` whose segments have
     ``lengths`` elements (with :mod:`functional_bagua.segments`); inside a fused update it runs
-    instead of a loop over the segments.
+    instead of a loop over the segments. A rule that only sums over each segment may run where
+    the buffer holds DTensors' local shards, taking its sums across the ranks with
+    :func:`~functional_bagua.segments.norms_of_whole_tensors` (``lengths`` are then this rank's
+    parts).
 
     Args:
         update_leaf: ``update_leaf(u, p) -> new_u``, called on each update that is not ``None``
@@ -257,8 +260,8 @@ def stateless(
         name: the transform's name, used in error messages.
         needs_params: with ``True``, ``update`` without ``params`` raises a ValueError.
         per_tensor: ``True`` for a rule that is not elementwise (as in :func:`leafwise`).
-        per_buffer: ``per_buffer(u, p, lengths) -> new_u``, the rule for a whole flat buffer, used
-            inside a fused update (only with ``per_tensor``); ``None`` loops over the segments.
+        per_buffer: ``per_buffer(u, p, lengths, key) -> new_u``, the rule for a whole flat buffer,
+            used inside a fused update (only with ``per_tensor``); ``None`` loops over the segments.
         in_place: the same rule computing its result in ``u`` (``u.mul_(s)`` for ``u * s``), to
             the same bits, for an elementwise rule that returns new tensors: the transform then
             declares its updates fresh, and runs ``in_place`` where the chain hands it updates
@@ -310,7 +313,7 @@ def stateless(
             new[i] = (
                 _update_in(rule(u, p), u.dtype, name)
                 if keys is None
-                else per_buffer(u, p, [seg.numel for seg in _segments_of(keys[i])]).to(u.dtype)
+                else per_buffer(u, p, layout_context.segment_lengths_of(keys[i]), keys[i]).to(u.dtype)
                 if per_buffer
                 else _map_segments(leaf_rule, u, p, _segments_of(keys[i]))
             )

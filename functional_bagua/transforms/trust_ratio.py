@@ -69,9 +69,10 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
         assert p is not None  # needs_params: update gets the parameters
         return u * trust_ratio(p, u, trust_coefficient, eps)
 
-    def per_buffer(u: torch.Tensor, p: Optional[torch.Tensor], lengths: list) -> torch.Tensor:
+    def per_buffer(u: torch.Tensor, p: Optional[torch.Tensor], lengths: list, key: str) -> torch.Tensor:
         assert p is not None  # needs_params: update gets the parameters
-        ratios = ratio_of_norms(segments.norms(p, lengths), segments.norms(u, lengths), trust_coefficient, eps)
+        p_norms, u_norms = segments.norms_of_whole_tensors(key, lengths, p, u)  # over DTensors' shards too
+        ratios = ratio_of_norms(p_norms, u_norms, trust_coefficient, eps)
         return segments.scale(u, ratios, lengths)
 
     return stateless(per_tensor, name="scale_by_trust_ratio", needs_params=True, per_tensor=True, per_buffer=per_buffer)
