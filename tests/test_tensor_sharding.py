@@ -60,7 +60,7 @@ def test_whole_tensor_transforms_equal_one_process_on_the_global_batch(ranks, na
         assert_params_close(result[name][0], expected, rank)
 
 
-@pytest.mark.parametrize("name", ["soap", "shampoo"])
+@pytest.mark.parametrize("name", ["soap"])
 def test_a_compiled_second_order_update_under_it_equals_one_process(ranks, name):
     """Compiled, each shape's tensors step as one batch with the decompositions under
     ``torch.cond``, between the reduce-scatter and the all-gather (2 ranks)."""
