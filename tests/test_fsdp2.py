@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
-from fsdp2_scenarios import PER_TENSOR_RULES, SUMMING_RULES, global_batches, loss_of, make_model
+from fsdp2_scenarios import PER_TENSOR_RULES, STEPS, SUMMING_RULES, global_batches, loss_of, make_model
 
 import functional_bagua as fb
 
@@ -93,9 +93,26 @@ def test_re_pointing_dtensor_parameters_into_flat_buffers_is_refused(ranks, name
         assert "DTensors" in message and "p.to_local()" in message
 
 
-def test_saving_a_fused_state_over_local_shards_through_dcp_is_refused_not_lost(ranks):
-    """Each rank holds other elements under the same key: DCP would keep one rank's."""
-    for rank, result in enumerate(ranks):
-        message = result["checkpoint"]["message"]
-        assert message is not None, f"rank {rank} ran on"
-        assert "local shards" in message and "not saved through DCP yet" in message
+def test_a_fused_state_over_local_shards_saved_with_dcp_resumes_on_another_number_of_ranks(tmp_path, monkeypatch):
+    """Saved on 2 ranks after half the steps (each buffer's piece of a parameter as a DTensor of
+    that parameter), resumed on 4: the parameters of one process running AdamW through the
+    same global batches."""
+    monkeypatch.setenv("FB_DCP_DIR", str(tmp_path))
+    saved = run_ranks(2, ["dcp_save"], module="fsdp2_scenarios")
+    assert not isinstance(saved[0].get("dcp_save"), ScenarioError), saved[0].get("dcp_save")
+    assert any(key.endswith("/0.weight") for key in saved[0]["dcp_save"]["opt keys"])  # per parameter
+    resumed = run_ranks(4, ["dcp_resume"], module="fsdp2_scenarios")
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    half = STEPS // 2
+    for batch in global_batches(2)[:half] + global_batches(4)[half:]:
+        loss_of(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, result in enumerate(resumed):
+        got = result.get("dcp_resume")
+        assert not isinstance(got, ScenarioError) and got is not None, got
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(
+                got[name], p.detach(), rtol=1e-12, atol=1e-14, msg=lambda m: f"rank {rank} {name}: {m}"
+            )

@@ -16,6 +16,12 @@ values are views of the state's tensors, so ``dcp.load`` writes straight into th
 Every other tensor of the state is the same on every rank (replicated) and saved once. A shard's
 ``rank`` and ``world_size`` are left out: they describe where the state lives, not what it
 learned, and the resuming ranks keep their own.
+
+A fused state over DTensors' local shards (``fb.fuse`` over an FSDP2 model's parameters, whose
+buffers are keyed like ``"float32@cpu:shard0"``) is saved per parameter: each buffer's piece of
+a parameter becomes a ``DTensor`` of that parameter's shape and placement (key
+``".../float32@cpu:shard0/<parameter name>"``), so DCP saves each parameter's moments once, as
+FSDP2 saves the parameter itself, and loads them into any number of ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from functional_bagua.checkpoint import _keyed_leaves, _must_match
+from functional_bagua import tree
+from functional_bagua.checkpoint import _escaped, _keyed_leaves, _must_match
 from functional_bagua.distributed.process_group import resolve
 from functional_bagua.distributed.sharding import ShardState
 from functional_bagua.flat import FlatLayout, is_key_of_shards
@@ -52,19 +59,18 @@ def distributed_state_dict(
         ``torch.distributed.checkpoint.load`` into it restores ``state`` in place.
     """
     g = resolve(group, NAME)
-    lengths = {key: grp.numel for key, grp in FlatLayout.of(params).groups.items()}
+    layout = FlatLayout.of(params)
+    lengths = {key: grp.numel for key, grp in layout.groups.items()}
+    by_name = dict(zip(tree.leaf_names(layout.spec), tree.flatten(params)[0]))
     keys, accessors, leaves, _ = _keyed_leaves(state)
     mesh: Optional[DeviceMesh] = None
     out: dict[str, torch.Tensor] = {}
     for key, accessor, leaf in zip(keys, accessors, leaves):
-        if any(is_key_of_shards(getattr(entry, "entry", None)) for entry in accessor):
-            raise NotImplementedError(
-                f"{NAME}: the state's {key!r} is a flat buffer of DTensors' local shards (fb.fuse over an FSDP2 "
-                "model's parameters), which is not saved through DCP yet: each rank holds other elements under the "
-                "same key. Save each rank's fb.state_dict(state) on its own, or use fb.Optimizer, whose state DCP "
-                "saves (get_optimizer_state_dict)"
-            )
         if leaf is None or _must_match(accessor):
+            continue
+        shards = next((e.entry for e in accessor if is_key_of_shards(getattr(e, "entry", None))), None)
+        if shards is not None and leaf.dim() == 1:  # a buffer of local shards: per parameter
+            out.update(_per_parameter(key, leaf, layout, shards, by_name))
             continue
         buffer = _shard_buffer(accessor, lengths)
         if buffer is not None and leaf.dim() == 1:
@@ -72,6 +78,29 @@ def distributed_state_dict(
                 mesh = DeviceMesh.from_group(g.group, leaf.device.type)
             leaf = _whole_buffer(leaf, lengths[buffer], g.rank, g.world_size, mesh)
         out[key] = leaf
+    return out
+
+
+def _per_parameter(key: str, buffer: torch.Tensor, layout: FlatLayout, group: str, by_name: dict) -> dict:
+    """``buffer`` (laid out as the flat buffer ``group`` of DTensors' local shards) as one
+    ``DTensor`` per parameter, each a view of its piece with its parameter's shape and placement
+    (``key/<name>``); a buffer of another length raises a ValueError."""
+    if buffer.numel() != layout.groups[group].numel:
+        raise ValueError(
+            f"{NAME}: the state's {key!r} has {buffer.numel()} elements, the parameters' local shards in "
+            f"{group!r} {layout.groups[group].numel}; pass the parameters the state was made for"
+        )
+    out = {}
+    for seg in layout.groups[group].segments:
+        param = by_name[seg.name]
+        out[f"{key}/{_escaped(seg.name)}"] = DTensor.from_local(
+            seg.of(buffer),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     return out
 
 
