@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import statistics
+import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def sync(device: str) -> None:
@@ -183,3 +187,27 @@ def bar_chart(path: str, title: str, groups: dict[str, dict[str, float]], ylabel
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
+
+
+def on_gloo_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0) -> list:
+    """``fn(*args)`` on ``world`` spawned processes in one gloo group on 127.0.0.1 (one thread
+    each): each rank's return value (through ``torch.save``), in rank order. ``fn`` must be a
+    function of a module (spawn pickles it by name)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        context = mp.start_processes(
+            _gloo_rank, args=(world, port, out_dir, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
+        while not context.join(timeout=timeout_s):
+            pass
+        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+
+
+def _gloo_rank(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.save(fn(*args), os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()

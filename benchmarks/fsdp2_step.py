@@ -4,7 +4,7 @@ against torch.optim's AdamW on the same ``fully_shard`` model, in the same run.
     python benchmarks/fsdp2_step.py                   # 1 and 2 gloo ranks, CPU
     python benchmarks/fsdp2_step.py --ranks 1,2,4 --layers 8 --width 512
 
-Each run spawns the ranks (gloo on 127.0.0.1, one thread each), builds a stack of ``--layers``
+Each run spawns the ranks (gloo on 127.0.0.1, one thread each: ``common.on_gloo_ranks``), builds a stack of ``--layers``
 linear layers of ``--width`` (float32), ``fully_shard`` on each layer and the root, runs one
 forward and backward, and then times the optimizer step alone, ``--steps`` times after 3
 untimed, on the same gradients:
@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import spread, step_times_ms, table  # noqa: E402
+from common import on_gloo_ranks, spread, step_times_ms, table  # noqa: E402
 
 HYPER = dict(lr=1e-3, weight_decay=0.01)
 
@@ -94,23 +91,14 @@ VARIANTS = {
 }
 
 
-def _rank(rank: int, world: int, port: int, layers: int, width: int, steps: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _timings(layers: int, width: int, steps: int) -> dict:
+    """On one rank: each variant's step times in milliseconds."""
     timings = {}
     for name, make in VARIANTS.items():
         step = make(_model(layers, width))
         dist.barrier()
         timings[name] = step_times_ms(step, "cpu", steps)
-    torch.save(timings, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return timings
 
 
 def main() -> None:
@@ -122,17 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
-        with tempfile.TemporaryDirectory() as out_dir:
-            context = mp.start_processes(
-                _rank,
-                args=(world, free_port(), args.layers, args.width, args.steps, out_dir),
-                nprocs=world,
-                join=False,
-                start_method="spawn",
-            )
-            while not context.join(timeout=300):
-                pass
-            results = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+        results = on_gloo_ranks(_timings, world, args.layers, args.width, args.steps)
         base = max(statistics.median(r["torch AdamW foreach"]) for r in results)
         for name in VARIANTS:
             slowest = max(results, key=lambda r: statistics.median(r[name]))[name]

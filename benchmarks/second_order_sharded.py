@@ -31,30 +31,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import table  # noqa: E402
+from common import on_gloo_ranks, table  # noqa: E402
 
 from functional_bagua.transforms.batched_matrices import Owners, owner_computes, owner_computes_all  # noqa: E402
 from functional_bagua.transforms.shampoo import inverse_root  # noqa: E402
-
-
-def _rank(rank: int, world: int, port: int, matrices: int, size: int, out_dir: str, computation: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    timings = COMPUTATIONS[computation](matrices, size)
-    torch.save(timings, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def _psgd_kron_fit(matrices: int, size: int) -> dict:
@@ -145,17 +133,22 @@ def _shampoo_roots_of_many_shapes(matrices: int, size: int) -> dict:
     return timings
 
 
-def _soap_by_tensor(matrices: int, size: int) -> dict:
+def _gpt2_params_and_grads(vocab: int) -> tuple[dict, dict]:
+    """Parameters and gradients of a 4-layer GPT-2 of hidden 256 and ``vocab`` tokens, seeded."""
     from optimizer_step import gpt2_small_shapes
 
+    gen = torch.Generator().manual_seed(0)
+    shapes = gpt2_small_shapes(hidden=256, layers=4, vocab=vocab, positions=256)
+    params = {f"p{i:03d}": torch.randn(s, generator=gen) * 0.02 for i, s in enumerate(shapes)}
+    return params, {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()}
+
+
+def _soap_by_tensor(matrices: int, size: int) -> dict:
     import functional_bagua as fb
     import functional_bagua.distributed as fbd
 
     del matrices, size
-    gen = torch.Generator().manual_seed(0)
-    shapes = gpt2_small_shapes(hidden=256, layers=4, vocab=8192, positions=256)
-    params = {f"p{i:03d}": torch.randn(s, generator=gen) * 0.02 for i, s in enumerate(shapes)}
-    grads = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()}
+    params, grads = _gpt2_params_and_grads(vocab=8192)
     timings = {}
     for how, tx in (
         ("by tensor", fbd.shard_by_tensor(fb.soap(precondition_frequency=10))),
@@ -178,15 +171,10 @@ def _soap_by_tensor(matrices: int, size: int) -> dict:
 def _soap_refresh(matrices: int, size: int) -> dict:
     """SOAP refreshing every step on a 4-layer GPT-2 of hidden 256, with ``group=`` (each rank
     the QRs it owns, every batch's shared in one all-gather) and without (every rank all)."""
-    from optimizer_step import gpt2_small_shapes
-
     import functional_bagua as fb
 
     del matrices, size
-    gen = torch.Generator().manual_seed(0)
-    shapes = gpt2_small_shapes(hidden=256, layers=4, vocab=2048, positions=256)
-    params = {f"p{i:03d}": torch.randn(s, generator=gen) * 0.02 for i, s in enumerate(shapes)}
-    grads = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()}
+    params, grads = _gpt2_params_and_grads(vocab=2048)
     timings = {}
     all_gather = dist.all_gather
     for how, group in (("group=", dist.group.WORLD), ("every rank all", None)):
@@ -216,12 +204,6 @@ COMPUTATIONS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--matrices", type=int, default=32)
@@ -231,17 +213,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
-        with tempfile.TemporaryDirectory() as out_dir:
-            context = mp.start_processes(
-                _rank,
-                args=(world, free_port(), args.matrices, args.size, out_dir, args.computation),
-                nprocs=world,
-                join=False,
-                start_method="spawn",
-            )
-            while not context.join(timeout=300):
-                pass
-            results = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+        results = on_gloo_ranks(COMPUTATIONS[args.computation], world, args.matrices, args.size)
         by_how = results[0] if "own" not in results[0] else {"": results[0]}
         for how in by_how:
             per_rank = [r if how == "" else r[how] for r in results]

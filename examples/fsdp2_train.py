@@ -66,8 +66,7 @@ def train_fused(steps: int, rank: int, device: torch.device, dtype: torch.dtype,
         updates, state = tx.update(grads, state, flat)
         flat = fb.apply_updates(flat, updates)
         with torch.no_grad():  # the new values into the shards FSDP2 gathers for the next forward
-            for name, local in layout.unflatten(flat).items():
-                named[name].to_local().copy_(local)
+            fb.tree.copy_into({name: p.to_local() for name, p in named.items()}, layout.unflatten(flat))
         model.zero_grad()
         losses.append(loss.item())
     state_bytes = sum(t.nbytes for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor))

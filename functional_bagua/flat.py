@@ -34,7 +34,6 @@ without a copy: :func:`span` views them as one, :func:`split_like` is its invers
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
@@ -123,16 +122,6 @@ def group_key(dtype: torch.dtype, device: torch.device, part: int = 0, placement
     """
     base = f"{str(dtype).removeprefix('torch.')}@{device}" + (f":{placement}" if placement else "")
     return f"{base}/{part}" if part else base
-
-
-def is_key_of_shards(key: object) -> bool:
-    """Whether ``key`` names a flat buffer of DTensors' local shards (``"float32@cpu:shard0"``,
-    :func:`group_key` with a placement).
-
-    Args:
-        key: a dict key, e.g. of an optimizer state's flat buffers.
-    """
-    return isinstance(key, str) and re.fullmatch(r"[a-z0-9]+@[^:/]+:[a-z0-9-]+(/[0-9]+)?", key) is not None
 
 
 def placement_of(t: torch.Tensor) -> str:

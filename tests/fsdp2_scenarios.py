@@ -45,15 +45,6 @@ def sharded_model() -> torch.nn.Module:
     return fully_shard(model)
 
 
-def trained(step: Callable, model: torch.nn.Module, rank: int, world_size: int) -> dict:
-    """``step()`` after each backward on this rank's part of each global batch; the whole parameters."""
-    for x, y in global_batches(world_size):
-        part = slice(rank * BATCH, (rank + 1) * BATCH)
-        loss_of(model, (x[part], y[part])).backward()
-        step()
-    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-
-
 SUMMING_RULES = {  # norms: this rank's parts summed across the ranks
     "lamb": lambda: fb.lamb(1e-2, weight_decay=0.1),
     "lars": lambda: fb.lars(0.5, momentum=0.9, weight_decay=1e-3),
@@ -61,47 +52,62 @@ SUMMING_RULES = {  # norms: this rank's parts summed across the ranks
 }
 
 
-def fused_on_local_shards(
-    rank: int, world_size: int, make: Callable = lambda: fb.adamw(1e-2, weight_decay=0.1)
-) -> dict:
-    """fb.fuse(make()) over FlatLayout.of(the DTensor parameters): each rank's buffers hold its
-    shards; after each update the new local values are written into the shards."""
-    model = sharded_model()
+def fused(model: torch.nn.Module, make: Callable = lambda: fb.adamw(1e-2, weight_decay=0.1)) -> tuple:
+    """The named DTensor parameters, their layout (of the local shards), ``fb.fuse(make())`` over
+    it and its initial state."""
     named = dict(model.named_parameters())
     layout = fb.FlatLayout.of(named)
     tx = fb.fuse(make(), layout)
+    return named, layout, tx, tx.init(layout.flatten(named))
+
+
+def fused_steps(model: torch.nn.Module, named: dict, layout, tx, state, batches: list, rank: int):  # noqa: ANN001
+    """Fused steps on this rank's part of each batch, the new local values written into the
+    shards after each; the state after them."""
     flat = layout.flatten(named)
-    box = {"state": tx.init(flat), "flat": flat}
-
-    def step() -> None:
-        grads = layout.flatten({name: p.grad for name, p in named.items()})
-        updates, box["state"] = tx.update(grads, box["state"], box["flat"])
-        box["flat"] = fb.apply_updates(box["flat"], updates)
+    for x, y in batches:
+        part = slice(rank * BATCH, (rank + 1) * BATCH)
+        loss_of(model, (x[part], y[part])).backward()
+        updates, state = tx.update(layout.flatten({n: p.grad for n, p in named.items()}), state, flat)
+        flat = fb.apply_updates(flat, updates)
         with torch.no_grad():
-            for name, local in layout.unflatten(box["flat"]).items():
-                named[name].to_local().copy_(local)
+            fb.tree.copy_into({n: p.to_local() for n, p in named.items()}, layout.unflatten(flat))
         model.zero_grad()
+    return state
 
-    params = trained(step, model, rank, world_size)
-    moments = [t for t in fb.tree.flatten(box["state"])[0] if isinstance(t, torch.Tensor) and t.dim() == 1]
+
+def fused_on_local_shards(
+    rank: int, world_size: int, make: Callable = lambda: fb.adamw(1e-2, weight_decay=0.1)
+) -> dict:
+    """fb.fuse(make()) over FlatLayout.of(the DTensor parameters) for all the steps: the whole
+    parameters, the buffers' keys and the elements of this rank's shards and moments."""
+    model = sharded_model()
+    named, layout, tx, state = fused(model, make)
+    state = fused_steps(model, named, layout, tx, state, global_batches(world_size), rank)
+    moments = [t for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor) and t.dim() == 1]
     return {
-        "params": params,
+        "params": whole(model),
         "keys": layout.keys,
         "local elements": sum(p.to_local().numel() for p in named.values()),
         "moment elements": [t.numel() for t in moments],
     }
 
 
+def whole(model: torch.nn.Module) -> dict:
+    """The model's parameters, each whole (gathered from the ranks' shards)."""
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
 def torch_adamw(rank: int, world_size: int) -> dict:
     """FSDP2 with torch.optim.AdamW (foreach) on the same model and batches."""
     model = sharded_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-
-    def step() -> None:
+    for x, y in global_batches(world_size):
+        part = slice(rank * BATCH, (rank + 1) * BATCH)
+        loss_of(model, (x[part], y[part])).backward()
         opt.step()
         opt.zero_grad()
-
-    return {"params": trained(step, model, rank, world_size)}
+    return {"params": whole(model)}
 
 
 PER_TENSOR_RULES = {
@@ -147,29 +153,6 @@ def refused_flattening(rank: int, world_size: int) -> dict:
     return out
 
 
-def _fused_adamw(model: torch.nn.Module) -> tuple:
-    """The named DTensor parameters, their layout, the fused AdamW and its initial state."""
-    named = dict(model.named_parameters())
-    layout = fb.FlatLayout.of(named)
-    tx = fb.fuse(fb.adamw(1e-2, weight_decay=0.1), layout)
-    return named, layout, tx, tx.init(layout.flatten(named))
-
-
-def _fused_steps(model: torch.nn.Module, named: dict, layout, tx, state, batches: list, rank: int):  # noqa: ANN001
-    """Fused steps on this rank's part of each batch, the new values written into the shards."""
-    flat = layout.flatten(named)
-    for x, y in batches:
-        part = slice(rank * BATCH, (rank + 1) * BATCH)
-        loss_of(model, (x[part], y[part])).backward()
-        updates, state = tx.update(layout.flatten({n: p.grad for n, p in named.items()}), state, flat)
-        flat = fb.apply_updates(flat, updates)
-        with torch.no_grad():
-            for name, local in layout.unflatten(flat).items():
-                named[name].to_local().copy_(local)
-        model.zero_grad()
-    return state
-
-
 def dcp_save(rank: int, world_size: int) -> dict:
     """The first half of the steps, then the model and the fused state saved with DCP to $FB_DCP_DIR."""
     import torch.distributed.checkpoint as dcp
@@ -177,8 +160,8 @@ def dcp_save(rank: int, world_size: int) -> dict:
     import functional_bagua.distributed as fbd
 
     model = sharded_model()
-    named, layout, tx, state = _fused_adamw(model)
-    state = _fused_steps(model, named, layout, tx, state, global_batches(world_size)[: STEPS // 2], rank)
+    named, layout, tx, state = fused(model)
+    state = fused_steps(model, named, layout, tx, state, global_batches(world_size)[: STEPS // 2], rank)
     saved = {"model": model.state_dict(), "opt": fbd.distributed_state_dict(state, named)}
     dcp.save(saved, checkpoint_id=os.environ["FB_DCP_DIR"])
     return {"opt keys": sorted(saved["opt"])}
@@ -192,13 +175,13 @@ def dcp_resume(rank: int, world_size: int) -> dict:
     import functional_bagua.distributed as fbd
 
     model = sharded_model()
-    named, layout, tx, state = _fused_adamw(model)
+    named, layout, tx, state = fused(model)
     dcp.load(
         {"model": model.state_dict(), "opt": fbd.distributed_state_dict(state, named)},
         checkpoint_id=os.environ["FB_DCP_DIR"],
     )
-    _fused_steps(model, named, layout, tx, state, global_batches(world_size)[STEPS // 2 :], rank)
-    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    fused_steps(model, named, layout, tx, state, global_batches(world_size)[STEPS // 2 :], rank)
+    return whole(model)
 
 
 def all_scenarios(rank: int, world_size: int) -> dict:

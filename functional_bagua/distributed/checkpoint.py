@@ -37,7 +37,7 @@ from functional_bagua import tree
 from functional_bagua.checkpoint import _escaped, _keyed_leaves, _must_match
 from functional_bagua.distributed.process_group import resolve
 from functional_bagua.distributed.sharding import ShardState
-from functional_bagua.flat import FlatLayout, is_key_of_shards
+from functional_bagua.flat import FlatLayout
 from functional_bagua.tree import PyTree
 
 NAME = "distributed_state_dict"
@@ -62,13 +62,14 @@ def distributed_state_dict(
     layout = FlatLayout.of(params)
     lengths = {key: grp.numel for key, grp in layout.groups.items()}
     by_name = dict(zip(tree.leaf_names(layout.spec), tree.flatten(params)[0]))
+    of_shards = {key for key, grp in layout.groups.items() if grp.placement}  # buffers of DTensors' local shards
     keys, accessors, leaves, _ = _keyed_leaves(state)
     mesh: Optional[DeviceMesh] = None
     out: dict[str, torch.Tensor] = {}
     for key, accessor, leaf in zip(keys, accessors, leaves):
         if leaf is None or _must_match(accessor):
             continue
-        shards = next((e.entry for e in accessor if is_key_of_shards(getattr(e, "entry", None))), None)
+        shards = next((e.entry for e in accessor if getattr(e, "entry", None) in of_shards), None)
         if shards is not None and leaf.dim() == 1:  # a buffer of local shards: per parameter
             out.update(_per_parameter(key, leaf, layout, shards, by_name))
             continue
