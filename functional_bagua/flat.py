@@ -18,10 +18,11 @@ local shards: each rank's buffers hold its own shards only (``"float32@cpu:shard
 dtype, device and placement), so the optimizer state of a fused update stays sharded, and
 :meth:`FlatLayout.unflatten` gives the local shards back (write them into ``p.to_local()``).
 Elementwise transforms run on them as on whole tensors, and so do rules that only need sums
-over each tensor (LAMB's and LARS's norms: this rank's parts summed across the ranks); a rule
-that needs the whole tensor (a factored moment, an orthogonalization, a preconditioner), which
-would see a part of it only, refuses inside :func:`~functional_bagua.fuse` with a
-NotImplementedError.
+over each tensor (LAMB's and LARS's norms: this rank's parts summed across the ranks) or its
+shape (Muon's shape factor); a stateless rule that needs the whole tensor (Muon's
+orthogonalization) gets it gathered to one rank (:mod:`functional_bagua.distributed.whole_tensors`);
+a rule that keeps state of the whole tensor (a factored moment, a preconditioner) refuses inside
+:func:`~functional_bagua.fuse` with a NotImplementedError.
 
 Flat buffers are a pytree too (a dict by group key), so any transform runs over them: elementwise
 math becomes one kernel per group whatever the number of tensors (see :mod:`functional_bagua.fusion`).
@@ -206,6 +207,7 @@ class FlatLayout:
         }
         self._by_shape = {key: by_shape(group.segments) for key, group in self.groups.items()}
         self.meshes: dict[str, Any] = {}  # the DeviceMesh of each buffer of DTensors' shards (of() fills it)
+        self.dtensor_shapes: dict[str, tuple] = {}  # per buffer of DTensors' shards: each DTensor's shape
 
     @classmethod
     def of(cls, params: Any, max_buffer_mb: Optional[float] = None) -> "FlatLayout":
@@ -240,6 +242,7 @@ class FlatLayout:
         )
         for name, leaf, (key, _) in zip(names, leaves, layout._slots):  # the mesh of each buffer of shards
             if isinstance(leaf, DTensor):
+                layout.dtensor_shapes[key] = (*layout.dtensor_shapes.get(key, ()), tuple(leaf.shape))
                 mesh = layout.meshes.setdefault(key, leaf.device_mesh)
                 if mesh != leaf.device_mesh:
                     raise ValueError(

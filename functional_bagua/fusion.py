@@ -23,7 +23,7 @@ get a gradient at every step (flat gradients always do).
 
 from __future__ import annotations
 
-from typing import Callable, NoReturn, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -32,6 +32,9 @@ from functional_bagua.base import GradientTransformation, OptState, apply_update
 from functional_bagua.compiling import compile_own
 from functional_bagua.flat import FlatLayout
 from functional_bagua.layout_context import run_on_flat_buffers
+
+if TYPE_CHECKING:
+    from functional_bagua.distributed.whole_tensors import OwnerPlan
 
 
 def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformation:
@@ -80,28 +83,54 @@ def fuse(tx: GradientTransformation, layout: FlatLayout) -> GradientTransformati
 
 class LocalShards:
     """Stands in for a layout over DTensors' local shards while a fused update runs: each rank
-    holds a part of each tensor, so a rule that needs whole tensors (a factored moment, an
-    orthogonalization, a preconditioner) asks for the segments, and is refused; a rule that only
-    sums over each tensor (a norm) asks for this rank's lengths and adds its sums up across the
-    ranks (:func:`~functional_bagua.layout_context.summed_across_shards`)."""
+    holds a part of each tensor, so a rule that only sums over each tensor (a norm) asks for
+    this rank's lengths and adds its sums up across the ranks
+    (:func:`~functional_bagua.layout_context.summed_across_shards`); a rule that needs only the
+    whole shapes (Muon's shape factor) asks for them; a stateless rule that needs whole tensors
+    (Muon's orthogonalization) gets them gathered to an owner rank and its rows back
+    (:mod:`functional_bagua.distributed.whole_tensors`); a rule that keeps state of whole tensors
+    (a factored moment, a preconditioner) asks for the segments, and is refused. Buffers of plain
+    or replicated tensors hold whole tensors and give their segments as a layout does."""
 
     is_shard = True  # transforms that reduce across tensors refuse too (layout_context.refuse_on_shards)
 
     def __init__(self, layout: FlatLayout) -> None:
         self.layout = layout
+        self.plans = {key: _owner_plan(layout, key) for key in layout.keys if _sharded_dim(layout, key) is not None}
 
     def refusal(self, name: str, why: str) -> str:
         """The message of a transform refused here (``why`` it needs whole tensors)."""
         return (
             f"{name} cannot run inside fuse() over DTensors' local shards (an FSDP2 model's parameters): {why}, and "
             "each rank holds a part of each tensor. Run it unfused, on the DTensors themselves (fb.Optimizer, or "
-            "the update on the parameter tree), or fuse an elementwise optimizer (sgd, adam, adamw, lion, ...), lamb or lars."
+            "the update on the parameter tree), or fuse an elementwise optimizer (sgd, adam, adamw, lion, ...), "
+            "lamb, lars or muon."
         )
 
-    def segments(self, key: str) -> NoReturn:
-        raise NotImplementedError(
-            self.refusal("a per-tensor rule", f"it needs whole tensors, buffer {key!r} holds shards")
-        )
+    def segments(self, key: str) -> tuple:
+        """The segments of buffer ``key`` where it holds whole tensors; a NotImplementedError where
+        it holds shards."""
+        if key in self.plans:
+            why = (
+                "it keeps state of whole tensors (only stateless rules get them gathered to an owner rank)"
+                if self.plans[key] is not None
+                else f"it needs whole tensors, gathered from Shard(0) shards only (buffer {key!r} is placed "
+                f"{self.layout.groups[key].placement})"
+            )
+            raise NotImplementedError(self.refusal("a per-tensor rule", f"{why}; buffer {key!r} holds shards"))
+        return self.layout.segments(key)
+
+    def owner_plan(self, key: str) -> Optional[OwnerPlan]:
+        """How buffer ``key``'s tensors are gathered whole to their owners, ``None`` where the
+        buffer holds whole tensors already."""
+        return self.plans.get(key)
+
+    def named_shapes(self, key: str) -> list:
+        """``(name, whole shape)`` of each tensor of buffer ``key`` (a DTensor's shape, not its
+        local shard's)."""
+        segments = self.layout.segments(key)
+        shapes = self.layout.dtensor_shapes.get(key) or [seg.shape for seg in segments]
+        return [(seg.name, shape) for seg, shape in zip(segments, shapes)]
 
     def segment_lengths(self, key: str) -> list:
         """The number of elements of this rank's part of each tensor of buffer ``key``."""
@@ -124,14 +153,50 @@ class LocalShards:
                 sums = funcol.wait_tensor(funcol.all_reduce(sums, "sum", mesh.get_group(dim)))
         return sums
 
-    def shape_groups(self, key: str) -> NoReturn:
-        raise NotImplementedError(self.refusal("a rule batching tensors by shape", "it needs whole tensors"))
+    def shape_groups(self, key: str) -> tuple:
+        if key in self.plans:
+            raise NotImplementedError(self.refusal("a rule batching tensors by shape", "it needs whole tensors"))
+        return self.layout.shape_groups(key)
+
+
+def _sharded_dim(layout: FlatLayout, key: str) -> Optional[int]:
+    """The mesh dimension along which buffer ``key``'s tensors are sharded (``None`` where each
+    rank holds them whole: plain or replicated tensors); a NotImplementedError for placements
+    whose whole tensors cannot be gathered (partial sums, more than one sharded dimension, a
+    shard along another dimension than the first)."""
+    kinds = [kind for kind in layout.groups[key].placement.split("-") if kind]
+    sharded = [dim for dim, kind in enumerate(kinds) if kind != "replicate"]
+    if not sharded:
+        return None
+    if len(sharded) > 1 or kinds[sharded[0]] != "shard0":
+        return -1  # refused when a rule asks for whole tensors (LocalShards.owner_plan's caller)
+    return sharded[0]
+
+
+def _owner_plan(layout: FlatLayout, key: str) -> Optional[OwnerPlan]:
+    """The :class:`~functional_bagua.distributed.whole_tensors.OwnerPlan` of buffer ``key``
+    (``None`` where its placement is not one ``Shard(0)``, which stays refused)."""
+    from functional_bagua.distributed.whole_tensors import OwnerPlan  # only where there are shards
+
+    dim = _sharded_dim(layout, key)
+    if dim is None or dim < 0:
+        return None
+    mesh = layout.meshes[key]
+    return OwnerPlan(
+        layout.dtensor_shapes[key],
+        [seg.shape for seg in layout.segments(key)],
+        mesh.get_local_rank(dim),
+        mesh.size(dim),
+        mesh.get_group(dim),
+    )
 
 
 KERNELS = ("auto", "torch", "compiled", "eager")
 
 
-def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "auto") -> Callable[..., None]:
+def fuse_inplace(
+    tx: GradientTransformation, layout: FlatLayout, kernel: str = "auto", compile_options: Optional[dict] = None
+) -> Callable[..., None]:
     """``step_(grads, state, params)``: one fused step that overwrites ``params`` and ``state``
     (made by ``step_.init(params)``, the same as ``fuse(tx, layout).init``) in place, for callers
     that give up their buffers ("donation"). ``kernel`` picks how:
@@ -151,6 +216,8 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
         layout: the :class:`~functional_bagua.FlatLayout` of the parameter tree, as for :func:`fuse`.
         kernel: one of ``"auto"``, ``"torch"``, ``"compiled"``, ``"eager"`` (above); any other raises a
             ValueError, and so does ``"torch"`` for a ``tx`` that torch has no fused kernel for.
+        compile_options: more keyword arguments of ``torch.compile`` for ``"compiled"``
+            (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``); ``None`` for its defaults.
 
     Example::
 
@@ -183,7 +250,7 @@ def fuse_inplace(tx: GradientTransformation, layout: FlatLayout, kernel: str = "
 
         chosen: Callable[..., None] = torch_kernel_step
     elif kernel == "compiled":
-        chosen = compile_own(pure_into_buffers, fullgraph=True)  # its own cache (compiling.py)
+        chosen = compile_own(pure_into_buffers, fullgraph=True, **(compile_options or {}))  # its own cache
     else:
         chosen = pure_into_buffers
     chosen.init = fused.init  # type: ignore[attr-defined]  # the state it steps

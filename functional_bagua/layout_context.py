@@ -113,6 +113,35 @@ def summed_across_shards(key: str, sums: torch.Tensor) -> torch.Tensor:
     return sums if summed is None else summed(key, sums)
 
 
+def whole_shapes_of(key: str) -> tuple:
+    """The shape of each whole tensor of the flat buffer ``key`` in the fused update running now:
+    its segments' shapes, or, where the buffer holds DTensors' local shards, the DTensors' shapes.
+
+    Args:
+        key: the group key of a flat buffer.
+    """
+    layout = active_layout()
+    assert layout is not None, "no fused update is running"
+    named = getattr(layout, "named_shapes", None)
+    return (
+        tuple(shape for _, shape in named(key))
+        if named is not None
+        else tuple(seg.shape for seg in layout.segments(key))
+    )
+
+
+def owner_plan_of(key: str) -> Any:
+    """How the whole tensors of the flat buffer ``key`` are gathered to their owner ranks where it
+    holds DTensors' local shards (an :class:`~functional_bagua.distributed.whole_tensors.OwnerPlan`),
+    ``None`` where it holds whole tensors.
+
+    Args:
+        key: the group key of a flat buffer.
+    """
+    plan = getattr(active_layout(), "owner_plan", None)
+    return None if plan is None else plan(key)
+
+
 def shape_groups_of(key: str, name: str) -> tuple:
     """The tensors of the flat buffer ``key`` in the fused update running now, grouped by shape
     (:meth:`~functional_bagua.FlatLayout.shape_groups`), for rules that batch tensors of one shape.
@@ -146,7 +175,10 @@ def tensor_shapes(params: tree.PyTree) -> list:
     layout = active_layout()
     if layout is None:
         return [(name, tuple(p.shape)) for name, p in zip(names, leaves) if p is not None]
-    return [(seg.name, seg.shape) for key in names for seg in layout.segments(key)]
+    named = getattr(layout, "named_shapes", None)
+    if named is None:
+        return [(seg.name, seg.shape) for key in names for seg in layout.segments(key)]
+    return [pair for key in names for pair in named(key)]  # DTensors' shards: the DTensors' shapes
 
 
 def refuse_inside_fuse(name: str, why: str) -> None:

@@ -30,6 +30,10 @@ with ``donate=True`` may instead overwrite the ``params`` and ``state`` it is gi
 ``donate_argnums``) and runs the kernel in place, as ``torch.optim`` does: the same numbers,
 without the fresh tensors' allocation and page faults.
 
+A model whose parameters are DTensors (FSDP2's ``fully_shard``) gets a step that runs its
+forward and backward through the model, so that FSDP2 gathers and reduce-scatters as it
+schedules, and the update on the shards (:mod:`functional_bagua.sharded_step`).
+
 Data parallel: when ``tx`` is ``chain(allreduce_gradients(...), ...)`` and the step is eager on a
 parameter tree, the all-reduce runs during backward, as torch's DDP runs it: the parameters are
 differentiated as autograd leaves, and a :class:`~functional_bagua.distributed.GradientReducer`
@@ -54,6 +58,7 @@ from functional_bagua.base import GradientTransformation, OptState, apply_update
 from functional_bagua.compiling import compile_own
 from functional_bagua.flat import FlatLayout
 from functional_bagua.fusion import fuse
+from functional_bagua.sharded_step import has_dtensor_parameters, sharded_train_step
 from functional_bagua.tree import PyTree
 
 # inductor's passes that move each collective up to where its input is ready and its wait down to
@@ -133,6 +138,15 @@ def make_train_step(
             f"{type(model).__name__}; pass the model itself (its parameters are the step's params: fb.params_of(model))"
         )
     settings = _leading_allreduce(tx)
+    if has_dtensor_parameters(model):  # FSDP2's: its hooks gather and reduce around our update
+        if settings is not None or cuda_graph:
+            raise ValueError(
+                "make_train_step: the model's parameters are DTensors (FSDP2's), whose gradients FSDP2 reduce-"
+                "scatters itself: drop allreduce_gradients from tx, and pass cuda_graph=False"
+                if settings is not None
+                else "make_train_step: cuda_graph=True does not capture FSDP2's collectives; pass cuda_graph=False"
+            )
+        return sharded_train_step(model, loss_fn, tx, compile, layout, model_arguments, check_batch)
     if cuda_graph:
         if settings is not None:
             raise ValueError(

@@ -20,7 +20,9 @@ BATCH = 6  # per rank
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3)).double()
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    ).double()
 
 
 def global_batches(world_size: int) -> list:
@@ -52,28 +54,40 @@ SUMMING_RULES = {  # norms: this rank's parts summed across the ranks
 }
 
 
-def fused(model: torch.nn.Module, make: Callable = lambda: fb.adamw(1e-2, weight_decay=0.1)) -> tuple:
-    """The named DTensor parameters, their layout (of the local shards), ``fb.fuse(make())`` over
-    it and its initial state."""
-    named = dict(model.named_parameters())
+def fused(
+    model: torch.nn.Module,
+    make: Callable = lambda: fb.adamw(1e-2, weight_decay=0.1),
+    select: Callable = lambda p: True,
+) -> list:
+    """One part: the named DTensor parameters chosen by ``select(p)``, their layout (of the
+    local shards), ``fb.fuse(make())`` over it and its initial state."""
+    named = {name: p for name, p in model.named_parameters() if select(p)}
     layout = fb.FlatLayout.of(named)
     tx = fb.fuse(make(), layout)
-    return named, layout, tx, tx.init(layout.flatten(named))
+    return [named, layout, tx, tx.init(layout.flatten(named))]
 
 
-def fused_steps(model: torch.nn.Module, named: dict, layout, tx, state, batches: list, rank: int):  # noqa: ANN001
-    """Fused steps on this rank's part of each batch, the new local values written into the
-    shards after each; the state after them."""
-    flat = layout.flatten(named)
+def fused_steps(model: torch.nn.Module, parts: list, batches: list, rank: int) -> list:
+    """Fused steps of each part (:func:`fused`, its state replaced) on this rank's part of each
+    batch, the new local values written into the shards after each; per step and part, the
+    collectives its update issued (CommDebugMode's counts, by op)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    flats = [layout.flatten(named) for named, layout, _, _ in parts]
+    counts = []
     for x, y in batches:
-        part = slice(rank * BATCH, (rank + 1) * BATCH)
-        loss_of(model, (x[part], y[part])).backward()
-        updates, state = tx.update(layout.flatten({n: p.grad for n, p in named.items()}), state, flat)
-        flat = fb.apply_updates(flat, updates)
-        with torch.no_grad():
-            fb.tree.copy_into({n: p.to_local() for n, p in named.items()}, layout.unflatten(flat))
+        piece = slice(rank * BATCH, (rank + 1) * BATCH)
+        loss_of(model, (x[piece], y[piece])).backward()
+        counts.append([])
+        for i, (named, layout, tx, state) in enumerate(parts):
+            with CommDebugMode() as comm:
+                updates, parts[i][3] = tx.update(layout.flatten({n: p.grad for n, p in named.items()}), state, flats[i])
+            counts[-1].append({str(op): n for op, n in comm.get_comm_counts().items()})
+            flats[i] = fb.apply_updates(flats[i], updates)
+            with torch.no_grad():
+                fb.tree.copy_into({n: p.to_local() for n, p in named.items()}, layout.unflatten(flats[i]))
         model.zero_grad()
-    return state
+    return counts
 
 
 def fused_on_local_shards(
@@ -82,8 +96,9 @@ def fused_on_local_shards(
     """fb.fuse(make()) over FlatLayout.of(the DTensor parameters) for all the steps: the whole
     parameters, the buffers' keys and the elements of this rank's shards and moments."""
     model = sharded_model()
-    named, layout, tx, state = fused(model, make)
-    state = fused_steps(model, named, layout, tx, state, global_batches(world_size), rank)
+    part = fused(model, make)
+    fused_steps(model, [part], global_batches(world_size), rank)
+    named, layout, _, state = part
     moments = [t for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor) and t.dim() == 1]
     return {
         "params": whole(model),
@@ -91,6 +106,109 @@ def fused_on_local_shards(
         "local elements": sum(p.to_local().numel() for p in named.values()),
         "moment elements": [t.numel() for t in moments],
     }
+
+
+MUON = {"lr": 0.02, "weight_decay": 0.1}
+
+
+def muon_and_adamw() -> fb.GradientTransformation:
+    """Muon on the matrices, AdamW on the rest (the unfused reference)."""
+    labels = lambda params: fb.tree.tree_map(lambda v: "muon" if v.dim() == 2 else "adamw", params)  # noqa: E731
+    return fb.partition({"muon": fb.muon(**MUON), "adamw": fb.adamw(1e-2, weight_decay=0.1)}, labels)
+
+
+def fused_muon_on_local_shards(rank: int, world_size: int) -> dict:
+    """fb.fuse(fb.muon) over the matrices' local shards (each orthogonalized whole by its owner
+    rank), fb.fuse(fb.adamw) over the biases': the whole parameters after all the steps and
+    the collectives of each update."""
+    model = sharded_model()
+    parts = [fused(model, lambda: fb.muon(**MUON), lambda p: p.dim() == 2), fused(model, select=lambda p: p.dim() < 2)]
+    counts = fused_steps(model, parts, global_batches(world_size), rank)
+    return {"params": whole(model), "muon collectives": [step[0] for step in counts]}
+
+
+def optimizer_muon(rank: int, world_size: int) -> dict:
+    """fb.Optimizer(muon on the matrices, adamw on the rest) on the FSDP2 model's DTensors: the
+    whole parameters after all the steps and the collectives of each ``step()``."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = sharded_model()
+    opt = fb.Optimizer(model.parameters(), muon_and_adamw())
+    counts = []
+    for x, y in global_batches(world_size):
+        piece = slice(rank * BATCH, (rank + 1) * BATCH)
+        loss_of(model, (x[piece], y[piece])).backward()
+        with CommDebugMode() as comm:
+            opt.step()
+        counts.append({str(op): n for op, n in comm.get_comm_counts().items()})
+        opt.zero_grad()
+    return {"params": whole(model), "collectives": counts}
+
+
+TRAIN_STEPS = {  # name: (make tx, on flat buffers of the local shards, compile)
+    "tree, eager": (lambda: fb.adamw(1e-2, weight_decay=0.1), False, False),
+    "tree, compiled": (lambda: fb.adamw(1e-2, weight_decay=0.1), False, {"backend": "aot_eager"}),
+    "flat, torch kernel": (lambda: fb.adamw(1e-2, weight_decay=0.1), True, False),
+    # a schedule: no torch kernel, so inductor compiles the fused update
+    "flat, compiled": (lambda: fb.adamw(fb.schedules.constant(1e-2), weight_decay=0.1), True, True),
+}
+
+
+def train_steps(rank: int, world_size: int) -> dict:
+    """fb.make_train_step on the FSDP2 model, each variant of TRAIN_STEPS: the whole parameters
+    after all the steps and the losses."""
+    out = {}
+    for name, (make, flat, compile) in TRAIN_STEPS.items():
+        model = sharded_model()
+        tx, params = make(), fb.params_of(model)
+        layout = fb.FlatLayout.of(params) if flat else None
+        if layout is not None:
+            params = layout.flatten(params)
+        state = (fb.fuse(tx, layout) if layout is not None else tx).init(params)
+        step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=compile, layout=layout)
+        losses = []
+        for x, y in global_batches(world_size):
+            piece = slice(rank * BATCH, (rank + 1) * BATCH)
+            params, state, loss = step(params, state, (x[piece], y[piece]))
+            losses.append(loss)
+        out[name] = {"params": whole(model), "losses": losses}
+    return out
+
+
+def mixed_precision(rank: int, world_size: int) -> dict:
+    """FSDP2 with bfloat16 compute and float32 gradient reduction over a float32 model:
+    fb.make_train_step with AdamW fused over the float32 shards (the master weights), and
+    FSDP2 + torch.optim.AdamW(fused=True) on the same model: the whole parameters of each, the
+    keys and dtypes of the fused state."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    batches = [(x.float(), y.float()) for x, y in global_batches(world_size)]
+    piece = slice(rank * BATCH, (rank + 1) * BATCH)
+    out: dict = {}
+    for name in ("fb", "torch"):
+        model = make_model().float()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        if name == "torch":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+            for x, y in batches:
+                torch.nn.functional.mse_loss(model(x[piece]), y[piece]).backward()
+                opt.step()
+                opt.zero_grad()
+        else:
+            tx, layout = fb.adamw(1e-2, weight_decay=0.1), fb.FlatLayout.of(fb.params_of(model))
+            params = layout.flatten(fb.params_of(model))
+            state = fb.fuse(tx, layout).init(params)
+            step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, layout=layout)
+            for x, y in batches:
+                params, state, _ = step(params, state, (x[piece], y[piece]))
+            out["keys"] = layout.keys
+            out["state dtypes"] = sorted({str(t.dtype) for t in fb.tree.flatten(state)[0] if t.dim() == 1})
+        out[name] = whole(model)
+    return out
 
 
 def whole(model: torch.nn.Module) -> dict:
@@ -110,9 +228,8 @@ def torch_adamw(rank: int, world_size: int) -> dict:
     return {"params": whole(model)}
 
 
-PER_TENSOR_RULES = {
+PER_TENSOR_RULES = {  # each keeps state of whole tensors
     "adafactor": lambda: fb.adafactor(1e-2),
-    "muon": lambda: fb.muon(lr=0.02),
     "soap": lambda: fb.soap(),
     "shampoo": lambda: fb.shampoo(),
     "psgd_kron": lambda: fb.psgd_kron(),
@@ -138,6 +255,32 @@ def refused_per_tensor_rules(rank: int, world_size: int) -> dict:
     return out
 
 
+def refused_train_steps(rank: int, world_size: int) -> dict:
+    """make_train_step on the FSDP2 model given what it refuses: the error's text, or None."""
+    from functional_bagua.distributed import allreduce_gradients
+
+    model = sharded_model()
+    x, y = global_batches(world_size)[0]
+    batch = (x[:BATCH], y[:BATCH])
+    mse = torch.nn.functional.mse_loss
+    cases = {
+        "allreduce_gradients": lambda: fb.make_train_step(model, mse, fb.chain(allreduce_gradients(), fb.adamw(1e-2))),
+        "copies as params": lambda: fb.make_train_step(model, mse, fb.adamw(1e-2), compile=False)(
+            {n: p.detach().clone() for n, p in fb.params_of(model).items()},
+            fb.adamw(1e-2).init(fb.params_of(model)),
+            batch,
+        ),
+    }
+    out: dict = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as error:
+            out[name] = str(error)
+    return out
+
+
 def refused_flattening(rank: int, world_size: int) -> dict:
     """flatten_parameters and flatten_module on DTensor parameters: the error's text, or None."""
     out: dict = {}
@@ -153,35 +296,30 @@ def refused_flattening(rank: int, world_size: int) -> dict:
     return out
 
 
-def dcp_save(rank: int, world_size: int) -> dict:
-    """The first half of the steps, then the model and the fused state saved with DCP to $FB_DCP_DIR."""
+def dcp_leg(rank: int, world_size: int) -> dict:
+    """One leg of a run interrupted by checkpoints: the model and fused state loaded with DCP
+    from $FB_DCP_LOAD (when set), the steps $FB_DCP_STEPS ("first:last") of the global
+    batches of this world size, then both saved to $FB_DCP_SAVE (when set): the saved state's
+    keys and the whole parameters."""
     import torch.distributed.checkpoint as dcp
 
     import functional_bagua.distributed as fbd
 
     model = sharded_model()
-    named, layout, tx, state = fused(model)
-    state = fused_steps(model, named, layout, tx, state, global_batches(world_size)[: STEPS // 2], rank)
-    saved = {"model": model.state_dict(), "opt": fbd.distributed_state_dict(state, named)}
-    dcp.save(saved, checkpoint_id=os.environ["FB_DCP_DIR"])
-    return {"opt keys": sorted(saved["opt"])}
+    part = fused(model)
+    named, _, _, state = part
 
+    def checkpoint() -> dict:
+        return {"model": model.state_dict(), "opt": fbd.distributed_state_dict(part[3], named)}
 
-def dcp_resume(rank: int, world_size: int) -> dict:
-    """Model and fused state loaded with DCP from $FB_DCP_DIR, then the second half of the steps:
-    the whole parameters."""
-    import torch.distributed.checkpoint as dcp
-
-    import functional_bagua.distributed as fbd
-
-    model = sharded_model()
-    named, layout, tx, state = fused(model)
-    dcp.load(
-        {"model": model.state_dict(), "opt": fbd.distributed_state_dict(state, named)},
-        checkpoint_id=os.environ["FB_DCP_DIR"],
-    )
-    fused_steps(model, named, layout, tx, state, global_batches(world_size)[STEPS // 2 :], rank)
-    return whole(model)
+    if os.environ.get("FB_DCP_LOAD"):
+        dcp.load(checkpoint(), checkpoint_id=os.environ["FB_DCP_LOAD"])
+    first, last = map(int, os.environ["FB_DCP_STEPS"].split(":"))
+    fused_steps(model, [part], global_batches(world_size)[first:last], rank)
+    saved = checkpoint()
+    if os.environ.get("FB_DCP_SAVE"):
+        dcp.save(saved, checkpoint_id=os.environ["FB_DCP_SAVE"])
+    return {"opt keys": sorted(saved["opt"]), "params": whole(model)}
 
 
 def all_scenarios(rank: int, world_size: int) -> dict:
@@ -189,8 +327,13 @@ def all_scenarios(rank: int, world_size: int) -> dict:
         "flattening": refused_flattening(rank, world_size),
         "fused": fused_on_local_shards(rank, world_size),
         **{name: fused_on_local_shards(rank, world_size, make) for name, make in SUMMING_RULES.items()},
+        "muon": fused_muon_on_local_shards(rank, world_size),
+        "optimizer muon": optimizer_muon(rank, world_size),
         "torch": torch_adamw(rank, world_size),
+        "train steps": train_steps(rank, world_size),
+        "mixed precision": mixed_precision(rank, world_size),
         "refused": refused_per_tensor_rules(rank, world_size),
+        "refused steps": refused_train_steps(rank, world_size),
     }
     dist.barrier()
     return out

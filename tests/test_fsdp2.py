@@ -7,9 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
-from fsdp2_scenarios import PER_TENSOR_RULES, STEPS, SUMMING_RULES, global_batches, loss_of, make_model
+from fsdp2_scenarios import (
+    PER_TENSOR_RULES,
+    STEPS,
+    SUMMING_RULES,
+    TRAIN_STEPS,
+    global_batches,
+    loss_of,
+    make_model,
+    muon_and_adamw,
+)
 
 import functional_bagua as fb
+from functional_bagua.distributed.whole_tensors import OwnerPlan, rows_per_rank
 
 pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU")
 
@@ -58,12 +68,74 @@ def test_norms_over_local_shards_are_the_whole_tensors_norms(ranks, name):
             )
 
 
+def test_fused_muon_orthogonalizes_each_whole_matrix_on_its_owner_with_two_collectives_a_step(ranks):
+    """Muon fused over the matrices' local shards: each matrix gathered whole to one rank,
+    orthogonalized there, its rows sent back (two all-to-alls per step for all the matrices),
+    equal to one process on the whole matrices (Newton-Schulz in bfloat16 on the same values)."""
+    expected = one_process_of(muon_and_adamw(), len(ranks))
+    for rank, result in enumerate(ranks):
+        for key, want in expected.items():
+            torch.testing.assert_close(
+                result["muon"]["params"][key], want, rtol=1e-12, atol=1e-14, msg=lambda m: f"rank {rank} {key}: {m}"
+            )
+        for step in result["muon"]["muon collectives"]:
+            assert step == {"c10d_functional.all_to_all_single": 2}, (rank, step)
+
+
+def test_optimizer_muon_on_dtensors_orthogonalizes_each_whole_matrix_on_its_owner(ranks):
+    """fb.Optimizer(muon) on the FSDP2 model's DTensor parameters: the same gather to owners
+    (two all-to-alls per step), not Newton-Schulz's matmuls on DTensors (a collective each)."""
+    expected = one_process_of(muon_and_adamw(), len(ranks))
+    for rank, result in enumerate(ranks):
+        for key, want in expected.items():
+            torch.testing.assert_close(
+                result["optimizer muon"]["params"][key],
+                want,
+                rtol=1e-12,
+                atol=1e-14,
+                msg=lambda m: f"rank {rank} {key}: {m}",
+            )
+        for step in result["optimizer muon"]["collectives"]:
+            assert step == {"c10d_functional.all_to_all_single": 2}, (rank, step)
+
+
 def test_fused_adamw_on_local_shards_equals_one_process_and_fsdp2_with_torch_adamw(ranks):
     expected = one_process(len(ranks))
     for rank, result in enumerate(ranks):
         for name, want in expected.items():
             for got in (result["fused"]["params"][name], result["torch"]["params"][name]):
                 torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("variant", list(TRAIN_STEPS))
+def test_make_train_step_on_an_fsdp2_model_equals_fsdp2_with_torch_adamw(ranks, variant):
+    """The step runs forward and backward through the FSDP2 model (its gathers and reduce-
+    scatters) and our update on the shards: the parameters of FSDP2 + torch.optim.AdamW."""
+    for rank, result in enumerate(ranks):
+        for name, want in result["torch"]["params"].items():
+            torch.testing.assert_close(
+                result["train steps"][variant]["params"][name],
+                want,
+                rtol=1e-12,
+                atol=1e-14,
+                msg=lambda m: f"rank {rank} {name}: {m}",
+            )
+        assert len(result["train steps"][variant]["losses"]) == STEPS
+
+
+def test_mixed_precision_trains_float32_master_shards_as_fsdp2_with_torch_adamw(ranks):
+    """bfloat16 forward and backward, float32 reduce-scatter: the fused AdamW steps the float32
+    shards FSDP2 keeps (master weights, float32 moments) to the numbers of torch's fused AdamW
+    (within float32 rounding: torch's CPU kernel computes an element in a vector lane or in its
+    scalar tail depending on where it lies, a flat buffer or a tensor of its own)."""
+    for rank, result in enumerate(ranks):
+        got = result["mixed precision"]
+        assert got["keys"] == ["float32@cpu:shard0"] and got["state dtypes"] == ["torch.float32"]
+        for name, want in got["torch"].items():
+            assert got["fb"][name].dtype == torch.float32
+            torch.testing.assert_close(
+                got["fb"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 def test_the_fused_state_holds_this_ranks_shards_only(ranks):
@@ -84,6 +156,33 @@ def test_a_per_tensor_rule_over_local_shards_is_refused_with_the_reason(ranks, n
         assert "local shards" in message and "each rank holds a part of each tensor" in message, message
 
 
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("allreduce_gradients", ["reduce-scatters itself", "drop allreduce_gradients"]),
+        ("copies as params", ["is not the model's parameter", "fb.params_of(model)"]),
+    ],
+)
+def test_make_train_step_on_an_fsdp2_model_refuses_what_would_train_wrong(ranks, case, words):
+    """A second all-reduce of FSDP2's reduced gradients; parameters that are copies (the step
+    writes into the model's shards, which FSDP2 gathers, so copies would not train)."""
+    for result in ranks:
+        message = result["refused steps"][case]
+        assert message is not None and all(word in message for word in words), message
+
+
+def test_rows_per_rank_are_torch_chunks_split():
+    for rows in range(12):
+        for world_size in range(1, 6):
+            chunks = [len(c) for c in torch.arange(rows).chunk(world_size)] if rows else []
+            assert rows_per_rank(rows, world_size) == chunks + [0] * (world_size - len(chunks)), (rows, world_size)
+
+
+def test_an_owner_plan_refuses_shards_of_another_split():
+    with pytest.raises(ValueError, match=r"local shard of shape \(4, 3\) on rank 1.*gives \(3, 3\)"):
+        OwnerPlan([(10, 3)], [(4, 3)], rank=1, world_size=4, group=None)
+
+
 @pytest.mark.parametrize("name", ["flatten_parameters", "flatten_module"])
 def test_re_pointing_dtensor_parameters_into_flat_buffers_is_refused(ranks, name):
     """FSDP2 owns its shards: p.data = view would leave them where they are (the buffers' writes lost)."""
@@ -93,26 +192,34 @@ def test_re_pointing_dtensor_parameters_into_flat_buffers_is_refused(ranks, name
         assert "DTensors" in message and "p.to_local()" in message
 
 
-def test_a_fused_state_over_local_shards_saved_with_dcp_resumes_on_another_number_of_ranks(tmp_path, monkeypatch):
-    """Saved on 2 ranks after half the steps (each buffer's piece of a parameter as a DTensor of
-    that parameter), resumed on 4: the parameters of one process running AdamW through the
-    same global batches."""
-    monkeypatch.setenv("FB_DCP_DIR", str(tmp_path))
-    saved = run_ranks(2, ["dcp_save"], module="fsdp2_scenarios")
-    assert not isinstance(saved[0].get("dcp_save"), ScenarioError), saved[0].get("dcp_save")
-    assert any(key.endswith("/0.weight") for key in saved[0]["dcp_save"]["opt keys"])  # per parameter
-    resumed = run_ranks(4, ["dcp_resume"], module="fsdp2_scenarios")
+def test_a_fused_state_over_local_shards_saved_with_dcp_resumes_on_other_numbers_of_ranks(tmp_path, monkeypatch):
+    """A run on 4 ranks saved after its first step (each buffer's piece of a parameter as a
+    DTensor of that parameter), resumed on 2 for two steps and saved, resumed on 3 (uneven
+    shards) for the last: the parameters of one process running AdamW through the same global
+    batches."""
+    legs = [(4, None, "a", (0, 1)), (2, "a", "b", (1, 3)), (3, "b", None, (3, STEPS))]
+    for world_size, load, save, (first, last) in legs:
+        monkeypatch.setenv("FB_DCP_LOAD", str(tmp_path / load) if load else "")
+        monkeypatch.setenv("FB_DCP_SAVE", str(tmp_path / save) if save else "")
+        monkeypatch.setenv("FB_DCP_STEPS", f"{first}:{last}")
+        results = run_ranks(world_size, ["dcp_leg"], module="fsdp2_scenarios")
+        for rank, result in enumerate(results):
+            got = result.get("dcp_leg")
+            assert not isinstance(got, ScenarioError) and got is not None, (world_size, rank, got)
+    assert any(key.endswith("/0.weight") for key in got["opt keys"])  # per parameter
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    half = STEPS // 2
-    for batch in global_batches(2)[:half] + global_batches(4)[half:]:
-        loss_of(model, batch).backward()
-        opt.step()
-        opt.zero_grad()
-    for rank, result in enumerate(resumed):
-        got = result.get("dcp_resume")
-        assert not isinstance(got, ScenarioError) and got is not None, got
+    for world_size, _, _, (first, last) in legs:
+        for batch in global_batches(world_size)[first:last]:
+            loss_of(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+    for rank, result in enumerate(results):
         for name, p in model.named_parameters():
             torch.testing.assert_close(
-                got[name], p.detach(), rtol=1e-12, atol=1e-14, msg=lambda m: f"rank {rank} {name}: {m}"
+                result["dcp_leg"]["params"][name],
+                p.detach(),
+                rtol=1e-12,
+                atol=1e-14,
+                msg=lambda m: f"rank {rank} {name}: {m}",
             )

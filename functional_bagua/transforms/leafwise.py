@@ -252,7 +252,9 @@ def stateless(
     instead of a loop over the segments. A rule that only sums over each segment may run where
     the buffer holds DTensors' local shards, taking its sums across the ranks with
     :func:`~functional_bagua.segments.norms_of_whole_tensors` (``lengths`` are then this rank's
-    parts).
+    parts). Without ``per_buffer``, a per-tensor rule gets whole tensors there too: each gathered
+    to an owner rank, which runs the rule (with the whole parameter where ``needs_params``, else
+    ``p`` is ``None``), and its rows sent back (:mod:`functional_bagua.distributed.whole_tensors`).
 
     Args:
         update_leaf: ``update_leaf(u, p) -> new_u``, called on each update that is not ``None``
@@ -301,6 +303,8 @@ def stateless(
         keys = _segmented_keys(x.spec, per_tensor)
         new: list[Optional[torch.Tensor]] = [None] * len(x.updates)
         singles = list(x.singles)
+        if per_tensor and per_buffer is None and keys is None:  # FSDP2's row-sharded DTensors: whole on owners
+            singles = _map_row_sharded(leaf_rule, x, singles, new, needs_params, name)
         columns = [x.updates, x.params]
         for members in x.groups:
             us = foreach.run_grouped(leaf_rule, columns, members)
@@ -315,6 +319,8 @@ def stateless(
                 if keys is None
                 else per_buffer(u, p, layout_context.segment_lengths_of(keys[i]), keys[i]).to(u.dtype)
                 if per_buffer
+                else _map_whole_tensors(leaf_rule, u, p if needs_params else None, keys[i])
+                if layout_context.owner_plan_of(keys[i]) is not None
                 else _map_segments(leaf_rule, u, p, _segments_of(keys[i]))
             )
         return new, state
@@ -373,6 +379,50 @@ def _map_segments(
     return torch.cat(
         [update_leaf(seg.of(u), None if p is None else seg.of(p)).to(u.dtype).reshape(-1) for seg in segments]
     )
+
+
+def _map_row_sharded(
+    update_leaf: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
+    x: LeafLists,
+    singles: list,
+    new: list,
+    needs_params: bool,
+    name: str,
+) -> list:
+    """A stateless per-tensor rule on the DTensors among ``singles`` that are sharded by rows
+    (FSDP2's): each gathered whole to an owner rank, which runs the rule, and its rows sent back,
+    in two collectives per mesh and dtype (:func:`~functional_bagua.distributed.whole_tensors.map_dtensors`),
+    instead of the rule's ops on DTensors (a collective per matmul). Their results go into
+    ``new``; the indices of the other tensors are returned."""
+    from functional_bagua.flat import DTensor
+
+    if not any(isinstance(x.updates[i], DTensor) for i in singles):
+        return singles
+    from functional_bagua.distributed import whole_tensors
+
+    sharded = [i for i in singles if whole_tensors.gatherable(x.updates[i])]
+    if not sharded:
+        return singles
+    params = [x.params[i] if needs_params else None for i in sharded]
+    mapped = whole_tensors.map_dtensors(
+        lambda u, p: update_leaf(u, p).to(u.dtype), [x.updates[i] for i in sharded], params
+    )
+    for i, u in zip(sharded, mapped):
+        new[i] = _update_in(u, x.updates[i].dtype, name)
+    done = set(sharded)
+    return [i for i in singles if i not in done]
+
+
+def _map_whole_tensors(
+    update_leaf: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
+    u: torch.Tensor,
+    p: Optional[torch.Tensor],
+    key: str,
+) -> torch.Tensor:
+    """A stateless per-tensor rule on the whole tensors of a flat buffer of DTensors' local
+    shards: each computed by its owner rank, this rank's rows of the results back in one buffer
+    (:mod:`functional_bagua.distributed.whole_tensors`)."""
+    return layout_context.owner_plan_of(key).map(lambda whole, whole_p: update_leaf(whole, whole_p).to(u.dtype), u, p)
 
 
 def _field_leaves(spec: optree.PyTreeSpec, state: NamedTuple, field: str, name: str, segmented: bool = False) -> list:

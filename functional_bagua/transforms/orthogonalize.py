@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from functional_bagua import layout_context
 from functional_bagua.base import GradientTransformation
 from functional_bagua.transforms.leafwise import stateless
 
@@ -118,4 +119,15 @@ def scale_by_shape(adjust_lr_fn: Optional[str] = None) -> GradientTransformation
         tx = fb.chain(fb.orthogonalize(), fb.scale_by_shape("match_rms_adamw"), fb.scale_by_learning_rate(0.02))
     """
     shape_factor((1, 1), adjust_lr_fn)  # validates the name
-    return stateless(lambda u, p: u * shape_factor(u.shape, adjust_lr_fn), name="scale_by_shape", per_tensor=True)
+
+    def per_buffer(u: torch.Tensor, p: Optional[torch.Tensor], lengths: list, key: str) -> torch.Tensor:
+        """Each segment times its whole tensor's factor (a DTensor's shard: the whole DTensor's)."""
+        factors = [shape_factor(shape, adjust_lr_fn) for shape in layout_context.whole_shapes_of(key)]
+        return torch.cat([piece * factor for piece, factor in zip(u.split(lengths), factors)])
+
+    return stateless(
+        lambda u, p: u * shape_factor(u.shape, adjust_lr_fn),
+        name="scale_by_shape",
+        per_tensor=True,
+        per_buffer=per_buffer,
+    )
