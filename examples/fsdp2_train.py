@@ -1,16 +1,18 @@
-"""A small transformer sharded with FSDP2 (``fully_shard``), trained by a fused AdamW over the
-flat buffers of each rank's local shards: the optimizer state stays sharded.
+"""A small transformer sharded with FSDP2 (``fully_shard``), trained by ``fb.make_train_step``
+with AdamW fused over the flat buffers of each rank's local shards: the optimizer state stays sharded.
 
     torchrun --nproc-per-node 2 examples/fsdp2_train.py
     torchrun --nproc-per-node 4 examples/fsdp2_train.py --steps 50 --dtype float32
 
 Runs on CPU with gloo (NCCL when CUDA is available). ``fb.FlatLayout.of`` of the model's DTensor
-parameters lays out their local shards (``"float32@cpu:shard0"``); the fused update runs on them
-and its new values are written back into the shards. Each rank prints the bytes of its optimizer
-state next to what the whole model's state takes; at the end the script compares the parameters
-with FSDP2 + ``torch.optim.AdamW`` run on the same batches and says how far apart they are. In
-float64 (the default here) that is rounding alone (about 1e-12); in float32 Adam's division by
-small second moments lets the two roundings drift further apart over the steps.
+parameters lays out their local shards (``"float32@cpu:shard0"``); the step runs forward and
+backward through the model (FSDP2 gathers the parameters and reduce-scatters the gradients), the
+fused update on the shards (torch's fused AdamW kernel, in place) and writes the new values into
+them. Each rank prints the bytes of its optimizer state next to what the whole model's state
+takes; at the end the script compares the parameters with FSDP2 + ``torch.optim.AdamW`` run on
+the same batches and says how far apart they are. In float64 (the default here) that is rounding
+alone (about 1e-12); in float32 Adam's division by small second moments lets the two roundings
+drift further apart over the steps.
 """
 
 from __future__ import annotations
@@ -48,26 +50,24 @@ def batches(steps: int, rank: int, device: torch.device, dtype: torch.dtype):
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(x).mean(dim=1), y)
+    return mse(model(x), y)
+
+
+def mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of the model's outputs (one per token) against each sequence's target."""
+    return torch.nn.functional.mse_loss(outputs.mean(dim=1), targets)
 
 
 def train_fused(steps: int, rank: int, device: torch.device, dtype: torch.dtype, lr: float) -> tuple:
     model = shard(make_model(device, dtype))
-    named = dict(model.named_parameters())
-    layout = fb.FlatLayout.of(named)  # each rank's local shards
-    tx = fb.fuse(fb.adamw(lr, weight_decay=0.01), layout)
-    flat = layout.flatten(named)
-    state = tx.init(flat)
+    tx = fb.adamw(lr, weight_decay=0.01)
+    layout = fb.FlatLayout.of(fb.params_of(model))  # each rank's local shards
+    params = layout.flatten(fb.params_of(model))
+    state = fb.fuse(tx, layout).init(params)
+    step = fb.make_train_step(model, mse, tx, layout=layout)  # FSDP2's collectives, our update on the shards
     losses = []
-    for x, y in batches(steps, rank, device, dtype):
-        loss = loss_of(model, x, y)
-        loss.backward()
-        grads = layout.flatten({name: p.grad for name, p in named.items()})
-        updates, state = tx.update(grads, state, flat)
-        flat = fb.apply_updates(flat, updates)
-        with torch.no_grad():  # the new values into the shards FSDP2 gathers for the next forward
-            fb.tree.copy_into({name: p.to_local() for name, p in named.items()}, layout.unflatten(flat))
-        model.zero_grad()
+    for batch in batches(steps, rank, device, dtype):
+        params, state, loss = step(params, state, batch)
         losses.append(loss.item())
     state_bytes = sum(t.nbytes for t in fb.tree.flatten(state)[0] if isinstance(t, torch.Tensor))
     return model, losses, state_bytes

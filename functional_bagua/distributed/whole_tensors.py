@@ -12,8 +12,9 @@ cost ``rows * cols * min(rows, cols)``), and per flat buffer::
     out[t]   = rule(whole[t])                             on the owner only
     rows     = all_to_all(rows of out[t] -> their rank)   one collective for all tensors
 
-so the collectives per step are two per buffer, whatever the number of tensors, and each rank
-computes the whole-tensor rule for its own tensors only (about ``1/n`` of the work).
+so the collectives per step are two per buffer, whatever the number of tensors (none on one
+rank), and each rank computes the whole-tensor rule for its own tensors only (about ``1/n`` of
+the work, uneven by at most the costliest tensor's).
 
 :class:`OwnerPlan` holds the bookkeeping of one buffer (plain Python numbers, computed once:
 compiled steps read them as constants); :func:`~functional_bagua.fuse` uses it for stateless
@@ -114,9 +115,13 @@ class OwnerPlan:
             for buffer in buffers
         ]
         send = torch.cat(pieces) if pieces else buffers[0].new_empty(0)
-        received = funcol.wait_tensor(
-            funcol.all_to_all_single(
-                send, [k * n for n in self.received_from], [k * n for n in self.sent_to], self.group
+        received = (
+            send
+            if self.world_size == 1  # every tensor whole here already
+            else funcol.wait_tensor(
+                funcol.all_to_all_single(
+                    send, [k * n for n in self.received_from], [k * n for n in self.sent_to], self.group
+                )
             )
         )
         per_buffer: list[list] = [[[] for _ in self.owned] for _ in buffers]
@@ -145,7 +150,11 @@ class OwnerPlan:
                 start = sum(self.rows[t][:s]) * self.row_numel[t]
                 pieces.append(flat[j][start : start + self.rows[t][s] * self.row_numel[t]])
         send = torch.cat(pieces) if pieces else like.new_empty(0)
-        received = funcol.wait_tensor(funcol.all_to_all_single(send, self.sent_to, self.received_from, self.group))
+        received = (
+            send
+            if self.world_size == 1
+            else funcol.wait_tensor(funcol.all_to_all_single(send, self.sent_to, self.received_from, self.group))
+        )
         local: list[Optional[torch.Tensor]] = [None] * len(self.whole_shapes)
         offset = 0
         for o in range(self.world_size):  # from owner o: our rows of its tensors
