@@ -35,6 +35,7 @@ without a copy: :func:`span` views them as one, :func:`split_like` is its invers
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
@@ -42,10 +43,17 @@ import torch
 
 from functional_bagua import tree
 
-try:  # a torch built without torch.distributed has no DTensors either
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-except ImportError:  # pragma: no cover
-    DTensor = Partial = Replicate = Shard = ()  # type: ignore[assignment,misc]
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor. Asked of ``torch.distributed.tensor`` only once something has
+    imported it (FSDP2, DTensor's users): until then nothing can be a DTensor, and importing it
+    here would cost every process that never uses one (half a second of each spawned rank).
+
+    Args:
+        t: any object.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 class Segment(NamedTuple):
@@ -133,10 +141,12 @@ def placement_of(t: torch.Tensor) -> str:
     Args:
         t: a tensor, a DTensor (an FSDP2 parameter or gradient) or not.
     """
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return ""
+    from torch.distributed.tensor import Partial, Replicate, Shard  # imported: t is a DTensor
+
     names = []
-    for placement in t.placements:
+    for placement in t.placements:  # type: ignore[attr-defined]  # a DTensor
         if isinstance(placement, Shard):
             names.append(f"shard{placement.dim}")
         elif isinstance(placement, Replicate):
@@ -150,7 +160,7 @@ def placement_of(t: torch.Tensor) -> str:
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local shard (sharing its storage), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 class FlatLayout:
@@ -241,7 +251,7 @@ class FlatLayout:
             None if max_buffer_mb is None else int(max_buffer_mb * 2**20),
         )
         for name, leaf, (key, _) in zip(names, leaves, layout._slots):  # the mesh of each buffer of shards
-            if isinstance(leaf, DTensor):
+            if is_dtensor(leaf):
                 layout.dtensor_shapes[key] = (*layout.dtensor_shapes.get(key, ()), tuple(leaf.shape))
                 mesh = layout.meshes.setdefault(key, leaf.device_mesh)
                 if mesh != leaf.device_mesh:

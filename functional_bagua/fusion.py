@@ -102,8 +102,8 @@ class LocalShards:
         """The message of a transform refused here (``why`` it needs whole tensors)."""
         return (
             f"{name} cannot run inside fuse() over DTensors' local shards (an FSDP2 model's parameters): {why}, and "
-            "each rank holds a part of each tensor. Run it unfused, on the DTensors themselves (fb.Optimizer, or "
-            "the update on the parameter tree), or fuse an elementwise optimizer (sgd, adam, adamw, lion, ...), "
+            "each rank holds a part of each tensor. Wrap it, fb.fuse(fbd.on_owners(tx), layout) (each tensor "
+            "gathered whole to an owner rank), or fuse an elementwise optimizer (sgd, adam, adamw, lion, ...), "
             "lamb, lars or muon."
         )
 

@@ -130,6 +130,19 @@ def whole_shapes_of(key: str) -> tuple:
     )
 
 
+def segment_names_of(key: str) -> list:
+    """The name of each tensor of the flat buffer ``key`` in the fused update running now (also
+    where the buffer holds DTensors' local shards).
+
+    Args:
+        key: the group key of a flat buffer.
+    """
+    layout = active_layout()
+    assert layout is not None, "no fused update is running"
+    named = getattr(layout, "named_shapes", None)
+    return [name for name, _ in named(key)] if named is not None else [seg.name for seg in layout.segments(key)]
+
+
 def owner_plan_of(key: str) -> Any:
     """How the whole tensors of the flat buffer ``key`` are gathered to their owner ranks where it
     holds DTensors' local shards (an :class:`~functional_bagua.distributed.whole_tensors.OwnerPlan`),

@@ -44,7 +44,7 @@ import torch
 from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates
 from functional_bagua.compiling import compile_own
-from functional_bagua.flat import DTensor, FlatLayout, local_part
+from functional_bagua.flat import FlatLayout, is_dtensor, local_part
 from functional_bagua.fusion import fuse_inplace
 from functional_bagua.tree import PyTree
 
@@ -53,7 +53,7 @@ NAME = "make_train_step"
 
 def has_dtensor_parameters(model: torch.nn.Module) -> bool:
     """Whether some parameter of ``model`` is a DTensor (FSDP2's ``fully_shard`` made it one)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def sharded_train_step(
@@ -149,7 +149,7 @@ def _check_aliases(params: PyTree, named: dict) -> None:
         )
     for name, p in params.items():
         mine = local_part(named[name])
-        if not isinstance(p, DTensor) or (mine.numel() and local_part(p).data_ptr() != mine.data_ptr()):
+        if not is_dtensor(p) or (mine.numel() and local_part(p).data_ptr() != mine.data_ptr()):
             raise ValueError(
                 f"{NAME}: params[{name!r}] is not the model's parameter (FSDP2 trains the parameters it holds): "
                 "pass fb.params_of(model), which aliases them"

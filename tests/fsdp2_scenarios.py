@@ -6,7 +6,7 @@ one process and with FSDP2 + torch.optim."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,10 +67,13 @@ def fused(
     return [named, layout, tx, tx.init(layout.flatten(named))]
 
 
-def fused_steps(model: torch.nn.Module, parts: list, batches: list, rank: int) -> list:
+def fused_steps(
+    model: torch.nn.Module, parts: list, batches: list, rank: int, whole_grads: Optional[list] = None
+) -> list:
     """Fused steps of each part (:func:`fused`, its state replaced) on this rank's part of each
     batch, the new local values written into the shards after each; per step and part, the
-    collectives its update issued (CommDebugMode's counts, by op)."""
+    collectives its update issued (CommDebugMode's counts, by op). ``whole_grads``, when given,
+    gets each step's gradients, whole (FSDP2's averages)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     flats = [layout.flatten(named) for named, layout, _, _ in parts]
@@ -78,6 +81,8 @@ def fused_steps(model: torch.nn.Module, parts: list, batches: list, rank: int) -
     for x, y in batches:
         piece = slice(rank * BATCH, (rank + 1) * BATCH)
         loss_of(model, (x[piece], y[piece])).backward()
+        if whole_grads is not None:
+            whole_grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         counts.append([])
         for i, (named, layout, tx, state) in enumerate(parts):
             with CommDebugMode() as comm:
@@ -228,6 +233,32 @@ def torch_adamw(rank: int, world_size: int) -> dict:
     return {"params": whole(model)}
 
 
+ON_OWNERS = {  # whole-tensor rules with state, each tensor's on its owner rank
+    "adafactor": lambda: fb.adafactor(1e-2),
+    "soap": lambda: fb.soap(lr=3e-3, precondition_frequency=2),
+}
+
+
+def on_owners_over_local_shards(rank: int, world_size: int, make: Callable) -> dict:
+    """fb.fuse(fbd.on_owners(make())) over the local shards: the whole parameters after all the
+    steps and the whole gradients of each, the elements of this rank's state, the collectives of
+    each update, and what distributed_state_dict says of the state."""
+    import functional_bagua.distributed as fbd
+
+    model = sharded_model()
+    part = fused(model, lambda: fbd.on_owners(make()))
+    grads: list = []
+    counts = fused_steps(model, [part], global_batches(world_size), rank, grads)
+    held = [t for t in fb.tree.flatten(part[3].inner)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    try:
+        fbd.distributed_state_dict(part[3], part[0])
+        refused = None
+    except NotImplementedError as error:
+        refused = str(error)
+    out = {"params": whole(model), "state elements": sum(t.numel() for t in held), "collectives": counts}
+    return {**out, "dcp refused": refused, "whole grads": grads}
+
+
 PER_TENSOR_RULES = {  # each keeps state of whole tensors
     "adafactor": lambda: fb.adafactor(1e-2),
     "soap": lambda: fb.soap(),
@@ -329,6 +360,10 @@ def all_scenarios(rank: int, world_size: int) -> dict:
         **{name: fused_on_local_shards(rank, world_size, make) for name, make in SUMMING_RULES.items()},
         "muon": fused_muon_on_local_shards(rank, world_size),
         "optimizer muon": optimizer_muon(rank, world_size),
+        **{
+            f"on owners, {name}": on_owners_over_local_shards(rank, world_size, make)
+            for name, make in ON_OWNERS.items()
+        },
         "torch": torch_adamw(rank, world_size),
         "train steps": train_steps(rank, world_size),
         "mixed precision": mixed_precision(rank, world_size),

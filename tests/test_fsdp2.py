@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
 from fsdp2_scenarios import (
+    ON_OWNERS,
     PER_TENSOR_RULES,
     STEPS,
     SUMMING_RULES,
@@ -55,6 +56,16 @@ def one_process_of(tx: fb.GradientTransformation, world_size: int) -> dict:
     return params
 
 
+def one_process_on(tx: fb.GradientTransformation, grads: list) -> dict:
+    """``tx`` unfused on the whole model's parameter tree, stepped with the given gradients."""
+    params = {name: p.detach() for name, p in make_model().named_parameters()}
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    return params
+
+
 @pytest.mark.parametrize("name", list(SUMMING_RULES))
 def test_norms_over_local_shards_are_the_whole_tensors_norms(ranks, name):
     """LAMB's and LARS's per-tensor norms and clip_by_global_norm's global norm: this rank's
@@ -80,6 +91,31 @@ def test_fused_muon_orthogonalizes_each_whole_matrix_on_its_owner_with_two_colle
             )
         for step in result["muon"]["muon collectives"]:
             assert step == {"c10d_functional.all_to_all_single": 2}, (rank, step)
+
+
+@pytest.mark.parametrize("name", list(ON_OWNERS))
+def test_on_owners_runs_a_whole_tensor_rule_with_state_on_each_tensors_owner(ranks, name):
+    """fbd.on_owners(Adafactor or SOAP) fused over the local shards: each tensor's gradient and
+    parameter gathered whole to its owner rank, which keeps its state (the ranks' states add up
+    to one process's), two all-to-alls a step; the parameters of one process running the
+    transform unfused on the same gradients (FSDP2's averages: SOAP's eigenbases of rank-deficient
+    statistics turn with the last bits of a gradient, so one process's own sums would not do)."""
+    expected = one_process_on(ON_OWNERS[name](), ranks[0][f"on owners, {name}"]["whole grads"])
+    params = {k: p.detach() for k, p in make_model().named_parameters()}
+    layout = fb.FlatLayout.of(params)  # the owners run it fused: per-buffer vectors (counts) included
+    whole_state = fb.tree.flatten(fb.fuse(ON_OWNERS[name](), layout).init(layout.flatten(params)))[0]
+    held = sum(t.numel() for t in whole_state if isinstance(t, torch.Tensor) and t.dim() > 0)
+    assert sum(result[f"on owners, {name}"]["state elements"] for result in ranks) == held
+    for rank, result in enumerate(ranks):
+        got = result[f"on owners, {name}"]
+        for key, want in expected.items():
+            torch.testing.assert_close(
+                got["params"][key], want, rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {key}: {m}"
+            )
+        for step in got["collectives"]:
+            assert step == [{"c10d_functional.all_to_all_single": 2}], (rank, step)
+        # each rank's state is its own tensors': DCP would save one rank's and load it into all
+        assert "on_owners' state" in got["dcp refused"] and "torch.save(fb.state_dict(state))" in got["dcp refused"]
 
 
 def test_optimizer_muon_on_dtensors_orthogonalizes_each_whole_matrix_on_its_owner(ranks):
@@ -154,6 +190,7 @@ def test_a_per_tensor_rule_over_local_shards_is_refused_with_the_reason(ranks, n
         message = result["refused"][name]
         assert message is not None, f"rank {rank} ran on"
         assert "local shards" in message and "each rank holds a part of each tensor" in message, message
+        assert "fbd.on_owners(tx)" in message, message
 
 
 @pytest.mark.parametrize(
@@ -169,6 +206,19 @@ def test_make_train_step_on_an_fsdp2_model_refuses_what_would_train_wrong(ranks,
     for result in ranks:
         message = result["refused steps"][case]
         assert message is not None and all(word in message for word in words), message
+
+
+def test_on_owners_outside_a_fused_update_over_shards_says_where_it_runs():
+    import functional_bagua.distributed as fbd
+
+    params = {"w": torch.zeros(3, 2)}
+    with pytest.raises(ValueError, match=r"inside fb.fuse\(tx, layout\) over the local shards"):
+        fbd.on_owners(fb.adafactor()).init(params)
+    layout = fb.FlatLayout.of(params)  # plain tensors: whole already
+    with pytest.raises(ValueError, match="use inner itself"):
+        fb.fuse(fbd.on_owners(fb.adafactor()), layout).init(layout.flatten(params))
+    with pytest.raises(TypeError, match="not a GradientTransformation"):
+        fbd.on_owners(fb.adafactor)
 
 
 def test_rows_per_rank_are_torch_chunks_split():

@@ -5,6 +5,7 @@
     tx = fb.chain(fbd.allreduce_gradients(bucket_cap_mb=25), fb.clip_by_global_norm(1.0), fb.adamw(1e-3))
     tx = fbd.shard(fb.adamw(1e-3))                                         # ZeRO: state sharded
     tx = fbd.shard_by_tensor(fb.soap())                                    # ZeRO by whole tensors
+    tx = fb.fuse(fbd.on_owners(fb.soap()), fb.FlatLayout.of(fsdp2_params))  # FSDP2: whole on owners
     tx = fb.chain(fb.sgd(0.1), fbd.periodic_average(period=4))             # local SGD
     tx = fb.chain(fb.sgd(0.1), fbd.decentralized("shift_one"))             # decentralized SGD
 
@@ -29,6 +30,7 @@ from functional_bagua.distributed.process_group import broadcast_params
 from functional_bagua.distributed.reducer import GradientReducer
 from functional_bagua.distributed.sharding import ShardState, shard
 from functional_bagua.distributed.tensor_sharding import TensorShardState, shard_by_tensor
+from functional_bagua.distributed.whole_tensors import OnOwnersState, on_owners
 
 __all__ = [
     "allreduce_gradients",
@@ -36,6 +38,8 @@ __all__ = [
     "ShardState",
     "shard_by_tensor",
     "TensorShardState",
+    "on_owners",
+    "OnOwnersState",
     "periodic_average",
     "decentralized",
     "AveragingState",

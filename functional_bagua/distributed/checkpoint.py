@@ -26,19 +26,22 @@ FSDP2 saves the parameter itself, and loads them into any number of ranks.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from functional_bagua import tree
 from functional_bagua.checkpoint import _escaped, _keyed_leaves, _must_match
 from functional_bagua.distributed.process_group import resolve
 from functional_bagua.distributed.sharding import ShardState
+from functional_bagua.distributed.whole_tensors import OnOwnersState
 from functional_bagua.flat import FlatLayout
 from functional_bagua.tree import PyTree
+
+if TYPE_CHECKING:  # imported where used: DTensor costs every process that imports this module
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 NAME = "distributed_state_dict"
 
@@ -58,6 +61,8 @@ def distributed_state_dict(
         ``{key: tensor}``: views of the state's tensors (DTensors for the shards), so that
         ``torch.distributed.checkpoint.load`` into it restores ``state`` in place.
     """
+    from torch.distributed.device_mesh import DeviceMesh
+
     g = resolve(group, NAME)
     layout = FlatLayout.of(params)
     lengths = {key: grp.numel for key, grp in layout.groups.items()}
@@ -69,6 +74,12 @@ def distributed_state_dict(
     for key, accessor, leaf in zip(keys, accessors, leaves):
         if leaf is None or _must_match(accessor):
             continue
+        if any(getattr(entry, "type", None) is OnOwnersState for entry in accessor):
+            raise NotImplementedError(
+                f"{NAME}: {key!r} is on_owners' state, which each rank keeps for the whole tensors it owns (the "
+                "owners depend on the number of ranks); DCP cannot reshard it. Save it per rank with "
+                "torch.save(fb.state_dict(state)) and resume on as many ranks"
+            )
         shards = next((e.entry for e in accessor if getattr(e, "entry", None) in of_shards), None)
         if shards is not None and leaf.dim() == 1:  # a buffer of local shards: per parameter
             out.update(_per_parameter(key, leaf, layout, shards, by_name))
@@ -86,6 +97,8 @@ def _per_parameter(key: str, buffer: torch.Tensor, layout: FlatLayout, group: st
     """``buffer`` (laid out as the flat buffer ``group`` of DTensors' local shards) as one
     ``DTensor`` per parameter, each a view of its piece with its parameter's shape and placement
     (``key/<name>``); a buffer of another length raises a ValueError."""
+    from torch.distributed.tensor import DTensor
+
     if buffer.numel() != layout.groups[group].numel:
         raise ValueError(
             f"{NAME}: the state's {key!r} has {buffer.numel()} elements, the parameters' local shards in "
@@ -118,6 +131,8 @@ def _shard_buffer(accessor: Any, lengths: dict[str, int]) -> Optional[str]:
 
 def _whole_buffer(piece: torch.Tensor, length: int, rank: int, world_size: int, mesh: DeviceMesh) -> DTensor:
     """This rank's padded piece as the DTensor of the ``length``-element buffer (padding left out)."""
+    from torch.distributed.tensor import DTensor, Shard
+
     chunk = piece.numel()
     if chunk * world_size < length:
         raise ValueError(

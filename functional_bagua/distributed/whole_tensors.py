@@ -29,10 +29,11 @@ Example (under torchrun, ``model`` wrapped by ``fully_shard``)::
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from functional_bagua.base import GradientTransformation
 from functional_bagua.distributed.tensor_sharding import owners_by_size
 
 
@@ -183,13 +184,13 @@ class OwnerPlan:
         return self.scatter([rule(whole_u, whole_p) for whole_u, whole_p in zip(gathered[0], whole_ps)], u)
 
 
-def gatherable(t: object) -> bool:
+def gatherable(t: Any) -> bool:
     """Whether ``t`` is a DTensor whose whole tensor :func:`map_dtensors` gathers: sharded
     ``Shard(0)`` along one mesh dimension (FSDP2's parameters and gradients), replicated along
     any others."""
-    from functional_bagua.flat import DTensor, placement_of
+    from functional_bagua.flat import is_dtensor, placement_of
 
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return False
     kinds = placement_of(t).split("-")
     return kinds.count("shard0") == 1 and all(kind in ("shard0", "replicate") for kind in kinds)
@@ -240,3 +241,129 @@ def map_dtensors(
                 stride=updates[i].stride(),
             )
     return out  # type: ignore[return-value]  # every index filled: each update is in one group
+
+
+class OnOwnersState(NamedTuple):
+    """``rank`` and ``world_size`` (0-dim int64): whose tensors these are; ``inner``: the inner
+    transform's state over the whole tensors this rank owns (fused over their own flat
+    buffers). A checkpoint of another rank or world size does not load into it."""
+
+    @staticmethod
+    def must_match_on_load() -> tuple:
+        """Where the state lives, as for :class:`~functional_bagua.distributed.ShardState`."""
+        return ("rank", "world_size")
+
+    rank: torch.Tensor
+    world_size: torch.Tensor
+    inner: Any
+
+
+def on_owners(inner: GradientTransformation) -> GradientTransformation:
+    """``inner`` on whole tensors inside ``fb.fuse`` over FSDP2's local shards: per flat buffer,
+    the gradients' and parameters' rows gathered to each tensor's owner rank (one all-to-all),
+    ``inner`` run by each rank on the whole tensors it owns (fused over their own flat buffers:
+    SOAP's, Shampoo's and PSGD-Kron's batched matrix work, Adafactor's factored moments), the
+    updates' rows sent back (one all-to-all)::
+
+        g[t], p[t] = all_to_all(rows of t -> owner(t))           per buffer, both at once
+        u[r], s[r] = inner.update(g[r], s[r], p[r])              r: the tensors this rank owns
+        rows of u  = all_to_all(rows of u[t] -> their rank)
+
+    Each rank keeps ``inner``'s state for its own tensors only (whole-tensor state, about ``1/n``
+    of it). Buffers of whole tensors (plain or replicated, beside the shards) are run by every
+    rank alike. What needs every tensor refuses inside (``clip_by_global_norm``: put it before,
+    where its norm is summed across the shards), as under ``shard_by_tensor``.
+
+    Args:
+        inner: the transform to run on whole tensors (a TypeError for anything else).
+
+    Returns:
+        A GradientTransformation for ``fb.fuse(..., FlatLayout.of(DTensor parameters))``; its state
+        is an :class:`OnOwnersState`. Outside such a fused update it raises a ValueError.
+
+    Example (under torchrun, ``model`` wrapped by ``fully_shard``)::
+
+        layout = fb.FlatLayout.of(fb.params_of(model))
+        tx = fb.fuse(fbd.on_owners(fb.soap(lr=3e-3)), layout)
+    """
+    from functional_bagua import layout_context
+    from functional_bagua.flat import FlatLayout
+
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"on_owners: inner is {type(inner).__name__}, not a GradientTransformation")
+    layouts: dict[tuple, FlatLayout] = {}  # the owned tensors' layout, by their names and shapes
+
+    def plans(buffers: dict) -> dict:
+        if not layout_context.on_local_shards():
+            raise ValueError(
+                "on_owners runs inside fb.fuse(tx, layout) over the local shards of DTensor parameters "
+                "(layout = fb.FlatLayout.of(fb.params_of(fsdp2_model))); elsewhere the tensors are whole: use inner itself"
+            )
+        return {key: layout_context.owner_plan_of(key) for key in buffers}
+
+    def owned_whole(buffers: dict, plan_of: dict, *others: dict) -> list[dict]:
+        """``{name: whole tensor}`` of the tensors this rank owns, of ``buffers`` and each of ``others``."""
+        out: list[dict] = [{} for _ in range(1 + len(others))]
+        for key, buffer in buffers.items():
+            plan, segments = plan_of[key], layout_context.segment_names_of(key)
+            columns = [buffer, *(other[key] for other in others)]
+            if plan is None:  # whole tensors here: every rank runs them
+                for column, into in zip(columns, out):
+                    for name, piece in zip(segments, _split_whole(column, key)):
+                        into[name] = piece
+                continue
+            gathered = plan.gather(columns)
+            for column, into in zip(gathered, out):
+                for t, whole in zip(plan.owned, column):
+                    into[segments[t]] = whole
+        return out
+
+    def layout_of(owned: dict) -> FlatLayout:
+        signature = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in owned.items())
+        if signature not in layouts:
+            layouts[signature] = FlatLayout.of(owned)
+        return layouts[signature]
+
+    def run_inner(fn: Callable[..., Any], owned: dict, *args: Any) -> Any:
+        from functional_bagua.layout_context import run_on_flat_buffers, run_on_owned_tensors
+
+        sub = layout_of(owned)
+        return run_on_owned_tensors(run_on_flat_buffers, sub, fn, *args)
+
+    def init(params: dict) -> OnOwnersState:
+        plan_of = plans(params)
+        (owned,) = owned_whole(params, plan_of)
+        rank, world = _where(plan_of)
+        sub = layout_of(owned)
+        return OnOwnersState(torch.tensor(rank), torch.tensor(world), run_inner(inner.init, owned, sub.flatten(owned)))
+
+    def update(grads: dict, state: OnOwnersState, params: Optional[dict] = None) -> tuple[dict, OnOwnersState]:
+        plan_of = plans(grads)
+        owned_grads, *owned_params = owned_whole(grads, plan_of, *([params] if params is not None else []))
+        sub = layout_of(owned_grads)
+        flat_params = sub.flatten(owned_params[0]) if owned_params else None
+        updates, new_inner = run_inner(inner.update, owned_grads, sub.flatten(owned_grads), state.inner, flat_params)
+        owned_updates = sub.unflatten(updates)
+        out = {}
+        for key, g in grads.items():
+            plan, segments = plan_of[key], layout_context.segment_names_of(key)
+            if plan is None:
+                out[key] = torch.cat([owned_updates[name].reshape(-1).to(g.dtype) for name in segments])
+            else:
+                out[key] = plan.scatter([owned_updates[segments[t]] for t in plan.owned], g)
+        return out, state._replace(inner=new_inner)
+
+    return GradientTransformation(init, update)
+
+
+def _where(plan_of: dict) -> tuple[int, int]:
+    """This rank and the world size of the buffers' plans (0 and 1 where none is sharded)."""
+    plan = next((plan for plan in plan_of.values() if plan is not None), None)
+    return (0, 1) if plan is None else (plan.rank, plan.world_size)
+
+
+def _split_whole(buffer: torch.Tensor, key: str) -> list:
+    """The whole tensors of a buffer of plain or replicated tensors, as views."""
+    from functional_bagua import layout_context
+
+    return [seg.of(buffer) for seg in layout_context.segments_of(key) or ()]

@@ -394,9 +394,9 @@ def _map_row_sharded(
     in two collectives per mesh and dtype (:func:`~functional_bagua.distributed.whole_tensors.map_dtensors`),
     instead of the rule's ops on DTensors (a collective per matmul). Their results go into
     ``new``; the indices of the other tensors are returned."""
-    from functional_bagua.flat import DTensor
+    from functional_bagua.flat import is_dtensor
 
-    if not any(isinstance(x.updates[i], DTensor) for i in singles):
+    if not any(is_dtensor(x.updates[i]) for i in singles):
         return singles
     from functional_bagua.distributed import whole_tensors
 
