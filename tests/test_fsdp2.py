@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_harness import ScenarioError, run_ranks
 from fsdp2_scenarios import (
+    COMPILED_UP_TO,
     ON_OWNERS,
     PER_TENSOR_RULES,
     STEPS,
@@ -146,7 +147,10 @@ def test_fused_adamw_on_local_shards_equals_one_process_and_fsdp2_with_torch_ada
 @pytest.mark.parametrize("variant", list(TRAIN_STEPS))
 def test_make_train_step_on_an_fsdp2_model_equals_fsdp2_with_torch_adamw(ranks, variant):
     """The step runs forward and backward through the FSDP2 model (its gathers and reduce-
-    scatters) and our update on the shards: the parameters of FSDP2 + torch.optim.AdamW."""
+    scatters) and our update on the shards: the parameters of FSDP2 + torch.optim.AdamW. The
+    compiled variants run on 2 ranks only (COMPILED_UP_TO)."""
+    if TRAIN_STEPS[variant][2] and len(ranks) > COMPILED_UP_TO:
+        pytest.skip(f"compiled steps are tested on up to {COMPILED_UP_TO} ranks: each compiles its own update")
     for rank, result in enumerate(ranks):
         for name, want in result["torch"]["params"].items():
             torch.testing.assert_close(
