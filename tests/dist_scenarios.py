@@ -7,8 +7,6 @@ import os
 
 import torch
 from models import batches, loss_fn, make_model
-from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.distributed.optim import PostLocalSGDOptimizer
 
 import functional_bagua as fb
 import functional_bagua.distributed as fbd
@@ -86,6 +84,10 @@ PERIOD, WARMUP = 2, 1
 
 
 def periodic_average(rank, world_size):
+    # imported here: torch.distributed.optim costs every rank of the other scenarios a second
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
     data = batches(6, DTYPE, seed=10 + rank)  # different data per rank: the models drift apart
     model = make_model("shapes", DTYPE)
     opt = PostLocalSGDOptimizer(
