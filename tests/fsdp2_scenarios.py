@@ -239,6 +239,7 @@ def torch_adamw(rank: int, world_size: int) -> dict:
 ON_OWNERS = {  # whole-tensor rules with state, each tensor's on its owner rank
     "adafactor": lambda: fb.adafactor(1e-2),
     "soap": lambda: fb.soap(lr=3e-3, precondition_frequency=2),
+    "shampoo": lambda: fb.shampoo(lr=3e-3, precondition_frequency=2),
 }
 
 
