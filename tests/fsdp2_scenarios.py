@@ -132,22 +132,24 @@ def fused_muon_on_local_shards(rank: int, world_size: int) -> dict:
     return {"params": whole(model), "muon collectives": [step[0] for step in counts]}
 
 
-def optimizer_muon(rank: int, world_size: int) -> dict:
-    """fb.Optimizer(muon on the matrices, adamw on the rest) on the FSDP2 model's DTensors: the
-    whole parameters after all the steps and the collectives of each ``step()``."""
+def optimizer_on_dtensors(rank: int, world_size: int, tx: fb.GradientTransformation = None) -> dict:
+    """fb.Optimizer(tx) (muon on the matrices, adamw on the rest, by default) on the FSDP2
+    model's DTensors: the whole parameters after all the steps, the whole gradients of each and
+    the collectives of each ``step()``."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     model = sharded_model()
-    opt = fb.Optimizer(model.parameters(), muon_and_adamw())
-    counts = []
+    opt = fb.Optimizer(model.parameters(), muon_and_adamw() if tx is None else tx)
+    counts, grads = [], []
     for x, y in global_batches(world_size):
         piece = slice(rank * BATCH, (rank + 1) * BATCH)
         loss_of(model, (x[piece], y[piece])).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         with CommDebugMode() as comm:
             opt.step()
         counts.append({str(op): n for op, n in comm.get_comm_counts().items()})
         opt.zero_grad()
-    return {"params": whole(model), "collectives": counts}
+    return {"params": whole(model), "collectives": counts, "whole grads": grads}
 
 
 TRAIN_STEPS = {  # name: (make tx, on flat buffers of the local shards, compile)
@@ -241,6 +243,12 @@ ON_OWNERS = {  # whole-tensor rules with state, each tensor's on its owner rank
     "soap": lambda: fb.soap(lr=3e-3, precondition_frequency=2),
     "shampoo": lambda: fb.shampoo(lr=3e-3, precondition_frequency=2),
 }
+
+
+def on_owners_soap() -> fb.GradientTransformation:
+    import functional_bagua.distributed as fbd
+
+    return fbd.on_owners(ON_OWNERS["soap"]())
 
 
 def on_owners_over_local_shards(rank: int, world_size: int, make: Callable) -> dict:
@@ -363,7 +371,8 @@ def all_scenarios(rank: int, world_size: int) -> dict:
         "fused": fused_on_local_shards(rank, world_size),
         **{name: fused_on_local_shards(rank, world_size, make) for name, make in SUMMING_RULES.items()},
         "muon": fused_muon_on_local_shards(rank, world_size),
-        "optimizer muon": optimizer_muon(rank, world_size),
+        "optimizer muon": optimizer_on_dtensors(rank, world_size),
+        "optimizer on owners, soap": optimizer_on_dtensors(rank, world_size, on_owners_soap()),
         **{
             f"on owners, {name}": on_owners_over_local_shards(rank, world_size, make)
             for name, make in ON_OWNERS.items()

@@ -119,6 +119,23 @@ def test_on_owners_runs_a_whole_tensor_rule_with_state_on_each_tensors_owner(ran
         assert "on_owners' state" in got["dcp refused"] and "torch.save(fb.state_dict(state))" in got["dcp refused"]
 
 
+def test_optimizer_with_on_owners_steps_fsdp2s_dtensors_with_each_tensors_state_on_its_owner(ranks):
+    """fb.Optimizer(fbd.on_owners(soap)) on the FSDP2 model's DTensor parameters: the local
+    shards laid out in flat buffers inside, each tensor's SOAP on its owner (two all-to-alls a
+    step), the updates back as DTensors; one process's unfused SOAP on the same gradients."""
+    for rank, result in enumerate(ranks):
+        got = result["optimizer on owners, soap"]
+        expected = one_process_on(ON_OWNERS["soap"](), got["whole grads"])
+        for key, want in expected.items():
+            torch.testing.assert_close(
+                got["params"][key], want, rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {key}: {m}"
+            )
+        # the first step() also makes the state, which gathers the parameters to their owners
+        assert got["collectives"][0] == {"c10d_functional.all_to_all_single": 3}, (rank, got["collectives"])
+        for step in got["collectives"][1:]:
+            assert step == {"c10d_functional.all_to_all_single": 2}, (rank, step)
+
+
 def test_optimizer_muon_on_dtensors_orthogonalizes_each_whole_matrix_on_its_owner(ranks):
     """fb.Optimizer(muon) on the FSDP2 model's DTensor parameters: the same gather to owners
     (two all-to-alls per step), not Newton-Schulz's matmuls on DTensors (a collective each)."""
@@ -216,7 +233,7 @@ def test_on_owners_outside_a_fused_update_over_shards_says_where_it_runs():
     import functional_bagua.distributed as fbd
 
     params = {"w": torch.zeros(3, 2)}
-    with pytest.raises(ValueError, match=r"inside fb.fuse\(tx, layout\) over the local shards"):
+    with pytest.raises(ValueError, match=r"runs on DTensors sharded by rows .* or inside fb.fuse\(tx, layout\)"):
         fbd.on_owners(fb.adafactor()).init(params)
     layout = fb.FlatLayout.of(params)  # plain tensors: whole already
     with pytest.raises(ValueError, match="use inner itself"):

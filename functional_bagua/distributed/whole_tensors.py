@@ -259,7 +259,7 @@ class OnOwnersState(NamedTuple):
 
 
 def on_owners(inner: GradientTransformation) -> GradientTransformation:
-    """``inner`` on whole tensors inside ``fb.fuse`` over FSDP2's local shards: per flat buffer,
+    """``inner`` on whole tensors of FSDP2's row-sharded parameters: per flat buffer of local shards,
     the gradients' and parameters' rows gathered to each tensor's owner rank (one all-to-all),
     ``inner`` run by each rank on the whole tensors it owns (fused over their own flat buffers:
     SOAP's, Shampoo's and PSGD-Kron's batched matrix work, Adafactor's factored moments), the
@@ -270,7 +270,10 @@ def on_owners(inner: GradientTransformation) -> GradientTransformation:
         rows of u  = all_to_all(rows of u[t] -> their rank)
 
     Each rank keeps ``inner``'s state for its own tensors only (whole-tensor state, about ``1/n``
-    of it). Buffers of whole tensors (plain or replicated, beside the shards) are run by every
+    of it). It runs inside ``fb.fuse(..., FlatLayout.of(DTensor parameters))`` on the flat
+    buffers, or on the DTensor parameters themselves (``fb.Optimizer`` on an FSDP2 model, the
+    update on ``fb.params_of(model)``), whose local shards it lays out in flat buffers of its own
+    (a copy of the gradients and parameters each step) and whose updates it gives as DTensors. Buffers of whole tensors (plain or replicated, beside the shards) are run by every
     rank alike. What needs every tensor refuses inside (``clip_by_global_norm``: put it before,
     where its norm is summed across the shards), as under ``shard_by_tensor``.
 
@@ -278,8 +281,8 @@ def on_owners(inner: GradientTransformation) -> GradientTransformation:
         inner: the transform to run on whole tensors (a TypeError for anything else).
 
     Returns:
-        A GradientTransformation for ``fb.fuse(..., FlatLayout.of(DTensor parameters))``; its state
-        is an :class:`OnOwnersState`. Outside such a fused update it raises a ValueError.
+        A GradientTransformation whose state is an :class:`OnOwnersState`; on anything but
+        DTensors sharded by rows or their local shards' flat buffers it raises a ValueError.
 
     Example (under torchrun, ``model`` wrapped by ``fully_shard``)::
 
@@ -293,13 +296,29 @@ def on_owners(inner: GradientTransformation) -> GradientTransformation:
         raise TypeError(f"on_owners: inner is {type(inner).__name__}, not a GradientTransformation")
     layouts: dict[tuple, FlatLayout] = {}  # the owned tensors' layout, by their names and shapes
 
+    shards_of: dict[tuple, tuple] = {}  # a DTensor tree's layout of its local shards, and their stand-in
+
     def plans(buffers: dict) -> dict:
-        if not layout_context.on_local_shards():
+        return {key: layout_context.owner_plan_of(key) for key in buffers}
+
+    def over_shards(dtensors: Any) -> tuple:
+        """The layout of the local shards of a tree of FSDP2's DTensors and its
+        :class:`~functional_bagua.fusion.LocalShards` (made once per tree structure and shapes)."""
+        from functional_bagua import tree
+        from functional_bagua.fusion import LocalShards
+
+        leaves, spec = tree.flatten(dtensors)
+        if not leaves or not all(gatherable(p) for p in leaves):
             raise ValueError(
-                "on_owners runs inside fb.fuse(tx, layout) over the local shards of DTensor parameters "
+                "on_owners runs on DTensors sharded by rows (an FSDP2 model's parameters: fb.Optimizer, or the update "
+                "on fb.params_of(model)) or inside fb.fuse(tx, layout) over the local shards of such parameters "
                 "(layout = fb.FlatLayout.of(fb.params_of(fsdp2_model))); elsewhere the tensors are whole: use inner itself"
             )
-        return {key: layout_context.owner_plan_of(key) for key in buffers}
+        signature = (spec, tuple((tuple(p.shape), p.dtype, p.device_mesh, p.placements) for p in leaves))
+        if signature not in shards_of:
+            layout = FlatLayout.of(dtensors)
+            shards_of[signature] = (layout, LocalShards(layout))
+        return shards_of[signature]
 
     def owned_whole(buffers: dict, plan_of: dict, *others: dict) -> list[dict]:
         """``{name: whole tensor}`` of the tensors this rank owns, of ``buffers`` and each of ``others``."""
@@ -330,14 +349,37 @@ def on_owners(inner: GradientTransformation) -> GradientTransformation:
         sub = layout_of(owned)
         return run_on_owned_tensors(run_on_flat_buffers, sub, fn, *args)
 
-    def init(params: dict) -> OnOwnersState:
+    def init(params: Any) -> OnOwnersState:
+        if layout_context.on_local_shards():
+            return init_flat(params)
+        layout, shards = over_shards(params)
+        return layout_context.run_on_flat_buffers(shards, init_flat, layout.flatten(params))
+
+    def update(grads: Any, state: OnOwnersState, params: Optional[Any] = None) -> tuple[Any, OnOwnersState]:
+        if layout_context.on_local_shards():
+            return update_flat(grads, state, params)
+        from torch.distributed.tensor import DTensor  # imported: the leaves are DTensors (over_shards)
+
+        from functional_bagua import tree
+
+        layout, shards = over_shards(grads)
+        flat_params = layout.flatten(params) if params is not None else None
+        flat, state = layout_context.run_on_flat_buffers(shards, update_flat, layout.flatten(grads), state, flat_params)
+        leaves, spec = tree.flatten(grads)
+        updates = [
+            DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride())
+            for local, g in zip(tree.flatten(layout.unflatten(flat))[0], leaves)
+        ]
+        return spec.unflatten(updates), state
+
+    def init_flat(params: dict) -> OnOwnersState:
         plan_of = plans(params)
         (owned,) = owned_whole(params, plan_of)
         rank, world = _where(plan_of)
         sub = layout_of(owned)
         return OnOwnersState(torch.tensor(rank), torch.tensor(world), run_inner(inner.init, owned, sub.flatten(owned)))
 
-    def update(grads: dict, state: OnOwnersState, params: Optional[dict] = None) -> tuple[dict, OnOwnersState]:
+    def update_flat(grads: dict, state: OnOwnersState, params: Optional[dict] = None) -> tuple[dict, OnOwnersState]:
         plan_of = plans(grads)
         owned_grads, *owned_params = owned_whole(grads, plan_of, *([params] if params is not None else []))
         sub = layout_of(owned_grads)
