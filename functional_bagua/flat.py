@@ -241,6 +241,12 @@ class FlatLayout:
                 raise TypeError(f"FlatLayout: leaf {name!r} is {type(leaf).__name__}, not a tensor")
             if leaf.layout != torch.strided:
                 raise TypeError(f"FlatLayout: leaf {name!r} is {leaf.layout}; flat buffers hold dense tensors")
+        if max_buffer_mb is not None and any(is_dtensor(leaf) for leaf in leaves):
+            raise ValueError(
+                "FlatLayout: max_buffer_mb cuts buffers by the sizes of each rank's local shards, which differ "
+                "between ranks (uneven or empty shards), so the ranks' buffers would not match; lay out DTensors "
+                "without a cap (max_buffer_mb=None)"
+            )
         paths = optree.treespec_paths(spec)
         flat_dict = type(params) is dict and all(len(path) == 1 for path in paths)
         layout = cls(

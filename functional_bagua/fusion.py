@@ -96,7 +96,13 @@ class LocalShards:
 
     def __init__(self, layout: FlatLayout) -> None:
         self.layout = layout
-        self.plans = {key: _owner_plan(layout, key) for key in layout.keys if _sharded_dim(layout, key) is not None}
+        self.plans: dict = {}  # key -> its OwnerPlan, None (a placement not gathered), or why it cannot be made
+        for key in layout.keys:
+            if _sharded_dim(layout, key) is not None:
+                try:
+                    self.plans[key] = _owner_plan(layout, key)
+                except ValueError as error:  # shards of another split: refused only where whole tensors are asked
+                    self.plans[key] = error
 
     def refusal(self, name: str, why: str) -> str:
         """The message of a transform refused here (``why`` it needs whole tensors)."""
@@ -113,7 +119,7 @@ class LocalShards:
         if key in self.plans:
             why = (
                 "it keeps state of whole tensors (only stateless rules get them gathered to an owner rank)"
-                if self.plans[key] is not None
+                if isinstance(self.plans[key], OwnerPlanType())
                 else f"it needs whole tensors, gathered from Shard(0) shards only (buffer {key!r} is placed "
                 f"{self.layout.groups[key].placement})"
             )
@@ -121,9 +127,13 @@ class LocalShards:
         return self.layout.segments(key)
 
     def owner_plan(self, key: str) -> Optional[OwnerPlan]:
-        """How buffer ``key``'s tensors are gathered whole to their owners, ``None`` where the
-        buffer holds whole tensors already."""
-        return self.plans.get(key)
+        """How buffer ``key``'s tensors are gathered whole to their owners; ``None`` where the
+        buffer holds whole tensors already, or where its placement is not gathered (then
+        :meth:`segments` refuses); the ValueError of shards split otherwise than ``torch.chunk``."""
+        plan = self.plans.get(key)
+        if isinstance(plan, ValueError):
+            raise plan
+        return plan
 
     def named_shapes(self, key: str) -> list:
         """``(name, whole shape)`` of each tensor of buffer ``key`` (a DTensor's shape, not its
@@ -157,6 +167,12 @@ class LocalShards:
         if key in self.plans:
             raise NotImplementedError(self.refusal("a rule batching tensors by shape", "it needs whole tensors"))
         return self.layout.shape_groups(key)
+
+
+def OwnerPlanType() -> type:  # noqa: N802  # the class, imported where there are shards
+    from functional_bagua.distributed.whole_tensors import OwnerPlan
+
+    return OwnerPlan
 
 
 def _sharded_dim(layout: FlatLayout, key: str) -> Optional[int]:

@@ -18,11 +18,15 @@ or, with ``layout = FlatLayout.of(fb.params_of(model))``, the flat buffers of th
 and the new values are copied into the model's shards after each step). The gradients FSDP2
 reduce-scattered are the update's gradients, so ``tx`` must not all-reduce them again.
 
-``compile=True`` compiles the update (``torch.compile(fullgraph=True)``; on flat buffers with
-torch's fused kernel where one computes ``tx``, as :func:`~functional_bagua.fuse_inplace`'s
-``"auto"``), not the forward and backward, whose collectives FSDP2's hooks issue (compile the
-model's blocks yourself, as FSDP2's documentation shows). The step always writes the new values
-into the model's parameters, as ``optimizer.step()`` would.
+On flat buffers the update runs in place (:func:`~functional_bagua.fuse_inplace`): torch's
+fused kernel wherever one computes ``tx``, else compiled (``compile``) or eager; on the tree,
+compiled or eager. ``compile`` covers the update, not the forward and backward, whose
+collectives FSDP2's hooks issue (compile the model's blocks yourself, as FSDP2's documentation
+shows). The step always writes the new values into the model's parameters, as
+``optimizer.step()`` would, and, with a layout, into the flat buffers and state it is given (as
+``donate=True``): those buffers are the parameters from then on, so a change made to the
+model's shards between steps (a checkpoint loaded into the model) must be flattened into them
+too. ``donate``, ``overlap`` and ``graph_warmup`` do not apply.
 
 Example (under torchrun)::
 

@@ -142,7 +142,7 @@ def make_train_step(
         if settings is not None or cuda_graph:
             raise ValueError(
                 "make_train_step: the model's parameters are DTensors (FSDP2's), whose gradients FSDP2 reduce-"
-                "scatters itself: drop allreduce_gradients from tx, and pass cuda_graph=False"
+                "scatters itself: drop allreduce_gradients from tx"
                 if settings is not None
                 else "make_train_step: cuda_graph=True does not capture FSDP2's collectives; pass cuda_graph=False"
             )

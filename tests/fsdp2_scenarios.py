@@ -298,8 +298,27 @@ def refused_per_tensor_rules(rank: int, world_size: int) -> dict:
     return out
 
 
+def on_owners_without_a_gradient(model: torch.nn.Module) -> None:
+    import functional_bagua.distributed as fbd
+
+    params = fb.params_of(model)
+    tx = fbd.on_owners(fb.adafactor(1e-2))
+    grads = {name: None if i == 0 else torch.ones_like(p) for i, (name, p) in enumerate(params.items())}
+    tx.update(grads, tx.init(params), params)
+
+
+def on_owners_compiled(model: torch.nn.Module, batch: tuple) -> None:
+    import functional_bagua.distributed as fbd
+
+    tx, layout = fbd.on_owners(fb.adafactor(1e-2)), fb.FlatLayout.of(fb.params_of(model))
+    params = layout.flatten(fb.params_of(model))
+    step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, layout=layout, compile={"backend": "eager"})
+    step(params, fb.fuse(tx, layout).init(params), batch)
+
+
 def refused_train_steps(rank: int, world_size: int) -> dict:
-    """make_train_step on the FSDP2 model given what it refuses: the error's text, or None."""
+    """What would train wrong on the FSDP2 model (make_train_step given what it refuses, a capped
+    layout of shards of uneven sizes, on_owners with a missing gradient): the error's text, or None."""
     from functional_bagua.distributed import allreduce_gradients
 
     model = sharded_model()
@@ -313,6 +332,9 @@ def refused_train_steps(rank: int, world_size: int) -> dict:
             fb.adamw(1e-2).init(fb.params_of(model)),
             batch,
         ),
+        "max_buffer_mb": lambda: fb.FlatLayout.of(fb.params_of(model), max_buffer_mb=1),
+        "on_owners without a gradient": lambda: on_owners_without_a_gradient(model),
+        "on_owners compiled": lambda: on_owners_compiled(model, batch),
     }
     out: dict = {}
     for name, call in cases.items():

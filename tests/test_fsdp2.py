@@ -219,11 +219,16 @@ def test_a_per_tensor_rule_over_local_shards_is_refused_with_the_reason(ranks, n
     [
         ("allreduce_gradients", ["reduce-scatters itself", "drop allreduce_gradients"]),
         ("copies as params", ["is not the model's parameter", "fb.params_of(model)"]),
+        ("max_buffer_mb", ["max_buffer_mb cuts buffers", "max_buffer_mb=None"]),
+        ("on_owners without a gradient", ["a gradient is None", "requires_grad_(False)"]),
+        ("on_owners compiled", ["on_owners runs eagerly", "compile=False"]),
     ],
 )
-def test_make_train_step_on_an_fsdp2_model_refuses_what_would_train_wrong(ranks, case, words):
+def test_what_would_train_wrong_on_an_fsdp2_model_is_refused(ranks, case, words):
     """A second all-reduce of FSDP2's reduced gradients; parameters that are copies (the step
-    writes into the model's shards, which FSDP2 gathers, so copies would not train)."""
+    writes into the model's shards, which FSDP2 gathers, so copies would not train); buffers cut
+    by each rank's shard sizes (the ranks' buffers would differ); on_owners missing a gradient or
+    compiled (its bookkeeping is not traceable: a clear error instead of dynamo's)."""
     for result in ranks:
         message = result["refused steps"][case]
         assert message is not None and all(word in message for word in words), message

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import optree
 import torch
 
 from functional_bagua.base import GradientTransformation
@@ -271,11 +272,14 @@ def on_owners(inner: GradientTransformation) -> GradientTransformation:
 
     Each rank keeps ``inner``'s state for its own tensors only (whole-tensor state, about ``1/n``
     of it). It runs inside ``fb.fuse(..., FlatLayout.of(DTensor parameters))`` on the flat
-    buffers, or on the DTensor parameters themselves (``fb.Optimizer`` on an FSDP2 model, the
-    update on ``fb.params_of(model)``), whose local shards it lays out in flat buffers of its own
-    (a copy of the gradients and parameters each step) and whose updates it gives as DTensors. Buffers of whole tensors (plain or replicated, beside the shards) are run by every
-    rank alike. What needs every tensor refuses inside (``clip_by_global_norm``: put it before,
-    where its norm is summed across the shards), as under ``shard_by_tensor``.
+    buffers (where buffers of whole tensors, plain or replicated beside the shards, are run by
+    every rank alike), or on the DTensor parameters themselves (``fb.Optimizer`` on an FSDP2
+    model, the update on ``fb.params_of(model)``), whose local shards it lays out in flat buffers
+    of its own (a copy of the gradients and parameters each step) and whose updates it gives as
+    DTensors; there every leaf must be a row-sharded DTensor with a gradient. It runs eagerly
+    (its bookkeeping is not traced by ``torch.compile``: ``make_train_step(..., compile=False)``).
+    What needs every tensor refuses inside (``clip_by_global_norm``: put it before, where its
+    norm is summed across the shards), as under ``shard_by_tensor``.
 
     Args:
         inner: the transform to run on whole tensors (a TypeError for anything else).
@@ -308,6 +312,11 @@ def on_owners(inner: GradientTransformation) -> GradientTransformation:
         from functional_bagua.fusion import LocalShards
 
         leaves, spec = tree.flatten(dtensors)
+        if any(leaf is None for leaf in optree.tree_leaves(dtensors, none_is_leaf=True)):
+            raise ValueError(
+                "on_owners: a gradient is None; every parameter it updates needs one each step (an FSDP2 model's "
+                "trainable parameters all get one: freeze the others with requires_grad_(False) before fully_shard)"
+            )
         if not leaves or not all(gatherable(p) for p in leaves):
             raise ValueError(
                 "on_owners runs on DTensors sharded by rows (an FSDP2 model's parameters: fb.Optimizer, or the update "
@@ -349,13 +358,22 @@ def on_owners(inner: GradientTransformation) -> GradientTransformation:
         sub = layout_of(owned)
         return run_on_owned_tensors(run_on_flat_buffers, sub, fn, *args)
 
+    def eager_only() -> None:
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "on_owners runs eagerly: torch.compile does not trace its bookkeeping; compile the rest of the "
+                "step only (make_train_step(..., compile=False) for an FSDP2 model, whose forward stays eager)"
+            )
+
     def init(params: Any) -> OnOwnersState:
+        eager_only()
         if layout_context.on_local_shards():
             return init_flat(params)
         layout, shards = over_shards(params)
         return layout_context.run_on_flat_buffers(shards, init_flat, layout.flatten(params))
 
     def update(grads: Any, state: OnOwnersState, params: Optional[Any] = None) -> tuple[Any, OnOwnersState]:
+        eager_only()
         if layout_context.on_local_shards():
             return update_flat(grads, state, params)
         from torch.distributed.tensor import DTensor  # imported: the leaves are DTensors (over_shards)
