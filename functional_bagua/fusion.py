@@ -117,12 +117,16 @@ class LocalShards:
         """The segments of buffer ``key`` where it holds whole tensors; a NotImplementedError where
         it holds shards."""
         if key in self.plans:
-            why = (
-                "it keeps state of whole tensors (only stateless rules get them gathered to an owner rank)"
-                if isinstance(self.plans[key], OwnerPlanType())
-                else f"it needs whole tensors, gathered from Shard(0) shards only (buffer {key!r} is placed "
-                f"{self.layout.groups[key].placement})"
-            )
+            plan = self.plans[key]
+            if plan is None:
+                why = (
+                    f"it needs whole tensors, gathered from Shard(0) shards only (buffer {key!r} is placed "
+                    f"{self.layout.groups[key].placement})"
+                )
+            elif isinstance(plan, ValueError):
+                why = f"it needs whole tensors, which cannot be gathered from these shards ({plan})"
+            else:
+                why = "it keeps state of whole tensors (only stateless rules get them gathered to an owner rank)"
             raise NotImplementedError(self.refusal("a per-tensor rule", f"{why}; buffer {key!r} holds shards"))
         return self.layout.segments(key)
 
@@ -167,12 +171,6 @@ class LocalShards:
         if key in self.plans:
             raise NotImplementedError(self.refusal("a rule batching tensors by shape", "it needs whole tensors"))
         return self.layout.shape_groups(key)
-
-
-def OwnerPlanType() -> type:  # noqa: N802  # the class, imported where there are shards
-    from functional_bagua.distributed.whole_tensors import OwnerPlan
-
-    return OwnerPlan
 
 
 def _sharded_dim(layout: FlatLayout, key: str) -> Optional[int]:

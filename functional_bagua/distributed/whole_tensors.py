@@ -28,6 +28,7 @@ Example (under torchrun, ``model`` wrapped by ``fully_shard``)::
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -96,7 +97,7 @@ class OwnerPlan:
         self.owner = owners_by_size([matmul_cost(shape) for shape in self.whole_shapes], world_size)
         self.owned = [t for t, o in enumerate(self.owner) if o == rank]
         local_sizes = [self.rows[t][rank] * self.row_numel[t] for t in range(len(self.whole_shapes))]
-        self.local_offsets = [sum(local_sizes[:t]) for t in range(len(local_sizes))]
+        self.local_offsets = [0, *itertools.accumulate(local_sizes)][:-1]
         self.local_sizes = local_sizes
         self.by_owner = [[t for t, o in enumerate(self.owner) if o == owner] for owner in range(world_size)]
         # gather: this rank sends its rows of owner o's tensors to o, and receives its own tensors' rows
@@ -157,13 +158,13 @@ class OwnerPlan:
             if self.world_size == 1
             else funcol.wait_tensor(funcol.all_to_all_single(send, self.sent_to, self.received_from, self.group))
         )
-        local: list[Optional[torch.Tensor]] = [None] * len(self.whole_shapes)
+        local: list = [None] * len(self.whole_shapes)  # every tensor has an owner: each is filled
         offset = 0
         for o in range(self.world_size):  # from owner o: our rows of its tensors
             for t in self.by_owner[o]:
                 local[t] = received[offset : offset + self.local_sizes[t]]
                 offset += self.local_sizes[t]
-        return torch.cat([piece for piece in local if piece is not None]) if local else like.new_empty(0)
+        return torch.cat(local) if local else like.new_empty(0)
 
     def map(
         self,
