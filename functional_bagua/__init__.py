@@ -43,6 +43,7 @@ from functional_bagua.base import (
     identity,
 )
 from functional_bagua.checkpoint import load_state_dict, state_dict
+from functional_bagua.first_order import schedule_free_adamw, schedule_free_sgd
 from functional_bagua.flat import FlatLayout, FlatModule, flatten_module, flatten_parameters
 from functional_bagua.fusion import fuse, fuse_inplace
 from functional_bagua.hyperparams import (
@@ -119,5 +120,7 @@ __all__ = [
     "lars",
     "lion",
     "adabelief",
+    "schedule_free_adamw",
+    "schedule_free_sgd",
     *_transforms_all,
 ]

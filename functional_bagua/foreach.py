@@ -516,16 +516,17 @@ def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indi
 
 
 def _shared_or_leaves(picked: list) -> Any:
-    """The column's one value when it holds equal integer 0-dim CPU tensors (step counts, where
-    every tensor of the group stepped as often): the rule's scalar arithmetic on it then runs once
-    for the group, with the values (so the bits) each tensor would have; else ``Leaves``."""
+    """The column's one value when it holds equal 0-dim CPU tensors of an integer dtype or
+    float64 (step counts, and the float64 scalars some rules keep beside them, where every tensor
+    of the group stepped as often): the rule's scalar arithmetic on it then runs once for the
+    group, with the values (so the bits) each tensor would have; else ``Leaves``."""
     first = picked[0]
     uniform = (
         len(picked) > 1
         and isinstance(first, torch.Tensor)
         and first.dim() == 0
         and first.device.type == "cpu"
-        and not (first.is_floating_point() or first.is_complex())
+        and (first.dtype == torch.float64 or not (first.is_floating_point() or first.is_complex()))
         and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype for t in picked)
     )
     if uniform and bool((torch.stack(picked) == first).all()):

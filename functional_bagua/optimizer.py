@@ -90,6 +90,11 @@ from functional_bagua.base import GradientTransformation, OptState, apply_update
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
+from functional_bagua.transforms.schedule_free import (
+    schedule_free_eval_params,
+    schedule_free_states,
+    schedule_free_train_params,
+)
 from functional_bagua.transforms.wrappers import Partitioned, partitioned
 from functional_bagua.tree import copy_into
 
@@ -343,6 +348,38 @@ class Optimizer(torch.optim.Optimizer):
             self._state(i)
         return True
 
+    # ---- schedule-free: training and evaluation weights ----------------------------------------
+
+    @torch.no_grad()
+    def train(self) -> None:
+        """Put the parameters of schedule-free groups (:func:`~functional_bagua.schedule_free`)
+        back at their training weights ``y = lerp(x, z, 1 - b1)`` after :meth:`eval`, as the
+        ``schedulefree`` package's optimizers do (trainers such as Hugging Face's call it when
+        it exists). Other groups, and groups before their first step, are left as they are.
+        An optimizer starts in training mode (the reference's starts in evaluation mode and
+        refuses to step before ``train()``; here the first step needs no call)."""
+        self._set_mode(True)
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        """Put the parameters of schedule-free groups at their evaluation weights
+        ``x = lerp(y, z, 1 - 1/b1)`` (:func:`~functional_bagua.schedule_free_eval_params`), to
+        evaluate or save them; :meth:`step` refuses to run until :meth:`train`. Other groups are
+        left as they are."""
+        self._set_mode(False)
+
+    def _set_mode(self, train: bool) -> None:
+        for i, group in enumerate(self.param_groups):
+            if self._groups[i].state is None or group.get("train_mode", True) == train:
+                continue
+            state = self._state(i)
+            if not schedule_free_states(state):
+                continue
+            params = {k: p.detach() for k, p in zip(positions(len(group["params"])), group["params"])}
+            moved = (schedule_free_train_params if train else schedule_free_eval_params)(state, params)
+            copy_into(params, moved)
+            group["train_mode"] = train
+
     # ---- the step -------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -367,6 +404,11 @@ class Optimizer(torch.optim.Optimizer):
             grads = {k: p.grad for k, p in zip(keys, group["params"])}
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
+            if group.get("train_mode", True) is False:
+                raise RuntimeError(
+                    f"{NAME}: param group {i} is in evaluation mode (optimizer.eval() put its parameters at the "
+                    "schedule-free evaluation weights x); call optimizer.train() before optimizer.step()"
+                )
             if ours.numbers is not None:
                 self._follow_numbers(self, i)
             state = self._state(i)

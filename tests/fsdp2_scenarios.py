@@ -159,7 +159,12 @@ TRAIN_STEPS = {  # name: (make tx, on flat buffers of the local shards, compile)
     # a schedule: no torch kernel, so inductor compiles the fused update
     "flat, compiled": (lambda: fb.adamw(fb.schedules.constant(1e-2), weight_decay=0.1), True, True),
 }
-COMPILED_UP_TO = 2  # ranks: the compiled update is each rank's own, and 2 cores compile for every rank at once
+INDUCTOR_UP_TO = 2  # ranks: inductor compiles each rank's own update, and 2 cores compile for every rank at once
+
+
+def inductor(compile) -> bool:
+    """Whether a TRAIN_STEPS compile option has inductor generate code (aot_eager does not)."""
+    return compile is True or (isinstance(compile, dict) and compile.get("backend", "inductor") == "inductor")
 
 
 def train_steps(rank: int, world_size: int) -> dict:
@@ -167,7 +172,7 @@ def train_steps(rank: int, world_size: int) -> dict:
     after all the steps and the losses."""
     out = {}
     for name, (make, flat, compile) in TRAIN_STEPS.items():
-        if compile and world_size > COMPILED_UP_TO:
+        if inductor(compile) and world_size > INDUCTOR_UP_TO:
             continue
         model = sharded_model()
         tx, params = make(), fb.params_of(model)

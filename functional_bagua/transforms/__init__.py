@@ -11,10 +11,12 @@ from functional_bagua.transforms.adam import (
     ScaleByAdamaxState,
     ScaleByAdamState,
     ScaleByAmsgradState,
+    ScaleByBiasCorrectedRmsState,
     ScaleByNadamState,
     ScaleByRadamState,
     scale_by_adam,
     scale_by_adamax,
+    scale_by_bias_corrected_rms,
     scale_by_nadam,
     scale_by_radam,
 )
@@ -59,6 +61,12 @@ from functional_bagua.transforms.scaling import (
     scale,
     scale_by_learning_rate,
     scale_by_schedule,
+)
+from functional_bagua.transforms.schedule_free import (
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_eval_params,
+    schedule_free_train_params,
 )
 from functional_bagua.transforms.shampoo import ScaleByShampooState, scale_by_shampoo
 from functional_bagua.transforms.soap import ScaleBySoapState, scale_by_soap

@@ -10,6 +10,10 @@ float64, like torch.optim's Python floats.
     v^max_t = max(v^max_{t-1}, v_t)              (amsgrad; used in place of v_t below)
     u_t = (m_t / (1 - b1^t)) / (sqrt(v_t) / sqrt(1 - b2^t) + eps)
 
+``scale_by_bias_corrected_rms`` (Adam without its first moment, schedule-free AdamW's direction)::
+
+    v_t = b2 v_{t-1} + (1 - b2) g_t^2            u_t = g_t / (sqrt(v_t / (1 - b2^t)) + eps)
+
 ``scale_by_adamax``::
 
     m_t = lerp(m_{t-1}, g_t, 1 - b1)             n_t = max(b2 n_{t-1}, |g_t| + eps)
@@ -149,6 +153,46 @@ def scale_by_adam(
         return (mu / bias_correction(b1, t)).div_(denom), new_state
 
     return leafwise(state_type, init_leaf, update_leaf, name="scale_by_adam", fresh_updates=True)
+
+
+class ScaleByBiasCorrectedRmsState(NamedTuple):
+    """Per tensor: ``count`` (steps taken) and ``nu`` (the second moment)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    nu: torch.Tensor
+
+
+def scale_by_bias_corrected_rms(b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """The gradient over the root of its bias-corrected second moment (module docstring): Adam's
+    denominator without its first moment, as schedule-free AdamW normalizes its gradients.
+
+    Args:
+        b2: the decay rate of the second moment ``v``; ``v_t`` is divided by ``1 - b2^t``
+            inside the root.
+        eps: added to the root in the denominator.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByBiasCorrectedRmsState`.
+
+    Example::
+
+        tx = fb.schedule_free(fb.scale_by_bias_corrected_rms(0.999), lr=2.5e-3)
+    """
+
+    def init_leaf(p: torch.Tensor) -> ScaleByBiasCorrectedRmsState:
+        return ScaleByBiasCorrectedRmsState(zero_count(p), torch.zeros_like(p))
+
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByBiasCorrectedRmsState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByBiasCorrectedRmsState]:
+        count = s.count + 1
+        nu = second_moment(s.nu, g, b2)
+        denom = nu.div(bias_correction(b2, as_scalar(count))).sqrt().add(eps)
+        return g / denom, ScaleByBiasCorrectedRmsState(count, nu)
+
+    return leafwise(
+        ScaleByBiasCorrectedRmsState, init_leaf, update_leaf, name="scale_by_bias_corrected_rms", fresh_updates=True
+    )
 
 
 class ScaleByAdamaxState(NamedTuple):

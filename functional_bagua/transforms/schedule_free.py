@@ -1,0 +1,229 @@
+"""Schedule-free learning (Defazio et al., 2024, "The Road Less Scheduled").
+
+Three sequences replace a learning-rate schedule: ``z``, the base iterates an optimizer steps;
+``x``, their weighted average, the weights to evaluate; and ``y``, the interpolation of the two
+where the gradients are taken, the weights the model holds while it trains. With the direction
+``d_t`` (the gradient, or Adam's normalized gradient, at ``y_t``) and the step number
+``t = 1, 2, ...``::
+
+    lr_t  = lr * min(1, t / warmup_steps)               (lr without warmup)
+    w_t   = t^r * max(lr_1, ..., lr_t)^weight_lr_power
+    c_t   = w_t / (w_1 + ... + w_t)                     (0 while every weight is 0)
+    z_t   = z_{t-1} - lr_t d_t
+    x_t   = (1 - c_t) x_{t-1} + c_t z_t
+    y_t   = (1 - b1) z_t + b1 x_t
+
+Only ``y`` and ``z`` are stored (as the reference implementation stores them): ``x`` follows from
+them, ``x = (y - (1 - b1) z) / b1``, and the step above is, written on ``y``::
+
+    y_t = lerp(y_{t-1}, z_{t-1}, c_t) + lr_t (b1 (1 - c_t) - 1) d_t
+
+so the update returned (added to the parameters ``y``) is
+``u_t = c_t (z_{t-1} - y_{t-1}) + lr_t (b1 (1 - c_t) - 1) d_t``. Evaluate at
+:func:`schedule_free_eval_params` (``x``), and go back to ``y`` with
+:func:`schedule_free_train_params` before training on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Union
+
+import optree
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation, chain
+from functional_bagua.hyperparams import accepts_schedules
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
+from functional_bagua.transforms.leafwise import leafwise
+from functional_bagua.tree import PyTree
+
+Scalar = Union[float, torch.Tensor]
+
+
+class ScheduleFreeState(NamedTuple):
+    """Per tensor: ``count`` (steps taken), ``lr_max`` (the largest ``lr_t`` so far, float64),
+    ``weight_sum`` (``w_1 + ... + w_t``, float64), ``z`` (the base iterate) and ``b1`` (the
+    interpolation weight of the last step, float64: the evaluation weights need it)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    lr_max: torch.Tensor
+    weight_sum: torch.Tensor
+    z: torch.Tensor
+    b1: torch.Tensor
+
+
+@accepts_schedules(static_args=("direction", "warmup_steps"))
+def schedule_free(
+    direction: GradientTransformation,
+    lr: Scalar = 0.0025,
+    b1: Scalar = 0.9,
+    warmup_steps: int = 0,
+    r: Scalar = 0.0,
+    weight_lr_power: Scalar = 2.0,
+) -> GradientTransformation:
+    """Schedule-free averaging around a ``direction`` (module docstring).
+
+    ``direction`` gives ``d_t`` from the gradients at the parameters the model holds (``y``):
+    :func:`~functional_bagua.identity` for schedule-free SGD, a preconditioner such as
+    :func:`~functional_bagua.scale_by_bias_corrected_rms` for schedule-free AdamW, followed by
+    :func:`~functional_bagua.add_decayed_weights` for weight decay at ``y``. It must not include
+    a learning rate: this transform takes the step ``-lr_t d_t`` itself (an alias such as
+    ``fb.adamw`` is refused, with the way to compose it).
+
+    Args:
+        direction: the transform giving the direction ``d_t`` (not the step: no learning rate).
+        lr: the learning rate ``lr`` (a number or a 0-dim tensor; a schedule is multiplied by
+            the warmup).
+        b1: the interpolation ``y = (1 - b1) z + b1 x``, in ``(0, 1)`` (the reference's
+            ``betas[0]`` or ``momentum``).
+        warmup_steps: the linear warmup of ``lr_t`` over the first steps (0: none).
+        r: the power of ``t`` in the averaging weights ``w_t``.
+        weight_lr_power: the power of the largest ``lr_t`` so far in ``w_t``.
+
+    Returns:
+        A GradientTransformation that needs ``params`` (the ``y`` the gradients were taken at);
+        its state is the chain ``(direction's state, ScheduleFreeState)``.
+
+    Example::
+
+        tx = fb.schedule_free(fb.identity(), lr=1.0, b1=0.9)   # = fb.schedule_free_sgd(1.0)
+        updates, state = tx.update(grads, state, params)
+        eval_params = fb.schedule_free_eval_params(state, fb.apply_updates(params, updates))
+    """
+    _refuse_a_step(direction)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"schedule_free: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if is_number(b1) and not 0 < b1 < 1:
+        raise ValueError(
+            f"schedule_free: b1 must lie in (0, 1), got {b1}: the evaluation weights "
+            "x = (y - (1 - b1) z) / b1 need b1 > 0, and b1 = 1 never moves y towards z"
+        )
+    if is_number(lr) and lr < 0:
+        raise ValueError(f"schedule_free: Invalid learning rate: {lr}")
+    return chain(direction, _averaging(lr, b1, warmup_steps, r, weight_lr_power))
+
+
+def _refuse_a_step(direction: GradientTransformation) -> None:
+    """Refuse a ``direction`` that already steps (an alias, a learning rate in a chain)."""
+    if not isinstance(direction, GradientTransformation):
+        raise TypeError(f"schedule_free: direction must be a GradientTransformation, got {type(direction).__name__}")
+    for link in _links(direction):
+        built = getattr(link.update, "built_from", None)
+        if built is not None or hasattr(link.update, "adjustable"):
+            name = built[0].__name__ if built is not None else "an alias with schedules"
+            raise ValueError(
+                f"schedule_free: the direction takes a step of its own ({name}); schedule_free takes the "
+                "step -lr_t d_t itself, so give it the direction without a learning rate: "
+                "fb.schedule_free(fb.chain(fb.scale_by_bias_corrected_rms(), fb.add_decayed_weights(wd)), lr) "
+                "or the aliases fb.schedule_free_adamw / fb.schedule_free_sgd"
+            )
+
+
+def _links(tx: GradientTransformation) -> list[GradientTransformation]:
+    """``tx`` and, for a chain, every transform inside it (nested chains too)."""
+    inner = getattr(tx.update, "transforms", None)
+    if inner is None:
+        return [tx]
+    return [tx, *(link for t in inner for link in _links(t))]
+
+
+def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_power: Scalar) -> GradientTransformation:
+    """The y/z/x step of the module docstring on a direction ``d`` (the chain's last link)."""
+
+    def init_leaf(p: torch.Tensor) -> ScheduleFreeState:
+        def scalar(value: float) -> torch.Tensor:
+            return torch.full((), value, dtype=SCALAR_DTYPE, device=p.device)
+
+        return ScheduleFreeState(zero_count(p), scalar(0.0), scalar(0.0), p.detach().clone(), scalar(float(b1)))
+
+    def update_leaf(
+        d: torch.Tensor, s: ScheduleFreeState, y: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScheduleFreeState]:
+        assert y is not None  # needs_params
+        count = s.count + 1
+        t = as_scalar(count)
+        lr_t = lr * torch.clamp(t / warmup_steps, max=1.0) if warmup_steps else torch.ones_like(t) * lr
+        lr_max = torch.maximum(s.lr_max, lr_t)
+        weight = t**r * lr_max**weight_lr_power
+        weight_sum = s.weight_sum + weight
+        c = torch.where(weight_sum > 0, weight / torch.where(weight_sum > 0, weight_sum, 1.0), 0.0)
+        u = (s.z - y).mul_(c).add_(d * (lr_t * (b1 * (1 - c) - 1)))
+        z = s.z - d * lr_t
+        b1_now = torch.full_like(s.b1, b1) if is_number(b1) else torch.zeros_like(s.b1) + b1
+        return u, ScheduleFreeState(count, lr_max, weight_sum, z, b1_now)
+
+    return leafwise(
+        ScheduleFreeState, init_leaf, update_leaf, name="schedule_free", needs_params=True, fresh_updates=True
+    )
+
+
+def schedule_free_states(state: Any) -> list[ScheduleFreeState]:
+    """The :class:`ScheduleFreeState` s inside ``state`` (a chain's, an optimizer group's, nested
+    at any depth), in the order of its leaves.
+
+    Args:
+        state: any transform's state.
+    """
+    found: list[ScheduleFreeState] = []
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, ScheduleFreeState):
+            found.append(node)
+        return node
+
+    optree.tree_map(visit, state, is_leaf=lambda n: isinstance(n, ScheduleFreeState), none_is_leaf=True)
+    return [s for s in found if isinstance(s, ScheduleFreeState)]
+
+
+def schedule_free_eval_params(state: Any, params: PyTree) -> PyTree:
+    """The evaluation weights ``x = (y - (1 - b1) z) / b1`` (``lerp(y, z, 1 - 1/b1)``, as the
+    reference's ``optimizer.eval()``) from the parameters ``y`` and a schedule-free state.
+
+    Args:
+        state: the state of a transform built with :func:`schedule_free` (alone, in a chain, an
+            alias such as :func:`~functional_bagua.schedule_free_adamw`, or fused: then ``params``
+            are the flat buffers).
+        params: the parameters the model trains with (``y``), the tree ``state`` was made for.
+
+    Returns:
+        ``x``, a new tree; a parameter without state (no gradient yet) is given back as it is.
+
+    Raises:
+        ValueError: when ``state`` holds no schedule-free state, or more than one.
+    """
+    return _interpolated(state, params, "eval", lambda b1: 1 - 1 / b1)
+
+
+def schedule_free_train_params(state: Any, eval_params: PyTree) -> PyTree:
+    """The training weights ``y = (1 - b1) z + b1 x`` back from the evaluation weights ``x``
+    (``lerp(x, z, 1 - b1)``, as the reference's ``optimizer.train()``).
+
+    Args:
+        state: the schedule-free state (as for :func:`schedule_free_eval_params`).
+        eval_params: ``x``, as :func:`schedule_free_eval_params` gave it.
+
+    Returns:
+        ``y``, a new tree.
+    """
+    return _interpolated(state, eval_params, "train", lambda b1: 1 - b1)
+
+
+def _interpolated(state: Any, params: PyTree, mode: str, weight_of: Any) -> PyTree:
+    found = schedule_free_states(state)
+    if len(found) != 1:
+        what = "no schedule-free state" if not found else f"{len(found)} schedule-free states"
+        raise ValueError(
+            f"schedule_free_{mode}_params: the state holds {what}; pass the state of one transform built "
+            "with fb.schedule_free (fb.schedule_free_adamw, fb.schedule_free_sgd), made by its init for these params"
+        )
+    sf = found[0]
+    p_leaves, spec = tree.flatten(params)
+    z_leaves = spec.flatten_up_to(sf.z)
+    b1_leaves = spec.flatten_up_to(sf.b1)
+    return spec.unflatten(
+        [
+            p if z is None or p is None else torch.lerp(p, z, (weight_of(b1)).to(p.dtype))
+            for p, z, b1 in zip(p_leaves, z_leaves, b1_leaves)
+        ]
+    )

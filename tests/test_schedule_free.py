@@ -1,0 +1,242 @@
+"""Schedule-free AdamW and SGD against the authors' ``schedulefree`` package, step for step in
+float64: the training weights ``y``, the evaluation weights ``x`` (the package's ``eval()``), and
+``fb.Optimizer``'s ``train()`` / ``eval()`` swap; then the paths that must agree with the pure
+update (fused, compiled, resumed from a checkpoint) and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import seeded
+
+import functional_bagua as fb
+
+schedulefree = pytest.importorskip(
+    "schedulefree", reason="the authors' schedulefree package is the reference (an optional test dependency)"
+)
+
+SHAPES = {"scalar": (), "bias": (5,), "matrix": (5, 4)}
+STEPS = 8
+CASES = {  # name: (our alias, the reference's class, keyword arguments both take)
+    "adamw": (
+        fb.schedule_free_adamw,
+        "AdamWScheduleFree",
+        dict(lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, warmup_steps=3, r=0.5, weight_lr_power=1.5),
+    ),
+    "sgd": (
+        fb.schedule_free_sgd,
+        "SGDScheduleFree",
+        dict(lr=0.1, momentum=0.7, weight_decay=0.05, warmup_steps=2, r=1.0, weight_lr_power=2.0),
+    ),
+}
+
+
+def problem(seed=0):
+    gen = seeded(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()} for _ in range(STEPS)]
+    return params, grads
+
+
+def reference_run(case, params, grads, lr_at=None, foreach=True):
+    """The package's optimizer over copies of ``params``: its ``y`` after the steps, then its
+    ``x`` (after ``eval()``)."""
+    _, cls_name, kwargs = CASES[case]
+    tensors = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = getattr(schedulefree, cls_name)(list(tensors.values()), foreach=foreach, **kwargs)
+    opt.train()
+    for t, g in enumerate(grads):
+        if lr_at is not None:
+            opt.param_groups[0]["lr"] = lr_at(t)
+        for k, p in tensors.items():
+            p.grad = g[k].clone()
+        opt.step()
+    y = {k: p.detach().clone() for k, p in tensors.items()}
+    opt.eval()
+    return y, {k: p.detach().clone() for k, p in tensors.items()}
+
+
+def functional_run(tx, params, grads):
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    return params, state
+
+
+def assert_trees_close(got, want, tol=1e-13):
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
+def test_aliases_step_and_evaluate_as_the_schedulefree_package(case, foreach):
+    make, _, kwargs = CASES[case]
+    params, grads = problem()
+    want_y, want_x = reference_run(case, params, grads, foreach=foreach)
+    y, state = functional_run(make(**kwargs), params, grads)
+    assert_trees_close(y, want_y)
+    x = fb.schedule_free_eval_params(state, y)
+    assert_trees_close(x, want_x)
+    assert_trees_close(fb.schedule_free_train_params(state, x), y)
+
+
+def test_a_learning_rate_schedule_is_the_reference_with_its_lr_set_before_each_step():
+    """The averaging weights follow the largest scheduled rate so far (lr_max), as the reference
+    reads its group's lr at each step."""
+    schedule = fb.schedules.linear(0.05, 0.005, STEPS)
+    params, grads = problem(1)
+    want_y, want_x = reference_run("adamw", params, grads, lr_at=lambda t: schedule(t).item())
+    kwargs = {**CASES["adamw"][2], "lr": schedule}
+    y, state = functional_run(fb.schedule_free_adamw(**kwargs), params, grads)
+    assert_trees_close(y, want_y)
+    assert_trees_close(fb.schedule_free_eval_params(state, y), want_x)
+
+
+def test_the_wrapper_around_a_chosen_direction_is_the_alias():
+    """fb.schedule_free over the building blocks the alias is made of, written out by hand."""
+    params, grads = problem(2)
+    direction = fb.chain(fb.scale_by_bias_corrected_rms(0.99, 1e-6), fb.add_decayed_weights(0.1))
+    kwargs = CASES["adamw"][2]
+    built = fb.schedule_free(direction, 0.02, 0.8, warmup_steps=3, r=0.5, weight_lr_power=1.5)
+    got, _ = functional_run(built, params, grads)
+    want, _ = functional_run(fb.schedule_free_adamw(**kwargs), params, grads)
+    assert_trees_close(got, want, tol=0)
+
+
+def models():
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+
+    return make(), make()
+
+
+def test_fb_optimizer_swaps_weights_for_evaluation_and_resumes_from_an_eval_mode_checkpoint():
+    """fb.Optimizer's train()/eval() move the model's weights as the package's do; a state dict
+    saved in evaluation mode (as the package asks) loads into a new optimizer and model, and the
+    run goes on as the reference's uninterrupted one."""
+    ref_model, model = models()
+    kwargs = CASES["adamw"][2]
+    reference = schedulefree.AdamWScheduleFree(ref_model.parameters(), **kwargs)
+    reference.train()
+    opt = fb.Optimizer(model.parameters(), fb.schedule_free_adamw, **kwargs)
+    gen = seeded(3)
+    batches = [(torch.randn(16, 4, generator=gen).double(), torch.randn(16, 1, generator=gen).double()) for _ in range(6)]
+
+    def step(m, o, batch):
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(batch[0]), batch[1]).backward()
+        o.step()
+
+    for batch in batches[:3]:
+        step(ref_model, reference, batch)
+        step(model, opt, batch)
+    reference.eval()
+    opt.eval()
+    for (name, want), got in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13, msg=lambda m: f"eval {name}: {m}")
+    saved_model, saved_opt = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
+    assert saved_opt["param_groups"][0]["train_mode"] is False
+
+    _, resumed_model = models()
+    resumed_model.load_state_dict(saved_model)
+    resumed = fb.Optimizer(resumed_model.parameters(), fb.schedule_free_adamw, **kwargs)
+    resumed.load_state_dict(saved_opt)
+    with pytest.raises(RuntimeError, match=r"evaluation mode.*call optimizer.train\(\)"):
+        step(resumed_model, resumed, batches[3])
+    reference.train()
+    resumed.train()
+    for batch in batches[3:]:
+        step(ref_model, reference, batch)
+        step(resumed_model, resumed, batch)
+    for (name, want), got in zip(ref_model.named_parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13, msg=lambda m: f"train {name}: {m}")
+
+
+def test_fb_optimizer_train_and_eval_leave_other_transforms_alone():
+    _, model = models()
+    opt = fb.Optimizer(model.parameters(), fb.adamw, lr=1e-2)
+    torch.nn.functional.mse_loss(model(torch.ones(2, 4).double()), torch.zeros(2, 1).double()).backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.eval()
+    opt.train()
+    opt.eval()
+    opt.step()  # nothing to refuse: no schedule-free group
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert "train_mode" not in opt.param_groups[0]
+
+
+def test_fused_over_flat_buffers_equals_the_tree():
+    """fb.fuse runs the averaging once per flat buffer; the evaluation weights of the fused state
+    over the buffers are those of the tree."""
+    params, grads = problem(4)
+    tx = fb.schedule_free_adamw(**CASES["adamw"][2])
+    want_y, want_state = functional_run(tx, params, grads)
+    layout = fb.FlatLayout.of(params)
+    fused = fb.fuse(tx, layout)
+    flat = layout.flatten(params)
+    state = fused.init(flat)
+    for g in grads:
+        updates, state = fused.update(layout.flatten(g), state, flat)
+        flat = fb.apply_updates(flat, updates)
+    assert_trees_close(layout.unflatten(flat), want_y)
+    x = layout.unflatten(fb.schedule_free_eval_params(state, flat))
+    assert_trees_close(x, fb.schedule_free_eval_params(want_state, want_y))
+
+
+def test_a_checkpoint_mid_run_resumes_bit_for_bit():
+    params, grads = problem(5)
+    tx = fb.schedule_free_sgd(**CASES["sgd"][2])
+    want, _ = functional_run(tx, params, grads)
+    state = tx.init(params)
+    for g in grads[:3]:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    saved = {k: v.clone() for k, v in fb.state_dict(state).items()}
+    state = fb.load_state_dict(tx.init(params), saved)
+    for g in grads[3:]:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    assert_trees_close(params, want, tol=0)
+
+
+def test_a_compiled_train_step_over_flat_buffers_equals_the_eager_tree_step():
+    def run(compile, flat):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+        tx = fb.schedule_free_adamw(lr=0.01, warmup_steps=2, weight_decay=0.01)
+        params = fb.params_of(model)
+        layout = fb.FlatLayout.of(params) if flat else None
+        params = layout.flatten(params) if flat else params
+        state = (fb.fuse(tx, layout) if flat else tx).init(params)
+        step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=compile, layout=layout)
+        gen = seeded(6)
+        for _ in range(4):
+            params, state, _ = step(params, state, (torch.randn(8, 3, generator=gen).double(), torch.randn(8, 1, generator=gen).double()))
+        return layout.unflatten(params) if flat else params
+
+    assert_trees_close(run({"backend": "aot_eager"}, True), run(False, False), tol=1e-12)
+
+
+def test_bad_input_is_refused_with_the_way_out():
+    params, grads = problem()
+    with pytest.raises(ValueError, match="no schedule-free state"):
+        fb.schedule_free_eval_params(fb.adamw().init(params), params)
+    with pytest.raises(ValueError, match="takes a step of its own"):
+        fb.schedule_free(fb.adamw(1e-3))
+    with pytest.raises(ValueError, match="takes a step of its own"):
+        fb.schedule_free(fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(1e-3)))
+    with pytest.raises(ValueError, match=r"b1 must lie in \(0, 1\)"):
+        fb.schedule_free(fb.identity(), b1=0.0)
+    with pytest.raises(ValueError, match=r"momentum must lie in \(0, 1\)"):
+        fb.schedule_free_sgd(momentum=1.0)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        fb.schedule_free_adamw(lr=-1.0)
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
+        fb.schedule_free_adamw(warmup_steps=-1)
+    with pytest.raises(ValueError, match="needs the parameters"):
+        tx = fb.schedule_free_sgd()
+        tx.update(grads[0], tx.init(params))
