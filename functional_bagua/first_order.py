@@ -13,8 +13,8 @@ through :func:`~functional_bagua.inject_hyperparams`)::
 
 from __future__ import annotations
 
-from functional_bagua.base import GradientTransformation, chain, identity
 from functional_bagua.aliases import _check, _check_betas, _check_eps, _check_lr, _check_nonnegative
+from functional_bagua.base import GradientTransformation, chain, identity
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.transforms.adam import scale_by_bias_corrected_rms
 from functional_bagua.transforms.scaling import ScalarOrSchedule
@@ -22,7 +22,7 @@ from functional_bagua.transforms.schedule_free import schedule_free
 from functional_bagua.transforms.weight_decay import add_decayed_weights
 
 
-def _with_decay(direction: GradientTransformation, weight_decay: ScalarOrSchedule) -> GradientTransformation:
+def _with_decay(direction: GradientTransformation, weight_decay: float) -> GradientTransformation:
     """``direction``, then ``+ weight_decay * y`` where a decay is given (schedule-free decays at ``y``)."""
     if checkable(weight_decay) == 0.0:
         return direction
@@ -71,7 +71,9 @@ def schedule_free_adamw(
     _check_lr(lr)
     _check_eps(eps)
     _check_betas(betas)
-    _check(b1, lambda v: v > 0.0, "schedule_free_adamw: betas[0] must lie in (0, 1) (x = (y - (1 - b1) z) / b1), got {}")
+    _check(
+        b1, lambda v: v > 0.0, "schedule_free_adamw: betas[0] must lie in (0, 1) (x = (y - (1 - b1) z) / b1), got {}"
+    )
     _check_nonnegative(weight_decay, "weight_decay")
     direction = _with_decay(scale_by_bias_corrected_rms(b2, eps), weight_decay)
     return schedule_free(direction, lr, b1, warmup_steps, r, weight_lr_power)

@@ -123,7 +123,9 @@ def test_fb_optimizer_swaps_weights_for_evaluation_and_resumes_from_an_eval_mode
     reference.train()
     opt = fb.Optimizer(model.parameters(), fb.schedule_free_adamw, **kwargs)
     gen = seeded(3)
-    batches = [(torch.randn(16, 4, generator=gen).double(), torch.randn(16, 1, generator=gen).double()) for _ in range(6)]
+    batches = [
+        (torch.randn(16, 4, generator=gen).double(), torch.randn(16, 1, generator=gen).double()) for _ in range(6)
+    ]
 
     def step(m, o, batch):
         o.zero_grad()
@@ -215,7 +217,9 @@ def test_a_compiled_train_step_over_flat_buffers_equals_the_eager_tree_step():
         step = fb.make_train_step(model, torch.nn.functional.mse_loss, tx, compile=compile, layout=layout)
         gen = seeded(6)
         for _ in range(4):
-            params, state, _ = step(params, state, (torch.randn(8, 3, generator=gen).double(), torch.randn(8, 1, generator=gen).double()))
+            params, state, _ = step(
+                params, state, (torch.randn(8, 3, generator=gen).double(), torch.randn(8, 1, generator=gen).double())
+            )
         return layout.unflatten(params) if flat else params
 
     assert_trees_close(run({"backend": "aot_eager"}, True), run(False, False), tol=1e-12)

@@ -219,11 +219,11 @@ def _interpolated(state: Any, params: PyTree, mode: str, weight_of: Any) -> PyTr
         )
     sf = found[0]
     p_leaves, spec = tree.flatten(params)
-    z_leaves = spec.flatten_up_to(sf.z)
-    b1_leaves = spec.flatten_up_to(sf.b1)
+    z_leaves: list[Any] = spec.flatten_up_to(sf.z)  # type: ignore[arg-type]  # a tree of tensors, per field
+    b1_leaves: list[Any] = spec.flatten_up_to(sf.b1)  # type: ignore[arg-type]
     return spec.unflatten(
         [
-            p if z is None or p is None else torch.lerp(p, z, (weight_of(b1)).to(p.dtype))
+            p if z is None or p is None else torch.lerp(p, z, weight_of(b1).to(p.dtype))
             for p, z, b1 in zip(p_leaves, z_leaves, b1_leaves)
         ]
     )
