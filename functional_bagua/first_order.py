@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from functional_bagua.aliases import _check, _check_betas, _check_eps, _check_lr, _check_nonnegative
 from functional_bagua.base import GradientTransformation, chain, identity
-from functional_bagua.hyperparams import accepts_schedules, checkable
+from functional_bagua.hyperparams import accepts_schedules
+from functional_bagua.numerics import is_number
 from functional_bagua.transforms.adam import scale_by_bias_corrected_rms
 from functional_bagua.transforms.scaling import ScalarOrSchedule
 from functional_bagua.transforms.schedule_free import schedule_free
@@ -24,7 +25,7 @@ from functional_bagua.transforms.weight_decay import add_decayed_weights
 
 def _with_decay(direction: GradientTransformation, weight_decay: float) -> GradientTransformation:
     """``direction``, then ``+ weight_decay * y`` where a decay is given (schedule-free decays at ``y``)."""
-    if checkable(weight_decay) == 0.0:
+    if is_number(weight_decay) and weight_decay == 0.0:  # a tensor may be written later (fb.Optimizer)
         return direction
     return chain(direction, add_decayed_weights(weight_decay))
 
