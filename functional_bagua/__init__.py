@@ -43,7 +43,14 @@ from functional_bagua.base import (
     identity,
 )
 from functional_bagua.checkpoint import load_state_dict, state_dict
-from functional_bagua.first_order import schedule_free_adamw, schedule_free_sgd
+from functional_bagua.first_order import (
+    ademamix,
+    adopt,
+    laprop,
+    mars_adamw,
+    schedule_free_adamw,
+    schedule_free_sgd,
+)
 from functional_bagua.flat import FlatLayout, FlatModule, flatten_module, flatten_parameters
 from functional_bagua.fusion import fuse, fuse_inplace
 from functional_bagua.hyperparams import (
@@ -122,5 +129,9 @@ __all__ = [
     "adabelief",
     "schedule_free_adamw",
     "schedule_free_sgd",
+    "adopt",
+    "ademamix",
+    "laprop",
+    "mars_adamw",
     *_transforms_all,
 ]

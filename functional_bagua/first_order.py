@@ -13,14 +13,26 @@ through :func:`~functional_bagua.inject_hyperparams`)::
 
 from __future__ import annotations
 
-from functional_bagua.aliases import _check, _check_betas, _check_eps, _check_lr, _check_nonnegative
+from typing import Callable, Optional, Union, cast
+
+import optree
+import torch
+
+from functional_bagua.aliases import _check, _check_betas, _check_eps, _check_lr, _check_nonnegative, _decayed
 from functional_bagua.base import GradientTransformation, chain, identity
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import is_number
-from functional_bagua.transforms.adam import scale_by_bias_corrected_rms
-from functional_bagua.transforms.scaling import ScalarOrSchedule
+from functional_bagua.transforms.adam import scale_by_adam, scale_by_bias_corrected_rms
+from functional_bagua.transforms.ademamix import scale_by_ademamix
+from functional_bagua.transforms.adopt import fourth_root, scale_by_adopt
+from functional_bagua.transforms.laprop import scale_by_laprop
+from functional_bagua.transforms.leafwise import stateless
+from functional_bagua.transforms.mars import scale_by_mars
+from functional_bagua.transforms.scaling import ScalarOrSchedule, negate_if, scale_by_learning_rate
 from functional_bagua.transforms.schedule_free import schedule_free
 from functional_bagua.transforms.weight_decay import add_decayed_weights
+from functional_bagua.transforms.wrappers import partition
+from functional_bagua.tree import PyTree
 
 
 def _with_decay(direction: GradientTransformation, weight_decay: float) -> GradientTransformation:
@@ -114,3 +126,232 @@ def schedule_free_sgd(
     _check(momentum, lambda v: 0.0 < v < 1.0, "schedule_free_sgd: momentum must lie in (0, 1), got {}")
     _check_nonnegative(weight_decay, "weight_decay")
     return schedule_free(_with_decay(identity(), weight_decay), lr, momentum, warmup_steps, r, weight_lr_power)
+
+
+@accepts_schedules(static_args=("clip_lambda",))
+def adopt(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.9999),
+    eps: float = 1e-6,
+    clip_lambda: Optional[Callable[[torch.Tensor], Union[float, torch.Tensor]]] = fourth_root,
+    weight_decay: float = 0.0,
+    decouple: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """ADOPT (Taniguchi et al., 2024), as the authors' ``torch-adopt`` package (``adopt.ADOPT``):
+    the direction of :func:`~functional_bagua.scale_by_adopt`, ``p <- p - lr * u``. The first step
+    only initializes the second moment (the parameters do not move).
+
+    Args:
+        lr: the learning rate.
+        betas: ``(b1, b2)``: the decay rates of the momentum and of the second moment.
+        eps: the smallest root of the second moment a gradient is divided by (> 0).
+        clip_lambda: the clipping bound of the normalized gradient, a function of the steps taken
+            before (a float64 0-dim tensor; default ``s ** 0.25``); ``None`` for none.
+        weight_decay: with ``decouple``, decoupled decay ``p <- p - lr * weight_decay * p`` from the
+            second step on; else an L2 penalty ``weight_decay * p`` added to the gradient.
+        decouple: decoupled (AdamW-like) weight decay instead of the L2 penalty.
+        maximize: ascend the objective.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.adopt(lr=1e-3, weight_decay=0.01, decouple=True)
+        state = tx.init(params)
+    """
+    _check_lr(lr)
+    _check_eps(eps)
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+    b1, b2 = betas
+    if decouple:
+        return chain(
+            negate_if(maximize), scale_by_adopt(b1, b2, eps, clip_lambda, weight_decay), scale_by_learning_rate(lr)
+        )
+    return chain(
+        negate_if(maximize),
+        add_decayed_weights(weight_decay),
+        scale_by_adopt(b1, b2, eps, clip_lambda),
+        scale_by_learning_rate(lr),
+    )
+
+
+@accepts_schedules(static_args=("t_alpha_beta3",))
+def ademamix(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+    alpha: float = 5.0,
+    t_alpha_beta3: Optional[float] = None,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decouple: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """AdEMAMix (Pagliardini et al., 2024), as pytorch-optimizer's ``AdEMAMix`` (its names and
+    defaults): the direction of :func:`~functional_bagua.scale_by_ademamix`, ``p <- p - lr * u``.
+
+    Args:
+        lr: the learning rate.
+        betas: ``(b1, b2, b3)``: the fast momentum's, the second moment's and the slow momentum's
+            decay rates.
+        alpha: the weight of the slow momentum.
+        t_alpha_beta3: the warmup of ``alpha`` and ``b3`` in steps (``None``: none).
+        eps: added to the bias-corrected root of the second moment.
+        weight_decay: with ``weight_decouple``, ``p <- p - lr * weight_decay * p``; else an L2
+            penalty added to the gradient (the reference's default).
+        weight_decouple: decoupled weight decay instead of the L2 penalty.
+        maximize: ascend the objective.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.ademamix(lr=1e-3, t_alpha_beta3=10_000, weight_decay=0.1, weight_decouple=True)
+        state = tx.init(params)
+    """
+    _check_lr(lr)
+    _check_eps(eps)
+    _check_betas(betas)
+    _check_nonnegative(alpha, "alpha")
+    _check_nonnegative(weight_decay, "weight_decay")
+    if t_alpha_beta3 is not None and not t_alpha_beta3 > 0:
+        raise ValueError(f"ademamix: t_alpha_beta3 must be > 0 (a warmup in steps) or None, got {t_alpha_beta3}")
+    b1, b2, b3 = betas
+    return _decayed(
+        scale_by_ademamix(b1, b2, b3, alpha, t_alpha_beta3, eps), weight_decay, weight_decouple, lr, maximize
+    )
+
+
+@accepts_schedules(static_args=("steps_before_using_centered",))
+def laprop(
+    lr: ScalarOrSchedule = 4e-4,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-15,
+    weight_decay: float = 0.0,
+    centered: bool = False,
+    steps_before_using_centered: int = 10,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """LaProp (Ziyin et al., 2020), as pytorch-optimizer's ``LaProp`` (its names and defaults):
+    the step of :func:`~functional_bagua.scale_by_laprop`, then decoupled weight decay of the
+    stepped parameters::
+
+        p <- (p - u) (1 - lr weight_decay)
+
+    (The reference's coupled weight decay, ``weight_decouple=False``, changes nothing: it adds to
+    the gradient after the step; it is not offered.)
+
+    Args:
+        lr: the learning rate (inside the momentum: a changed rate reaches the step gradually).
+        betas: ``(b1, b2)``: the decay rates of the momentum and of the second moment.
+        eps: added to the root of the second moment.
+        weight_decay: decoupled weight decay, applied after the step.
+        centered: centered second moment (after ``steps_before_using_centered`` steps).
+        steps_before_using_centered: the steps before a centered LaProp centers.
+        maximize: ascend the objective.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.laprop(lr=4e-4, weight_decay=0.01)
+        state = tx.init(params)
+    """
+    _check_lr(lr)
+    _check_eps(eps)
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+    b1, b2 = betas
+    rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
+    direction = scale_by_laprop(rate, b1, b2, eps, 1e-15, centered, steps_before_using_centered)
+    return chain(negate_if(maximize), direction, _stepped_then_decayed(rate, weight_decay))
+
+
+def _stepped_then_decayed(
+    lr: Union[float, torch.Tensor], weight_decay: Union[float, torch.Tensor]
+) -> GradientTransformation:
+    """``p <- (p - u) (1 - lr wd)`` as one update: ``-(1 - lr wd) u - lr wd p``."""
+    if is_number(weight_decay) and weight_decay == 0:
+        return stateless(lambda u, p: -u, name="laprop", in_place=lambda u, p: u.neg_())
+
+    def stepped(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
+        assert p is not None  # needs_params
+        decay = lr * weight_decay
+        return u * -(1 - decay) - p * decay
+
+    return stateless(stepped, name="laprop", needs_params=True)
+
+
+@accepts_schedules(static_args=("optimize_1d",))
+def mars_adamw(
+    lr: ScalarOrSchedule = 3e-3,
+    betas: tuple[float, float] = (0.95, 0.99),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    gamma: float = 0.025,
+    optimize_1d: bool = False,
+    lr_1d: float = 3e-3,
+    betas_1d: tuple[float, float] = (0.9, 0.95),
+    weight_decay_1d: float = 0.1,
+) -> GradientTransformation:
+    """MARS-AdamW (Yuan et al., 2024), as the authors' ``MARS`` (``mars_type="mars-adamw"``, the
+    approximate MARS): AdamW on the corrected, clipped gradients of
+    :func:`~functional_bagua.scale_by_mars` (``gamma``, ``b1``), for the 2-D tensors; the others
+    (biases, norms, and, as the authors' code decides by ``ndim == 2``, convolution kernels) get
+    plain AdamW with ``lr_1d``, ``betas_1d``, ``weight_decay_1d``, unless ``optimize_1d``::
+
+        p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)     (moments of c_t)
+
+    With ``optimize_1d=False`` the choice is by shape (a :func:`~functional_bagua.partition`),
+    which a fused update over flat buffers cannot make: fuse with ``optimize_1d=True``, or
+    partition first.
+
+    Args:
+        lr: the learning rate of the MARS tensors.
+        betas: ``(b1, b2)`` of the MARS tensors; ``b1`` also scales the correction.
+        eps: added to the bias-corrected root of the second moment.
+        weight_decay: decoupled weight decay of the MARS tensors.
+        gamma: the strength of the gradient correction.
+        optimize_1d: MARS for every tensor, with ``lr``, ``betas`` and ``weight_decay``.
+        lr_1d: the learning rate of the other tensors.
+        betas_1d: their AdamW betas.
+        weight_decay_1d: their decoupled weight decay.
+
+    Returns:
+        A GradientTransformation.
+
+    Example::
+
+        tx = fb.mars_adamw(lr=3e-3, weight_decay=0.1)
+        state = tx.init(params)
+    """
+    _check_lr(lr)
+    _check_eps(eps)
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+    _check_nonnegative(gamma, "gamma")
+    b1, b2 = betas
+    corrected = chain(
+        scale_by_mars(gamma, b1),
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )
+    if optimize_1d:
+        return corrected
+    _check_lr(lr_1d)
+    _check_betas(betas_1d)
+    _check_nonnegative(weight_decay_1d, "weight_decay_1d")
+    plain = _decayed(scale_by_adam(*betas_1d, eps), weight_decay_1d, True, lr_1d, False)
+    return partition({"mars": corrected, "adamw": plain}, _mars_or_adamw)
+
+
+def _mars_or_adamw(params: PyTree) -> PyTree:
+    return optree.tree_map(lambda p: "mars" if p is not None and p.dim() == 2 else "adamw", params, none_is_leaf=True)

@@ -20,9 +20,12 @@ from functional_bagua.transforms.adam import (
     scale_by_nadam,
     scale_by_radam,
 )
+from functional_bagua.transforms.ademamix import ScaleByAdemamixState, scale_by_ademamix
+from functional_bagua.transforms.adopt import ScaleByAdoptState, scale_by_adopt
 from functional_bagua.transforms.asgd import ScaleByAsgdState, scale_by_asgd
 from functional_bagua.transforms.averaging import EmaParamsState, ema
 from functional_bagua.transforms.belief import ScaleByBeliefState, scale_by_belief
+from functional_bagua.transforms.cautious import cautious
 from functional_bagua.transforms.clipping import clip, clip_by_global_norm, global_norm
 from functional_bagua.transforms.factored import (
     ScaleByFactoredRmsState,
@@ -30,9 +33,15 @@ from functional_bagua.transforms.factored import (
     scale_by_factored_rms,
     scale_by_relative_step_size,
 )
+from functional_bagua.transforms.laprop import (
+    ScaleByCenteredLapropState,
+    ScaleByLapropState,
+    scale_by_laprop,
+)
 from functional_bagua.transforms.leafwise import leafwise, stateless
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_bagua.transforms.lookahead import LookaheadState, lookahead
+from functional_bagua.transforms.mars import ScaleByMarsState, mars, scale_by_mars
 from functional_bagua.transforms.momentum import (
     EmaMomentumState,
     TraceState,

@@ -35,6 +35,7 @@ from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
+from functional_bagua.transforms.direction import refuse_a_step
 from functional_bagua.transforms.leafwise import leafwise
 from functional_bagua.tree import PyTree
 
@@ -91,7 +92,12 @@ def schedule_free(
         updates, state = tx.update(grads, state, params)
         eval_params = fb.schedule_free_eval_params(state, fb.apply_updates(params, updates))
     """
-    _refuse_a_step(direction)
+    refuse_a_step(
+        "schedule_free",
+        direction,
+        "fb.schedule_free(fb.chain(fb.scale_by_bias_corrected_rms(), fb.add_decayed_weights(wd)), lr), "
+        "or the aliases fb.schedule_free_adamw / fb.schedule_free_sgd",
+    )
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"schedule_free: warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if is_number(b1) and not 0 < b1 < 1:
@@ -102,30 +108,6 @@ def schedule_free(
     if is_number(lr) and lr < 0:
         raise ValueError(f"schedule_free: Invalid learning rate: {lr}")
     return chain(direction, _averaging(lr, b1, warmup_steps, r, weight_lr_power))
-
-
-def _refuse_a_step(direction: GradientTransformation) -> None:
-    """Refuse a ``direction`` that already steps (an alias, a learning rate in a chain)."""
-    if not isinstance(direction, GradientTransformation):
-        raise TypeError(f"schedule_free: direction must be a GradientTransformation, got {type(direction).__name__}")
-    for link in _links(direction):
-        built = getattr(link.update, "built_from", None)
-        if built is not None or hasattr(link.update, "adjustable"):
-            name = built[0].__name__ if built is not None else "an alias with schedules"
-            raise ValueError(
-                f"schedule_free: the direction takes a step of its own ({name}); schedule_free takes the "
-                "step -lr_t d_t itself, so give it the direction without a learning rate: "
-                "fb.schedule_free(fb.chain(fb.scale_by_bias_corrected_rms(), fb.add_decayed_weights(wd)), lr) "
-                "or the aliases fb.schedule_free_adamw / fb.schedule_free_sgd"
-            )
-
-
-def _links(tx: GradientTransformation) -> list[GradientTransformation]:
-    """``tx`` and, for a chain, every transform inside it (nested chains too)."""
-    inner = getattr(tx.update, "transforms", None)
-    if inner is None:
-        return [tx]
-    return [tx, *(link for t in inner for link in _links(t))]
 
 
 def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_power: Scalar) -> GradientTransformation:

@@ -1,0 +1,99 @@
+"""ADOPT (Taniguchi et al., 2024, "ADOPT: Modified Adam Can Converge with Any beta2"), as the
+authors' ``torch-adopt`` package computes it.
+
+The second moment of the *previous* gradients normalizes the new one, before the momentum
+averages it (Adam normalizes after), and the first gradient only initializes it::
+
+    t = 1:   v_1 = g_1^2,   m_1 = 0,   u_1 = 0
+    t > 1:   n_t = clip(g_t / max(sqrt(v_{t-1}), eps),  c(t - 1))     (c(s) = s^0.25; clip to [-c, c])
+             m_t = lerp(m_{t-1}, n_t, 1 - b1)
+             v_t = b2 v_{t-1} + (1 - b2) g_t^2
+             u_t = m_t (+ weight_decay * p_t, decoupled)
+
+The decoupled decay is part of the rule because the reference starts it at the second step,
+with the update: a plain :func:`~functional_bagua.add_decayed_weights` after it would decay the
+parameters at the first step too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Union, cast
+
+import torch
+
+from functional_bagua.base import GradientTransformation
+from functional_bagua.numerics import as_scalar, is_number, lerp, zero_count
+from functional_bagua.transforms.leafwise import leafwise
+
+Scalar = Union[float, torch.Tensor]
+
+
+def fourth_root(step: torch.Tensor) -> torch.Tensor:
+    """ADOPT's default clipping bound ``c(s) = s^0.25`` (``s`` the steps taken before this one)."""
+    return step**0.25
+
+
+class ScaleByAdoptState(NamedTuple):
+    """Per tensor: ``count`` (steps taken), ``mu`` (momentum of normalized gradients), ``nu``
+    (second moment of the gradients)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    mu: torch.Tensor
+    nu: torch.Tensor
+
+
+def scale_by_adopt(
+    b1: Scalar = 0.9,
+    b2: Scalar = 0.9999,
+    eps: Scalar = 1e-6,
+    clip: Optional[Callable[[torch.Tensor], Scalar]] = fourth_root,
+    weight_decay: Scalar = 0.0,
+) -> GradientTransformation:
+    """ADOPT's direction (module docstring).
+
+    Args:
+        b1: the decay rate of the momentum of normalized gradients.
+        b2: the decay rate of the second moment.
+        eps: the smallest root of the second moment the gradient is divided by; must be > 0
+            (the second moment is 0 wherever every gradient so far was 0).
+        clip: ``c(s)``, the bound on the normalized gradient at the step after ``s`` steps, a
+            function of a float64 0-dim tensor (default ``s ** 0.25``, the reference's
+            ``clip_lambda``); ``None`` for no clipping.
+        weight_decay: decoupled weight decay added to the direction from the second step on
+            (``u_t = m_t + weight_decay * p_t``); needs ``params`` when not 0.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`ScaleByAdoptState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_adopt(), fb.scale_by_learning_rate(1e-3))
+    """
+    if is_number(eps) and not eps > 0:
+        raise ValueError(
+            f"scale_by_adopt: eps must be > 0, got {eps}: ADOPT divides by max(sqrt(v), eps), and v is 0 "
+            "wherever every gradient so far was 0"
+        )
+    decays = not (is_number(weight_decay) and weight_decay == 0)
+
+    def init_leaf(p: torch.Tensor) -> ScaleByAdoptState:
+        return ScaleByAdoptState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
+
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByAdoptState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByAdoptState]:
+        steps_before = as_scalar(s.count)
+        later = (s.count > 0).to(steps_before.dtype)  # 0 at the first step, which only initializes v
+        normalized = g / s.nu.sqrt().clamp_min(eps)
+        if clip is not None:
+            bound = clip(steps_before)
+            normalized = normalized.clamp(-bound, bound)  # type: ignore[arg-type]  # a number or a 0-dim tensor
+        mu = lerp(s.mu, normalized, (1 - b1) * later)
+        kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
+        nu = s.nu * kept + g * g * (1 - kept)
+        u = mu if not decays else mu + cast(torch.Tensor, p) * weight_decay  # needs_params when it decays
+        return u * later, ScaleByAdoptState(s.count + 1, mu, nu)
+
+    return leafwise(
+        ScaleByAdoptState, init_leaf, update_leaf, name="scale_by_adopt", needs_params=decays, fresh_updates=True
+    )

@@ -1,0 +1,308 @@
+"""ADOPT, AdEMAMix, LaProp, MARS and cautious updates, step for step in float64 against their
+references: the authors' ``torch-adopt`` package, pytorch-optimizer's ``AdEMAMix`` and
+``LaProp`` (``foreach=False``: its foreach path rounds step sizes to float32), and, for MARS (no
+package of the authors') and the cautious mask, their rules written out here. Then the paths
+that must agree with the pure update: fused, compiled, ``fb.Optimizer``, a schedule, a resumed
+checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from devices import seeded
+
+import functional_bagua as fb
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:`torch._utils.is_compiling`:UserWarning")
+
+SHAPES = {"scalar": (), "bias": (5,), "matrix": (5, 4), "kernel": (2, 3, 2)}
+STEPS = 12
+
+
+def problem(seed=0):
+    gen = seeded(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()} for _ in range(STEPS)]
+    return params, grads
+
+
+def functional_run(tx, params, grads):
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    return params, state
+
+
+def torch_run(make_optimizer, params, grads, lr_at=None):
+    tensors = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = make_optimizer(list(tensors.values()))
+    for t, g in enumerate(grads):
+        if lr_at is not None:
+            opt.param_groups[0]["lr"] = lr_at(t)
+        for k, p in tensors.items():
+            p.grad = g[k].clone()
+        opt.step()
+    return {k: p.detach() for k, p in tensors.items()}
+
+
+def assert_trees_close(got, want, tol=1e-13):
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m: f"{k}: {m}")
+
+
+def reference_class(module, name, why):
+    package = pytest.importorskip(module, reason=why)
+    return getattr(package, name)
+
+
+ADOPT_WHY = "the authors' torch-adopt package (module adopt) is ADOPT's reference: an optional test dependency"
+PYTORCH_OPTIMIZER_WHY = "pytorch-optimizer is the reference of AdEMAMix and LaProp: an optional test dependency"
+CASES = {  # id: (reference module, class, its keyword arguments, our alias, its keyword arguments)
+    "adopt": ("adopt", "ADOPT", dict(lr=0.01), fb.adopt, dict(lr=0.01)),
+    "adopt-decoupled": (
+        "adopt",
+        "ADOPT",
+        dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, decouple=True),
+        fb.adopt,
+        dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, decouple=True),
+    ),
+    "adopt-l2-unclipped-maximize": (
+        "adopt",
+        "ADOPT",
+        dict(lr=0.01, weight_decay=0.1, clip_lambda=None, maximize=True),
+        fb.adopt,
+        dict(lr=0.01, weight_decay=0.1, clip_lambda=None, maximize=True),
+    ),
+    "ademamix": ("pytorch_optimizer", "AdEMAMix", dict(lr=0.01, foreach=False), fb.ademamix, dict(lr=0.01)),
+    "ademamix-warmup-decoupled": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=0.01, betas=(0.8, 0.99, 0.999), t_alpha_beta3=5, weight_decay=0.1, weight_decouple=True, foreach=False),
+        fb.ademamix,
+        dict(lr=0.01, betas=(0.8, 0.99, 0.999), t_alpha_beta3=5, weight_decay=0.1, weight_decouple=True),
+    ),
+    "ademamix-l2-maximize": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=0.01, weight_decay=0.1, maximize=True, foreach=False),
+        fb.ademamix,
+        dict(lr=0.01, weight_decay=0.1, maximize=True),
+    ),
+    "laprop": ("pytorch_optimizer", "LaProp", dict(lr=0.01, foreach=False), fb.laprop, dict(lr=0.01)),
+    "laprop-centered-decay": (
+        "pytorch_optimizer",
+        "LaProp",
+        dict(lr=0.01, weight_decay=0.1, centered=True, steps_before_using_centered=3, foreach=False),
+        fb.laprop,
+        dict(lr=0.01, weight_decay=0.1, centered=True, steps_before_using_centered=3),
+    ),
+    "laprop-maximize": (
+        "pytorch_optimizer",
+        "LaProp",
+        dict(lr=0.01, maximize=True, foreach=False),
+        fb.laprop,
+        dict(lr=0.01, maximize=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_aliases_step_as_their_reference_packages(case):
+    module, name, ref_kwargs, alias, kwargs = CASES[case]
+    cls = reference_class(module, name, ADOPT_WHY if module == "adopt" else PYTORCH_OPTIMIZER_WHY)
+    params, grads = problem()
+    want = torch_run(lambda ps: cls(ps, **ref_kwargs), params, grads)
+    got, _ = functional_run(alias(**kwargs), params, grads)
+    assert any(not torch.equal(want[k], params[k]) for k in want)
+    assert_trees_close(got, want)
+
+
+def test_adopt_leaves_the_parameters_where_they_are_at_its_first_step():
+    params, grads = problem()
+    moved, _ = functional_run(fb.adopt(lr=0.1, weight_decay=0.1, decouple=True), params, grads[:1])
+    assert_trees_close(moved, params, tol=0)
+
+
+@pytest.mark.parametrize("name", ["LaProp", "AdEMAMix"])
+def test_a_learning_rate_schedule_is_the_reference_with_its_lr_set_before_each_step(name):
+    """LaProp keeps the rate inside its momentum (and a running average of it for the bias
+    correction): a changing rate reaches the step gradually, as in the reference."""
+    cls = reference_class("pytorch_optimizer", name, PYTORCH_OPTIMIZER_WHY)
+    schedule = fb.schedules.linear(0.02, 0.002, STEPS)
+    params, grads = problem(1)
+    want = torch_run(lambda ps: cls(ps, lr=1.0, foreach=False), params, grads, lr_at=lambda t: schedule(t).item())
+    alias = fb.laprop if name == "LaProp" else fb.ademamix
+    got, _ = functional_run(alias(lr=schedule), params, grads)
+    assert_trees_close(got, want)
+
+
+def mars_reference(params, grads, lr, betas, eps, wd, gamma, optimize_1d, lr_1d, betas_1d, wd_1d):
+    """The authors' MARS-AdamW (approximate MARS), one tensor at a time, written out from their
+    algorithm: the corrected gradient with the previous one, clipped to norm 1, into AdamW; the
+    tensors that are not 2-D get plain AdamW with their own numbers unless optimize_1d."""
+    params = {k: v.clone() for k, v in params.items()}
+    state = {k: (torch.zeros_like(v), torch.zeros_like(v), torch.zeros_like(v)) for k, v in params.items()}
+    for t, g_all in enumerate(grads, start=1):
+        for k, p in params.items():
+            g, (m, v, last) = g_all[k], state[k]
+            if optimize_1d or p.dim() == 2:
+                b1, b2 = betas
+                c = g + gamma * b1 / (1 - b1) * (g - last)
+                if torch.linalg.vector_norm(c) > 1:
+                    c = c / torch.linalg.vector_norm(c)
+                step_lr, decay = lr, wd
+            else:
+                (b1, b2), c, step_lr, decay = betas_1d, g, lr_1d, wd_1d
+            m = b1 * m + (1 - b1) * c
+            v = b2 * v + (1 - b2) * c * c
+            m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+            params[k] = p - step_lr * (decay * p + m_hat / (torch.sqrt(v_hat) + eps))
+            state[k] = (m, v, g)
+    return params
+
+
+@pytest.mark.parametrize("optimize_1d", [False, True], ids=["2d-only", "every-tensor"])
+def test_mars_adamw_is_the_authors_rule(optimize_1d):
+    params, grads = problem(2)
+    numbers = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, gamma=0.5)
+    extra = dict(optimize_1d=optimize_1d, lr_1d=0.02, betas_1d=(0.8, 0.9), weight_decay_1d=0.05)
+    want = mars_reference(
+        params,
+        grads,
+        numbers["lr"],
+        numbers["betas"],
+        numbers["eps"],
+        numbers["weight_decay"],
+        numbers["gamma"],
+        optimize_1d,
+        extra["lr_1d"],
+        extra["betas_1d"],
+        extra["weight_decay_1d"],
+    )
+    got, _ = functional_run(fb.mars_adamw(**numbers, **extra), params, grads)
+    assert_trees_close(got, want, tol=1e-12)
+
+
+def test_mars_around_any_optimizer_feeds_it_the_corrected_gradients():
+    """fb.mars(inner) = inner run on c_t, here computed by hand from the gradients."""
+    params, grads = problem(3)
+    corrected, previous = [], {k: torch.zeros_like(v) for k, v in params.items()}
+    for g in grads:
+        c = {k: g[k] + 0.1 * 0.9 / 0.1 * (g[k] - previous[k]) for k in g}
+        corrected.append(
+            {k: x / torch.linalg.vector_norm(x) if torch.linalg.vector_norm(x) > 2 else x for k, x in c.items()}
+        )
+        previous = g
+    want, _ = functional_run(fb.lion(1e-2), params, corrected)
+    got, _ = functional_run(fb.mars(fb.lion(1e-2), gamma=0.1, b1=0.9, max_norm=2.0), params, grads)
+    assert_trees_close(got, want, tol=1e-12)
+
+
+@pytest.mark.parametrize("rescale", ["paper", "mean"])
+def test_cautious_adam_is_the_mask_written_out(rescale):
+    """C-AdamW: Adam's direction, zero where its sign disagrees with the gradient's, scaled by
+    numel / (nnz + 1) (the paper) or 1 / max(mean(mask), 1e-3) (timm)."""
+    params, grads = problem(4)
+    for g in grads[2:]:
+        g["matrix"][0] = 0.0  # a zero gradient agrees with no direction: masked
+    b1, b2, eps, lr, wd = 0.9, 0.99, 1e-8, 1e-2, 0.1
+    want = {k: v.clone() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in params.items()}
+    v = {k: torch.zeros_like(p) for k, p in params.items()}
+    for t, g in enumerate(grads, start=1):
+        for k in want:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
+            d = (m[k] / (1 - b1**t)) / (torch.sqrt(v[k] / (1 - b2**t)) + eps)
+            mask = (d * g[k] > 0).double()
+            scale = mask.numel() / (mask.sum() + 1) if rescale == "paper" else 1 / max(mask.mean().item(), 1e-3)
+            want[k] = want[k] - lr * (d * mask * scale + wd * want[k])
+    tx = fb.chain(
+        fb.cautious(fb.scale_by_adam(b1, b2, eps), rescale), fb.add_decayed_weights(wd), fb.scale_by_learning_rate(lr)
+    )
+    got, _ = functional_run(tx, params, grads)
+    assert_trees_close(got, want, tol=1e-12)
+
+
+COMPOSED = {  # transforms whose paths are compared with their own pure update
+    "adopt": lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),
+    "ademamix": lambda: fb.ademamix(1e-2, t_alpha_beta3=4, weight_decay=0.1, weight_decouple=True),
+    "laprop": lambda: fb.laprop(1e-2, weight_decay=0.1, centered=True, steps_before_using_centered=2),
+    "mars": lambda: fb.mars_adamw(1e-2, weight_decay=0.1, optimize_1d=True),
+    "cautious": lambda: fb.chain(fb.cautious(fb.scale_by_adam()), fb.scale_by_learning_rate(1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_fused_over_flat_buffers_equals_the_tree(name):
+    params, grads = problem(5)
+    want, _ = functional_run(COMPOSED[name](), params, grads)
+    layout = fb.FlatLayout.of(params)
+    fused = fb.fuse(COMPOSED[name](), layout)
+    flat = layout.flatten(params)
+    state = fused.init(flat)
+    for g in grads:
+        updates, state = fused.update(layout.flatten(g), state, flat)
+        flat = fb.apply_updates(flat, updates)
+    assert_trees_close(layout.unflatten(flat), want, tol=1e-12)
+
+
+def test_compiled_updates_equal_eager_ones():
+    """Each update traced whole by dynamo (fullgraph) and run through AOT autograd's graphs."""
+    params, grads = problem(6)
+    for name, make in COMPOSED.items():
+        tx = make()
+        compiled = torch.compile(tx.update, backend="aot_eager", fullgraph=True)
+        state_c = state_e = tx.init(params)
+        for g in grads[:3]:
+            got, state_c = compiled(g, state_c, params)
+            want, state_e = tx.update(g, state_e, params)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-13, atol=1e-15, msg=lambda m: f"{name} {k}: {m}")
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_fb_optimizer_steps_as_the_pure_update_and_resumes_bit_for_bit(name):
+    params, grads = problem(7)
+    want, _ = functional_run(COMPOSED[name](), params, grads)
+    tensors = [torch.nn.Parameter(params[k].clone()) for k in SHAPES]
+    opt = fb.Optimizer(tensors, COMPOSED[name]())
+    for t, g in enumerate(grads):
+        if t == STEPS // 2:  # a checkpoint, loaded into a new optimizer over new parameters
+            saved, values = opt.state_dict(), [p.detach().clone() for p in tensors]
+            tensors = [torch.nn.Parameter(v) for v in values]
+            opt = fb.Optimizer(tensors, COMPOSED[name]())
+            opt.load_state_dict(saved)
+        for p, k in zip(tensors, SHAPES):
+            p.grad = g[k].clone()
+        opt.step()
+    assert_trees_close(dict(zip(SHAPES, (p.detach() for p in tensors))), want, tol=1e-12)
+
+
+def test_bad_input_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        fb.adopt(eps=0.0)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 2"):
+        fb.ademamix(betas=(0.9, 0.999, 1.0))
+    with pytest.raises(ValueError, match="t_alpha_beta3 must be > 0"):
+        fb.ademamix(t_alpha_beta3=0)
+    with pytest.raises(ValueError, match="Invalid weight_decay value"):
+        fb.laprop(weight_decay=-0.1)
+    with pytest.raises(ValueError, match="gamma must be >= 0"):
+        fb.mars(fb.adamw(), gamma=-0.5)
+    with pytest.raises(ValueError, match="Invalid gamma value"):
+        fb.mars_adamw(gamma=-0.5)
+    with pytest.raises(ValueError, match=r"b1 must lie in \[0, 1\)"):
+        fb.mars(fb.adamw(), b1=1.0)
+    with pytest.raises(ValueError, match="takes a step of its own .adamw.*fb.cautious"):
+        fb.cautious(fb.adamw(1e-3))
+    with pytest.raises(ValueError, match="rescale must be one of"):
+        fb.cautious(fb.scale_by_adam(), rescale="median")
+    params, grads = problem()
+    layout = fb.FlatLayout.of(params)
+    with pytest.raises(NotImplementedError, match="partition"):
+        fb.fuse(fb.mars_adamw(), layout).init(layout.flatten(params))
+    assert math.isfinite(functional_run(fb.adopt(), params, grads[:2])[0]["matrix"].sum().item())
