@@ -46,8 +46,10 @@ from functional_bagua.checkpoint import load_state_dict, state_dict
 from functional_bagua.first_order import (
     ademamix,
     adopt,
+    dadapt_adam,
     laprop,
     mars_adamw,
+    prodigy,
     schedule_free_adamw,
     schedule_free_sgd,
 )
@@ -133,5 +135,7 @@ __all__ = [
     "ademamix",
     "laprop",
     "mars_adamw",
+    "prodigy",
+    "dadapt_adam",
     *_transforms_all,
 ]

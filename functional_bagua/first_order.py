@@ -13,6 +13,7 @@ through :func:`~functional_bagua.inject_hyperparams`)::
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union, cast
 
 import optree
@@ -27,8 +28,9 @@ from functional_bagua.transforms.ademamix import scale_by_ademamix
 from functional_bagua.transforms.adopt import fourth_root, scale_by_adopt
 from functional_bagua.transforms.laprop import scale_by_laprop
 from functional_bagua.transforms.leafwise import stateless
+from functional_bagua.transforms.learning_rate_free import scale_by_dadapt_adam, scale_by_prodigy
 from functional_bagua.transforms.mars import scale_by_mars
-from functional_bagua.transforms.scaling import ScalarOrSchedule, negate_if, scale_by_learning_rate
+from functional_bagua.transforms.scaling import ScalarOrSchedule, negate_if, scale, scale_by_learning_rate
 from functional_bagua.transforms.schedule_free import schedule_free
 from functional_bagua.transforms.weight_decay import add_decayed_weights
 from functional_bagua.transforms.wrappers import partition
@@ -355,3 +357,106 @@ def mars_adamw(
 
 def _mars_or_adamw(params: PyTree) -> PyTree:
     return optree.tree_map(lambda p: "mars" if p is not None and p.dim() == 2 else "adamw", params, none_is_leaf=True)
+
+
+@accepts_schedules(static_args=("decouple", "use_bias_correction", "safeguard_warmup"))
+def prodigy(
+    lr: ScalarOrSchedule = 1.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    beta3: Optional[float] = None,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decouple: bool = True,
+    use_bias_correction: bool = False,
+    safeguard_warmup: bool = False,
+    d0: float = 1e-6,
+    d_coef: float = 1.0,
+    growth_rate: float = math.inf,
+) -> GradientTransformation:
+    """Prodigy (Mishchenko & Defazio, 2024), as the authors' ``prodigyopt.Prodigy`` (its names and
+    defaults; every tensor stepped, ``slice_p=1``): Adam whose step size ``d`` is estimated from
+    the distance travelled (:func:`~functional_bagua.scale_by_prodigy`); leave ``lr`` at 1.
+
+    Args:
+        lr: a multiplier of the estimated step size (a schedule scales it, as in the reference).
+        betas: ``(b1, b2)``, Adam's decay rates.
+        beta3: the decay rate of the estimate's sums (``None``: ``sqrt(b2)``).
+        eps: added to the root of the second moment (times ``d``).
+        weight_decay: decoupled (``decouple``) decay ``d lr weight_decay p``, or an L2 penalty
+            added to the gradient.
+        decouple: decoupled weight decay (the reference's default) instead of the L2 penalty.
+        use_bias_correction: Adam's bias correction in the step size.
+        safeguard_warmup: leave ``lr`` out of the estimate's denominator (for a warmup of ``lr``).
+        d0: the initial estimate of ``d`` (> 0).
+        d_coef: a multiplier of every estimate (> 0).
+        growth_rate: the largest factor ``d`` may grow by in a step.
+
+    Returns:
+        A GradientTransformation that needs ``params``.
+
+    Example::
+
+        tx = fb.prodigy(weight_decay=0.01, safeguard_warmup=True, use_bias_correction=True)
+        state = tx.init(params)
+    """
+    _check(lr, lambda v: v > 0.0, "Invalid learning rate: {}")
+    _check(eps, lambda v: v > 0.0, "Invalid epsilon value: {}")
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+    _check(d0, lambda v: v > 0.0, "Invalid d0 value: {}")
+    _check(d_coef, lambda v: v > 0.0, "prodigy: d_coef must be > 0 (it multiplies every estimate of d), got {}")
+    _check(growth_rate, lambda v: v >= 1.0, "prodigy: growth_rate must be >= 1 (d never shrinks), got {}")
+    b1, b2 = betas
+    rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
+    decoupled = weight_decay if decouple else 0.0
+    step = scale_by_prodigy(
+        rate, b1, b2, beta3, eps, decoupled, use_bias_correction, safeguard_warmup, d0, d_coef, growth_rate
+    )
+    return chain(add_decayed_weights(0.0 if decouple else weight_decay), step, scale(-1.0))
+
+
+@accepts_schedules(static_args=("decouple", "use_bias_correction"))
+def dadapt_adam(
+    lr: ScalarOrSchedule = 1.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decouple: bool = False,
+    use_bias_correction: bool = False,
+    d0: float = 1e-6,
+    growth_rate: float = math.inf,
+) -> GradientTransformation:
+    """D-Adaptation Adam (Defazio & Mishchenko, 2023), as the authors' ``dadaptation.DAdaptAdam``
+    (its names and defaults, ``layer_scale=1``): Adam whose step size ``d`` is estimated in the
+    state (:func:`~functional_bagua.scale_by_dadapt_adam`); leave ``lr`` at 1.
+
+    Args:
+        lr: a multiplier of the estimated step size.
+        betas: ``(b1, b2)``, Adam's decay rates.
+        eps: added to the root of the second moment.
+        weight_decay: an L2 penalty added to the gradient (the reference's default), or decoupled
+            decay ``d lr weight_decay p`` with ``decouple``.
+        decouple: decoupled weight decay instead of the L2 penalty.
+        use_bias_correction: Adam's bias correction in the step size.
+        d0: the initial estimate of ``d`` (> 0).
+        growth_rate: the largest factor ``d`` may grow by in a step.
+
+    Returns:
+        A GradientTransformation that needs ``params``.
+
+    Example::
+
+        tx = fb.dadapt_adam(weight_decay=0.01, decouple=True)
+        state = tx.init(params)
+    """
+    _check(lr, lambda v: v > 0.0, "Invalid learning rate: {}")
+    _check(eps, lambda v: v > 0.0, "Invalid epsilon value: {}")
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+    _check(d0, lambda v: v > 0.0, "Invalid d0 value: {}")
+    _check(growth_rate, lambda v: v >= 1.0, "dadapt_adam: growth_rate must be >= 1 (d never shrinks), got {}")
+    b1, b2 = betas
+    rate = cast(Union[float, torch.Tensor], lr)
+    decoupled = weight_decay if decouple else 0.0
+    step = scale_by_dadapt_adam(rate, b1, b2, eps, decoupled, use_bias_correction, d0, growth_rate)
+    return chain(add_decayed_weights(0.0 if decouple else weight_decay), step, scale(-1.0))

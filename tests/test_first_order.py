@@ -120,6 +120,72 @@ def test_aliases_step_as_their_reference_packages(case):
     assert_trees_close(got, want)
 
 
+LEARNING_RATE_FREE = {  # id: (reference module, class, its keyword arguments, our alias, its keyword arguments)
+    "prodigy": ("prodigyopt", "Prodigy", {}, fb.prodigy, {}),
+    "prodigy-bias-corrected-safeguarded": (
+        "prodigyopt",
+        "Prodigy",
+        dict(lr=0.5, weight_decay=0.1, use_bias_correction=True, safeguard_warmup=True, d_coef=2.0, growth_rate=1.5),
+        fb.prodigy,
+        dict(lr=0.5, weight_decay=0.1, use_bias_correction=True, safeguard_warmup=True, d_coef=2.0, growth_rate=1.5),
+    ),
+    "prodigy-l2-no-momentum": (
+        "prodigyopt",
+        "Prodigy",
+        dict(betas=(0.0, 0.99), beta3=0.9, weight_decay=0.1, decouple=False, growth_rate=2.0),
+        fb.prodigy,
+        dict(betas=(0.0, 0.99), beta3=0.9, weight_decay=0.1, decouple=False, growth_rate=2.0),
+    ),
+    "dadapt-adam": ("dadaptation", "DAdaptAdam", {}, fb.dadapt_adam, {}),
+    "dadapt-adam-decoupled-bias-corrected": (
+        "dadaptation",
+        "DAdaptAdam",
+        dict(lr=0.5, weight_decay=0.1, decouple=True, use_bias_correction=True, growth_rate=1.2),
+        fb.dadapt_adam,
+        dict(lr=0.5, weight_decay=0.1, decouple=True, use_bias_correction=True, growth_rate=1.2),
+    ),
+    "dadapt-adam-l2": ("dadaptation", "DAdaptAdam", dict(weight_decay=0.1), fb.dadapt_adam, dict(weight_decay=0.1)),
+}
+
+
+def quadratic(seed=8):
+    """A problem where the distance travelled grows the estimate d: the gradient of
+    ``|p - target|^2 / 2`` at the parameters, the first step's gradients all zero (an early
+    return in the references: the moments move, nothing else)."""
+    gen = seeded(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+    target = {k: 3 * torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+
+    def grads(t, p):
+        return {k: torch.zeros_like(v) if t == 0 else v - target[k] for k, v in p.items()}
+
+    return params, grads
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", list(LEARNING_RATE_FREE))
+def test_learning_rate_free_aliases_estimate_d_and_step_as_the_authors_packages(case, capsys):
+    module, name, ref_kwargs, alias, kwargs = LEARNING_RATE_FREE[case]
+    cls = reference_class(module, name, f"the authors' {module} package is the reference: an optional test dependency")
+    params, grads_at = quadratic()
+    tensors = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = cls(list(tensors.values()), **ref_kwargs)
+    tx = alias(**kwargs)
+    ours, state = dict(params), tx.init(params)
+    for t in range(30):
+        for k, g in grads_at(t, {k: p.detach() for k, p in tensors.items()}).items():
+            tensors[k].grad = g
+        opt.step()
+        updates, state = tx.update(grads_at(t, ours), state, ours)
+        ours = fb.apply_updates(ours, updates)
+    assert_trees_close(ours, {k: p.detach() for k, p in tensors.items()}, tol=1e-12)
+    d = state[1].d
+    # d_hat is a ratio of sums whose terms cancel: its last bits follow the order of the additions
+    torch.testing.assert_close(d, torch.tensor(opt.param_groups[0]["d"], dtype=torch.float64), rtol=1e-9, atol=0)
+    assert d > 1e-6  # d grew from d0
+    assert int(state[1].count) == opt.state[tensors["matrix"]]["step"]  # a step of zero gradients does not count
+
+
 def test_adopt_leaves_the_parameters_where_they_are_at_its_first_step():
     params, grads = problem()
     moved, _ = functional_run(fb.adopt(lr=0.1, weight_decay=0.1, decouple=True), params, grads[:1])
@@ -233,6 +299,8 @@ COMPOSED = {  # transforms whose paths are compared with their own pure update
     "laprop": lambda: fb.laprop(1e-2, weight_decay=0.1, centered=True, steps_before_using_centered=2),
     "mars": lambda: fb.mars_adamw(1e-2, weight_decay=0.1, optimize_1d=True),
     "cautious": lambda: fb.chain(fb.cautious(fb.scale_by_adam()), fb.scale_by_learning_rate(1e-2)),
+    "prodigy": lambda: fb.prodigy(weight_decay=0.1, use_bias_correction=True),
+    "dadapt-adam": lambda: fb.dadapt_adam(weight_decay=0.1),
 }
 
 
@@ -299,6 +367,12 @@ def test_bad_input_is_refused_with_the_way_out():
         fb.mars(fb.adamw(), b1=1.0)
     with pytest.raises(ValueError, match="takes a step of its own .adamw.*fb.cautious"):
         fb.cautious(fb.adamw(1e-3))
+    with pytest.raises(ValueError, match="d_coef must be > 0"):
+        fb.prodigy(d_coef=0.0)
+    with pytest.raises(ValueError, match="Invalid d0 value"):
+        fb.dadapt_adam(d0=0.0)
+    with pytest.raises(ValueError, match="growth_rate must be >= 1"):
+        fb.prodigy(growth_rate=0.5)
     with pytest.raises(ValueError, match="rescale must be one of"):
         fb.cautious(fb.scale_by_adam(), rescale="median")
     params, grads = problem()

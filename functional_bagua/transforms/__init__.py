@@ -39,6 +39,12 @@ from functional_bagua.transforms.laprop import (
     scale_by_laprop,
 )
 from functional_bagua.transforms.leafwise import leafwise, stateless
+from functional_bagua.transforms.learning_rate_free import (
+    DadaptAdamState,
+    ProdigyState,
+    scale_by_dadapt_adam,
+    scale_by_prodigy,
+)
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_bagua.transforms.lookahead import LookaheadState, lookahead
 from functional_bagua.transforms.mars import ScaleByMarsState, mars, scale_by_mars

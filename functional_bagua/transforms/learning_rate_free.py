@@ -1,0 +1,281 @@
+"""Learning-rate-free Adam: the step size ``d`` estimated from the gradients and the distance
+travelled, so that ``lr`` stays 1 (Defazio & Mishchenko, 2023, "Learning-Rate-Free Learning by
+D-Adaptation"; Mishchenko & Defazio, 2024, "Prodigy"), as the authors' ``dadaptation`` and
+``prodigyopt`` packages compute them.
+
+Both keep ``d`` and its running sums in the state (one number for all the tensors), each tensor's
+moments, and an accumulator ``s`` of the steps' gradients; ``d`` only grows. With ``k`` the
+steps taken and ``bc = sqrt(1 - b2^(k+1)) / (1 - b1^(k+1))`` (1 without bias correction),
+``dlr = d lr bc``; sums run over every coordinate of every tensor.
+
+Prodigy (``b3 = sqrt(b2)`` by default; ``p0``: the parameters at the first step)::
+
+    r_k   = b3 r_{k-1} + (d / d0) dlr <g, p0 - p>
+    m     = b1 m + d (1 - b1) g                  v = b2 v + d^2 (1 - b2) g^2
+    s     = b3 s + (d / d0) dlr g                ((d / d0) d g with safeguard_warmup)
+    d_hat = d_coef r_k / sum|s|
+    d    <- max(d, d_hat) at the first estimate;   d_max = max(d_max, d_hat);   d <- min(d_max, d growth_rate)
+    u     = dlr (m / (sqrt(v) + d eps) + weight_decay p)         (d: the new one; dlr: this step's)
+
+D-Adaptation Adam (``sb = sqrt(b2)``)::
+
+    a_k   = sb a_{k-1} + (1 - sb) dlr <g, s / (sqrt(v) + eps)>   (s and v before this step)
+    m     = b1 m + dlr (1 - b1) g                v = b2 v + (1 - b2) g^2
+    s     = sb s + dlr (1 - sb) g
+    d    <- max(d, min(a_k / ((1 - sb) sum|s|), d growth_rate))
+    u     = m / (sqrt(v) + eps) + dlr weight_decay p
+
+A step whose ``sum|s|`` is 0 (every gradient so far 0) updates the moments and ``s`` and moves
+nothing else, as the references return early. ``u`` is the step itself (``lr`` and ``d`` are in
+it): the aliases finish with ``scale(-1)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+
+from functional_bagua import checks, layout_context, tree
+from functional_bagua.base import GradientTransformation, check_params
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, zero_count
+from functional_bagua.tree import PyTree
+
+Scalar = Union[float, torch.Tensor]
+
+
+class ProdigyState(NamedTuple):
+    """``count`` (steps taken), ``d``, ``d_max``, ``d_numerator`` (``r_k``): one each, float64;
+    per tensor: ``mu`` and ``nu`` (moments, scaled by ``d``), ``s``, ``p0`` (the starting
+    parameters)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    d: torch.Tensor
+    d_max: torch.Tensor
+    d_numerator: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+    s: PyTree
+    p0: PyTree
+
+
+class DadaptAdamState(NamedTuple):
+    """``count``, ``d`` and ``numerator`` (``a_k``): one each, float64; per tensor: ``mu`` (first
+    moment, scaled by ``dlr``), ``nu`` (second moment), ``s``."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    d: torch.Tensor
+    numerator: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+    s: PyTree
+
+
+def _scalar(value: float, like: PyTree) -> torch.Tensor:
+    return torch.full((), value, dtype=SCALAR_DTYPE, device=tree.device_of(like))
+
+
+def _zeros_or_none(leaves: list) -> list:
+    return [None if p is None else torch.zeros_like(p) for p in leaves]
+
+
+def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The float64 sum of 0-dim tensors (on any devices), on ``device``; 0 for none."""
+    if not values:
+        return torch.zeros((), dtype=SCALAR_DTYPE, device=device)
+    return torch.stack([v.to(device=device, dtype=SCALAR_DTYPE) for v in values]).sum()
+
+
+def _bias_correction(count: torch.Tensor, b1: Scalar, b2: Scalar, enabled: bool) -> Union[float, torch.Tensor]:
+    if not enabled:
+        return 1.0
+    k1 = as_scalar(count) + 1
+    return (1 - b2**k1).sqrt() / (1 - b1**k1)
+
+
+def _check_inputs(name: str, grads: PyTree, params: Optional[PyTree], spec: Any) -> tuple[list, list]:
+    """The leaves of ``grads`` and ``params`` (both of the state's structure ``spec``), each
+    gradient checked against its parameter; a sharded run refused (``d`` sums over all of them)."""
+    if params is None:
+        raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
+    why = "its step size d sums over every coordinate of every tensor"
+    layout_context.refuse_on_shards(name, why)
+    if layout_context.on_local_shards():
+        raise NotImplementedError(
+            f"{name} cannot run fused over FSDP2's local shards: {why}, and each rank holds only a part "
+            "of them; run it on the DTensor parameters (fb.Optimizer) or unsharded"
+        )
+    g_leaves = tree.leaves_up_to(spec, grads, "the gradients", "the parameters")
+    p_leaves = tree.leaves_up_to(spec, params, "the parameters", "the state")
+    for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
+        if g is not None:
+            checks.check_grad(g, p, functools.partial(tree.leaf_name, spec, i), name)
+    return g_leaves, p_leaves
+
+
+def scale_by_prodigy(
+    lr: Scalar = 1.0,
+    b1: Scalar = 0.9,
+    b2: Scalar = 0.999,
+    b3: Optional[Scalar] = None,
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0.0,
+    use_bias_correction: bool = False,
+    safeguard_warmup: bool = False,
+    d0: float = 1e-6,
+    d_coef: Scalar = 1.0,
+    growth_rate: Scalar = math.inf,
+) -> GradientTransformation:
+    """Prodigy's step (module docstring), ``d`` estimated in the state.
+
+    Args:
+        lr: a multiplier of the estimated step (1 in the reference's advice; a schedule works).
+        b1: the decay rate of the first moment (0: none kept, the gradient used).
+        b2: the decay rate of the second moment.
+        b3: the decay rate of ``r`` and ``s`` (``None``: ``sqrt(b2)``).
+        eps: added to the root of the second moment, times ``d``.
+        weight_decay: decoupled weight decay, ``dlr * weight_decay * p``.
+        use_bias_correction: Adam's bias correction in ``dlr``.
+        safeguard_warmup: ``s`` accumulates ``(d / d0) d g`` instead of ``(d / d0) dlr g`` (no
+            ``lr`` in the denominator during a warmup).
+        d0: the initial estimate of ``d``.
+        d_coef: a multiplier of every new estimate ``d_hat``.
+        growth_rate: the largest factor ``d`` may grow by in one step.
+
+    Returns:
+        A GradientTransformation that needs ``params``; its state is a :class:`ProdigyState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_prodigy(), fb.scale(-1.0))
+    """
+    beta3 = b2**0.5 if b3 is None else b3
+
+    def init(params: PyTree) -> ProdigyState:
+        check_params(params, "scale_by_prodigy")
+        leaves, spec = tree.flatten(params)
+        zeros = spec.unflatten(_zeros_or_none(leaves))
+        p0 = spec.unflatten([None if p is None else p.detach().clone() for p in leaves])
+        return ProdigyState(
+            zero_count(params), _scalar(d0, params), _scalar(d0, params), _scalar(0.0, params), zeros, zeros, zeros, p0
+        )
+
+    def update(grads: PyTree, state: ProdigyState, params: Optional[PyTree] = None) -> tuple[PyTree, ProdigyState]:
+        spec = tree.flatten(state.p0)[1]
+        g_leaves, p_leaves = _check_inputs("scale_by_prodigy", grads, params, spec)
+        mus, nus, ss, p0s = (spec.flatten_up_to(x) for x in (state.mu, state.nu, state.s, state.p0))
+        d = state.d
+        dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
+        stepped = [i for i, g in enumerate(g_leaves) if g is not None]
+        dots = [torch.dot(g_leaves[i].reshape(-1), (p0s[i] - p_leaves[i]).reshape(-1)) for i in stepped]
+        d_numerator = state.d_numerator * beta3 + (d / d0) * dlr * _total(dots, d.device)
+        accumulate = (d / d0) * (d if safeguard_warmup else dlr)
+        new_mu, new_nu, new_s = list(mus), list(nus), list(ss)
+        for i in stepped:
+            g = g_leaves[i]
+            new_mu[i] = mus[i] * b1 + g * (d * (1 - b1))
+            new_nu[i] = nus[i] * b2 + g * g * (d * d * (1 - b2))
+            new_s[i] = ss[i] * beta3 + g * accumulate
+        d_denom = _total([new_s[i].abs().sum() for i in stepped], d.device)
+        active = d_denom > 0  # else nothing moves (the references return early)
+        d_hat = d_coef * d_numerator / torch.where(active, d_denom, 1.0)
+        first = torch.where(d == d0, torch.maximum(d, d_hat), d)
+        d_max = torch.maximum(state.d_max, d_hat)
+        new_d = torch.minimum(d_max, first * growth_rate)
+        updates: list = [None] * len(g_leaves)
+        for i in stepped:
+            direction = (new_mu[i] if b1 != 0 else g_leaves[i] * new_d) / (new_nu[i].sqrt() + new_d * eps)
+            u = direction + p_leaves[i] * weight_decay
+            updates[i] = u * torch.where(active, dlr, 0.0)
+        new_state = ProdigyState(
+            torch.where(active, state.count + 1, state.count),
+            torch.where(active, new_d, d),
+            torch.where(active, d_max, state.d_max),
+            torch.where(active, d_numerator, state.d_numerator),
+            spec.unflatten(new_mu),
+            spec.unflatten(new_nu),
+            spec.unflatten(new_s),
+            state.p0,
+        )
+        return spec.unflatten(updates), new_state
+
+    update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
+    return GradientTransformation(init, update)
+
+
+def scale_by_dadapt_adam(
+    lr: Scalar = 1.0,
+    b1: Scalar = 0.9,
+    b2: Scalar = 0.999,
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0.0,
+    use_bias_correction: bool = False,
+    d0: float = 1e-6,
+    growth_rate: Scalar = math.inf,
+) -> GradientTransformation:
+    """D-Adaptation Adam's step (module docstring), ``d`` estimated in the state.
+
+    Args:
+        lr: a multiplier of the estimated step (1 in the reference's advice; a schedule works).
+        b1: the decay rate of the first moment.
+        b2: the decay rate of the second moment (its root that of ``a`` and ``s``).
+        eps: added to the root of the second moment.
+        weight_decay: decoupled weight decay, ``dlr * weight_decay * p``.
+        use_bias_correction: Adam's bias correction in ``dlr``.
+        d0: the initial estimate of ``d``.
+        growth_rate: the largest factor ``d`` may grow by in one step.
+
+    Returns:
+        A GradientTransformation that needs ``params``; its state is a :class:`DadaptAdamState`.
+
+    Example::
+
+        tx = fb.chain(fb.scale_by_dadapt_adam(), fb.scale(-1.0))
+    """
+    sqrt_b2 = b2**0.5
+
+    def init(params: PyTree) -> DadaptAdamState:
+        check_params(params, "scale_by_dadapt_adam")
+        leaves, spec = tree.flatten(params)
+        zeros = spec.unflatten(_zeros_or_none(leaves))
+        return DadaptAdamState(zero_count(params), _scalar(d0, params), _scalar(0.0, params), zeros, zeros, zeros)
+
+    def update(
+        grads: PyTree, state: DadaptAdamState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, DadaptAdamState]:
+        spec = tree.flatten(state.s)[1]
+        g_leaves, p_leaves = _check_inputs("scale_by_dadapt_adam", grads, params, spec)
+        mus, nus, ss = (spec.flatten_up_to(x) for x in (state.mu, state.nu, state.s))
+        d = state.d
+        dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
+        stepped = [i for i, g in enumerate(g_leaves) if g is not None]
+        dots = [torch.dot(g_leaves[i].reshape(-1), (ss[i] / (nus[i].sqrt() + eps)).reshape(-1)) for i in stepped]
+        numerator = state.numerator * sqrt_b2 + (1 - sqrt_b2) * (dlr * _total(dots, d.device))
+        new_mu, new_nu, new_s = list(mus), list(nus), list(ss)
+        for i in stepped:
+            g = g_leaves[i]
+            new_mu[i] = mus[i] * b1 + g * (dlr * (1 - b1))
+            new_nu[i] = nus[i] * b2 + g * g * (1 - b2)
+            new_s[i] = ss[i] * sqrt_b2 + g * (dlr * (1 - sqrt_b2))
+        sk_l1 = _total([new_s[i].abs().sum() for i in stepped], d.device)
+        active = sk_l1 > 0  # else nothing moves (the reference returns early)
+        d_hat = numerator / ((1 - sqrt_b2) * torch.where(active, sk_l1, 1.0))
+        new_d = torch.maximum(d, torch.minimum(d_hat, d * growth_rate))
+        updates: list = [None] * len(g_leaves)
+        for i in stepped:
+            u = new_mu[i] / (new_nu[i].sqrt() + eps) + p_leaves[i] * (dlr * weight_decay)
+            updates[i] = u * active.to(u.dtype)
+        new_state = DadaptAdamState(
+            torch.where(active, state.count + 1, state.count),
+            torch.where(active, new_d, d),
+            torch.where(active, numerator, state.numerator),
+            spec.unflatten(new_mu),
+            spec.unflatten(new_nu),
+            spec.unflatten(new_s),
+        )
+        return spec.unflatten(updates), new_state
+
+    update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
+    return GradientTransformation(init, update)
