@@ -22,6 +22,16 @@ TXS = {
 }
 
 
+# the newer first-order optimizers, wrapped unchanged by allreduce_gradients and (the elementwise
+# ones) by shard: name -> (make, runs inside shard)
+FIRST_ORDER = {
+    "schedule_free_adamw": (lambda: fb.schedule_free_adamw(1e-2, warmup_steps=2, weight_decay=0.1), True),
+    "adopt": (lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True), True),
+    "ademamix": (lambda: fb.ademamix(1e-2, t_alpha_beta3=3), True),
+    "prodigy": (lambda: fb.prodigy(weight_decay=0.1), False),
+}
+
+
 def global_batches():
     return batches(STEPS, DTYPE)
 
@@ -63,6 +73,17 @@ def allreduce_sgd(rank, world_size):
 
 def allreduce_adamw(rank, world_size):
     return train(fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), TXS["adamw"]()), local_batches(rank, world_size))[0]
+
+
+def first_order_wrapped(rank, world_size):
+    """Each of FIRST_ORDER after allreduce_gradients, and inside shard where it is elementwise."""
+    data = local_batches(rank, world_size)
+    out = {}
+    for name, (make, shardable) in FIRST_ORDER.items():
+        out[f"allreduce {name}"] = train(fb.chain(fbd.allreduce_gradients(TINY_BUCKETS_MB), make()), data)[0]
+        if shardable:
+            out[f"shard {name}"] = train(fbd.shard(make()), data)[0]
+    return out
 
 
 def shard_adamw(rank, world_size):

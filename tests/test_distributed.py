@@ -21,6 +21,7 @@ pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: te
 TWO_RANKS = [
     "allreduce_sgd",
     "allreduce_adamw",
+    "first_order_wrapped",
     "shard_adamw",
     "shard_lamb_refused",
     "shard_clip_refused",
@@ -83,6 +84,19 @@ def test_two_ranks_with_allreduce_equal_one_process_with_the_global_batch(two, n
     expected, _ = sc.train(sc.TXS[name](), sc.global_batches())
     for rank in range(2):
         assert_trees_close(ok(two[rank][f"allreduce_{name}"]), expected)
+
+
+@pytest.mark.parametrize("name", list(sc.FIRST_ORDER))
+def test_newer_first_order_optimizers_run_unchanged_inside_allreduce_and_shard(two, name):
+    """Schedule-free AdamW, ADOPT, AdEMAMix and Prodigy after allreduce_gradients, and the
+    elementwise ones inside shard: the parameters of one process on the global batch."""
+    make, shardable = sc.FIRST_ORDER[name]
+    expected, _ = sc.train(make(), sc.global_batches())
+    for rank in range(2):
+        got = ok(two[rank]["first_order_wrapped"])
+        assert_trees_close(got[f"allreduce {name}"], expected)
+        if shardable:
+            assert_trees_close(got[f"shard {name}"], expected)
 
 
 def test_four_ranks_with_allreduce_equal_one_process_with_the_global_batch(four):

@@ -88,6 +88,11 @@ def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([v.to(device=device, dtype=SCALAR_DTYPE) for v in values]).sum()
 
 
+def _leaves(spec: Any, field: PyTree) -> list[Any]:
+    """A per-tensor field of the state as the list of its tensors (``None`` where none)."""
+    return list(spec.flatten_up_to(field))
+
+
 def _bias_correction(count: torch.Tensor, b1: Scalar, b2: Scalar, enabled: bool) -> Union[float, torch.Tensor]:
     if not enabled:
         return 1.0
@@ -165,7 +170,7 @@ def scale_by_prodigy(
     def update(grads: PyTree, state: ProdigyState, params: Optional[PyTree] = None) -> tuple[PyTree, ProdigyState]:
         spec = tree.flatten(state.p0)[1]
         g_leaves, p_leaves = _check_inputs("scale_by_prodigy", grads, params, spec)
-        mus, nus, ss, p0s = (spec.flatten_up_to(x) for x in (state.mu, state.nu, state.s, state.p0))
+        mus, nus, ss, p0s = (_leaves(spec, x) for x in (state.mu, state.nu, state.s, state.p0))
         d = state.d
         dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
         stepped = [i for i, g in enumerate(g_leaves) if g is not None]
@@ -247,7 +252,7 @@ def scale_by_dadapt_adam(
     ) -> tuple[PyTree, DadaptAdamState]:
         spec = tree.flatten(state.s)[1]
         g_leaves, p_leaves = _check_inputs("scale_by_dadapt_adam", grads, params, spec)
-        mus, nus, ss = (spec.flatten_up_to(x) for x in (state.mu, state.nu, state.s))
+        mus, nus, ss = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
         d = state.d
         dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
         stepped = [i for i, g in enumerate(g_leaves) if g is not None]
