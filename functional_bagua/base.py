@@ -223,5 +223,31 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     return spec.unflatten(new_leaves)
 
 
+def apply_updates_(params: Params, updates: Updates) -> None:
+    """``params += updates`` leaf by leaf, in place: the numbers of :func:`apply_updates` (each sum
+    formed in the wider dtype and rounded once into the parameter's), written into the
+    parameters' own tensors: one pass over them instead of a sum and a copy.
+
+    Args:
+        params: a pytree of parameter tensors, overwritten.
+        updates: a pytree of the structure of ``params``, checked as :func:`apply_updates` checks
+            it; a ``None`` leaf leaves its parameter as it is.
+    """
+    param_leaves, spec = tree.flatten(params)
+    update_leaves = tree.leaves_matching(spec, updates, "updates", "params")
+    checks.check_updates(update_leaves, param_leaves, functools.partial(tree.leaf_name, spec), "apply_updates_")
+    pending = [i for i, u in enumerate(update_leaves) if u is not None]
+    # 0-dim ones by an indexed store (tree.copy_into: compiled graphs drop in-place ops on them)
+    scalars = [i for i in pending if param_leaves[i].dim() == 0]
+    if scalars:
+        tree.copy_into(
+            [param_leaves[i] for i in scalars],
+            [_add_keeping_dtype(param_leaves[i], update_leaves[i]) for i in scalars],
+        )
+    others = [i for i in pending if param_leaves[i].dim() != 0]
+    if others:
+        torch._foreach_add_([param_leaves[i] for i in others], [update_leaves[i] for i in others])
+
+
 def _add_keeping_dtype(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.add(p, u).to(p.dtype)

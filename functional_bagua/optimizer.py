@@ -6,7 +6,7 @@ the pure update of the chain (or torch's fused kernel where one computes it, bel
 
     grads = {i: p.grad for i, p in enumerate(group["params"])}     # None where there is no .grad
     updates, state = tx.update(grads, state, params)
-    p.copy_(apply_updates(params, updates)[i])                      # for every parameter
+    p.add_(updates[i])                          # apply_updates_: for every parameter, in place
 
 Built from a factory and its hyperparameters, as a torch.optim class is::
 
@@ -86,7 +86,7 @@ import torch
 
 from functional_bagua import checkpoint, kernels, tree
 from functional_bagua.adjustable import Adjustable
-from functional_bagua.base import GradientTransformation, OptState, apply_updates
+from functional_bagua.base import GradientTransformation, OptState, apply_updates_
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
@@ -430,7 +430,7 @@ class Optimizer(torch.optim.Optimizer):
                     grads = _unscaled(grads, scale)
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
             updates, ours.state = ours.tx.update(grads, state, params)
-            copy_into(params, apply_updates(params, updates))
+            apply_updates_(params, updates)  # in place: the numbers of apply_updates, one pass
         return loss
 
     @property

@@ -1,0 +1,196 @@
+"""The newer first-order optimizers: one step of ours against the reference packages' step, in one
+run, with torch's AdamW (foreach) for scale.
+
+    python benchmarks/first_order.py                                 # CPU, every optimizer
+    python benchmarks/first_order.py --optimizers schedule_free_adamw,prodigy --steps 50
+    python benchmarks/first_order.py --device cuda --json out.json
+
+Per optimizer, on the same parameters (``--config``: ``mlp``, 8 layers of 512 x 512 and their
+biases, 2.1M float32 elements in 16 tensors; ``many``, 200 matrices of 50 x 100, 1M elements)
+and gradients:
+
+- ``reference``: the package's ``step()`` (schedulefree, prodigyopt, dadaptation, torch-adopt,
+  pytorch-optimizer), with its default flags (foreach where it defaults to it);
+- ``fb.Optimizer``: ours as a torch.optim optimizer (the pure update on the parameter tree, each
+  operation one multi-tensor op per dtype and device, then a copy into the parameters);
+- ``fuse_inplace eager``: the pure update over one flat buffer, copied back in place;
+- ``fuse_inplace compiled``: the same through ``torch.compile`` (inductor writes the update into
+  the buffers in place); its first call (the compile) is reported apart;
+- ``out-of-place minimum`` (schedule-free AdamW and SGD): the ceiling of any pure eager step, the
+  fewest multi-tensor ops that compute the new state and parameters as new tensors (Python
+  numbers for every factor), then copy the parameters back: what a functional update cannot
+  avoid beside the references' in-place ops.
+
+The median of ``--steps`` calls after 3 untimed ones, with its range, and its ratio to the
+reference's median in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import first_call_s, machine, spread, steady_malloc, step_times_ms, table, write_json  # noqa: E402
+
+import functional_bagua as fb  # noqa: E402
+
+
+def reference(module: str, name: str, **kwargs: Any) -> Callable[[list], Any]:
+    """The reference class ``module.name`` built with ``kwargs``, or ``None`` when not installed."""
+
+    def make(params: list) -> Any:
+        package = __import__(module, fromlist=[name])
+        with contextlib.redirect_stdout(io.StringIO()):  # some print their settings
+            return getattr(package, name)(params, **kwargs)
+
+    return make
+
+
+OPTIMIZERS: dict[str, tuple[Callable[[list], Any], Callable[[], fb.GradientTransformation]]] = {
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), lambda: fb.adamw(1e-3)),
+    "schedule_free_adamw": (
+        reference("schedulefree", "AdamWScheduleFree", lr=2.5e-3, warmup_steps=10),
+        lambda: fb.schedule_free_adamw(2.5e-3, warmup_steps=10),
+    ),
+    "schedule_free_sgd": (
+        reference("schedulefree", "SGDScheduleFree", lr=1.0, warmup_steps=10),
+        lambda: fb.schedule_free_sgd(1.0, warmup_steps=10),
+    ),
+    "prodigy": (reference("prodigyopt", "Prodigy", weight_decay=0.01), lambda: fb.prodigy(weight_decay=0.01)),
+    "dadapt_adam": (reference("dadaptation", "DAdaptAdam"), lambda: fb.dadapt_adam()),
+    "adopt": (reference("adopt", "ADOPT", lr=1e-3), lambda: fb.adopt(1e-3)),
+    "ademamix": (reference("pytorch_optimizer", "AdEMAMix", lr=1e-3), lambda: fb.ademamix(1e-3)),
+    "laprop": (reference("pytorch_optimizer", "LaProp", lr=4e-4), lambda: fb.laprop(4e-4)),
+}
+
+
+def shapes_of(config: str) -> list[tuple[int, ...]]:
+    if config == "mlp":
+        return [s for _ in range(8) for s in ((512, 512), (512,))]
+    if config == "many":
+        return [(50, 100)] * 200
+    raise SystemExit(f"unknown config {config!r}: mlp or many")
+
+
+def problem(config: str, device: str) -> tuple[dict, dict]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = shapes_of(config)
+    params = {f"p{i}": torch.randn(s, generator=gen).to(device) for i, s in enumerate(shapes)}
+    grads = {k: (torch.randn(v.shape, generator=gen) * 1e-2).to(device) for k, v in params.items()}
+    return params, grads
+
+
+def out_of_place_minimum(name: str, params: dict, grads: dict) -> Callable[[], object]:
+    """The hand-written schedule-free step with the fewest out-of-place multi-tensor ops (module
+    docstring); the factors are fixed numbers of a step past the warmup."""
+    ys = [p.clone() for p in params.values()]
+    zs, gs, vs = [y.clone() for y in ys], list(grads.values()), [torch.zeros_like(y) for y in ys]
+    lr, c, coef, b2, eps = 2.5e-3, 0.1, -0.9 * 2.5e-3, 0.999, 1e-8
+
+    def sgd() -> object:
+        new_z = torch._foreach_add(zs, gs, alpha=-lr)
+        new_y = torch._foreach_lerp(ys, zs, c)
+        torch._foreach_add_(new_y, gs, alpha=coef)
+        torch._foreach_copy_(ys, new_y)
+        return new_z
+
+    def adamw() -> object:
+        new_v = torch._foreach_mul(vs, b2)
+        torch._foreach_addcmul_(new_v, gs, gs, value=1 - b2)
+        denom = torch._foreach_div(new_v, 0.5)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        normalized = torch._foreach_div(gs, denom)
+        new_z = torch._foreach_add(zs, normalized, alpha=-lr)
+        new_y = torch._foreach_lerp(ys, zs, c)
+        torch._foreach_add_(new_y, normalized, alpha=coef)
+        torch._foreach_copy_(ys, new_y)
+        return new_z, new_v
+
+    return sgd if name == "schedule_free_sgd" else adamw
+
+
+def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], object]]:
+    """Each variant's step (module docstring), made on its own copy of the parameters."""
+    make_reference, make_tx = OPTIMIZERS[name]
+    out: dict[str, Callable[[], object]] = {}
+    try:
+        tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
+        for t, g in zip(tensors, grads.values()):
+            t.grad = g.clone()
+        ref = make_reference(tensors)
+        if hasattr(ref, "train"):
+            ref.train()
+        out["reference"] = ref.step
+    except ImportError as missing:
+        print(f"# {name}: reference not installed ({missing.name}); ours only", file=sys.stderr)
+    ours = [torch.nn.Parameter(p.clone()) for p in params.values()]
+    for t, g in zip(ours, grads.values()):
+        t.grad = g.clone()
+    out["fb.Optimizer"] = fb.Optimizer(ours, make_tx()).step
+    layout = fb.FlatLayout.of(params)
+    for kernel in ("eager", "compiled"):
+        flat, flat_grads = layout.flatten({k: v.clone() for k, v in params.items()}), layout.flatten(grads)
+        step_ = fb.fuse_inplace(make_tx(), layout, kernel=kernel)
+        state = step_.init(flat)
+        out[f"fuse_inplace {kernel}"] = (lambda s_, st, fl, fg: lambda: s_(fg, st, fl))(step_, state, flat, flat_grads)
+    if name.startswith("schedule_free"):
+        out["out-of-place minimum"] = out_of_place_minimum(name, params, grads)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--config", default="mlp", help="mlp or many")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--skip", default="", help="comma-separated variants not to run, e.g. 'fuse_inplace compiled'")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    allocator = steady_malloc() if args.device == "cpu" else ""
+    params, grads = problem(args.config, args.device)
+    skipped = {s.strip() for s in args.skip.split(",") if s.strip()}
+    rows = []
+    for name in args.optimizers.split(","):
+        steps = {k: v for k, v in variants(name, params, grads).items() if k not in skipped}
+        medians = {}
+        for variant, step in steps.items():
+            first = first_call_s(step, args.device) if "compiled" in variant else None
+            times = step_times_ms(step, args.device, args.steps)
+            medians[variant] = statistics.median(times)
+            row = {"optimizer": name, "variant": variant, "ms (range)": f"{medians[variant]:.3g} ({spread(times)})"}
+            if first is not None:
+                row["first call s"] = round(first, 1)
+            rows.append(row)
+        base = medians.get("reference")
+        for row in rows:
+            if row["optimizer"] == name and base:
+                row["x reference"] = f"{medians[row['variant']] / base:.2f}"
+        print(
+            table(
+                [r for r in rows if r["optimizer"] == name],
+                ["optimizer", "variant", "ms (range)", "x reference", "first call s"],
+            ),
+            flush=True,
+        )
+    print(
+        f"\n{machine(args.device)}; config {args.config} ({sum(p.numel() for p in params.values()) / 1e6:.2f}M "
+        f"float32 elements in {len(params)} tensors); {args.steps} steps; {allocator}"
+    )
+    print(table(rows, ["optimizer", "variant", "ms (range)", "x reference", "first call s"]))
+    write_json(args.json, {"machine": machine(args.device), "config": args.config, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
