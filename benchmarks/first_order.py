@@ -15,7 +15,7 @@ and gradients:
   operation one multi-tensor op per dtype and device, then a copy into the parameters);
 - ``fuse_inplace eager``: the pure update over one flat buffer, copied back in place;
 - ``fuse_inplace compiled``: the same through ``torch.compile`` (inductor writes the update into
-  the buffers in place); its first call (the compile) is reported apart;
+  the buffers in place); its first call (the compile, caches off) is reported apart;
 - ``out-of-place minimum`` (schedule-free AdamW and SGD): the ceiling of any pure eager step, the
   fewest multi-tensor ops that compute the new state and parameters as new tensors (Python
   numbers for every factor), then copy the parameters back: what a functional update cannot
@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    torch._inductor.config.fx_graph_cache = False  # the first call compiles from scratch
+    torch._functorch.config.enable_autograd_cache = False
     allocator = steady_malloc() if args.device == "cpu" else ""
     params, grads = problem(args.config, args.device)
     skipped = {s.strip() for s in args.skip.split(",") if s.strip()}

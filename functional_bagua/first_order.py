@@ -1,7 +1,8 @@
 """The newer first-order optimizers as aliases, with their reference packages' names and defaults.
 
 Each is a chain of building blocks (:mod:`functional_bagua.transforms`) and matches its
-reference step for step; every float hyperparameter may be a schedule (then the alias is built
+reference step for step (where they differ, with missing gradients or several param groups,
+the alias's docstring says how); every float hyperparameter may be a schedule (then the alias is built
 through :func:`~functional_bagua.inject_hyperparams`)::
 
     tx = fb.schedule_free_adamw(lr=2.5e-3, warmup_steps=100)
@@ -322,7 +323,8 @@ def mars_adamw(
         weight_decay: decoupled weight decay of the MARS tensors.
         gamma: the strength of the gradient correction.
         optimize_1d: MARS for every tensor, with ``lr``, ``betas`` and ``weight_decay``.
-        lr_1d: the learning rate of the other tensors.
+        lr_1d: the learning rate of the other tensors (the authors' code scales it with ``lr``'s
+            schedule, ``lr_t * lr_1d / lr_0``: with a schedule, give ``lr_1d`` one too).
         betas_1d: their AdamW betas.
         weight_decay_1d: their decoupled weight decay.
 
@@ -392,14 +394,17 @@ def prodigy(
         growth_rate: the largest factor ``d`` may grow by in a step.
 
     Returns:
-        A GradientTransformation that needs ``params``.
+        A GradientTransformation that needs ``params``. In ``fb.Optimizer`` each param group
+        estimates its own ``d`` (the reference shares one among its groups): for one estimate
+        over parameters of several weight decays, give a :func:`~functional_bagua.partition` of
+        building blocks to one group rather than several groups.
 
     Example::
 
         tx = fb.prodigy(weight_decay=0.01, safeguard_warmup=True, use_bias_correction=True)
         state = tx.init(params)
     """
-    _check(lr, lambda v: v > 0.0, "Invalid learning rate: {}")
+    _check_lr(lr)  # 0 too: a step at lr 0 moves nothing, as the references skip a group at lr 0
     _check(eps, lambda v: v > 0.0, "Invalid epsilon value: {}")
     _check_betas(betas)
     _check_nonnegative(weight_decay, "weight_decay")
@@ -442,14 +447,15 @@ def dadapt_adam(
         growth_rate: the largest factor ``d`` may grow by in a step.
 
     Returns:
-        A GradientTransformation that needs ``params``.
+        A GradientTransformation that needs ``params``; in ``fb.Optimizer`` each param group
+        estimates its own ``d`` (the reference shares one among its groups).
 
     Example::
 
         tx = fb.dadapt_adam(weight_decay=0.01, decouple=True)
         state = tx.init(params)
     """
-    _check(lr, lambda v: v > 0.0, "Invalid learning rate: {}")
+    _check_lr(lr)  # 0 too: a step at lr 0 moves nothing, as the references skip a group at lr 0
     _check(eps, lambda v: v > 0.0, "Invalid epsilon value: {}")
     _check_betas(betas)
     _check_nonnegative(weight_decay, "weight_decay")

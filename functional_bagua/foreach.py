@@ -529,8 +529,12 @@ def _shared_or_leaves(picked: list) -> Any:
         and (first.dtype == torch.float64 or not (first.is_floating_point() or first.is_complex()))
         and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype for t in picked)
     )
-    if uniform and bool((torch.stack(picked) == first).all()):
-        return first
+    if uniform:
+        stacked = torch.stack(picked)
+        if first.is_floating_point():  # equal bits: 0.0 and -0.0 compare equal, but are not the same
+            stacked = stacked.view(torch.int64)
+        if bool((stacked == stacked[0]).all()):
+            return first
     return Leaves(picked)
 
 

@@ -164,11 +164,39 @@ def test_fb_optimizer_train_and_eval_leave_other_transforms_alone():
     opt.step()
     before = [p.detach().clone() for p in model.parameters()]
     opt.eval()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     opt.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     opt.eval()
     opt.step()  # nothing to refuse: no schedule-free group
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert "train_mode" not in opt.param_groups[0]
+
+
+def test_evaluation_weights_of_a_partition_are_each_groups_own():
+    """Two schedule-free groups (decay and no decay) in one partition: each parameter's x from
+    its own group's state, as two separate transforms give it."""
+    params, grads = problem(6)
+    labels = {"scalar": "no_decay", "bias": "no_decay", "matrix": "decay"}
+    groups = {"decay": fb.schedule_free_adamw(0.02, weight_decay=0.1), "no_decay": fb.schedule_free_adamw(0.02)}
+    y, state = functional_run(fb.partition(groups, labels), params, grads)
+    x = fb.schedule_free_eval_params(state, y)
+    for label, tx in groups.items():
+        mine = [k for k, v in labels.items() if v == label]
+        want_y, want_state = functional_run(tx, {k: params[k] for k in mine}, [{k: g[k] for k in mine} for g in grads])
+        assert_trees_close({k: y[k] for k in mine}, want_y, tol=0)
+        assert_trees_close({k: x[k] for k in mine}, fb.schedule_free_eval_params(want_state, want_y), tol=0)
+
+
+def test_low_precision_evaluation_weights_round_once_as_the_reference():
+    """bfloat16 parameters: x = lerp(y, z, 1 - 1/b1) with the weight as a Python number, as the
+    reference's optimizer.eval() computes it (not rounded to bfloat16 first)."""
+    y = torch.randn(1000, generator=seeded(7)).bfloat16()
+    z = torch.randn(1000, generator=seeded(8)).bfloat16()
+    tx = fb.schedule_free_sgd(momentum=0.9)
+    state = tx.init({"w": z})
+    x = fb.schedule_free_eval_params(state, {"w": y})["w"]
+    assert torch.equal(x, y.clone().lerp_(z, 1 - 1 / 0.9))
 
 
 def test_fused_over_flat_buffers_equals_the_tree():
@@ -241,6 +269,10 @@ def test_bad_input_is_refused_with_the_way_out():
         fb.schedule_free_adamw(lr=-1.0)
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
         fb.schedule_free_adamw(warmup_steps=-1)
+    with pytest.raises(ValueError, match="z.*params|params.*z"):
+        fb.schedule_free_eval_params(fb.schedule_free_sgd().init(params), params["matrix"])
+    with pytest.raises(ValueError, match="takes a step of its own .scale_by_laprop"):
+        fb.schedule_free(fb.scale_by_laprop(1e-3))
     with pytest.raises(ValueError, match="needs the parameters"):
         tx = fb.schedule_free_sgd()
         tx.update(grads[0], tx.init(params))

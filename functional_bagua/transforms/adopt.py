@@ -85,9 +85,13 @@ def scale_by_adopt(
         steps_before = as_scalar(s.count)
         later = (s.count > 0).to(steps_before.dtype)  # 0 at the first step, which only initializes v
         normalized = g / s.nu.sqrt().clamp_min(eps)
-        if clip is not None:
+        if clip is not None:  # c(0) = 0 at the first step: nothing of g / eps enters the momentum
             bound = clip(steps_before)
+            if isinstance(bound, torch.Tensor):  # in the gradient's dtype: a 0-dim one would be promoted
+                bound = bound.to(normalized.dtype)
             normalized = normalized.clamp(-bound, bound)  # type: ignore[arg-type]  # a number or a 0-dim tensor
+        else:  # g / eps may overflow a low-precision dtype at the first step: never let it in
+            normalized = torch.where(s.count > 0, normalized, 0.0)
         mu = lerp(s.mu, normalized, (1 - b1) * later)
         kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
         nu = s.nu * kept + g * g * (1 - kept)

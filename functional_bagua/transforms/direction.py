@@ -5,7 +5,8 @@ work on a *direction* ``d`` (the gradient, or a preconditioned gradient: it poin
 gradient points), not on a *step* (``-lr * d``, what an alias such as ``fb.adamw`` returns). A
 transform takes a step of its own when it, or a link of its chain, was built by an alias or
 :func:`~functional_bagua.scale_by_learning_rate` (they record how: ``update.built_from``, or the
-numbers of :func:`~functional_bagua.inject_hyperparams`).
+numbers of :func:`~functional_bagua.inject_hyperparams`), or it declares that its updates hold a
+step size of their own (``update.takes_a_step``: LaProp's, Prodigy's, D-Adaptation's).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def step_of_its_own(tx: GradientTransformation) -> Optional[str]:
         tx: any transform.
     """
     for link in _links(tx):
+        stepper = getattr(link.update, "takes_a_step", None)  # the name of a transform whose updates are steps
+        if stepper is not None:
+            return str(stepper)
         built = getattr(link.update, "built_from", None)
         if built is not None:
             return str(built[0].__name__)

@@ -111,4 +111,6 @@ def scale_by_laprop(
             return u, ScaleByCenteredLapropState(count, mu, nu, lr_avg, grad_avg)
         return u, ScaleByLapropState(count, mu, nu, lr_avg)
 
-    return leafwise(state_type, init_leaf, update_leaf, name="scale_by_laprop", fresh_updates=True)
+    tx = leafwise(state_type, init_leaf, update_leaf, name="scale_by_laprop", fresh_updates=True)
+    tx.update.takes_a_step = "scale_by_laprop"  # type: ignore[attr-defined]  # its updates hold the learning rate (direction.py)
+    return tx

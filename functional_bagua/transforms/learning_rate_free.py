@@ -40,7 +40,7 @@ import torch
 
 from functional_bagua import checks, layout_context, tree
 from functional_bagua.base import GradientTransformation, check_params
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
 from functional_bagua.tree import PyTree
 
 Scalar = Union[float, torch.Tensor]
@@ -88,6 +88,23 @@ def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([v.to(device=device, dtype=SCALAR_DTYPE) for v in values]).sum()
 
 
+def _factor(x: Union[float, torch.Tensor], like: torch.Tensor) -> Union[float, torch.Tensor]:
+    """A float64 scalar factor on ``like``'s device and in its dtype: the product with ``like``
+    then keeps ``like``'s dtype also for a 0-dim ``like`` (two 0-dim tensors would promote), to
+    the bits of a Python-number factor."""
+    return x.to(device=like.device, dtype=like.dtype) if isinstance(x, torch.Tensor) else x
+
+
+def _stepping(lr: Scalar) -> Optional[torch.Tensor]:
+    """Whether a step with this ``lr`` moves anything (the references skip a step at lr 0), as a
+    0-dim bool tensor; ``None`` for a Python number, checked > 0 when the transform was built."""
+    return None if not isinstance(lr, torch.Tensor) else lr > 0
+
+
+def _kept_unless(stepping: Optional[torch.Tensor], new: Any, old: Any) -> Any:
+    return new if stepping is None or new is None else torch.where(stepping.to(new.device), new, old)
+
+
 def _leaves(spec: Any, field: PyTree) -> list[Any]:
     """A per-tensor field of the state as the list of its tensors (``None`` where none)."""
     return list(spec.flatten_up_to(field))
@@ -98,6 +115,15 @@ def _bias_correction(count: torch.Tensor, b1: Scalar, b2: Scalar, enabled: bool)
         return 1.0
     k1 = as_scalar(count) + 1
     return (1 - b2**k1).sqrt() / (1 - b1**k1)
+
+
+def _check_params(params: PyTree, name: str) -> None:
+    """Trainable real tensors (the estimate's dot products and squares are those of real numbers)."""
+    check_params(params, name)
+    leaves, spec = tree.flatten(params)
+    for i, p in enumerate(leaves):
+        if p is not None:
+            checks.check_param(p, functools.partial(tree.leaf_name, spec, i), name, complex_ok=False)
 
 
 def _check_inputs(name: str, grads: PyTree, params: Optional[PyTree], spec: Any) -> tuple[list, list]:
@@ -157,9 +183,10 @@ def scale_by_prodigy(
         tx = fb.chain(fb.scale_by_prodigy(), fb.scale(-1.0))
     """
     beta3 = b2**0.5 if b3 is None else b3
+    without_momentum = is_number(b1) and b1 == 0  # the reference keeps no first moment then
 
     def init(params: PyTree) -> ProdigyState:
-        check_params(params, "scale_by_prodigy")
+        _check_params(params, "scale_by_prodigy")
         leaves, spec = tree.flatten(params)
         zeros = spec.unflatten(_zeros_or_none(leaves))
         p0 = spec.unflatten([None if p is None else p.detach().clone() for p in leaves])
@@ -172,6 +199,7 @@ def scale_by_prodigy(
         g_leaves, p_leaves = _check_inputs("scale_by_prodigy", grads, params, spec)
         mus, nus, ss, p0s = (_leaves(spec, x) for x in (state.mu, state.nu, state.s, state.p0))
         d = state.d
+        stepping = _stepping(lr)
         dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
         stepped = [i for i, g in enumerate(g_leaves) if g is not None]
         dots = [torch.dot(g_leaves[i].reshape(-1), (p0s[i] - p_leaves[i]).reshape(-1)) for i in stepped]
@@ -180,20 +208,24 @@ def scale_by_prodigy(
         new_mu, new_nu, new_s = list(mus), list(nus), list(ss)
         for i in stepped:
             g = g_leaves[i]
-            new_mu[i] = mus[i] * b1 + g * (d * (1 - b1))
-            new_nu[i] = nus[i] * b2 + g * g * (d * d * (1 - b2))
-            new_s[i] = ss[i] * beta3 + g * accumulate
+            new_mu[i] = _kept_unless(stepping, mus[i] * _factor(b1, g) + g * _factor(d * (1 - b1), g), mus[i])
+            new_nu[i] = _kept_unless(stepping, nus[i] * _factor(b2, g) + g * g * _factor(d * d * (1 - b2), g), nus[i])
+            new_s[i] = _kept_unless(stepping, ss[i] * _factor(beta3, g) + g * _factor(accumulate, g), ss[i])
         d_denom = _total([new_s[i].abs().sum() for i in stepped], d.device)
         active = d_denom > 0  # else nothing moves (the references return early)
+        if stepping is not None:
+            active = active & stepping.to(active.device)
         d_hat = d_coef * d_numerator / torch.where(active, d_denom, 1.0)
         first = torch.where(d == d0, torch.maximum(d, d_hat), d)
         d_max = torch.maximum(state.d_max, d_hat)
         new_d = torch.minimum(d_max, first * growth_rate)
+        step_size = torch.where(active, dlr, 0.0)
         updates: list = [None] * len(g_leaves)
         for i in stepped:
-            direction = (new_mu[i] if b1 != 0 else g_leaves[i] * new_d) / (new_nu[i].sqrt() + new_d * eps)
-            u = direction + p_leaves[i] * weight_decay
-            updates[i] = u * torch.where(active, dlr, 0.0)
+            g = g_leaves[i]
+            momentum = g * _factor(new_d, g) if without_momentum else new_mu[i]
+            direction = momentum / (new_nu[i].sqrt() + _factor(new_d * eps, g))
+            updates[i] = (direction + p_leaves[i] * _factor(weight_decay, g)) * _factor(step_size, g)
         new_state = ProdigyState(
             torch.where(active, state.count + 1, state.count),
             torch.where(active, new_d, d),
@@ -207,6 +239,7 @@ def scale_by_prodigy(
         return spec.unflatten(updates), new_state
 
     update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
+    update.takes_a_step = "scale_by_prodigy"  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
     return GradientTransformation(init, update)
 
 
@@ -242,7 +275,7 @@ def scale_by_dadapt_adam(
     sqrt_b2 = b2**0.5
 
     def init(params: PyTree) -> DadaptAdamState:
-        check_params(params, "scale_by_dadapt_adam")
+        _check_params(params, "scale_by_dadapt_adam")
         leaves, spec = tree.flatten(params)
         zeros = spec.unflatten(_zeros_or_none(leaves))
         return DadaptAdamState(zero_count(params), _scalar(d0, params), _scalar(0.0, params), zeros, zeros, zeros)
@@ -254,24 +287,32 @@ def scale_by_dadapt_adam(
         g_leaves, p_leaves = _check_inputs("scale_by_dadapt_adam", grads, params, spec)
         mus, nus, ss = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
         d = state.d
+        stepping = _stepping(lr)
         dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
         stepped = [i for i, g in enumerate(g_leaves) if g is not None]
-        dots = [torch.dot(g_leaves[i].reshape(-1), (ss[i] / (nus[i].sqrt() + eps)).reshape(-1)) for i in stepped]
+        dots = [
+            torch.dot(g_leaves[i].reshape(-1), (ss[i] / (nus[i].sqrt() + _factor(eps, ss[i]))).reshape(-1))
+            for i in stepped
+        ]
         numerator = state.numerator * sqrt_b2 + (1 - sqrt_b2) * (dlr * _total(dots, d.device))
         new_mu, new_nu, new_s = list(mus), list(nus), list(ss)
         for i in stepped:
             g = g_leaves[i]
-            new_mu[i] = mus[i] * b1 + g * (dlr * (1 - b1))
-            new_nu[i] = nus[i] * b2 + g * g * (1 - b2)
-            new_s[i] = ss[i] * sqrt_b2 + g * (dlr * (1 - sqrt_b2))
+            new_mu[i] = _kept_unless(stepping, mus[i] * _factor(b1, g) + g * _factor(dlr * (1 - b1), g), mus[i])
+            new_nu[i] = _kept_unless(stepping, nus[i] * _factor(b2, g) + g * g * _factor(1 - b2, g), nus[i])
+            new_s[i] = _kept_unless(stepping, ss[i] * _factor(sqrt_b2, g) + g * _factor(dlr * (1 - sqrt_b2), g), ss[i])
         sk_l1 = _total([new_s[i].abs().sum() for i in stepped], d.device)
         active = sk_l1 > 0  # else nothing moves (the reference returns early)
+        if stepping is not None:
+            active = active & stepping.to(active.device)
         d_hat = numerator / ((1 - sqrt_b2) * torch.where(active, sk_l1, 1.0))
         new_d = torch.maximum(d, torch.minimum(d_hat, d * growth_rate))
+        decay = dlr * weight_decay
         updates: list = [None] * len(g_leaves)
         for i in stepped:
-            u = new_mu[i] / (new_nu[i].sqrt() + eps) + p_leaves[i] * (dlr * weight_decay)
-            updates[i] = u * active.to(u.dtype)
+            g = g_leaves[i]
+            u = new_mu[i] / (new_nu[i].sqrt() + _factor(eps, g)) + p_leaves[i] * _factor(decay, g)
+            updates[i] = u * _factor(active.to(SCALAR_DTYPE), g)
         new_state = DadaptAdamState(
             torch.where(active, state.count + 1, state.count),
             torch.where(active, new_d, d),
@@ -283,4 +324,5 @@ def scale_by_dadapt_adam(
         return spec.unflatten(updates), new_state
 
     update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
+    update.takes_a_step = "scale_by_dadapt_adam"  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
     return GradientTransformation(init, update)

@@ -3,7 +3,7 @@ Models"), as the authors' code computes it: a variance-reduced gradient, clipped
 given to any optimizer in place of the gradient::
 
     c_t = g_t + gamma * b1 / (1 - b1) * (g_t - g_{t-1})          (g_0 = 0)
-    c_t = c_t / ||c_t||   where ||c_t|| > max_norm (1)
+    c_t = c_t max_norm / ||c_t||   where ||c_t|| > max_norm (1: the authors' c_t / ||c_t||)
     u_t = inner(c_t)
 
 ``g_{t-1}`` is the previous gradient of the same tensor, kept in the state (the authors'

@@ -13,6 +13,11 @@ where the gradients are taken, the weights the model holds while it trains. With
     x_t   = (1 - c_t) x_{t-1} + c_t z_t
     y_t   = (1 - b1) z_t + b1 x_t
 
+The step number ``t``, ``max(lr_1, ..., lr_t)`` and the sum of the weights are kept per
+tensor, as torch.optim keeps its step counts: a tensor whose gradient was missing at some steps
+(``None``) is averaged by its own count, where the reference counts the steps of its whole
+param group. With every gradient present, the two are the same.
+
 Only ``y`` and ``z`` are stored (as the reference implementation stores them): ``x`` follows from
 them, ``x = (y - (1 - b1) z) / b1``, and the step above is, written on ``y``::
 
@@ -192,20 +197,37 @@ def schedule_free_train_params(state: Any, eval_params: PyTree) -> PyTree:
 
 
 def _interpolated(state: Any, params: PyTree, mode: str, weight_of: Any) -> PyTree:
+    """``lerp(p, z, weight_of(b1))`` per parameter, ``z`` and ``b1`` from the schedule-free state
+    that holds that parameter (several under a :func:`~functional_bagua.partition`)."""
+    who = f"schedule_free_{mode}_params"
     found = schedule_free_states(state)
-    if len(found) != 1:
-        what = "no schedule-free state" if not found else f"{len(found)} schedule-free states"
+    if not found:
         raise ValueError(
-            f"schedule_free_{mode}_params: the state holds {what}; pass the state of one transform built "
-            "with fb.schedule_free (fb.schedule_free_adamw, fb.schedule_free_sgd), made by its init for these params"
+            f"{who}: the state holds no schedule-free state; pass the state of a transform built with "
+            "fb.schedule_free (fb.schedule_free_adamw, fb.schedule_free_sgd), made by its init for these params"
         )
-    sf = found[0]
     p_leaves, spec = tree.flatten(params)
-    z_leaves: list[Any] = spec.flatten_up_to(sf.z)  # type: ignore[arg-type]  # a tree of tensors, per field
-    b1_leaves: list[Any] = spec.flatten_up_to(sf.b1)  # type: ignore[arg-type]
+    z_leaves: list[Any] = [None] * len(p_leaves)
+    b1_leaves: list[Any] = [None] * len(p_leaves)
+    for sf in found:
+        zs = tree.leaves_matching(spec, sf.z, "the schedule-free state's z", "the params")
+        for i, (z, b1) in enumerate(zip(zs, tree.leaves_matching(spec, sf.b1, "its b1", "the params"))):
+            if z is None:
+                continue
+            if z_leaves[i] is not None:
+                raise ValueError(f"{who}: two schedule-free states hold parameter {tree.leaf_name(spec, i)!r}")
+            z_leaves[i], b1_leaves[i] = z, b1
     return spec.unflatten(
         [
-            p if z is None or p is None else torch.lerp(p, z, weight_of(b1).to(p.dtype))
+            p if z is None or p is None else torch.lerp(p, z, _weight(weight_of(b1), p))
             for p, z, b1 in zip(p_leaves, z_leaves, b1_leaves)
         ]
     )
+
+
+def _weight(weight: torch.Tensor, p: torch.Tensor) -> Any:
+    """The interpolation weight as a Python number where it can be read (the reference's lerp
+    weight, not rounded to a low-precision parameter's dtype), else in the parameter's dtype."""
+    if torch.compiler.is_compiling():
+        return weight.to(p.dtype)
+    return float(weight)
