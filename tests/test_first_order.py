@@ -404,6 +404,30 @@ def test_compiled_updates_equal_eager_ones():
                 torch.testing.assert_close(got[k], want[k], rtol=1e-13, atol=1e-15, msg=lambda m: f"{name} {k}: {m}")
 
 
+def test_inductor_compiled_in_place_steps_over_flat_buffers_equal_the_eager_ones():
+    """fuse_inplace(kernel="compiled"): inductor's generated code for the schedule-free averaging,
+    ADOPT's first-step masking and Prodigy's global sums, writing into the buffers, against the
+    eager fused update (float64: only the order of the sums differs)."""
+    params, grads = problem(12)
+    layout = fb.FlatLayout.of(params)
+    makers = {
+        "schedule_free_adamw": lambda: fb.schedule_free_adamw(1e-2, warmup_steps=2, weight_decay=0.1),
+        "adopt": lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),
+        "prodigy": lambda: fb.prodigy(weight_decay=0.1),
+    }
+    for name, make in makers.items():
+        runs = []
+        for kernel in ("compiled", "eager"):
+            step_ = fb.fuse_inplace(make(), layout, kernel=kernel)
+            flat = layout.flatten({k: v.clone() for k, v in params.items()})
+            state = step_.init(flat)
+            for g in grads[:4]:
+                step_(layout.flatten(g), state, flat)
+            runs.append(layout.unflatten(flat))
+        for k in params:
+            torch.testing.assert_close(runs[0][k], runs[1][k], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} {k}: {m}")
+
+
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_fb_optimizer_steps_as_the_pure_update_and_resumes_bit_for_bit(name):
     params, grads = problem(7)

@@ -138,3 +138,14 @@ def test_hugging_face_trainer_trains_as_with_the_torch_class(tmp_path):
     actual, optimizer = hf_run(lambda ps: fb.Optimizer(ps, fb.adamw, lr=1e-2, weight_decay=0.1), tmp_path / "fb")
     assert_trained_with(optimizer)
     assert_same_weights(expected, actual, rtol=0, atol=0)
+
+
+def test_hugging_face_trainer_drives_schedule_free_as_the_schedulefree_package(tmp_path):
+    """The Trainer calls optimizer.train() before its steps (the package's optimizer refuses to
+    step without it): fb.Optimizer's schedule-free AdamW, in the same loop with a StepLR
+    schedule, ends with the package's weights."""
+    schedulefree = pytest.importorskip("schedulefree", reason="the schedulefree package is the reference")
+    kwargs = dict(lr=1e-2, weight_decay=0.1, warmup_steps=2)
+    expected, _ = hf_run(lambda ps: schedulefree.AdamWScheduleFree(ps, **kwargs), tmp_path / "reference")
+    actual, optimizer = hf_run(lambda ps: fb.Optimizer(ps, fb.schedule_free_adamw, **kwargs), tmp_path / "fb")
+    assert_same_weights(expected, actual, rtol=1e-12, atol=1e-14)

@@ -188,10 +188,10 @@ def scale_by_prodigy(
     def init(params: PyTree) -> ProdigyState:
         _check_params(params, "scale_by_prodigy")
         leaves, spec = tree.flatten(params)
-        zeros = spec.unflatten(_zeros_or_none(leaves))
+        mu, nu, s = (spec.unflatten(_zeros_or_none(leaves)) for _ in range(3))  # three tensors each, none shared
         p0 = spec.unflatten([None if p is None else p.detach().clone() for p in leaves])
         return ProdigyState(
-            zero_count(params), _scalar(d0, params), _scalar(d0, params), _scalar(0.0, params), zeros, zeros, zeros, p0
+            zero_count(params), _scalar(d0, params), _scalar(d0, params), _scalar(0.0, params), mu, nu, s, p0
         )
 
     def update(grads: PyTree, state: ProdigyState, params: Optional[PyTree] = None) -> tuple[PyTree, ProdigyState]:
@@ -277,8 +277,8 @@ def scale_by_dadapt_adam(
     def init(params: PyTree) -> DadaptAdamState:
         _check_params(params, "scale_by_dadapt_adam")
         leaves, spec = tree.flatten(params)
-        zeros = spec.unflatten(_zeros_or_none(leaves))
-        return DadaptAdamState(zero_count(params), _scalar(d0, params), _scalar(0.0, params), zeros, zeros, zeros)
+        mu, nu, s = (spec.unflatten(_zeros_or_none(leaves)) for _ in range(3))  # three tensors each, none shared
+        return DadaptAdamState(zero_count(params), _scalar(d0, params), _scalar(0.0, params), mu, nu, s)
 
     def update(
         grads: PyTree, state: DadaptAdamState, params: Optional[PyTree] = None
