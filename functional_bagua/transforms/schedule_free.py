@@ -39,7 +39,7 @@ import torch
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.hyperparams import accepts_schedules
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, add_scaled, as_scalar, is_number, zero_count
 from functional_bagua.transforms.direction import refuse_a_step
 from functional_bagua.transforms.leafwise import leafwise
 from functional_bagua.tree import PyTree
@@ -135,14 +135,25 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         weight = t**r * lr_max**weight_lr_power
         weight_sum = s.weight_sum + weight
         c = torch.where(weight_sum > 0, weight / torch.where(weight_sum > 0, weight_sum, 1.0), 0.0)
-        u = (s.z - y).mul_(c).add_(d * (lr_t * (b1 * (1 - c) - 1)))
-        z = s.z - d * lr_t
+        along = _read(lr_t * (b1 * (1 - c) - 1))  # the weight of d in u
+        u = (s.z - y).mul_(_read(c))
+        u = u.add_(d, alpha=along) if is_number(along) else u.add_(d * along)
+        z = add_scaled(s.z, d, -_read(lr_t))
         b1_now = torch.full_like(s.b1, b1) if is_number(b1) else torch.zeros_like(s.b1) + b1
         return u, ScheduleFreeState(count, lr_max, weight_sum, z, b1_now)
 
     return leafwise(
         ScheduleFreeState, init_leaf, update_leaf, name="schedule_free", needs_params=True, fresh_updates=True
     )
+
+
+def _read(x: Any) -> Any:
+    """A 0-dim CPU tensor as a Python number, eagerly (no device sync: it is on the host), so that
+    the multi-tensor ops take it as a scalar (one fused multiply-add instead of two ops); else as
+    it is (traced, on a GPU, or one per tensor)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return x.item()
+    return x
 
 
 def schedule_free_states(state: Any) -> list[ScheduleFreeState]:
