@@ -95,6 +95,10 @@ def shard_lamb_refused(rank, world_size):
     return train(fbd.shard(fb.lamb(1e-2)), local_batches(rank, world_size))
 
 
+def shard_prodigy_refused(rank, world_size):
+    return train(fbd.shard(fb.prodigy()), local_batches(rank, world_size))
+
+
 def shard_clip_refused(rank, world_size):
     return train(fbd.shard(fb.chain(fb.clip_by_global_norm(1.0), fb.sgd(LR))), local_batches(rank, world_size))
 

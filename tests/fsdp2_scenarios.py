@@ -300,6 +300,12 @@ def refused_per_tensor_rules(rank: int, world_size: int) -> dict:
             out[name] = None
         except NotImplementedError as error:
             out[name] = str(error)
+    tx = fb.fuse(fb.prodigy(), layout)  # not per tensor: its step size sums over every tensor
+    try:
+        tx.update(grads, tx.init(flat), flat)
+        out["prodigy"] = None
+    except NotImplementedError as error:
+        out["prodigy"] = str(error)
     return out
 
 

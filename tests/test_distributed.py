@@ -25,6 +25,7 @@ TWO_RANKS = [
     "shard_adamw",
     "shard_lamb_refused",
     "shard_clip_refused",
+    "shard_prodigy_refused",
     "periodic_average",
     "compressed_fp16",
     "compressed_bf16",
@@ -123,6 +124,9 @@ def test_shard_refuses_per_tensor_rules_and_global_norms(two):
         error = two[rank]["shard_clip_refused"]
         assert isinstance(error, ScenarioError) and error.type == "NotImplementedError"
         assert "clip_by_global_norm cannot run inside shard(): the norm of one shard" in error.message
+        error = two[rank]["shard_prodigy_refused"]  # its step size sums over all of every tensor
+        assert isinstance(error, ScenarioError) and error.type == "NotImplementedError"
+        assert "scale_by_prodigy cannot run inside shard(): its step size d sums" in error.message
 
 
 # --- model averaging ----------------------------------------------------------------------------------

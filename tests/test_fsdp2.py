@@ -216,6 +216,16 @@ def test_a_per_tensor_rule_over_local_shards_is_refused_with_the_reason(ranks, n
         assert "fbd.on_owners(tx)" in message, message
 
 
+def test_prodigy_over_local_shards_is_refused_with_the_reason(ranks):
+    """Its estimate d sums over every coordinate of every tensor: one rank's shards would give
+    each rank its own d."""
+    for rank, result in enumerate(ranks):
+        message = result["refused"]["prodigy"]
+        assert message is not None, f"rank {rank} ran on"
+        assert "scale_by_prodigy cannot run inside fuse() over DTensors' local shards" in message, message
+        assert "its step size d sums over every coordinate of every tensor" in message, message
+
+
 @pytest.mark.parametrize(
     "case, words",
     [

@@ -131,13 +131,8 @@ def _check_inputs(name: str, grads: PyTree, params: Optional[PyTree], spec: Any)
     gradient checked against its parameter; a sharded run refused (``d`` sums over all of them)."""
     if params is None:
         raise ValueError(f"{name} needs the parameters: call update(grads, state, params)")
-    why = "its step size d sums over every coordinate of every tensor"
-    layout_context.refuse_on_shards(name, why)
-    if layout_context.on_local_shards():
-        raise NotImplementedError(
-            f"{name} cannot run fused over FSDP2's local shards: {why}, and each rank holds only a part "
-            "of them; run it on the DTensor parameters (fb.Optimizer) or unsharded"
-        )
+    # inside shard(), shard_by_tensor() and fused over FSDP2's local shards alike
+    layout_context.refuse_on_shards(name, "its step size d sums over every coordinate of every tensor")
     g_leaves = tree.leaves_up_to(spec, grads, "the gradients", "the parameters")
     p_leaves = tree.leaves_up_to(spec, params, "the parameters", "the state")
     for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
