@@ -70,6 +70,13 @@ each parameter's entries named by their path in the chain's state, as in ``optim
 to no single parameter (step counters of schedules, injected hyperparameters) is kept in its
 group under ``"shared_state"``. ``load_state_dict`` restores it exactly, so a resumed run is the
 uninterrupted one bit for bit.
+
+A group running :func:`~functional_bagua.schedule_free` (``fb.schedule_free_adamw``) trains at
+``y`` and evaluates at the average ``x``: ``optimizer.eval()`` moves its parameters to ``x``,
+``optimizer.train()`` back to ``y``, as the ``schedulefree`` package's optimizers (Hugging Face's
+``Trainer`` calls both where they exist; for other groups they do nothing). ``step()`` in
+evaluation mode raises; the mode is saved with the group (``"train_mode"``), so a checkpoint
+saved in evaluation mode resumes there.
 """
 
 from __future__ import annotations
