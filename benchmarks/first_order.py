@@ -44,7 +44,8 @@ import functional_bagua as fb  # noqa: E402
 
 
 def reference(module: str, name: str, **kwargs: Any) -> Callable[[list], Any]:
-    """The reference class ``module.name`` built with ``kwargs``, or ``None`` when not installed."""
+    """A maker of the reference optimizer ``module.name(params, **kwargs)``; it raises ImportError
+    where the package is not installed (the run then times ours only)."""
 
     def make(params: list) -> Any:
         package = __import__(module, fromlist=[name])

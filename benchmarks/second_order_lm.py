@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -104,7 +105,14 @@ def batches(transitions: torch.Tensor, steps: int, batch: int, seq: int, device:
     return out
 
 
-def train(name: str, make_tx, data: list, args: argparse.Namespace) -> dict:  # noqa: ANN001
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, vocab), targets.reshape(-1))
+
+
+def train(name: str, make_tx, data: list, args: argparse.Namespace, held_out: Optional[list] = None) -> dict:  # noqa: ANN001
+    """One optimizer's run from the common weights: the smoothed loss per step and the seconds;
+    with ``held_out`` batches, also their mean loss after the last step at the weights the
+    optimizer evaluates at (``optimizer.eval()``: schedule-free's average; the others' parameters)."""
     torch.manual_seed(0)
     model = LM(args.vocab, args.width, args.layers, args.seq).to(args.device)
     opt = fb.Optimizer(model.parameters(), make_tx())
@@ -112,7 +120,7 @@ def train(name: str, make_tx, data: list, args: argparse.Namespace) -> dict:  # 
     for tokens, targets in data:
         start = time.perf_counter()
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(tokens).reshape(-1, args.vocab), targets.reshape(-1))
+        loss = loss_of(model, tokens, targets, args.vocab)
         loss.backward()
         opt.step()
         value = loss.item()  # also waits for the step on a GPU
@@ -121,7 +129,7 @@ def train(name: str, make_tx, data: list, args: argparse.Namespace) -> dict:  # 
         curve.append(smoothed)
         seconds.append(elapsed)
     reached = next((i for i, v in enumerate(curve) if v <= args.target), None)
-    return dict(
+    result = dict(
         optimizer=name,
         steps_to_target=reached + 1 if reached is not None else f"> {len(curve)}",
         seconds_to_target=seconds[reached] if reached is not None else "-",
@@ -130,6 +138,47 @@ def train(name: str, make_tx, data: list, args: argparse.Namespace) -> dict:  # 
         curve=curve,
         seconds=seconds,
     )
+    if held_out:
+        opt.eval()
+        with torch.no_grad():
+            result["eval_loss"] = sum(loss_of(model, x, y, args.vocab).item() for x, y in held_out) / len(held_out)
+    return result
+
+
+def arguments(description: str, plot_name: str) -> argparse.ArgumentParser:
+    """The options of the language-model runs (this script's and ``first_order_lm.py``'s)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument(
+        "--target", type=float, default=0.0, help="the loss to reach (default: the entropy rate + 0.25)"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), plot_name))
+    return parser
+
+
+def data_for(args: argparse.Namespace, extra_batches: int = 0) -> tuple[list, float]:
+    """The batches of ``args.steps`` steps (and ``extra_batches`` more after them) and the
+    entropy rate of the chain they come from; sets the threads and the default target, and says
+    what runs."""
+    torch.set_num_threads(args.threads)
+    transitions, entropy = markov_chain(args.vocab)
+    args.target = args.target or round(entropy + 0.25, 3)
+    data = batches(transitions, args.steps + extra_batches, args.batch, args.seq, args.device)
+    params = sum(p.numel() for p in LM(args.vocab, args.width, args.layers, args.seq).parameters())
+    print(
+        f"{machine(args.device)}; LM of {params / 1e3:.0f}k parameters, {args.steps} steps of {args.batch} x {args.seq} tokens"
+    )
+    print(
+        f"entropy rate of the data {entropy:.3f} nats (the best loss); target {args.target} (at uniform: {math.log(args.vocab):.2f})"
+    )
+    return data, entropy
 
 
 def plot(results: list, entropy: float, target: float, path: str) -> bool:
@@ -157,31 +206,8 @@ def plot(results: list, entropy: float, target: float, path: str) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument(
-        "--target", type=float, default=0.0, help="the loss to reach (default: the entropy rate + 0.25)"
-    )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "second_order_lm.png"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    transitions, entropy = markov_chain(args.vocab)
-    args.target = args.target or round(entropy + 0.25, 3)
-    data = batches(transitions, args.steps, args.batch, args.seq, args.device)
-    params = sum(p.numel() for p in LM(args.vocab, args.width, args.layers, args.seq).parameters())
-    print(
-        f"{machine(args.device)}; LM of {params / 1e3:.0f}k parameters, {args.steps} steps of {args.batch} x {args.seq} tokens"
-    )
-    print(
-        f"entropy rate of the data {entropy:.3f} nats (the best loss); target {args.target} (at uniform: {math.log(args.vocab):.2f})"
-    )
+    args = arguments(__doc__.splitlines()[0], "second_order_lm.png").parse_args()
+    data, entropy = data_for(args)
     results = [train(name, make, data, args) for name, make in OPTIMIZERS.items()]
     print(table(results, ["optimizer", "steps_to_target", "seconds_to_target", "final_loss", "ms_per_step"]))
     if plot(results, entropy, args.target, args.plot):

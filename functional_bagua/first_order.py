@@ -20,8 +20,8 @@ from typing import Callable, Optional, Union, cast
 import optree
 import torch
 
-from functional_bagua.aliases import _check, _check_betas, _check_eps, _check_lr, _check_nonnegative, _decayed
-from functional_bagua.base import GradientTransformation, chain, identity
+from functional_bagua.aliases import _check, _check_adam_like, _check_betas, _check_lr, _check_nonnegative, _decayed
+from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import is_number
 from functional_bagua.transforms.adam import scale_by_adam, scale_by_bias_corrected_rms
@@ -36,13 +36,6 @@ from functional_bagua.transforms.schedule_free import schedule_free
 from functional_bagua.transforms.weight_decay import add_decayed_weights
 from functional_bagua.transforms.wrappers import partition
 from functional_bagua.tree import PyTree
-
-
-def _with_decay(direction: GradientTransformation, weight_decay: float) -> GradientTransformation:
-    """``direction``, then ``+ weight_decay * y`` where a decay is given (schedule-free decays at ``y``)."""
-    if is_number(weight_decay) and weight_decay == 0.0:  # a tensor may be written later (fb.Optimizer)
-        return direction
-    return chain(direction, add_decayed_weights(weight_decay))
 
 
 @accepts_schedules(static_args=("warmup_steps",))
@@ -84,14 +77,12 @@ def schedule_free_adamw(
         state = tx.init(params)
     """
     b1, b2 = betas
-    _check_lr(lr)
-    _check_eps(eps)
-    _check_betas(betas)
+    _check_adam_like(lr, betas, eps, weight_decay)
     _check(
         b1, lambda v: v > 0.0, "schedule_free_adamw: betas[0] must lie in (0, 1) (x = (y - (1 - b1) z) / b1), got {}"
     )
-    _check_nonnegative(weight_decay, "weight_decay")
-    direction = _with_decay(scale_by_bias_corrected_rms(b2, eps), weight_decay)
+    # weight decay at y, in the direction (add_decayed_weights is the identity at the number 0)
+    direction = chain(scale_by_bias_corrected_rms(b2, eps), add_decayed_weights(weight_decay))
     return schedule_free(direction, lr, b1, warmup_steps, r, weight_lr_power)
 
 
@@ -128,7 +119,7 @@ def schedule_free_sgd(
     _check_lr(lr)
     _check(momentum, lambda v: 0.0 < v < 1.0, "schedule_free_sgd: momentum must lie in (0, 1), got {}")
     _check_nonnegative(weight_decay, "weight_decay")
-    return schedule_free(_with_decay(identity(), weight_decay), lr, momentum, warmup_steps, r, weight_lr_power)
+    return schedule_free(add_decayed_weights(weight_decay), lr, momentum, warmup_steps, r, weight_lr_power)
 
 
 @accepts_schedules(static_args=("clip_lambda",))
@@ -165,10 +156,7 @@ def adopt(
         tx = fb.adopt(lr=1e-3, weight_decay=0.01, decouple=True)
         state = tx.init(params)
     """
-    _check_lr(lr)
-    _check_eps(eps)
-    _check_betas(betas)
-    _check_nonnegative(weight_decay, "weight_decay")
+    _check_adam_like(lr, betas, eps, weight_decay)
     b1, b2 = betas
     if decouple:
         return chain(
@@ -217,11 +205,8 @@ def ademamix(
         tx = fb.ademamix(lr=1e-3, t_alpha_beta3=10_000, weight_decay=0.1, weight_decouple=True)
         state = tx.init(params)
     """
-    _check_lr(lr)
-    _check_eps(eps)
-    _check_betas(betas)
+    _check_adam_like(lr, betas, eps, weight_decay)
     _check_nonnegative(alpha, "alpha")
-    _check_nonnegative(weight_decay, "weight_decay")
     if t_alpha_beta3 is not None and not t_alpha_beta3 > 0:
         raise ValueError(f"ademamix: t_alpha_beta3 must be > 0 (a warmup in steps) or None, got {t_alpha_beta3}")
     b1, b2, b3 = betas
@@ -267,10 +252,7 @@ def laprop(
         tx = fb.laprop(lr=4e-4, weight_decay=0.01)
         state = tx.init(params)
     """
-    _check_lr(lr)
-    _check_eps(eps)
-    _check_betas(betas)
-    _check_nonnegative(weight_decay, "weight_decay")
+    _check_adam_like(lr, betas, eps, weight_decay)
     b1, b2 = betas
     rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
     direction = scale_by_laprop(rate, b1, b2, eps, 1e-15, centered, steps_before_using_centered)
@@ -336,10 +318,7 @@ def mars_adamw(
         tx = fb.mars_adamw(lr=3e-3, weight_decay=0.1)
         state = tx.init(params)
     """
-    _check_lr(lr)
-    _check_eps(eps)
-    _check_betas(betas)
-    _check_nonnegative(weight_decay, "weight_decay")
+    _check_adam_like(lr, betas, eps, weight_decay)
     _check_nonnegative(gamma, "gamma")
     b1, b2 = betas
     corrected = chain(
@@ -359,6 +338,25 @@ def mars_adamw(
 
 def _mars_or_adamw(params: PyTree) -> PyTree:
     return optree.tree_map(lambda p: "mars" if p is not None and p.dim() == 2 else "adamw", params, none_is_leaf=True)
+
+
+def _check_estimated(
+    who: str,
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    d0: float,
+    growth_rate: float,
+) -> None:
+    """The checks the learning-rate-free references make (``lr`` 0 allowed: a step at lr 0 moves
+    nothing, as the references skip a group at lr 0)."""
+    _check_lr(lr)
+    _check(eps, lambda v: v > 0.0, "Invalid epsilon value: {}")
+    _check_betas(betas)
+    _check_nonnegative(weight_decay, "weight_decay")
+    _check(d0, lambda v: v > 0.0, "Invalid d0 value: {}")
+    _check(growth_rate, lambda v: v >= 1.0, f"{who}: growth_rate must be >= 1 (d never shrinks), got " + "{}")
 
 
 @accepts_schedules(static_args=("decouple", "use_bias_correction", "safeguard_warmup"))
@@ -404,13 +402,8 @@ def prodigy(
         tx = fb.prodigy(weight_decay=0.01, safeguard_warmup=True, use_bias_correction=True)
         state = tx.init(params)
     """
-    _check_lr(lr)  # 0 too: a step at lr 0 moves nothing, as the references skip a group at lr 0
-    _check(eps, lambda v: v > 0.0, "Invalid epsilon value: {}")
-    _check_betas(betas)
-    _check_nonnegative(weight_decay, "weight_decay")
-    _check(d0, lambda v: v > 0.0, "Invalid d0 value: {}")
+    _check_estimated("prodigy", lr, betas, eps, weight_decay, d0, growth_rate)
     _check(d_coef, lambda v: v > 0.0, "prodigy: d_coef must be > 0 (it multiplies every estimate of d), got {}")
-    _check(growth_rate, lambda v: v >= 1.0, "prodigy: growth_rate must be >= 1 (d never shrinks), got {}")
     b1, b2 = betas
     rate = cast(Union[float, torch.Tensor], lr)  # a schedule arrives here as a tensor (accepts_schedules)
     decoupled = weight_decay if decouple else 0.0
@@ -455,12 +448,7 @@ def dadapt_adam(
         tx = fb.dadapt_adam(weight_decay=0.01, decouple=True)
         state = tx.init(params)
     """
-    _check_lr(lr)  # 0 too: a step at lr 0 moves nothing, as the references skip a group at lr 0
-    _check(eps, lambda v: v > 0.0, "Invalid epsilon value: {}")
-    _check_betas(betas)
-    _check_nonnegative(weight_decay, "weight_decay")
-    _check(d0, lambda v: v > 0.0, "Invalid d0 value: {}")
-    _check(growth_rate, lambda v: v >= 1.0, "dadapt_adam: growth_rate must be >= 1 (d never shrinks), got {}")
+    _check_estimated("dadapt_adam", lr, betas, eps, weight_decay, d0, growth_rate)
     b1, b2 = betas
     rate = cast(Union[float, torch.Tensor], lr)
     decoupled = weight_decay if decouple else 0.0

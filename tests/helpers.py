@@ -69,6 +69,21 @@ def assert_trees_equal(a, b):
             assert x == y
 
 
+def run_updates(tx, params, grads):
+    """``params`` after ``tx``'s update on each gradient tree of ``grads`` in turn, and the last state."""
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    return params, state
+
+
+def assert_trees_close(got, want, tol=1e-13):
+    """Each tensor of ``want`` (a dict) and the same key of ``got`` within ``tol``, relative and absolute."""
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m: f"{k}: {m}")
+
+
 def errors_of(calls: dict) -> dict:
     """``{name: (exception type name, message)}`` of each call that raised (``None`` if it did not):
     for scenarios that try bad input on a rank and hand the errors back to the test."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import seeded
+from helpers import assert_trees_close, run_updates
 
 import functional_bagua as fb
 
@@ -26,14 +27,6 @@ def problem(seed=0):
     return params, grads
 
 
-def functional_run(tx, params, grads):
-    state = tx.init(params)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = fb.apply_updates(params, updates)
-    return params, state
-
-
 def torch_run(make_optimizer, params, grads, lr_at=None):
     tensors = {k: v.clone().requires_grad_() for k, v in params.items()}
     opt = make_optimizer(list(tensors.values()))
@@ -44,11 +37,6 @@ def torch_run(make_optimizer, params, grads, lr_at=None):
             p.grad = g[k].clone()
         opt.step()
     return {k: p.detach() for k, p in tensors.items()}
-
-
-def assert_trees_close(got, want, tol=1e-13):
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m: f"{k}: {m}")
 
 
 def reference_class(module, name, why):
@@ -113,7 +101,7 @@ def test_aliases_step_as_their_reference_packages(case):
     cls = reference_class(module, name, ADOPT_WHY if module == "adopt" else PYTORCH_OPTIMIZER_WHY)
     params, grads = problem()
     want = torch_run(lambda ps: cls(ps, **ref_kwargs), params, grads)
-    got, _ = functional_run(alias(**kwargs), params, grads)
+    got, _ = run_updates(alias(**kwargs), params, grads)
     assert any(not torch.equal(want[k], params[k]) for k in want)
     assert_trees_close(got, want)
 
@@ -223,7 +211,7 @@ def test_low_precision_parameters_keep_their_dtype_with_a_0_dim_one_among_them(d
     for name, make in {**COMPOSED, "adopt-unclipped": lambda: fb.adopt(1e-2, clip_lambda=None)}.items():
         if dtype == torch.float16 and name in ("prodigy", "dadapt-adam"):
             continue  # their moments scale by d^2 (1e-12 at first), below float16's range, as in the references
-        got, state = functional_run(make(), params, grads)
+        got, state = run_updates(make(), params, grads)
         for k, v in got.items():
             assert v.dtype == dtype and bool(torch.isfinite(v).all()), (name, k, v)
         for leaf in fb.tree.flatten(state)[0]:
@@ -234,14 +222,14 @@ def test_low_precision_parameters_keep_their_dtype_with_a_0_dim_one_among_them(d
             module, cls_name, ref_kwargs, alias, kwargs = {**CASES, **LEARNING_RATE_FREE}[case]
             cls = reference_class(module, cls_name, f"{module} is the reference: an optional test dependency")
             want = torch_run(lambda ps: cls(ps, **ref_kwargs), params, grads)
-            got, _ = functional_run(alias(**kwargs), params, grads)
+            got, _ = run_updates(alias(**kwargs), params, grads)
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {k}: {m}")
 
 
 def test_adopt_leaves_the_parameters_where_they_are_at_its_first_step():
     params, grads = problem()
-    moved, _ = functional_run(fb.adopt(lr=0.1, weight_decay=0.1, decouple=True), params, grads[:1])
+    moved, _ = run_updates(fb.adopt(lr=0.1, weight_decay=0.1, decouple=True), params, grads[:1])
     assert_trees_close(moved, params, tol=0)
 
 
@@ -254,7 +242,7 @@ def test_a_learning_rate_schedule_is_the_reference_with_its_lr_set_before_each_s
     params, grads = problem(1)
     want = torch_run(lambda ps: cls(ps, lr=1.0, foreach=False), params, grads, lr_at=lambda t: schedule(t).item())
     alias = fb.laprop if name == "LaProp" else fb.ademamix
-    got, _ = functional_run(alias(lr=schedule), params, grads)
+    got, _ = run_updates(alias(lr=schedule), params, grads)
     assert_trees_close(got, want)
 
 
@@ -301,7 +289,7 @@ def test_mars_adamw_is_the_authors_rule(optimize_1d):
         extra["betas_1d"],
         extra["weight_decay_1d"],
     )
-    got, _ = functional_run(fb.mars_adamw(**numbers, **extra), params, grads)
+    got, _ = run_updates(fb.mars_adamw(**numbers, **extra), params, grads)
     assert_trees_close(got, want, tol=1e-12)
 
 
@@ -316,8 +304,8 @@ def test_mars_around_any_optimizer_feeds_it_the_corrected_gradients():
             {k: x * (2 / torch.linalg.vector_norm(x)) if torch.linalg.vector_norm(x) > 2 else x for k, x in c.items()}
         )
         previous = g
-    want, _ = functional_run(fb.adam(1e-2, eps=1.0), params, corrected)
-    got, _ = functional_run(fb.mars(fb.adam(1e-2, eps=1.0), gamma=0.1, b1=0.9, max_norm=2.0), params, grads)
+    want, _ = run_updates(fb.adam(1e-2, eps=1.0), params, corrected)
+    got, _ = run_updates(fb.mars(fb.adam(1e-2, eps=1.0), gamma=0.1, b1=0.9, max_norm=2.0), params, grads)
     assert_trees_close(got, want, tol=1e-12)
 
 
@@ -343,7 +331,7 @@ def test_cautious_adam_is_the_mask_written_out(rescale):
     tx = fb.chain(
         fb.cautious(fb.scale_by_adam(b1, b2, eps), rescale), fb.add_decayed_weights(wd), fb.scale_by_learning_rate(lr)
     )
-    got, _ = functional_run(tx, params, grads)
+    got, _ = run_updates(tx, params, grads)
     assert_trees_close(got, want, tol=1e-12)
 
 
@@ -361,7 +349,7 @@ COMPOSED = {  # transforms whose paths are compared with their own pure update
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_fused_over_flat_buffers_equals_the_tree(name):
     params, grads = problem(5)
-    want, _ = functional_run(COMPOSED[name](), params, grads)
+    want, _ = run_updates(COMPOSED[name](), params, grads)
     layout = fb.FlatLayout.of(params)
     fused = fb.fuse(COMPOSED[name](), layout)
     flat = layout.flatten(params)
@@ -382,8 +370,8 @@ def test_in_a_chain_with_clipping_under_gradient_accumulation_it_steps_on_the_cl
         mean = {k: (a[k] + b[k]) / 2 for k in a}
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in mean.values()]))
         means.append({k: v * (1.0 / norm) if norm > 1.0 else v for k, v in mean.items()})
-    want, _ = functional_run(COMPOSED[name](), params, means)
-    got, _ = functional_run(fb.multi_steps(fb.chain(fb.clip_by_global_norm(1.0), COMPOSED[name]()), 2), params, grads)
+    want, _ = run_updates(COMPOSED[name](), params, means)
+    got, _ = run_updates(fb.multi_steps(fb.chain(fb.clip_by_global_norm(1.0), COMPOSED[name]()), 2), params, grads)
     # the clipped mean is rounded otherwise than here (the norm's summation order): the adaptive
     # denominators carry that difference through the steps, far below what a wrong order would give
     assert_trees_close(got, want, tol=1e-8)
@@ -431,7 +419,7 @@ def test_inductor_compiled_in_place_steps_over_flat_buffers_equal_the_eager_ones
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_fb_optimizer_steps_as_the_pure_update_and_resumes_bit_for_bit(name):
     params, grads = problem(7)
-    want, _ = functional_run(COMPOSED[name](), params, grads)
+    want, _ = run_updates(COMPOSED[name](), params, grads)
     tensors = [torch.nn.Parameter(params[k].clone()) for k in SHAPES]
     opt = fb.Optimizer(tensors, COMPOSED[name]())
     for t, g in enumerate(grads):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import seeded
+from helpers import assert_trees_close, run_updates
 
 import functional_bagua as fb
 
@@ -56,26 +57,13 @@ def reference_run(case, params, grads, lr_at=None, foreach=True):
     return y, {k: p.detach().clone() for k, p in tensors.items()}
 
 
-def functional_run(tx, params, grads):
-    state = tx.init(params)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = fb.apply_updates(params, updates)
-    return params, state
-
-
-def assert_trees_close(got, want, tol=1e-13):
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m: f"{k}: {m}")
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
 def test_aliases_step_and_evaluate_as_the_schedulefree_package(case, foreach):
     make, _, kwargs = CASES[case]
     params, grads = problem()
     want_y, want_x = reference_run(case, params, grads, foreach=foreach)
-    y, state = functional_run(make(**kwargs), params, grads)
+    y, state = run_updates(make(**kwargs), params, grads)
     assert_trees_close(y, want_y)
     x = fb.schedule_free_eval_params(state, y)
     assert_trees_close(x, want_x)
@@ -89,7 +77,7 @@ def test_a_learning_rate_schedule_is_the_reference_with_its_lr_set_before_each_s
     params, grads = problem(1)
     want_y, want_x = reference_run("adamw", params, grads, lr_at=lambda t: schedule(t).item())
     kwargs = {**CASES["adamw"][2], "lr": schedule}
-    y, state = functional_run(fb.schedule_free_adamw(**kwargs), params, grads)
+    y, state = run_updates(fb.schedule_free_adamw(**kwargs), params, grads)
     assert_trees_close(y, want_y)
     assert_trees_close(fb.schedule_free_eval_params(state, y), want_x)
 
@@ -100,8 +88,8 @@ def test_the_wrapper_around_a_chosen_direction_is_the_alias():
     direction = fb.chain(fb.scale_by_bias_corrected_rms(0.99, 1e-6), fb.add_decayed_weights(0.1))
     kwargs = CASES["adamw"][2]
     built = fb.schedule_free(direction, 0.02, 0.8, warmup_steps=3, r=0.5, weight_lr_power=1.5)
-    got, _ = functional_run(built, params, grads)
-    want, _ = functional_run(fb.schedule_free_adamw(**kwargs), params, grads)
+    got, _ = run_updates(built, params, grads)
+    want, _ = run_updates(fb.schedule_free_adamw(**kwargs), params, grads)
     assert_trees_close(got, want, tol=0)
 
 
@@ -179,11 +167,11 @@ def test_evaluation_weights_of_a_partition_are_each_groups_own():
     params, grads = problem(6)
     labels = {"scalar": "no_decay", "bias": "no_decay", "matrix": "decay"}
     groups = {"decay": fb.schedule_free_adamw(0.02, weight_decay=0.1), "no_decay": fb.schedule_free_adamw(0.02)}
-    y, state = functional_run(fb.partition(groups, labels), params, grads)
+    y, state = run_updates(fb.partition(groups, labels), params, grads)
     x = fb.schedule_free_eval_params(state, y)
     for label, tx in groups.items():
         mine = [k for k, v in labels.items() if v == label]
-        want_y, want_state = functional_run(tx, {k: params[k] for k in mine}, [{k: g[k] for k in mine} for g in grads])
+        want_y, want_state = run_updates(tx, {k: params[k] for k in mine}, [{k: g[k] for k in mine} for g in grads])
         assert_trees_close({k: y[k] for k in mine}, want_y, tol=0)
         assert_trees_close({k: x[k] for k in mine}, fb.schedule_free_eval_params(want_state, want_y), tol=0)
 
@@ -204,7 +192,7 @@ def test_fused_over_flat_buffers_equals_the_tree():
     over the buffers are those of the tree."""
     params, grads = problem(4)
     tx = fb.schedule_free_adamw(**CASES["adamw"][2])
-    want_y, want_state = functional_run(tx, params, grads)
+    want_y, want_state = run_updates(tx, params, grads)
     layout = fb.FlatLayout.of(params)
     fused = fb.fuse(tx, layout)
     flat = layout.flatten(params)
@@ -220,7 +208,7 @@ def test_fused_over_flat_buffers_equals_the_tree():
 def test_a_checkpoint_mid_run_resumes_bit_for_bit():
     params, grads = problem(5)
     tx = fb.schedule_free_sgd(**CASES["sgd"][2])
-    want, _ = functional_run(tx, params, grads)
+    want, _ = run_updates(tx, params, grads)
     state = tx.init(params)
     for g in grads[:3]:
         updates, state = tx.update(g, state, params)

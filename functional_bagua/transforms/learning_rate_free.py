@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from functional_bagua import checks, layout_context, tree
-from functional_bagua.base import GradientTransformation, check_params
+from functional_bagua.base import GradientTransformation
 from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
 from functional_bagua.tree import PyTree
 
@@ -119,7 +119,6 @@ def _bias_correction(count: torch.Tensor, b1: Scalar, b2: Scalar, enabled: bool)
 
 def _check_params(params: PyTree, name: str) -> None:
     """Trainable real tensors (the estimate's dot products and squares are those of real numbers)."""
-    check_params(params, name)
     leaves, spec = tree.flatten(params)
     for i, p in enumerate(leaves):
         if p is not None:

@@ -163,15 +163,12 @@ def schedule_free_states(state: Any) -> list[ScheduleFreeState]:
     Args:
         state: any transform's state.
     """
-    found: list[ScheduleFreeState] = []
 
-    def visit(node: Any) -> Any:
-        if isinstance(node, ScheduleFreeState):
-            found.append(node)
-        return node
+    def is_schedule_free(node: Any) -> bool:
+        return isinstance(node, ScheduleFreeState)
 
-    optree.tree_map(visit, state, is_leaf=lambda n: isinstance(n, ScheduleFreeState), none_is_leaf=True)
-    return [s for s in found if isinstance(s, ScheduleFreeState)]
+    leaves = optree.tree_leaves(state, is_leaf=is_schedule_free, none_is_leaf=True)
+    return [leaf for leaf in leaves if is_schedule_free(leaf)]
 
 
 def schedule_free_eval_params(state: Any, params: PyTree) -> PyTree:
