@@ -4,6 +4,7 @@ run, with torch's AdamW (foreach) for scale.
     python benchmarks/first_order.py                                 # CPU, every optimizer
     python benchmarks/first_order.py --optimizers schedule_free_adamw,prodigy --steps 50
     python benchmarks/first_order.py --device cuda --json out.json
+    python benchmarks/first_order.py --device cuda --config many --profile fb.Optimizer   # where the time goes
 
 Per optimizer, on the same parameters (``--config``: ``mlp``, 8 layers of 512 x 512 and their
 biases, 2.1M float32 elements in 16 tensors; ``many``, 200 matrices of 50 x 100, 1M elements)
@@ -49,8 +50,12 @@ def reference(module: str, name: str, **kwargs: Any) -> Callable[[list], Any]:
 
     def make(params: list) -> Any:
         package = __import__(module, fromlist=[name])
+        cls = getattr(package, name)
+        if not hasattr(cls, "_cuda_graph_capture_health_check"):  # torch 2.11 renamed it; torch-adopt calls it
+            check = torch.optim.Optimizer._accelerator_graph_capture_health_check
+            cls = type(name, (cls,), dict(_cuda_graph_capture_health_check=check))
         with contextlib.redirect_stdout(io.StringIO()):  # some print their settings
-            return getattr(package, name)(params, **kwargs)
+            return cls(params, **kwargs)
 
     return make
 
@@ -148,6 +153,21 @@ def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], obj
     return out
 
 
+def top_operators(step: Callable[[], object], device: str, rows: int = 15) -> str:
+    """torch.profiler's table of the operators of 5 calls of ``step``, by their own time on the
+    device (CUDA) or the CPU: where a step's time goes, and how many kernels it launches."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    sort_by = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -157,6 +177,11 @@ def main() -> None:
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--skip", default="", help="comma-separated variants not to run, e.g. 'fuse_inplace compiled'")
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated variants (e.g. 'fb.Optimizer') whose step is also profiled: its top operators by self time",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch._inductor.config.fx_graph_cache = False  # the first call compiles from scratch
@@ -172,6 +197,8 @@ def main() -> None:
             first = first_call_s(step, args.device) if "compiled" in variant else None
             times = step_times_ms(step, args.device, args.steps)
             medians[variant] = statistics.median(times)
+            if variant in args.profile.split(","):
+                print(f"## {name}, {variant}: the operators of 5 steps\n{top_operators(step, args.device)}", flush=True)
             row = {"optimizer": name, "variant": variant, "ms (range)": f"{medians[variant]:.3g} ({spread(times)})"}
             if first is not None:
                 row["first call s"] = round(first, 1)

@@ -20,7 +20,10 @@ a time instead. Step counts that every tensor of a group shares (the usual case:
 often) enter the rule as one tensor, so its scalar arithmetic (bias corrections) runs once per
 group; each tensor still gets its own count back. A number (or a 0-dim factor) reaches torch's CPU
 multi-tensor ops as a 0-dim tensor of the tensors' dtype, which they convert once rather than
-once per tensor, to the same bits (:func:`_scalar_operand`).
+once per tensor, to the same bits (:func:`_scalar_operand`). On a GPU, where 0-dim counts are
+not compared (that would wait for the device), a group's per-tensor scalars (counts, their
+bias corrections) are computed together: an elementwise operation on 0-dim tensors only runs
+once on them stacked into one vector (:func:`_on_stacked_scalars`), not once per tensor.
 
 :func:`per_tensor` turns the grouped path off in this thread (the reference in the tests, and
 what torch.compile traces: inductor fuses the per-tensor ops itself).
@@ -98,6 +101,9 @@ def _is_scalar(x: Any) -> bool:
 def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``fn`` on each tensor of the :class:`Leaves` among ``args`` / ``kwargs`` (the others as they are)."""
     n = next(len(a.items) for a in (*args, *kwargs.values()) if isinstance(a, Leaves))
+    stacked = _on_stacked_scalars(fn, args, kwargs, n)
+    if stacked is not None:
+        return stacked
     columns = [_items(a, n) for a in args]
     named = {k: _items(v, n) for k, v in kwargs.items()}
     results = [fn(*(c[i] for c in columns), **{k: v[i] for k, v in named.items()}) for i in range(n)]
@@ -106,6 +112,63 @@ def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) ->
     if all(isinstance(r, tuple) for r in results):
         return tuple(Leaves(list(parts)) for parts in zip(*results))
     raise PerTensorOnly(f"{getattr(fn, '__name__', fn)} gives per-tensor values that are not tensors")
+
+
+# Elementwise functions: on 0-dim tensors stacked into one vector, each element of the result is
+# the function of that tensor alone (the same kernel, element by element)
+_ELEMENTWISE = {
+    *(torch.where, torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne, torch.logical_and, torch.logical_or),
+    *(torch.logical_not, torch.isfinite, torch.clamp, torch.clamp_min, torch.clamp_max, torch.maximum, torch.minimum),
+    *(torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.lerp, torch.sqrt, torch.abs, torch.neg, torch.exp),
+    *(torch.log, torch.sign, torch.reciprocal, torch.ones_like, torch.zeros_like, torch.full_like, torch.Tensor.to),
+    *(torch.Tensor.detach, torch.Tensor.clone, torch.Tensor.__rsub__, torch.Tensor.__rtruediv__, torch.Tensor.__rpow__),
+}
+
+
+def _stacks_scalars(device: torch.device) -> bool:
+    """Whether 0-dim tensors on ``device`` are computed stacked (:func:`_on_stacked_scalars`): not
+    on the CPU, where an op on a 0-dim tensor costs about a microsecond and a vectorized kernel
+    may round a transcendental function (``pow``) otherwise than the scalar one."""
+    return device.type != "cpu"
+
+
+def _on_stacked_scalars(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], n: int
+) -> Optional["Leaves"]:
+    """``fn`` once over the 0-dim tensors of the :class:`Leaves` among ``args`` / ``kwargs``, each
+    stacked into one vector of ``n`` (the result split back into ``n`` 0-dim tensors), where
+    ``fn`` is elementwise, grad mode is off (as in ``fb.Optimizer.step``: the results are views of
+    one tensor, which autograd would refuse to see modified in place by an op it records), every
+    ``Leaves`` holds 0-dim tensors of one dtype on one device where that pays
+    (:func:`_stacks_scalars`), and the other operands are numbers or 0-dim tensors there (each
+    expanded to ``n``, so types promote as between 0-dim tensors); else ``None``: one op per
+    tensor."""
+    if fn not in _ELEMENTWISE or torch.is_grad_enabled():  # the views unbind gives: see the docstring
+        return None
+    operands = (*args, *kwargs.values())
+    device = next(a.items[0].device for a in operands if isinstance(a, Leaves) and a.items)
+    if not _stacks_scalars(device):
+        return None
+
+    def stacked(a: Any) -> Any:
+        if isinstance(a, Leaves):
+            dtype = a.items[0].dtype
+            if any(t.dim() != 0 or t.device != device or t.dtype != dtype or t.requires_grad for t in a.items):
+                raise PerTensorOnly("not 0-dim tensors of one dtype and device")
+            return torch.stack(a.items)
+        if isinstance(a, torch.Tensor):
+            if a.dim() != 0 or a.device != device or a.requires_grad:
+                raise PerTensorOnly("an operand that is not a 0-dim tensor on the same device")
+            return a.expand(n)
+        return a
+
+    try:
+        result = fn(*(stacked(a) for a in args), **{k: stacked(v) for k, v in kwargs.items()})
+    except PerTensorOnly:
+        return None
+    if not isinstance(result, torch.Tensor) or result.shape != (n,):
+        return None
+    return Leaves(list(result.unbind()))
 
 
 _HALF_TYPES = (torch.bfloat16, torch.float16)
@@ -120,15 +183,31 @@ _TENSOR_OVERLOAD = {torch._foreach_add, torch._foreach_mul, torch._foreach_div} 
 _AS_TENSOR = {torch._foreach_mul, torch._foreach_div, torch._foreach_mul_, torch._foreach_div_}
 _AS_TENSORS = {torch._foreach_add, torch._foreach_sub, torch._foreach_add_, torch._foreach_sub_}
 _CONVERTED_ONCE = (torch.float32, torch.float64)
+_TAKES_ONE_TENSOR = {  # the multi-tensor ops with a form for one 0-dim tensor operand
+    torch._foreach_add,
+    torch._foreach_mul,
+    torch._foreach_div,
+    torch._foreach_add_,
+    torch._foreach_mul_,
+    torch._foreach_div_,
+}
+
+
+def _converts_scalars_per_tensor(device: torch.device) -> bool:
+    """Whether torch's multi-tensor ops on ``device`` convert a scalar operand once per tensor (the
+    CPU's), rather than taking one of the list's dtype whole (a GPU's)."""
+    return device.type == "cpu"
 
 
 def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
     """``b`` (a number, or a shared 0-dim tensor: :func:`_is_shared_scalar`) as the operand of
     ``foreach(a.items, ...)`` that gives each tensor the single-tensor op's bits and dtype
     fastest, or ``None`` where the multi-tensor op would not (a 0-dim tensor, which a ``b`` of
-    another dtype promotes, and torch's multi-tensor add does not). On the CPU, for float32 and
-    float64 tensors that autograd records nowhere, that is a 0-dim tensor of their dtype (or a
-    list of it); else ``b`` itself."""
+    another dtype promotes, and torch's multi-tensor add does not). For float32 and float64
+    tensors that autograd records nowhere: on the CPU, a 0-dim tensor of their dtype (or a list
+    of it); on a GPU, a 0-dim tensor ``b`` in their dtype (its multi-tensor kernels take a scalar
+    tensor of the list's dtype whole, and one of another dtype one tensor at a time); else ``b``
+    itself."""
     is_tensor = isinstance(b, torch.Tensor)
     if is_tensor and any(t.dim() == 0 and t.dtype != b.dtype for t in a.items):
         return None
@@ -141,12 +220,10 @@ def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
     ):
         return b
     dtype = a.items[0].dtype
-    if (
-        dtype not in _CONVERTED_ONCE
-        or a.items[0].device.type != "cpu"
-        or any(t.dtype is not dtype or t.requires_grad for t in a.items)
-    ):
+    if dtype not in _CONVERTED_ONCE or any(t.dtype is not dtype or t.requires_grad for t in a.items):
         return b
+    if not _converts_scalars_per_tensor(a.items[0].device):
+        return b.to(dtype) if is_tensor and foreach in _TAKES_ONE_TENSOR else b
     if is_tensor:
         converted = b if b.dtype == dtype else b.to(dtype)
     else:  # an int through int64, rounded once (and too large for int64 refused) as the single-tensor op does
@@ -328,6 +405,10 @@ class Leaves:
                 t.addcmul_(a, b, value=value)
         return self
 
+    def neg_(self) -> "Leaves":
+        torch._foreach_neg_(self.items)
+        return self
+
     def clamp_min(self, minimum: Any) -> "Leaves":
         return _binary(torch._foreach_clamp_min, torch.clamp_min, self, minimum)
 
@@ -361,8 +442,9 @@ class Leaves:
 
     def to(self, *args: Any, **kwargs: Any) -> "Leaves":
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.dtype):  # a cast: as Tensor.to,
-            return Leaves([t if t.dtype == args[0] else t.to(args[0]) for t in self.items])  # itself if there
-        return Leaves([t.to(*args, **kwargs) for t in self.items])
+            if all(t.dtype == args[0] for t in self.items):  # itself if there
+                return self
+        return _map(torch.Tensor.to, (self, *args), kwargs)
 
     __add__ = add
     __sub__ = sub

@@ -66,8 +66,9 @@ chain sits in an injected-hyperparameters state); assigning an entry (``opt.stat
 t.to(device)``, what trainers do to move the state) replaces that tensor in the chain's state.
 
 ``state_dict()`` is in torch's format: ``{"state": {index: {name: tensor}}, "param_groups": [...]}``,
-each parameter's entries named by their path in the chain's state, as in ``optimizer.state``; state that belongs
-to no single parameter (step counters of schedules, injected hyperparameters) is kept in its
+each parameter's entries named by their path in the chain's state, as in ``optimizer.state``;
+state that belongs to no single parameter (step counters of schedules, injected
+hyperparameters, schedule-free's count and averaging weights, Prodigy's ``d``) is kept in its
 group under ``"shared_state"``. ``load_state_dict`` restores it exactly, so a resumed run is the
 uninterrupted one bit for bit.
 

@@ -2,7 +2,8 @@
 "second_order_scenarios"): each rank computes some of the eigendecompositions, roots and
 PSGD-Kron fits and shares them; test_second_order_sharded.py compares with one process on the
 global batch. The probes of PSGD-Kron come from torch's global RNG, seeded per step (alike on
-every rank, or differently per rank)."""
+every rank, or differently per rank). Data is drawn on the CPU and moved to the default device,
+so a run on CUDA starts from the same numbers (test_cuda_distributed.py)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,19 @@ SHAPES = {"a": (6, 6), "b": (6, 6), "c": (6, 6), "d": (5, 5), "e": (5, 5), "f": 
 STEPS = 5
 
 
+def drawn(shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """Normal float64 numbers drawn on the CPU by ``gen``, on the default device."""
+    return torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu").to(torch.get_default_device())
+
+
 def local_gradients(rank: int, step: int) -> dict:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+    return {k: drawn(s, gen) for k, s in SHAPES.items()}
 
 
 def start() -> dict:
     gen = torch.Generator().manual_seed(7)
-    return {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+    return {k: drawn(s, gen) for k, s in SHAPES.items()}
 
 
 MAKERS = {
@@ -201,7 +207,7 @@ def balanced_owners(rank: int, world_size: int) -> dict:
 def owner_batches() -> list:
     gen = torch.Generator().manual_seed(3)
     shapes = [(1, 8, 8)] * 4 + [(3, 4, 4), (1, 2, 2)]
-    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    return [drawn(s, gen) for s in shapes]
 
 
 # --- shard_by_tensor: each rank the state of the whole tensors it owns ----------------------------

@@ -4,6 +4,8 @@ dtypes in one tree and complex parameters; and the built-in elementwise rules ru
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from devices import seeded
@@ -181,6 +183,14 @@ def test_in_place_ops_on_leaves_are_the_tensor_methods(method):
         assert torch.equal(got, getattr(x.clone(), method)(y))
 
 
+def test_neg_in_place_on_leaves_is_the_tensor_method():
+    xs = [torch.randn(n, generator=seeded(1)) for n in (3, 5)]
+    leaves = foreach.Leaves([x.clone() for x in xs])
+    assert leaves.neg_() is leaves
+    for got, x in zip(leaves.items, xs):
+        assert torch.equal(got, x.clone().neg_())
+
+
 FACTORS = [
     0.9,
     -1e-3,
@@ -196,12 +206,16 @@ FACTORS = [
 ]
 
 
+@pytest.mark.parametrize("as_on_a_gpu", [False, True], ids=["cpu-form", "gpu-form"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "add_", "mul_", "div_"])
-def test_a_number_or_0_dim_factor_gives_each_tensor_its_single_tensor_bits(dtype, op):
+def test_a_number_or_0_dim_factor_gives_each_tensor_its_single_tensor_bits(dtype, op, as_on_a_gpu, monkeypatch):
     """Leaves pass a number (or a 0-dim tensor of another dtype) to torch's multi-tensor ops in
-    the form they convert once; each tensor (0-dim and strided ones too) gets the bits and dtype
-    of the single-tensor op, ``getattr(t, op)(factor)``."""
+    the form they convert once (the CPU's), or take whole (a GPU's: one 0-dim tensor of the
+    list's dtype, chosen here on the CPU too); each tensor (0-dim and strided ones too) gets the
+    bits and dtype of the single-tensor op, ``getattr(t, op)(factor)``."""
+    if as_on_a_gpu:
+        monkeypatch.setattr(foreach, "_converts_scalars_per_tensor", lambda device: False)
     gen = seeded(0)
     tensors = [
         (torch.randn(1000, generator=gen) * 10).to(dtype),
@@ -225,3 +239,79 @@ def test_a_number_meets_tensors_of_several_dtypes_as_each_single_tensor_op():
             for t, g in zip(tensors, got):
                 e = getattr(t, op)(b)
                 assert g.dtype == e.dtype and torch.equal(g, e), (op, b)
+
+
+NEWER_FIRST_ORDER = {
+    fb.schedule_free_adamw: dict(lr=1e-2, warmup_steps=2, weight_decay=0.1),
+    fb.schedule_free_sgd: dict(lr=1e-2, weight_decay=0.1),
+    fb.adopt: dict(lr=1e-2, weight_decay=0.1, decouple=True),
+    fb.ademamix: dict(lr=1e-2, t_alpha_beta3=3.0),
+    fb.laprop: dict(lr=1e-2, weight_decay=0.1),
+    fb.mars_adamw: dict(lr=1e-2),
+}
+
+
+@pytest.mark.parametrize(
+    "alias, settings",
+    [(a, RICH_SETTINGS.get(a, {})) for a in ALL_ALIASES if a is not fb.muon] + list(NEWER_FIRST_ORDER.items()),
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_per_tensor_scalars_computed_stacked_give_each_tensor_its_bits(alias, settings, monkeypatch):
+    """As on a GPU: the group's step counts enter the rule one per tensor (0-dim tensors on the
+    device are not compared, so not shared), and each elementwise op on them runs once on them
+    stacked into a vector; the updates and states are those of the rule run one tensor at a time.
+    (The CPU computes stacked here only for this test: its vectorized kernels could round a
+    ``pow`` otherwise than its scalar ones; a GPU runs the same code on each element.)"""
+    params, steps = mixed_problem(alias)
+    per_tensor_run = run_per_tensor(alias(**settings), params, steps)
+    with as_on_a_gpu(monkeypatch) as stacked_ops, torch.no_grad():  # as fb.Optimizer.step runs
+        grouped = run(alias(**settings), params, steps)
+    assert_trees_equal(grouped, per_tensor_run)
+    if alias in (fb.adamw, fb.nadam, fb.schedule_free_adamw):  # bias corrections from per-tensor counts
+        assert stacked_ops.count(True) >= 3, stacked_ops
+
+
+@contextlib.contextmanager
+def as_on_a_gpu(monkeypatch):
+    """Scalars not shared and computed stacked, as on a GPU; yields whether each elementwise op
+    on per-tensor scalars ran stacked."""
+    stacked_ops: list = []
+    original = foreach._on_stacked_scalars
+
+    def counted(fn, args, kwargs, n):
+        result = original(fn, args, kwargs, n)
+        stacked_ops.append(result is not None)
+        return result
+
+    with monkeypatch.context() as m:
+        m.setattr(foreach, "_stacks_scalars", lambda device: True)
+        m.setattr(foreach, "_shared_or_leaves", lambda picked: foreach.Leaves(picked))
+        m.setattr(foreach, "_on_stacked_scalars", counted)
+        yield stacked_ops
+
+
+def run_per_tensor(tx, params, steps):
+    with foreach.per_tensor():
+        return run(tx, params, steps)
+
+
+@pytest.mark.parametrize(
+    "alias", [fb.adam, fb.nadam, fb.radam, fb.schedule_free_adamw, fb.adopt], ids=lambda a: a.__name__
+)
+def test_a_group_of_0_dim_parameters_runs_its_whole_rule_stacked_as_each_tensor_alone(alias, monkeypatch):
+    """Only 0-dim parameters (learnable scales), some without a gradient at some steps: on a
+    GPU each operation of the rule runs once on them stacked; each gets its single-tensor bits."""
+    gen = seeded(3)
+    params = {
+        f"s{i}": torch.randn((), generator=gen).to(dtype)
+        for i, dtype in enumerate([torch.float32] * 3 + [torch.float64] * 2)
+    }
+    steps = [
+        {k: None if t % 2 and k == "s0" else torch.randn((), generator=gen).to(p.dtype) for k, p in params.items()}
+        for t in range(STEPS)
+    ]
+    per_tensor_run = run_per_tensor(alias(lr=1e-2), params, steps)
+    with as_on_a_gpu(monkeypatch) as stacked_ops, torch.no_grad():
+        grouped = run(alias(lr=1e-2), params, steps)
+    assert_trees_equal(grouped, per_tensor_run)
+    assert stacked_ops.count(True) >= 3, stacked_ops

@@ -82,6 +82,25 @@ def test_a_learning_rate_schedule_is_the_reference_with_its_lr_set_before_each_s
     assert_trees_close(fb.schedule_free_eval_params(state, y), want_x)
 
 
+def test_a_missing_gradient_keeps_its_tensor_while_the_count_advances_as_the_reference():
+    """Schedule-free SGD with one tensor's gradient missing (None) at some steps: that tensor
+    keeps its z and parameter, and the averaging weights follow the count of every step, as the
+    reference's param group counts them."""
+    params, grads = problem(4)
+    missing = next(iter(params))
+    grads = [{**g, missing: None} if t % 2 else g for t, g in enumerate(grads)]
+    kwargs = CASES["sgd"][2]
+    tensors = {k: v.clone().requires_grad_() for k, v in params.items()}
+    reference = schedulefree.SGDScheduleFree(list(tensors.values()), **kwargs)
+    reference.train()
+    for g in grads:
+        for k, p in tensors.items():
+            p.grad = None if g[k] is None else g[k].clone()
+        reference.step()
+    got, _ = run_updates(fb.schedule_free_sgd(**kwargs), params, grads)
+    assert_trees_close(got, {k: p.detach() for k, p in tensors.items()})
+
+
 def test_the_wrapper_around_a_chosen_direction_is_the_alias():
     """fb.schedule_free over the building blocks the alias is made of, written out by hand."""
     params, grads = problem(2)

@@ -13,10 +13,17 @@ where the gradients are taken, the weights the model holds while it trains. With
     x_t   = (1 - c_t) x_{t-1} + c_t z_t
     y_t   = (1 - b1) z_t + b1 x_t
 
-The step number ``t``, ``max(lr_1, ..., lr_t)`` and the sum of the weights are kept per
-tensor, as torch.optim keeps its step counts: a tensor whose gradient was missing at some steps
-(``None``) is averaged by its own count, where the reference counts the steps of its whole
-param group. With every gradient present, the two are the same.
+The step number ``t``, ``max(lr_1, ..., lr_t)`` and the sum of the weights are one each for all
+the tensors of the transform, as the reference keeps them per param group (a tensor whose
+gradient is missing, ``None``, at a step keeps its ``z`` and parameter, and the count still
+advances). So ``c_t``, ``lr_t`` and the weight of ``d`` are computed once a step, and every
+tensor is stepped with the same numbers: on the CPU as Python numbers, on a GPU as one 0-dim
+tensor (no per-tensor scalar arithmetic, no sync). Two differences from the reference remain
+where gradients are missing: a direction with statistics of its own (schedule-free AdamW's
+second moment) counts its steps per tensor, as every transform here does, where the reference
+bias-corrects with the group's count; and ``fb.Optimizer`` leaves a param group with no
+gradient at all untouched, its count too, as torch.optim does, where the reference's ``step()``
+advances the count.
 
 Only ``y`` and ``z`` are stored (as the reference implementation stores them): ``x`` follows from
 them, ``x = (y - (1 - b1) z) / b1``, and the step above is, written on ``y``::
@@ -39,6 +46,7 @@ import torch
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.hyperparams import accepts_schedules
+from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import SCALAR_DTYPE, add_scaled, as_scalar, is_number, zero_count
 from functional_bagua.transforms.direction import refuse_a_step
 from functional_bagua.transforms.leafwise import leafwise
@@ -48,15 +56,22 @@ Scalar = Union[float, torch.Tensor]
 
 
 class ScheduleFreeState(NamedTuple):
-    """Per tensor: ``count`` (steps taken), ``lr_max`` (the largest ``lr_t`` so far, float64),
-    ``weight_sum`` (``w_1 + ... + w_t``, float64), ``z`` (the base iterate) and ``b1`` (the
-    interpolation weight of the last step, float64: the evaluation weights need it)."""
+    """``count`` (steps taken), ``lr_max`` (the largest ``lr_t`` so far), ``weight_sum``
+    (``w_1 + ... + w_t``) and ``b1`` (the interpolation weight of the last step: the evaluation
+    weights need it): one each, 0-dim (float64 but the count), on the parameters' device; ``z``:
+    the base iterates, a tree like the parameters."""
 
     count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
     lr_max: torch.Tensor
     weight_sum: torch.Tensor
-    z: torch.Tensor
+    z: PyTree
     b1: torch.Tensor
+
+
+class _BaseIterate(NamedTuple):
+    """Per tensor: ``z``, the base iterate (the state of the per-tensor step)."""
+
+    z: torch.Tensor
 
 
 @accepts_schedules(static_args=("direction", "warmup_steps"))
@@ -116,41 +131,86 @@ def schedule_free(
 
 
 def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_power: Scalar) -> GradientTransformation:
-    """The y/z/x step of the module docstring on a direction ``d`` (the chain's last link)."""
+    """The y/z/x step of the module docstring on a direction ``d`` (the chain's last link): the
+    numbers of the step once, then every tensor's step with them (:func:`_stepped_with`)."""
 
-    def init_leaf(p: torch.Tensor) -> ScheduleFreeState:
+    def init(params: PyTree) -> ScheduleFreeState:
         def scalar(value: float) -> torch.Tensor:
-            return torch.full((), value, dtype=SCALAR_DTYPE, device=p.device)
+            return torch.full((), value, dtype=SCALAR_DTYPE, device=tree.device_of(params))
 
-        return ScheduleFreeState(zero_count(p), scalar(0.0), scalar(0.0), p.detach().clone(), scalar(float(b1)))
+        z = _stepped_with(0.0, 0.0, 0.0).init(params).z
+        return ScheduleFreeState(zero_count(params), scalar(0.0), scalar(0.0), z, scalar(float(b1)))
 
-    def update_leaf(
-        d: torch.Tensor, s: ScheduleFreeState, y: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, ScheduleFreeState]:
-        assert y is not None  # needs_params
-        count = s.count + 1
+    def numbers(state: Any) -> tuple:
+        """This step's scalars: the new count, ``lr_max``, weight sum and ``b1``, and each tensor's
+        step with them."""
+        if not isinstance(state, ScheduleFreeState):
+            raise ValueError(
+                f"schedule_free: got a state of type {type(state).__name__}, expected ScheduleFreeState; pass "
+                "the state this transform's init made (the second part of fb.schedule_free's chain state)"
+            )
+        count = state.count + 1
         t = as_scalar(count)
         lr_t = lr * torch.clamp(t / warmup_steps, max=1.0) if warmup_steps else torch.ones_like(t) * lr
-        lr_max = torch.maximum(s.lr_max, lr_t)
+        lr_max = torch.maximum(state.lr_max, lr_t)
         weight = t**r * lr_max**weight_lr_power
-        weight_sum = s.weight_sum + weight
+        weight_sum = state.weight_sum + weight
         c = torch.where(weight_sum > 0, weight / torch.where(weight_sum > 0, weight_sum, 1.0), 0.0)
-        along = _read(lr_t * (b1 * (1 - c) - 1))  # the weight of d in u
-        u = (s.z - y).mul_(_read(c))
-        u = u.add_(d, alpha=along) if is_number(along) else u.add_(d * along)
-        z = add_scaled(s.z, d, -_read(lr_t))
-        b1_now = torch.full_like(s.b1, b1) if is_number(b1) else torch.zeros_like(s.b1) + b1
-        return u, ScheduleFreeState(count, lr_max, weight_sum, z, b1_now)
+        along = lr_t * (b1 * (1 - c) - 1)  # the weight of d in u
+        b1_now = torch.full_like(state.b1, b1) if is_number(b1) else torch.zeros_like(state.b1) + b1
+        return (count, lr_max, weight_sum, b1_now), _stepped_with(_read(c), _read(along), _read(-lr_t))
 
-    return leafwise(
-        ScheduleFreeState, init_leaf, update_leaf, name="schedule_free", needs_params=True, fresh_updates=True
-    )
+    def update(
+        d: PyTree, state: ScheduleFreeState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, ScheduleFreeState]:
+        if params is None:
+            raise ValueError("schedule_free needs the parameters: call update(grads, state, params)")
+        (count, lr_max, weight_sum, b1_now), step = numbers(state)
+        u, iterate = step.update(d, _BaseIterate(state.z), params)
+        return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
+
+    def on_lists(x: LeafLists, state: ScheduleFreeState, overwrite: bool) -> tuple[list, ScheduleFreeState]:
+        """The same on a chain's checked lists (:mod:`functional_bagua.leaf_lists`)."""
+        (count, lr_max, weight_sum, b1_now), step = numbers(state)
+        u, iterate = step.update.on_lists(x, _BaseIterate(state.z), overwrite)
+        return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
+
+    update.on_lists = on_lists  # type: ignore[attr-defined]
+    update.input_name = "schedule_free"  # type: ignore[attr-defined]
+    update.needs_params = True  # type: ignore[attr-defined]
+    update.fresh_updates = True  # type: ignore[attr-defined]
+    return GradientTransformation(init, update)
+
+
+def _stepped_with(c: Scalar, along: Scalar, minus_lr: Scalar) -> GradientTransformation:
+    """Each tensor's step with this step's numbers: ``u = c (z - y) + along d``, ``z <- z - lr_t d``
+    (run grouped, one multi-tensor op per operation, by :func:`~functional_bagua.leafwise`)."""
+
+    def init_leaf(p: torch.Tensor) -> _BaseIterate:
+        return _BaseIterate(p.detach().clone())
+
+    def update_leaf(d: torch.Tensor, s: _BaseIterate, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, _BaseIterate]:
+        assert y is not None  # needs_params
+        u = (s.z - y).mul_(_on_device_of(c, y))
+        along_here = _on_device_of(along, y)
+        u = u.add_(d, alpha=along_here) if is_number(along_here) else u.add_(d * along_here)
+        return u, _BaseIterate(add_scaled(s.z, d, _on_device_of(minus_lr, y)))
+
+    return leafwise(_BaseIterate, init_leaf, update_leaf, name="schedule_free", needs_params=True, fresh_updates=True)
+
+
+def _on_device_of(x: Any, like: Any) -> Any:
+    """``x`` (a number, or a 0-dim tensor) where the tensors ``like`` are (a GPU's scalar for CPU
+    tensors: a copy; a CPU scalar for a GPU's tensors is read as a number by torch)."""
+    if isinstance(x, torch.Tensor) and x.device != like.device and x.device.type != "cpu":
+        return x.to(like.device)
+    return x
 
 
 def _read(x: Any) -> Any:
     """A 0-dim CPU tensor as a Python number, eagerly (no device sync: it is on the host), so that
     the multi-tensor ops take it as a scalar (one fused multiply-add instead of two ops); else as
-    it is (traced, on a GPU, or one per tensor)."""
+    it is (traced, or on a GPU: one 0-dim tensor that each multi-tensor op takes whole)."""
     if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu" and not torch.compiler.is_compiling():
         return x.item()
     return x
@@ -216,26 +276,27 @@ def _interpolated(state: Any, params: PyTree, mode: str, weight_of: Any) -> PyTr
         )
     p_leaves, spec = tree.flatten(params)
     z_leaves: list[Any] = [None] * len(p_leaves)
-    b1_leaves: list[Any] = [None] * len(p_leaves)
+    weights: list[Any] = [None] * len(p_leaves)
     for sf in found:
-        zs = tree.leaves_matching(spec, sf.z, "the schedule-free state's z", "the params")
-        for i, (z, b1) in enumerate(zip(zs, tree.leaves_matching(spec, sf.b1, "its b1", "the params"))):
+        weight = _weight(weight_of(sf.b1))
+        for i, z in enumerate(tree.leaves_matching(spec, sf.z, "the schedule-free state's z", "the params")):
             if z is None:
                 continue
             if z_leaves[i] is not None:
                 raise ValueError(f"{who}: two schedule-free states hold parameter {tree.leaf_name(spec, i)!r}")
-            z_leaves[i], b1_leaves[i] = z, b1
+            z_leaves[i], weights[i] = z, weight
     return spec.unflatten(
         [
-            p if z is None or p is None else torch.lerp(p, z, _weight(weight_of(b1), p))
-            for p, z, b1 in zip(p_leaves, z_leaves, b1_leaves)
+            p if z is None or p is None else torch.lerp(p, z, weight if is_number(weight) else weight.to(p))
+            for p, z, weight in zip(p_leaves, z_leaves, weights)
         ]
     )
 
 
-def _weight(weight: torch.Tensor, p: torch.Tensor) -> Any:
+def _weight(weight: torch.Tensor) -> Any:
     """The interpolation weight as a Python number where it can be read (the reference's lerp
-    weight, not rounded to a low-precision parameter's dtype), else in the parameter's dtype."""
+    weight, not rounded to a low-precision parameter's dtype; one read per state), else as it is
+    (moved to each parameter's device and dtype by the caller)."""
     if torch.compiler.is_compiling():
-        return weight.to(p.dtype)
+        return weight
     return float(weight)
