@@ -109,13 +109,27 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
     return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, vocab), targets.reshape(-1))
 
 
-def train(name: str, make_tx, data: list, args: argparse.Namespace, held_out: Optional[list] = None) -> dict:  # noqa: ANN001
+def train(
+    name: str,
+    make_tx=None,  # noqa: ANN001
+    data: Optional[list] = None,
+    args: Optional[argparse.Namespace] = None,
+    held_out: Optional[list] = None,
+    make_optimizer=None,  # noqa: ANN001
+) -> dict:
     """One optimizer's run from the common weights: the smoothed loss per step and the seconds;
     with ``held_out`` batches, also their mean loss after the last step at the weights the
-    optimizer evaluates at (``optimizer.eval()``: schedule-free's average; the others' parameters)."""
+    optimizer evaluates at (``optimizer.eval()``: schedule-free's average; the others' parameters).
+    The optimizer is ``fb.Optimizer`` over ``make_tx()``, or ``make_optimizer(parameters)`` (a
+    torch.optim optimizer of another package)."""
+    assert data is not None and args is not None
     torch.manual_seed(0)
     model = LM(args.vocab, args.width, args.layers, args.seq).to(args.device)
-    opt = fb.Optimizer(model.parameters(), make_tx())
+    opt = (
+        make_optimizer(model.parameters())
+        if make_optimizer is not None
+        else fb.Optimizer(model.parameters(), make_tx())
+    )
     smoothed, curve, seconds, elapsed = None, [], [], 0.0
     for tokens, targets in data:
         start = time.perf_counter()
@@ -139,7 +153,8 @@ def train(name: str, make_tx, data: list, args: argparse.Namespace, held_out: Op
         seconds=seconds,
     )
     if held_out:
-        opt.eval()
+        if hasattr(opt, "eval"):
+            opt.eval()
         with torch.no_grad():
             result["eval_loss"] = sum(loss_of(model, x, y, args.vocab).item() for x, y in held_out) / len(held_out)
     return result

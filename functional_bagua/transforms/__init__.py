@@ -47,6 +47,17 @@ from functional_bagua.transforms.learning_rate_free import (
 )
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_bagua.transforms.lookahead import LookaheadState, lookahead
+from functional_bagua.transforms.low_precision import (
+    Bfloat16Stored,
+    LowPrecisionState,
+    Signed8bit,
+    Unsigned8bit,
+    dequantize_blockwise,
+    low_precision_state,
+    quantize_blockwise,
+    random_bits16,
+    stochastic_round_to_bfloat16,
+)
 from functional_bagua.transforms.mars import ScaleByMarsState, mars, scale_by_mars
 from functional_bagua.transforms.momentum import (
     EmaMomentumState,

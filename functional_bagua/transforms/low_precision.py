@@ -1,0 +1,386 @@
+"""Optimizer state in less memory: any transform's float32 state stored as bfloat16 with
+stochastic rounding, or as 8-bit blockwise dynamic quantization, and decoded inside each update.
+
+**bfloat16 with stochastic rounding.** A float32 ``x`` keeps its upper 16 bits (bfloat16's
+sign, exponent and 7 fraction bits); its lower 16 bits ``f`` decide the rounding::
+
+    bf16(x) = x truncated towards 0                  with probability 1 - f / 2^16
+            = the next bfloat16 away from 0          with probability f / 2^16
+
+so ``E[bf16(x)] = x``: small updates of a moment accumulate on average instead of being rounded
+away. The 16 random bits come from a hash of (seed, step count, tensor, element), computed with
+integer tensor ops: the same bits on every device, eagerly and compiled, and again after a
+checkpoint is loaded (nothing but the seed and the count is kept).
+
+**8-bit blockwise dynamic quantization** (Dettmers et al., 2022, "8-bit Optimizers via
+Block-wise Quantization"; as bitsandbytes and torchao store it). The tensor, flattened, is cut
+into blocks of ``block_size`` values (the last block may be shorter: nothing is padded into the
+stored codes, nothing truncated); each block keeps its largest magnitude ``s`` (float32), and each
+value ``x`` the 8-bit index of the entry of the dynamic map ``Q`` nearest to ``x / s`` (ties to the
+larger entry)::
+
+    code(x) = argmin_k |Q[k] - x / s|        x ~ Q[code] * s
+
+``Q`` holds 256 values in ``[-1, 1]`` (signed, for first moments) or ``[0, 1]`` (unsigned, for
+second moments and other non-negative statistics): 0, 1, and for each decade ``10^-6 ... 10^0``
+the midpoints of equal steps of ``[0.1, 1]`` times that decade, 2^i steps in the i-th decade
+(2^(i+1) unsigned), mirrored to negative values when signed: dense near 0, where moments live.
+
+State: 1 byte per value plus 4 per block (``block_size=256``: about 1.02 bytes) for 8-bit, 2
+for bfloat16, against 4 in float32; Adam's two moments go from 8 bytes per parameter to 2.03 or 4.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional, Sequence
+
+import optree
+import torch
+
+from functional_bagua.base import GradientTransformation
+from functional_bagua.flat import is_dtensor
+from functional_bagua.numerics import zero_count
+from functional_bagua.tree import PyTree
+
+CODECS = ("bf16", "8bit")
+# fields of the library's states that hold non-negative statistics (second moments, their
+# maxima, squared averages and factors): 8-bit codes them with the unsigned map
+NON_NEGATIVE_FIELDS = ("nu", "nu_max", "square_avg", "sum_of_squares", "acc_delta", "row_var", "col_var")
+
+
+class LowPrecisionState(NamedTuple):
+    """``count``: the updates taken (with the seed, the stream of the stochastic rounding);
+    ``inner``: the inner transform's state, its float32 tensors stored encoded
+    (:class:`Bfloat16Stored`, :class:`Signed8bit`, :class:`Unsigned8bit`)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    inner: Any
+
+
+class Bfloat16Stored(NamedTuple):
+    """A float32 state tensor stored as bfloat16 (decoded to float32)."""
+
+    value: torch.Tensor
+
+
+class Signed8bit(NamedTuple):
+    """A float32 state tensor stored as 8-bit codes of the signed dynamic map (``codes``: uint8,
+    the tensor's shape) and one float32 scale per block of the flattened tensor (``scales``)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+class Unsigned8bit(NamedTuple):
+    """As :class:`Signed8bit`, with the unsigned map (for non-negative statistics)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+ENCODED = (Bfloat16Stored, Signed8bit, Unsigned8bit)
+
+
+# ---- the dynamic map ----------------------------------------------------------------------------
+
+
+def _dynamic_map_values(signed: bool) -> tuple[float, ...]:
+    """The 256 values of the dynamic quantization map (module docstring), ascending, as float32
+    numbers: for each decade ``10^(i-6)``, ``i = 0..6``, the midpoints of ``2^i`` (signed) or
+    ``2^(i+1)`` (unsigned) equal steps of ``[0.1, 1]`` times the decade (in float32 arithmetic,
+    as bitsandbytes computes them); their negatives when signed; 0 and 1.
+
+    Args:
+        signed: the map for values in ``[-1, 1]`` (``True``) or ``[0, 1]``.
+    """
+    values = [0.0, 1.0]
+    for i in range(7):
+        steps = 2**i if signed else 2 ** (i + 1)
+        edges = torch.linspace(0.1, 1, steps + 1)  # float32, and so is the arithmetic below
+        midpoints = (edges[:-1] + edges[1:]) / 2.0
+        decade = 10.0 ** (i - 6)
+        values += (decade * midpoints).tolist() + ((-decade * midpoints).tolist() if signed else [])
+    assert len(values) == 256
+    return tuple(float(v) for v in torch.tensor(sorted(values), dtype=torch.float32).tolist())
+
+
+MAP_VALUES = {signed: _dynamic_map_values(signed) for signed in (True, False)}  # made once, at import
+
+
+_MAPS: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def dynamic_map(signed: bool, device: torch.device) -> torch.Tensor:
+    """The dynamic map's values (``MAP_VALUES``) as a float32 tensor on ``device`` (made once per
+    device)."""
+    key = (signed, torch.device(device))
+    if torch.compiler.is_compiling():
+        return torch.tensor(MAP_VALUES[signed], dtype=torch.float32, device=device)
+    if key not in _MAPS:
+        _MAPS[key] = torch.tensor(MAP_VALUES[signed], dtype=torch.float32, device=device)
+    return _MAPS[key]
+
+
+# ---- 8-bit blockwise ----------------------------------------------------------------------------
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The flattened ``x`` as rows of ``block_size``, the last row filled up with zeros (which
+    change no block's largest magnitude)."""
+    flat = x.reshape(-1)
+    short = -flat.numel() % block_size
+    if short:
+        flat = torch.cat([flat, flat.new_zeros(short)])
+    return flat.view(-1, block_size)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, block_size: int = 256, signed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as 8-bit codes of the dynamic map and one scale per block (module docstring).
+
+    Args:
+        x: a float32 tensor (any shape; its elements are taken in row-major order).
+        block_size: values per block (the last block of the flattened ``x`` may be shorter).
+        signed: the signed map (values of either sign) or the unsigned one (non-negative values;
+            a negative value would be coded as 0).
+
+    Returns:
+        ``(codes, scales)``: uint8 codes of ``x``'s shape, and float32 scales, one per block (the
+        block's largest magnitude, at least 1e-12).
+
+    Example::
+
+        codes, scales = fb.quantize_blockwise(torch.randn(1000), block_size=256)
+        x = fb.dequantize_blockwise(codes, scales, signed=True)
+    """
+    rows = _blocks(x, block_size)
+    scales = rows.abs().amax(dim=1).clamp(min=1e-12)
+    normalized = (rows / scales[:, None]).reshape(-1)[: x.numel()]
+    qmap = dynamic_map(signed, x.device)
+    below = (torch.bucketize(normalized, qmap, right=True) - 1).clamp(0, 254)  # the largest entry <= x
+    low, high = qmap[below], qmap[below + 1]
+    codes = torch.where(normalized - low >= (high - low) * 0.5, below + 1, below)
+    return codes.to(torch.uint8).view(x.shape), scales
+
+
+def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, signed: bool = True) -> torch.Tensor:
+    """The float32 values of ``codes`` and their blocks' ``scales`` (:func:`quantize_blockwise`):
+    ``Q[code] * scale`` per value.
+
+    Example::
+
+        x = fb.dequantize_blockwise(*fb.quantize_blockwise(torch.randn(1000)))
+
+    Args:
+        codes: uint8 codes, in the shape of the tensor they code.
+        scales: one float32 scale per block of the flattened tensor.
+        signed: the map the codes index.
+    """
+    qmap = dynamic_map(signed, codes.device)
+    values = _blocks(qmap[codes.reshape(-1).long()], -(-codes.numel() // scales.numel()))
+    return (values * scales[:, None]).reshape(-1)[: codes.numel()].view(codes.shape)
+
+
+# ---- bfloat16 with stochastic rounding --------------------------------------------------------
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A 64-bit integer hash (splitmix64's finalizer, with arithmetic shifts), elementwise."""
+    h = h ^ (h >> 31)
+    h = h * -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64: products wrap modulo 2^64
+    h = h ^ (h >> 27)
+    h = h * -7723592293110705685  # 0x94D049BB133111EB
+    return h ^ (h >> 31)
+
+
+def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.Tensor:
+    """16 random bits per element (int32 values in ``[0, 2^16)``), a hash of the element's index
+    and ``seed``: integer arithmetic, the same bits on every device, eager or compiled.
+
+    Args:
+        shape: the shape of the bits.
+        seed: an int or a 0-dim integer tensor (mix the step count and a tensor's number into it:
+            each stream its own seed).
+        device: where to make them.
+
+    Example::
+
+        bits = fb.random_bits16((4, 3), seed=7, device=torch.device("cpu"))
+    """
+    index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device)
+    h = _mix(index * -7046029254386353131 + _mix(torch.as_tensor(seed, dtype=torch.int64, device=device)))
+    return ((h >> 24) & 0xFFFF).to(torch.int32).view(shape)
+
+
+def stochastic_round_to_bfloat16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to bfloat16 away from 0 where ``bits`` (16 random bits per element)
+    fall below ``x``'s lower 16 bits, else towards 0: unbiased (module docstring).
+
+    Args:
+        x: a float32 tensor.
+        bits: int32 values in ``[0, 2^16)``, of ``x``'s shape (:func:`random_bits16`).
+
+    Example::
+
+        y = fb.stochastic_round_to_bfloat16(x, fb.random_bits16(x.shape, seed=0, device=x.device))
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round_to_bfloat16: x must be float32, got {x.dtype}")
+    raw = x.view(torch.int32)
+    towards_zero = raw & -65536  # 0xFFFF0000: the upper 16 bits
+    rounded = torch.where(bits < (raw & 0xFFFF), towards_zero + 65536, towards_zero).view(torch.float32)
+    # exact in bfloat16 (its lower 16 bits are 0); inf and nan are converted as they are
+    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+
+
+# ---- the wrapper ----------------------------------------------------------------------------
+
+
+def low_precision_state(
+    inner: GradientTransformation,
+    codec: str = "bf16",
+    *,
+    block_size: int = 256,
+    min_size: Optional[int] = None,
+    seed: int = 0,
+    fields: Optional[Sequence[str]] = None,
+) -> GradientTransformation:
+    """``inner`` with its float32 state tensors stored in ``codec`` between updates (module
+    docstring): decoded to float32 at the start of each update, the new state encoded at its end.
+    The updates are ``inner``'s, computed from the decoded state; step counts, 0-dim scalars,
+    integer state and state in other dtypes (a bfloat16 parameter's bfloat16 moments) are kept
+    as they are; the parameters are untouched.
+
+    Args:
+        inner: any transform (an alias such as ``fb.adamw``, a chain).
+        codec: ``"bf16"`` (bfloat16 with stochastic rounding, 2 bytes per value) or ``"8bit"``
+            (blockwise dynamic quantization, about 1 byte per value; fields named in
+            ``NON_NEGATIVE_FIELDS``, such as Adam's ``nu``, with the unsigned map).
+        block_size: values per scale for ``"8bit"`` (at least 2).
+        min_size: tensors of fewer values are kept in float32; ``None``: 4096 for ``"8bit"`` (as
+            bitsandbytes and torchao keep small tensors, whose few blocks 8 bits serve badly), 1
+            for ``"bf16"``.
+        seed: the stochastic rounding's seed for ``"bf16"``.
+        fields: the names of the state fields to store encoded (``("mu", "nu")``); ``None``: every
+            float32 tensor of at least one dimension. A named field holding integer or complex
+            tensors is refused.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`LowPrecisionState`.
+
+    Example::
+
+        tx = fb.low_precision_state(fb.adamw(1e-3), "8bit")     # Adam's moments in ~2 bytes per parameter
+        opt = fb.Optimizer(model.parameters(), tx)
+    """
+    if codec not in CODECS:
+        raise ValueError(f"low_precision_state: codec must be one of {CODECS}, got {codec!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"low_precision_state: block_size must be an int >= 2, got {block_size!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"low_precision_state: seed must be an int, got {seed!r}")
+    if min_size is not None and (isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1):
+        raise ValueError(f"low_precision_state: min_size must be an int >= 1 or None, got {min_size!r}")
+    encode = functools.partial(
+        encoded,
+        codec=codec,
+        block_size=block_size,
+        min_size=min_size if min_size is not None else 4096 if codec == "8bit" else 1,
+        seed=seed,
+        fields=None if fields is None else tuple(fields),
+    )
+
+    def init(params: PyTree) -> LowPrecisionState:
+        count = zero_count(params)
+        return LowPrecisionState(count, encode(inner.init(params), count))
+
+    def update(grads: PyTree, state: LowPrecisionState, params: Optional[PyTree] = None) -> tuple[PyTree, Any]:
+        if not isinstance(state, LowPrecisionState):
+            raise ValueError(
+                f"low_precision_state: got a state of type {type(state).__name__}, expected LowPrecisionState; "
+                "pass the state this transform's init made"
+            )
+        updates, new_inner = inner.update(grads, decoded(state.inner), params)
+        count = state.count + 1
+        return updates, LowPrecisionState(count, encode(new_inner, count))
+
+    return GradientTransformation(init, update)
+
+
+def encoded(
+    state: Any,
+    count: torch.Tensor,
+    *,
+    codec: str,
+    block_size: int,
+    min_size: int,
+    seed: int,
+    fields: Optional[tuple] = None,
+) -> Any:
+    """``state`` with the tensors :func:`low_precision_state` stores encoded in ``codec`` (its
+    arguments; ``count``, the updates taken, with ``seed`` the rounding's stream)."""
+    numbered = iter(range(1 << 30))  # each tensor its own rounding stream
+
+    def leaf(x: Any, field: Optional[str]) -> Any:
+        if not _stored_encoded(x, field, fields) or x.numel() < min_size:
+            return x
+        if codec == "8bit":
+            signed = field not in NON_NEGATIVE_FIELDS
+            codes, scales = quantize_blockwise(x, block_size, signed=signed)
+            return (Signed8bit if signed else Unsigned8bit)(codes, scales)
+        stream = seed * 1000003 + count.to(torch.int64) * 65537 + next(numbered)
+        return Bfloat16Stored(stochastic_round_to_bfloat16(x, random_bits16(x.shape, stream, x.device)))
+
+    return _map_fields(leaf, state)
+
+
+def decoded(state: Any) -> Any:
+    """``state`` with each encoded tensor (:class:`Bfloat16Stored`, :class:`Signed8bit`,
+    :class:`Unsigned8bit`) decoded to float32."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, Bfloat16Stored):
+            return x.value.to(torch.float32)
+        if isinstance(x, (Signed8bit, Unsigned8bit)):
+            return dequantize_blockwise(x.codes, x.scales, signed=isinstance(x, Signed8bit))
+        return x
+
+    return optree.tree_map(leaf, state, is_leaf=lambda x: isinstance(x, ENCODED), none_is_leaf=True)
+
+
+def _stored_encoded(x: Any, field: Optional[str], chosen: Optional[tuple]) -> bool:
+    """Whether the state tensor ``x`` of ``field`` is stored encoded (``chosen``: the fields
+    named, or ``None`` for every float32 tensor of at least one dimension)."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    if chosen is not None and field not in chosen:
+        return False
+    if is_dtensor(x):
+        raise ValueError(
+            f"low_precision_state: the state field {field!r} holds a DTensor (an FSDP2-sharded parameter's); "
+            "its codecs store plain tensors only, not DTensors (yet): keep this state in float32"
+        )
+    if x.is_complex() or not x.is_floating_point():
+        if chosen is None and not x.is_complex():
+            return False  # step counts and other integer state: kept as they are
+        raise ValueError(
+            f"low_precision_state: the state field {field!r} holds a {x.dtype} tensor; its codecs store real "
+            "floating-point state: name only float32 fields in fields=, or leave it to the default (every "
+            "float32 tensor of at least one dimension)"
+        )
+    return x.dtype == torch.float32 and x.dim() > 0
+
+
+def _map_fields(fn: Any, state: Any, field: Optional[str] = None) -> Any:
+    """``fn(tensor, field)`` on each leaf of ``state``, ``field`` the name of the innermost
+    NamedTuple field that holds it (``"nu"`` for Adam's second moments), rebuilt as it was."""
+    names = getattr(type(state), "_fields", None)
+    if isinstance(state, tuple) and names is not None:
+        return type(state)(*(_map_fields(fn, v, f) for f, v in zip(names, state)))
+    if isinstance(state, (list, tuple)):
+        return type(state)(_map_fields(fn, v, field) for v in state)
+    if isinstance(state, dict):
+        return type(state)((k, _map_fields(fn, v, field)) for k, v in state.items())
+    return fn(state, field)

@@ -1,0 +1,307 @@
+"""Optimizer state in bfloat16 (stochastic rounding) and 8 bits (blockwise dynamic quantization):
+the codecs against torchao's and against the rounding rule written out, the wrapper against the
+inner transform run on the decoded state, checkpoints, compiled and fused steps, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+from devices import seeded
+from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_close, run_updates
+
+import functional_bagua as fb
+from functional_bagua.transforms import low_precision as lp
+
+TORCHAO_WHY = "torchao's 8-bit optimizer state is the 8-bit codec's reference: an optional test dependency"
+
+
+def torchao_quant_utils():
+    pytest.importorskip("torchao", reason=TORCHAO_WHY)
+    from torchao.optim import quant_utils
+
+    return quant_utils
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_dynamic_maps_are_torchaos(signed):
+    reference = torch.tensor(torchao_quant_utils().create_dynamic_map(signed=signed), dtype=torch.float32)
+    ours = lp.dynamic_map(signed, torch.device("cpu"))
+    assert torch.equal(ours, reference)
+    assert ours.numel() == 256 and bool((ours[1:] > ours[:-1]).all())
+    assert ours[-1].item() == 1.0 and (ours[0].item() == 0.0 if not signed else -1 < ours[0].item() < -0.99)
+
+
+def moments_like(n, signed, gen):
+    """Values as moments are: magnitudes over many decades, a few large ones per block."""
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
+    return x if signed else x.square()
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_codes_and_scales_are_torchaos(signed):
+    """Blockwise absmax scales and the nearest map entry (ties up) as torchao's quantize/dequantize
+    on the same inputs (a size its blocks divide, as torchao requires)."""
+    quant_utils = torchao_quant_utils()
+    x = moments_like(256 * 40, signed, seeded(0)).reshape(40, 256)
+    codes, scales = fb.quantize_blockwise(x, block_size=256, signed=signed)
+    qmap = torch.tensor(quant_utils.create_dynamic_map(signed=signed), dtype=torch.float32)
+    normalized, want_scales = quant_utils.scale_tensor(x, 256)
+    want_codes = quant_utils.quantize_8bit_with_qmap(normalized, qmap)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(
+        fb.dequantize_blockwise(codes, scales, signed=signed),
+        quant_utils.dequant_with_qmap(want_codes, qmap, want_scales),
+    )
+
+
+def test_each_value_gets_the_nearest_entry_of_its_blocks_map():
+    """The rule written out: the code's entry is the nearest of all 256 to the value over its
+    block's scale, the largest magnitude of the block (here a positive value: coded as 1)."""
+    x = moments_like(3 * 64, True, seeded(1)).view(3, 64)
+    x[:, 5] = x.abs().amax(dim=1) * 1.5  # each block's largest magnitude, positive
+    codes, scales = fb.quantize_blockwise(x, block_size=64)
+    qmap = lp.dynamic_map(True, torch.device("cpu")).double()
+    assert torch.equal(scales, x[:, 5])
+    normalized = (x.double() / scales.double()[:, None]).reshape(-1)
+    distance_to_all = (normalized[:, None] - qmap[None, :]).abs()
+    chosen = distance_to_all.gather(1, codes.reshape(-1, 1).long()).squeeze(1)
+    assert bool((chosen <= distance_to_all.min(dim=1).values + 1e-7).all())
+    assert bool((qmap[codes[:, 5].long()] == 1.0).all())
+
+
+def test_a_last_block_shorter_is_coded_as_the_same_values_padded_with_zeros():
+    """1000 values in blocks of 256: the last block (232 values) is coded as if zeros filled it
+    up (nothing padded into the stored codes, nothing cut off)."""
+    x = moments_like(1000, True, seeded(2))
+    codes, scales = fb.quantize_blockwise(x, block_size=256)
+    padded_codes, padded_scales = fb.quantize_blockwise(torch.cat([x, torch.zeros(24)]), block_size=256)
+    assert codes.shape == (1000,) and scales.shape == (4,)
+    assert torch.equal(codes, padded_codes[:1000]) and torch.equal(scales, padded_scales)
+    back = fb.dequantize_blockwise(codes, scales)
+    assert back.shape == x.shape
+    assert bool(((back - x).abs() <= scales.repeat_interleave(256)[:1000] * 0.1).all())
+
+
+def bfloat16_neighbours(x):
+    """The bfloat16 values below and above each float32 ``x`` in magnitude (towards and away from 0)."""
+    raw = x.view(torch.int32)
+    towards = (raw & -65536).view(torch.float32)
+    away = ((raw & -65536) + 65536).view(torch.float32)
+    return towards, away
+
+
+def test_stochastic_rounding_is_the_rule_written_out():
+    """Away from 0 exactly where the 16 random bits fall below x's lower 16 bits."""
+    gen = seeded(3)
+    x = torch.randn(5000, generator=gen)
+    bits = torch.randint(0, 1 << 16, (5000,), generator=gen, dtype=torch.int32)
+    towards, away = bfloat16_neighbours(x)
+    lower = x.view(torch.int32) & 0xFFFF
+    want = torch.where(bits < lower, away, towards)
+    got = fb.stochastic_round_to_bfloat16(x, bits)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), want)
+    exact = torch.tensor([1.0, -2.5, 0.0, float("inf"), float("-inf")])
+    assert torch.equal(fb.stochastic_round_to_bfloat16(exact, torch.zeros(5, dtype=torch.int32)).float(), exact)
+    assert math.isnan(
+        fb.stochastic_round_to_bfloat16(torch.tensor([float("nan")]), torch.zeros(1, dtype=torch.int32)).item()
+    )
+
+
+def test_stochastic_rounding_is_unbiased_and_deterministic_for_a_seed():
+    """The mean of many roundings (each with its own seed) of values between two bfloat16
+    numbers is the value, within 5 standard errors; the same seed gives the same bits."""
+    x = torch.tensor([1.0 + 2**-10, -3.0 - 3 * 2**-9, 1e-3 * (1 + 2**-12), 7.0 + 2**-6])
+    towards, away = bfloat16_neighbours(x)
+    p = ((x - towards) / (away - towards)).double()
+    draws = 4000
+    total = torch.zeros(4, dtype=torch.float64)
+    for seed in range(draws):
+        total += fb.stochastic_round_to_bfloat16(x, fb.random_bits16(x.shape, seed, x.device)).double()
+    mean = total / draws
+    bound = 5 * (away - towards).abs().double() * torch.sqrt(p * (1 - p) / draws)
+    assert bool(((mean - x.double()).abs() <= bound).all()), (mean - x.double(), bound)
+    a = fb.random_bits16((1000,), 7, torch.device("cpu"))
+    assert torch.equal(a, fb.random_bits16((1000,), 7, torch.device("cpu")))
+    assert not torch.equal(a, fb.random_bits16((1000,), 8, torch.device("cpu")))
+    assert int(a.min()) >= 0 and int(a.max()) < 1 << 16
+    counts = torch.bincount(a >> 12, minlength=16).double()  # 16 bins of the 16 bits: about uniform
+    assert float(((counts - 1000 / 16) ** 2 / (1000 / 16)).sum()) < 50  # chi-square, 15 degrees of freedom
+
+
+def nodes_of(state, kind):
+    """The nodes of type ``kind`` inside ``state``, in order."""
+    found = optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind), none_is_leaf=True)
+    return [x for x in found if isinstance(x, kind)]
+
+
+def adam_moments(state):
+    (moments,) = nodes_of(state, fb.ScaleByAdamState)
+    return moments
+
+
+def problem(n=5000, steps=6, seed=4):
+    gen = seeded(seed)
+    params = {"w": torch.randn(n // 50, 50, generator=gen), "b": torch.randn(50, generator=gen), "s": torch.tensor(0.5)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(steps)]
+    return params, grads
+
+
+@pytest.mark.parametrize("codec", ["bf16", "8bit"])
+def test_each_update_is_the_inners_on_the_decoded_state(codec):
+    """A second path: decode the stored state by hand, run the inner transform on it; the
+    wrapper's updates are those, and its new state is theirs encoded."""
+    params, grads = problem()
+    inner = fb.adamw(1e-2, weight_decay=0.1)
+    tx = fb.low_precision_state(inner, codec, seed=3, min_size=1000)
+    settings = dict(codec=codec, block_size=256, min_size=1000, seed=3)
+    state = tx.init(params)
+    for g in grads:
+        want_updates, want_inner = inner.update(g, lp.decoded(state.inner), params)
+        updates, new_state = tx.update(g, state, params)
+        assert_trees_close(updates, want_updates, tol=0)
+        want_stored = lp.encoded(want_inner, state.count + 1, **settings)
+        assert_trees_close(fb.state_dict(new_state.inner), fb.state_dict(want_stored), tol=0)
+        params, state = fb.apply_updates(params, updates), new_state
+    assert isinstance(adam_moments(state).mu["w"], fb.Bfloat16Stored if codec == "bf16" else fb.Signed8bit)
+    # and the decoded state stays near the float32 run's
+    want_params, _ = run_updates(inner, *problem())
+    assert_trees_close(params, want_params, tol=0.05 if codec == "8bit" else 0.01)
+
+
+def test_what_is_stored_how():
+    """8-bit: Adam's first moment signed, its second unsigned, 1 byte per value plus a float32
+    scale per block; tensors under min_size and the counts kept; bf16: 2 bytes per value."""
+    params, grads = problem()
+    state = fb.low_precision_state(fb.adam(1e-3), "8bit", block_size=128).init(params)
+    adam = adam_moments(state)
+    assert isinstance(adam.mu["w"], fb.Signed8bit) and isinstance(adam.nu["w"], fb.Unsigned8bit)
+    assert adam.mu["w"].codes.dtype == torch.uint8 and adam.mu["w"].codes.shape == params["w"].shape
+    assert adam.mu["w"].scales.shape == (math.ceil(params["w"].numel() / 128),)
+    assert adam.mu["b"].dtype == torch.float32 and adam.count["w"].dtype == torch.int64  # 50 < 4096 values
+    bf16 = adam_moments(fb.low_precision_state(fb.adam(1e-3), "bf16").init(params))
+    assert bf16.mu["b"].value.dtype == torch.bfloat16 and bf16.mu["s"].dtype == torch.float32  # 0-dim: kept
+
+
+@pytest.mark.parametrize("codec", ["bf16", "8bit"])
+def test_a_checkpoint_mid_run_resumes_bit_for_bit(codec):
+    params, grads = problem()
+    tx = fb.low_precision_state(fb.adamw(1e-2), codec, seed=5)
+    want, _ = run_updates(tx, params, grads)
+    state = tx.init(params)
+    for g in grads[:3]:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    saved = {k: v.clone() for k, v in fb.state_dict(state).items()}
+    assert any(v.dtype in (torch.bfloat16, torch.uint8) for v in saved.values())
+    state = fb.load_state_dict(tx.init(params), saved)
+    for g in grads[3:]:
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    assert_trees_close(params, want, tol=0)
+
+
+def test_a_compressed_checkpoint_is_refused_by_a_float32_state_and_the_other_way_round():
+    params, _ = problem()
+    compressed = fb.state_dict(fb.low_precision_state(fb.adamw(1e-2), "8bit").init(params))
+    plain = fb.state_dict(fb.adamw(1e-2).init(params))
+    with pytest.raises(ValueError, match="key"):
+        fb.load_state_dict(fb.adamw(1e-2).init(params), compressed)
+    with pytest.raises(ValueError, match="key"):
+        fb.load_state_dict(fb.low_precision_state(fb.adamw(1e-2), "8bit").init(params), plain)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "8bit"])
+def test_the_compiled_update_is_the_eager_one(codec):
+    """Traced whole (fullgraph) by dynamo and AOT autograd (aot_eager: the same ops, no
+    code generation), the same bits as eager: the rounding's random bits are integer
+    arithmetic of the seed and the count, no generator state."""
+    params, grads = problem(n=5000, steps=3)
+    tx = fb.low_precision_state(fb.adamw(1e-2), codec)
+    want, want_state = run_updates(tx, params, grads)
+    compiled = torch.compile(tx.update, fullgraph=True, backend="aot_eager")
+    state = tx.init(params)
+    for g in grads:
+        updates, state = compiled(g, state, params)
+        params = fb.apply_updates(params, updates)
+    assert_trees_close(params, want, tol=0)
+    assert_trees_close(fb.state_dict(state), fb.state_dict(want_state), tol=0)
+
+
+def test_fused_state_is_stored_per_block_of_the_flat_buffer():
+    """Inside fb.fuse the inner state is one flat buffer per dtype: 8 bits code it in blocks of
+    the buffer, and the fused run tracks the float32 state's run."""
+    params, grads = problem()
+    layout = fb.FlatLayout.of(params)
+    fused = fb.fuse(fb.low_precision_state(fb.adam(1e-2), "8bit", block_size=256), layout)
+    flat = layout.flatten(params)
+    state = fused.init(flat)
+    (mu,) = adam_moments(state).mu.values()
+    assert isinstance(mu, fb.Signed8bit) and mu.codes.numel() == sum(p.numel() for p in params.values())
+    assert mu.scales.numel() == math.ceil(mu.codes.numel() / 256)
+    for g in grads:
+        updates, state = fused.update(layout.flatten(g), state, flat)
+        flat = fb.apply_updates(flat, updates)
+    want, _ = run_updates(fb.adam(1e-2), params, grads)
+    assert_trees_close(layout.unflatten(flat), want, tol=5e-2)
+
+
+def test_fb_optimizer_steps_and_saves_the_compressed_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    opt = fb.Optimizer(model.parameters(), fb.low_precision_state(fb.adamw(1e-2), "bf16"))
+    x, y = torch.randn(256, 100), torch.randn(256, 1)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    saved = opt.state_dict()
+    stored = [t for entries in saved["state"].values() for t in entries.values() if isinstance(t, torch.Tensor)]
+    assert any(t.dtype == torch.bfloat16 for t in stored)
+    opt.load_state_dict(saved)
+
+
+def test_bad_input_is_refused_with_the_way_out():
+    params, grads = problem()
+    with pytest.raises(ValueError, match="codec must be one of"):
+        fb.low_precision_state(fb.adam(), "int4")
+    with pytest.raises(ValueError, match="block_size must be an int >= 2"):
+        fb.low_precision_state(fb.adam(), "8bit", block_size=0)
+    with pytest.raises(ValueError, match="holds a torch.int64 tensor"):
+        fb.low_precision_state(fb.adam(), "bf16", fields=("count", "mu")).init(params)
+    complex_params = {"z": torch.randn(64, 64, dtype=torch.complex64)}
+    with pytest.raises(ValueError, match="complex"):
+        fb.low_precision_state(fb.adam(), "bf16").init(complex_params)
+    with pytest.raises(TypeError, match="must be float32"):
+        fb.stochastic_round_to_bfloat16(torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="expected LowPrecisionState"):
+        fb.low_precision_state(fb.adam(), "bf16").update(grads[0], fb.adam().init(params), params)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "8bit"])
+@pytest.mark.parametrize("alias", ALL_ALIASES, ids=lambda a: a.__name__)
+def test_every_alias_runs_on_its_decoded_state(alias, codec):
+    """Around each alias: each update is the alias's own on the decoded state, and every float32
+    state tensor of at least one dimension (and min_size values) is stored encoded."""
+    params = {"w": torch.randn(8, 16, generator=seeded(6)), "v": torch.randn(16, 4, generator=seeded(7))}
+    grads = [{k: torch.randn(v.shape, generator=seeded(10 + t)) for k, v in params.items()} for t in range(3)]
+    inner = alias(**RICH_SETTINGS.get(alias, {}))
+    tx = fb.low_precision_state(inner, codec, min_size=16)
+    state = tx.init(params)
+    for g in grads:
+        want, _ = inner.update(g, lp.decoded(state.inner), params)
+        updates, state = tx.update(g, state, params)
+        assert_trees_close(updates, want, tol=0)
+        params = fb.apply_updates(params, updates)
+    plain = [t for t in optree.tree_leaves(inner.init(params)) if isinstance(t, torch.Tensor)]
+    encodable = [t for t in plain if t.dtype == torch.float32 and t.dim() > 0 and t.numel() >= 16]
+    stored = nodes_of(state, (fb.Bfloat16Stored, fb.Signed8bit, fb.Unsigned8bit))
+    assert len(stored) == len(encodable)
