@@ -24,6 +24,10 @@ always written:
 8. ``second`` (only when named: ``--only second``): Shampoo (eigh and Newton roots), PSGD-Kron and SOAP, eager and
    compiled over flat buffers, against the references and heavyball on 200 x (50, 100) and GPT-2
    small's shapes (second_order.py).
+9. ``first`` (only when named): the newer first-order optimizers against their reference
+   packages on 200 tensors, with the operators of ``fb.Optimizer``'s steps (first_order.py).
+10. ``lowprec`` (only when named): AdamW's state in float32, bfloat16 and 8 bits, and torchao's
+    AdamW8bit: bytes from the allocator and step times (low_precision.py).
 
 The report names the device, the date, torch, CUDA and the driver, which optional packages were
 missing, each section's status and tables, and the issue's GPU targets against what was measured.
@@ -52,7 +56,7 @@ FAILURES_FILE, PROGRESS_FILE = "test_failures.txt", "dist_progress.txt"
 # shares of the budget, from the H200 runs: the suite takes about 150 s on 12 workers and its CUDA
 # distributed module about as long beside it; end to end about 100 s for its rows
 SHARES = {"tests": 0.40, "step": 0.14, "others": 0.10, "peers": 0.08, "compile": 0.08, "e2e": 0.16, "bagua": 0.04}
-OPT_IN = {"second": 1.0}  # sections run only when --only names them, with their share of the budget
+OPT_IN = {"second": 1.0, "first": 1.0, "lowprec": 1.0}  # run only when --only names them, with their share
 
 
 def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], str]]:
@@ -138,6 +142,18 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
             "second",
             [py, bench("second_order.py"), "--device", device, "--optimizers", "soap" if quick else "shampoo,kron,soap"]
             + ["--configs", "a" if quick else "a,d", "--steps", "2" if quick else "10"],
+            "",
+        ),
+        (
+            "first",
+            [py, bench("first_order.py"), "--device", device, "--config", "many", "--profile", "fb.Optimizer"]
+            + (["--optimizers", "schedule_free_sgd", "--steps", "3"] if quick else ["--steps", "30"]),
+            "",
+        ),
+        (
+            "lowprec",
+            [py, bench("low_precision.py"), "--device", device, "--skip-lm"]
+            + (["--configs", "many", "--steps", "3"] if quick else ["--steps", "20"]),
             "",
         ),
     ]
