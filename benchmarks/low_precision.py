@@ -8,7 +8,8 @@ number of steps, with torchao's 8-bit AdamW (optional peer) in the same run.
 **Memory**: the bytes a fresh optimizer's first step allocates and keeps (it makes the state;
 the parameters are updated in place), measured with the allocator (CUDA:
 ``torch.cuda.memory_allocated``; CPU: the allocations and frees the CPU allocator reports to
-torch's profiler), beside the bytes the state's tensors count, per parameter.
+torch's profiler), beside the bytes the state's tensors count, per parameter, and on CUDA the
+most the step held at once beyond what was there before it (the decoded state and temporaries).
 
 **Step time**: ``fb.Optimizer.step`` (eager) and the pure update over flat buffers (``fb.fuse``: one buffer per dtype, 8 bits coded per block of it) under
 ``torch.compile`` (inductor), each against the same path with float32 state (AdamW), medians of
@@ -26,7 +27,7 @@ import gc
 import os
 import statistics
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import optree
 import torch
@@ -53,20 +54,22 @@ def torchao_adamw8bit(params: Any) -> Any:
     return AdamW8bit(params, lr=1e-3, weight_decay=0.01)
 
 
-def allocated_during(fn: Callable[[], object], device: str) -> int:
-    """The bytes the allocator handed out during ``fn()`` and did not get back: CUDA's
-    ``memory_allocated`` before and after; on the CPU, the sum of the allocations and frees the
+def allocated_during(fn: Callable[[], object], device: str) -> tuple[int, Optional[int]]:
+    """The bytes the allocator handed out during ``fn()`` and did not get back, and (CUDA only,
+    else ``None``) the most it held at once beyond what it held before: CUDA's
+    ``memory_allocated`` and ``max_memory_allocated``; on the CPU, the allocations and frees the
     CPU allocator reports to torch's profiler."""
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         fn()
         torch.cuda.synchronize()
-        return torch.cuda.memory_allocated() - before
+        return torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before
     with torch.profiler.profile(profile_memory=True) as prof:
         fn()
-    return sum(e.self_cpu_memory_usage for e in prof.events())
+    return sum(e.self_cpu_memory_usage for e in prof.events()), None
 
 
 def held_bytes(state: Any) -> int:
@@ -95,11 +98,16 @@ def memory_row(name: str, make_optimizer: Callable[[list], Any], config: str, de
     the state; the parameters are updated in place), and counted from its tensors."""
     params = problem(config, device)
     opt = make_optimizer(params)
-    measured = allocated_during(opt.step, device)
+    measured, peak = allocated_during(opt.step, device)
     n = sum(p.numel() for p in params)
     groups = getattr(opt, "_groups", None)
     counted = held_bytes([g.state for g in groups]) if groups is not None else held_bytes(list(opt.state.values()))
-    return {"state": name, "bytes/param allocated": f"{measured / n:.3f}", "bytes/param counted": f"{counted / n:.3f}"}
+    return {
+        "state": name,
+        "bytes/param allocated": f"{measured / n:.3f}",
+        "bytes/param counted": f"{counted / n:.3f}",
+        "peak during the step": "-" if peak is None else f"{peak / n:.2f}",
+    }
 
 
 def timing_rows(config: str, device: str, steps: int) -> list[dict]:
@@ -143,7 +151,7 @@ def timing_rows(config: str, device: str, steps: int) -> list[dict]:
         rows.append(
             {
                 "state": "torchao AdamW8bit",
-                "path": "its step (eager)",
+                "path": "its step (torch.compile per tensor)",
                 "ms (range)": f"{median:.3g} ({spread(ts)})",
                 "x float32": f"{median / base['fb.Optimizer (eager)']:.2f}",
                 "first call s": "",
@@ -209,7 +217,8 @@ def main() -> None:
             memory.append(memory_row("torchao AdamW8bit", torchao_adamw8bit, config, args.device))
         except ImportError:
             pass
-        print(table(memory, ["state", "bytes/param allocated", "bytes/param counted"]), flush=True)
+        columns = ["state", "bytes/param allocated", "bytes/param counted", "peak during the step"]
+        print(table(memory, columns), flush=True)
         print()
         print(
             table(

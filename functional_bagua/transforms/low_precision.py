@@ -9,8 +9,9 @@ sign, exponent and 7 fraction bits); its lower 16 bits ``f`` decide the rounding
 
 so ``E[bf16(x)] = x``: small updates of a moment accumulate on average instead of being rounded
 away. The 16 random bits come from a hash of (seed, step count, tensor, element), computed with
-integer tensor ops: the same bits on every device, eagerly and compiled, and again after a
-checkpoint is loaded (nothing but the seed and the count is kept).
+integer tensor ops and no generator state: the same bits on every device, eagerly and compiled,
+and again after a checkpoint is loaded (nothing but the seed and the count is kept). A finite
+value above bfloat16's largest one rounds to infinity when rounded away from 0.
 
 **8-bit blockwise dynamic quantization** (Dettmers et al., 2022, "8-bit Optimizers via
 Block-wise Quantization"; as bitsandbytes and torchao store it). The tensor, flattened, is cut
@@ -21,6 +22,8 @@ larger entry)::
 
     code(x) = argmin_k |Q[k] - x / s|        x ~ Q[code] * s
 
+A NaN or an infinity makes its block's scale NaN or infinite, and so the block's decoded values
+(as in torchao).
 ``Q`` holds 256 values in ``[-1, 1]`` (signed, for first moments) or ``[0, 1]`` (unsigned, for
 second moments and other non-negative statistics): 0, 1, and for each decade ``10^-6 ... 10^0``
 the midpoints of equal steps of ``[0.1, 1]`` times that decade, 2^i steps in the i-th decade
@@ -155,6 +158,8 @@ def quantize_blockwise(
         codes, scales = fb.quantize_blockwise(torch.randn(1000), block_size=256)
         x = fb.dequantize_blockwise(codes, scales, signed=True)
     """
+    if x.numel() == 0:
+        return torch.zeros(x.shape, dtype=torch.uint8, device=x.device), x.new_zeros(0)
     rows = _blocks(x, block_size)
     scales = rows.abs().amax(dim=1).clamp(min=1e-12)
     normalized = (rows / scales[:, None]).reshape(-1)[: x.numel()]
@@ -165,9 +170,11 @@ def quantize_blockwise(
     return codes.to(torch.uint8).view(x.shape), scales
 
 
-def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, signed: bool = True) -> torch.Tensor:
+def dequantize_blockwise(
+    codes: torch.Tensor, scales: torch.Tensor, signed: bool = True, block_size: int = 256
+) -> torch.Tensor:
     """The float32 values of ``codes`` and their blocks' ``scales`` (:func:`quantize_blockwise`):
-    ``Q[code] * scale`` per value.
+    ``Q[code_i] * scales[i // block_size]`` for the ``i``-th value of the flattened tensor.
 
     Example::
 
@@ -177,22 +184,36 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, signed: bool
         codes: uint8 codes, in the shape of the tensor they code.
         scales: one float32 scale per block of the flattened tensor.
         signed: the map the codes index.
+        block_size: the values per block the codes were made with.
     """
+    blocks = -(-codes.numel() // block_size)
+    if scales.shape != (blocks,):
+        raise ValueError(
+            f"dequantize_blockwise: {codes.numel()} codes in blocks of {block_size} need {blocks} scales, "
+            f"got a tensor of shape {tuple(scales.shape)}; pass the block_size the codes were made with"
+        )
+    if codes.numel() == 0:
+        return torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)
     qmap = dynamic_map(signed, codes.device)
-    values = _blocks(qmap[codes.reshape(-1).long()], -(-codes.numel() // scales.numel()))
+    values = _blocks(qmap[codes.reshape(-1).long()], block_size)
     return (values * scales[:, None]).reshape(-1)[: codes.numel()].view(codes.shape)
 
 
 # ---- bfloat16 with stochastic rounding --------------------------------------------------------
 
 
+def _shifted_right(h: torch.Tensor, k: int) -> torch.Tensor:
+    """``h >> k`` as unsigned 64-bit integers (torch shifts int64 arithmetically)."""
+    return (h >> k) & ((1 << (64 - k)) - 1)
+
+
 def _mix(h: torch.Tensor) -> torch.Tensor:
-    """A 64-bit integer hash (splitmix64's finalizer, with arithmetic shifts), elementwise."""
-    h = h ^ (h >> 31)
-    h = h * -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64: products wrap modulo 2^64
-    h = h ^ (h >> 27)
+    """splitmix64's finalizer, elementwise on int64 (products wrap modulo 2^64, as unsigned)."""
+    h = h ^ _shifted_right(h, 30)
+    h = h * -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
+    h = h ^ _shifted_right(h, 27)
     h = h * -7723592293110705685  # 0x94D049BB133111EB
-    return h ^ (h >> 31)
+    return h ^ _shifted_right(h, 31)
 
 
 def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.Tensor:
@@ -211,7 +232,7 @@ def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.T
     """
     index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device)
     h = _mix(index * -7046029254386353131 + _mix(torch.as_tensor(seed, dtype=torch.int64, device=device)))
-    return ((h >> 24) & 0xFFFF).to(torch.int32).view(shape)
+    return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32).view(shape)
 
 
 def stochastic_round_to_bfloat16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -231,7 +252,8 @@ def stochastic_round_to_bfloat16(x: torch.Tensor, bits: torch.Tensor) -> torch.T
     raw = x.view(torch.int32)
     towards_zero = raw & -65536  # 0xFFFF0000: the upper 16 bits
     rounded = torch.where(bits < (raw & 0xFFFF), towards_zero + 65536, towards_zero).view(torch.float32)
-    # exact in bfloat16 (its lower 16 bits are 0); inf and nan are converted as they are
+    # exact in bfloat16 (its lower 16 bits are 0); inf and nan are converted as they are, and a
+    # finite x above bfloat16's largest value rounds to inf when rounded away from 0
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
 
 
@@ -250,8 +272,9 @@ def low_precision_state(
     """``inner`` with its float32 state tensors stored in ``codec`` between updates (module
     docstring): decoded to float32 at the start of each update, the new state encoded at its end.
     The updates are ``inner``'s, computed from the decoded state; step counts, 0-dim scalars,
-    integer state and state in other dtypes (a bfloat16 parameter's bfloat16 moments) are kept
-    as they are; the parameters are untouched.
+    integer and complex state and state in other dtypes (a bfloat16 parameter's bfloat16
+    moments) are kept as they are; the parameters are untouched. The memory is saved between
+    steps: during one, the decoded state and the inner update's new state are float32.
 
     Args:
         inner: any transform (an alias such as ``fb.adamw``, a chain).
@@ -262,10 +285,10 @@ def low_precision_state(
         min_size: tensors of fewer values are kept in float32; ``None``: 4096 for ``"8bit"`` (as
             bitsandbytes and torchao keep small tensors, whose few blocks 8 bits serve badly), 1
             for ``"bf16"``.
-        seed: the stochastic rounding's seed for ``"bf16"``.
+        seed: the stochastic rounding's seed for ``"bf16"``, in ``[0, 2^31)``.
         fields: the names of the state fields to store encoded (``("mu", "nu")``); ``None``: every
-            float32 tensor of at least one dimension. A named field holding integer or complex
-            tensors is refused.
+            float32 tensor of at least one dimension. A name that no field of the inner state
+            has, or a field holding integer or complex tensors, is refused.
 
     Returns:
         A GradientTransformation whose state is a :class:`LowPrecisionState`.
@@ -279,10 +302,12 @@ def low_precision_state(
         raise ValueError(f"low_precision_state: codec must be one of {CODECS}, got {codec!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
         raise ValueError(f"low_precision_state: block_size must be an int >= 2, got {block_size!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"low_precision_state: seed must be an int, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ValueError(f"low_precision_state: seed must be an int in [0, 2^31), got {seed!r}")
     if min_size is not None and (isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1):
         raise ValueError(f"low_precision_state: min_size must be an int >= 1 or None, got {min_size!r}")
+    if isinstance(fields, str):
+        raise ValueError(f"low_precision_state: fields must be a sequence of field names, got the string {fields!r}")
     encode = functools.partial(
         encoded,
         codec=codec,
@@ -294,7 +319,16 @@ def low_precision_state(
 
     def init(params: PyTree) -> LowPrecisionState:
         count = zero_count(params)
-        return LowPrecisionState(count, encode(inner.init(params), count))
+        state = inner.init(params)
+        if fields is not None:
+            present = {field for _, field in _leaves_and_fields(state)[0]}
+            missing = [f for f in fields if f not in present]
+            if missing:
+                raise ValueError(
+                    f"low_precision_state: fields names {missing}, which the inner state does not have; "
+                    f"its fields holding tensors: {sorted(f for f in present if f)}"
+                )
+        return LowPrecisionState(count, encode(state, count))
 
     def update(grads: PyTree, state: LowPrecisionState, params: Optional[PyTree] = None) -> tuple[PyTree, Any]:
         if not isinstance(state, LowPrecisionState):
@@ -302,7 +336,7 @@ def low_precision_state(
                 f"low_precision_state: got a state of type {type(state).__name__}, expected LowPrecisionState; "
                 "pass the state this transform's init made"
             )
-        updates, new_inner = inner.update(grads, decoded(state.inner), params)
+        updates, new_inner = inner.update(grads, decoded(state.inner, block_size), params)
         count = state.count + 1
         return updates, LowPrecisionState(count, encode(new_inner, count))
 
@@ -320,31 +354,34 @@ def encoded(
     fields: Optional[tuple] = None,
 ) -> Any:
     """``state`` with the tensors :func:`low_precision_state` stores encoded in ``codec`` (its
-    arguments; ``count``, the updates taken, with ``seed`` the rounding's stream)."""
-    numbered = iter(range(1 << 30))  # each tensor its own rounding stream
-
-    def leaf(x: Any, field: Optional[str]) -> Any:
+    arguments; ``count``, the updates taken, and ``seed`` with each tensor's number make the
+    rounding's stream)."""
+    found, spec = _leaves_and_fields(state)
+    stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=count.device)) + count.to(torch.int64))
+    out = []
+    for number, (x, field) in enumerate(found):
         if not _stored_encoded(x, field, fields) or x.numel() < min_size:
-            return x
-        if codec == "8bit":
+            out.append(x)
+        elif codec == "8bit":
             signed = field not in NON_NEGATIVE_FIELDS
             codes, scales = quantize_blockwise(x, block_size, signed=signed)
-            return (Signed8bit if signed else Unsigned8bit)(codes, scales)
-        stream = seed * 1000003 + count.to(torch.int64) * 65537 + next(numbered)
-        return Bfloat16Stored(stochastic_round_to_bfloat16(x, random_bits16(x.shape, stream, x.device)))
+            out.append((Signed8bit if signed else Unsigned8bit)(codes, scales))
+        else:
+            bits = random_bits16(x.shape, _mix(stream + number), x.device)
+            out.append(Bfloat16Stored(stochastic_round_to_bfloat16(x, bits)))
+    return spec.unflatten(out)
 
-    return _map_fields(leaf, state)
 
-
-def decoded(state: Any) -> Any:
+def decoded(state: Any, block_size: int = 256) -> Any:
     """``state`` with each encoded tensor (:class:`Bfloat16Stored`, :class:`Signed8bit`,
-    :class:`Unsigned8bit`) decoded to float32."""
+    :class:`Unsigned8bit`) decoded to float32 (``block_size``: the one the 8-bit codes were made
+    with)."""
 
     def leaf(x: Any) -> Any:
         if isinstance(x, Bfloat16Stored):
             return x.value.to(torch.float32)
         if isinstance(x, (Signed8bit, Unsigned8bit)):
-            return dequantize_blockwise(x.codes, x.scales, signed=isinstance(x, Signed8bit))
+            return dequantize_blockwise(x.codes, x.scales, isinstance(x, Signed8bit), block_size)
         return x
 
     return optree.tree_map(leaf, state, is_leaf=lambda x: isinstance(x, ENCODED), none_is_leaf=True)
@@ -359,28 +396,28 @@ def _stored_encoded(x: Any, field: Optional[str], chosen: Optional[tuple]) -> bo
         return False
     if is_dtensor(x):
         raise ValueError(
-            f"low_precision_state: the state field {field!r} holds a DTensor (an FSDP2-sharded parameter's); "
-            "its codecs store plain tensors only, not DTensors (yet): keep this state in float32"
+            f"low_precision_state: the state field {field!r} holds a DTensor: parameters sharded by FSDP2 "
+            "(or held as DTensors otherwise) are not supported by low_precision_state"
         )
     if x.is_complex() or not x.is_floating_point():
-        if chosen is None and not x.is_complex():
-            return False  # step counts and other integer state: kept as they are
+        if chosen is None:
+            return False  # step counts, other integer state and complex state: kept as they are
         raise ValueError(
             f"low_precision_state: the state field {field!r} holds a {x.dtype} tensor; its codecs store real "
-            "floating-point state: name only float32 fields in fields=, or leave it to the default (every "
-            "float32 tensor of at least one dimension)"
+            "floating-point state: name only float32 fields in fields=, or leave fields=None (every float32 "
+            "tensor of at least one dimension)"
         )
     return x.dtype == torch.float32 and x.dim() > 0
 
 
-def _map_fields(fn: Any, state: Any, field: Optional[str] = None) -> Any:
-    """``fn(tensor, field)`` on each leaf of ``state``, ``field`` the name of the innermost
-    NamedTuple field that holds it (``"nu"`` for Adam's second moments), rebuilt as it was."""
-    names = getattr(type(state), "_fields", None)
-    if isinstance(state, tuple) and names is not None:
-        return type(state)(*(_map_fields(fn, v, f) for f, v in zip(names, state)))
-    if isinstance(state, (list, tuple)):
-        return type(state)(_map_fields(fn, v, field) for v in state)
-    if isinstance(state, dict):
-        return type(state)((k, _map_fields(fn, v, field)) for k, v in state.items())
-    return fn(state, field)
+def _leaves_and_fields(state: Any) -> tuple[list[tuple[Any, Optional[str]]], Any]:
+    """The leaves of ``state`` (optree's structure, ``None`` as a leaf) with the name of the
+    innermost NamedTuple field that holds each (``"nu"`` for Adam's second moments), and the
+    structure to rebuild it from new leaves."""
+    leaves, spec = optree.tree_flatten(state, none_is_leaf=True)
+    accessors = optree.tree_accessors(state, none_is_leaf=True)
+    fields = []
+    for accessor in accessors:
+        names = [entry.field for entry in accessor if isinstance(entry, optree.NamedTupleEntry)]
+        fields.append(names[-1] if names else None)
+    return list(zip(leaves, fields)), spec
