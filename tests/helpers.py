@@ -78,6 +78,21 @@ def run_updates(tx, params, grads):
     return params, state
 
 
+def run_resumed(tx, params, grads, at):
+    """``params`` after ``tx``'s updates on ``grads`` as :func:`run_updates`, its state saved
+    (``fb.state_dict``, copied) after ``at`` steps and loaded into a new ``init`` to go on; and
+    the checkpoint."""
+    state = tx.init(params)
+    saved = None
+    for step, g in enumerate(grads):
+        if step == at:
+            saved = {k: v.clone() for k, v in fb.state_dict(state).items()}
+            state = fb.load_state_dict(tx.init(params), saved)
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    return params, saved
+
+
 def assert_trees_close(got, want, tol=1e-13):
     """Each tensor of ``want`` (a dict) and the same key of ``got`` within ``tol``, relative and absolute."""
     for k in want:

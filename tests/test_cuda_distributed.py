@@ -118,12 +118,17 @@ def runs():
     return get
 
 
-def assert_bfloat16_close(cuda, cpu, where: str, rtol: float, atol: float) -> None:
-    """``cuda`` and ``cpu`` hold the same structure, their tensors within ``rtol`` / ``atol``."""
+def paired_leaves(cuda, cpu, where: str) -> list:
+    """``(i, cuda leaf, cpu leaf)`` of two trees of the same structure (asserted)."""
     cuda_leaves, cuda_structure = optree.tree_flatten(cuda)
     cpu_leaves, cpu_structure = optree.tree_flatten(cpu)
     assert cuda_structure == cpu_structure, where
-    for i, (a, b) in enumerate(zip(cuda_leaves, cpu_leaves)):
+    return list(zip(range(len(cpu_leaves)), cuda_leaves, cpu_leaves))
+
+
+def assert_bfloat16_close(cuda, cpu, where: str, rtol: float, atol: float) -> None:
+    """``cuda`` and ``cpu`` hold the same structure, their tensors within ``rtol`` / ``atol``."""
+    for i, a, b in paired_leaves(cuda, cpu, where):
         if isinstance(b, torch.Tensor) and b.is_floating_point():
             torch.testing.assert_close(a.cpu(), b, rtol=rtol, atol=atol, msg=lambda m: f"{where}[{i}]: {m}")
         elif isinstance(b, torch.Tensor):
@@ -135,10 +140,7 @@ def assert_bfloat16_close(cuda, cpu, where: str, rtol: float, atol: float) -> No
 def assert_same_shapes(cuda, cpu, where: str) -> None:
     """``cuda`` and ``cpu`` hold tensors of the same shapes and dtypes in the same structure, all
     finite."""
-    cuda_leaves, cuda_structure = optree.tree_flatten(cuda)
-    cpu_leaves, cpu_structure = optree.tree_flatten(cpu)
-    assert cuda_structure == cpu_structure, where
-    for i, (a, b) in enumerate(zip(cuda_leaves, cpu_leaves)):
+    for i, a, b in paired_leaves(cuda, cpu, where):
         if isinstance(b, torch.Tensor):
             assert (a.shape, a.dtype) == (b.shape, b.dtype), (where, i, a.shape, b.shape, a.dtype, b.dtype)
             assert bool(torch.isfinite(a).all()), (where, i)

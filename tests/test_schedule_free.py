@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import seeded
-from helpers import assert_trees_close, run_updates
+from helpers import assert_trees_close, run_resumed, run_updates
 
 import functional_bagua as fb
 
@@ -228,16 +228,8 @@ def test_a_checkpoint_mid_run_resumes_bit_for_bit():
     params, grads = problem(5)
     tx = fb.schedule_free_sgd(**CASES["sgd"][2])
     want, _ = run_updates(tx, params, grads)
-    state = tx.init(params)
-    for g in grads[:3]:
-        updates, state = tx.update(g, state, params)
-        params = fb.apply_updates(params, updates)
-    saved = {k: v.clone() for k, v in fb.state_dict(state).items()}
-    state = fb.load_state_dict(tx.init(params), saved)
-    for g in grads[3:]:
-        updates, state = tx.update(g, state, params)
-        params = fb.apply_updates(params, updates)
-    assert_trees_close(params, want, tol=0)
+    got, _ = run_resumed(tx, params, grads, at=3)
+    assert_trees_close(got, want, tol=0)
 
 
 def test_a_compiled_train_step_over_flat_buffers_equals_the_eager_tree_step():
