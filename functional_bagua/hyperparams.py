@@ -180,7 +180,8 @@ def inject_hyperparams(
         factory: a function that builds a :class:`~functional_bagua.GradientTransformation` from
             hyperparameters, such as :func:`~functional_bagua.adamw`.
         static_args: names of arguments passed to ``factory`` as they are given, never held as
-            tensors nor called as schedules (say, an inner transform).
+            tensors nor called as schedules (say, an inner transform); those an alias declares
+            with :func:`accepts_schedules` (ADOPT's ``clip_lambda``, a function) are added.
 
     Returns:
         A function with ``factory``'s signature that builds the wrapped transform, whose state is an
@@ -193,6 +194,7 @@ def inject_hyperparams(
         state.hyperparams["lr"].fill_(0.01)           # the next update uses lr=0.01
     """
     signature = inspect.signature(factory)
+    static_args = (*static_args, *getattr(factory, "static_args", ()))
 
     @functools.wraps(factory)
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:
@@ -328,6 +330,7 @@ def accepts_schedules(
             tx.update.built_from = (wrapper, {**dict(zip(names, args)), **kwargs})  # type: ignore[attr-defined]
         return tx
 
+    wrapper.static_args = tuple(static_args)  # type: ignore[attr-defined]  # for inject_hyperparams(wrapper)
     return wrapper
 
 

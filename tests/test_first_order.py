@@ -447,6 +447,31 @@ def test_fb_optimizer_steps_as_the_pure_update_and_resumes_bit_for_bit(name):
     assert_trees_close(dict(zip(SHAPES, (p.detach() for p in tensors))), want, tol=1e-12)
 
 
+FACTORIES = ["schedule_free_adamw", "schedule_free_sgd", "adopt", "ademamix", "laprop", "mars_adamw"]
+FACTORIES += ["prodigy", "dadapt_adam"]
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_the_factory_form_steps_as_the_alias_built_with_the_same_numbers(name):
+    """fb.Optimizer(params, fb.<alias>, lr=...) holds the numbers as tensors and passes the
+    alias's other arguments (ADOPT's clip_lambda, a function) as they are: the same steps as
+    the alias built directly."""
+    params, grads = problem(13)
+    runs = []
+    for make in (
+        lambda ps: fb.Optimizer(ps, getattr(fb, name), lr=1e-2),
+        lambda ps: fb.Optimizer(ps, getattr(fb, name)(lr=1e-2)),
+    ):
+        tensors = [torch.nn.Parameter(params[k].clone()) for k in SHAPES]
+        opt = make(tensors)
+        for g in grads[:4]:
+            for p, k in zip(tensors, SHAPES):
+                p.grad = g[k].clone()
+            opt.step()
+        runs.append(dict(zip(SHAPES, (p.detach() for p in tensors))))
+    assert_trees_close(runs[0], runs[1], tol=1e-12)
+
+
 def test_bad_input_is_refused_with_the_way_out():
     with pytest.raises(ValueError, match="eps must be > 0"):
         fb.adopt(eps=0.0)
