@@ -20,7 +20,9 @@ a time instead. Step counts that every tensor of a group shares (the usual case:
 often) enter the rule as one tensor, so its scalar arithmetic (bias corrections) runs once per
 group; each tensor still gets its own count back. A number (or a 0-dim factor) reaches torch's CPU
 multi-tensor ops as a 0-dim tensor of the tensors' dtype, which they convert once rather than
-once per tensor, to the same bits (:func:`_scalar_operand`). On a GPU, where 0-dim counts are
+once per tensor, to the same bits (:func:`_scalar_operand`); a 0-dim CPU tensor given to
+``lerp``, the clamps, ``maximum`` or ``minimum`` (a weight or a bound computed from the step
+count) reaches them as a number, so those run as one multi-tensor op too (:func:`_cpu_number`). On a GPU, where 0-dim counts are
 not compared (that would wait for the device), a group's per-tensor scalars (counts, their
 bias corrections) are computed together: an elementwise operation on 0-dim tensors only runs
 once on them stacked into one vector (:func:`_on_stacked_scalars`), not once per tensor.
@@ -231,9 +233,41 @@ def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
     return converted if as_tensor else [converted] * len(a.items)
 
 
+_READ_AS_NUMBER = {torch._foreach_maximum, torch._foreach_minimum, torch._foreach_clamp_min, torch._foreach_clamp_max}
+
+
+def _cpu_number(b: Any, a: "Leaves") -> Any:
+    """``b`` as a Python number where it is a 0-dim floating-point tensor on the CPU beside
+    ``a``'s float32 or float64 CPU tensors (its value read without waiting for any device),
+    rounded to their dtype first, as the single-tensor op rounds it: for the ops that compute in
+    their input's dtype (``lerp``'s weight, ``clamp``'s bounds, ``maximum``, ``minimum``), the
+    multi-tensor op given that number gives each tensor the single-tensor op's bits, in one call
+    instead of one per tensor. Anything else is returned as it is, as is ``b`` of another dtype
+    beside a 0-dim tensor (which it would promote)."""
+    if not (
+        isinstance(b, torch.Tensor)
+        and b.dim() == 0
+        and b.device.type == "cpu"
+        and b.is_floating_point()
+        and not b.requires_grad
+        and a.items
+        and a.items[0].device.type == "cpu"
+    ):
+        return b
+    dtype = a.items[0].dtype
+    if dtype not in _CONVERTED_ONCE or any(t.dtype is not dtype or t.requires_grad for t in a.items):
+        return b
+    if b.dtype != dtype and any(t.dim() == 0 for t in a.items):  # two 0-dim tensors: b's dtype may win
+        return b
+    return b.to(dtype).item()
+
+
 def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leaves", b: Any, **kwargs: Any) -> "Leaves":
     """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors, a number, or,
-    for add/mul/div, a 0-dim tensor on the tensors' device), else ``fallback`` on each pair."""
+    for add/mul/div, a 0-dim tensor on the tensors' device; for maximum, minimum and the clamps,
+    a 0-dim CPU tensor read as a number: :func:`_cpu_number`), else ``fallback`` on each pair."""
+    if foreach in _READ_AS_NUMBER:
+        b = _cpu_number(b, a)
     if isinstance(b, Leaves):
         return Leaves(foreach(a.items, _items(b, len(a.items)), **kwargs))
     if _is_scalar(b) or foreach in _TENSOR_OVERLOAD and _is_shared_scalar(b, a):
@@ -359,6 +393,7 @@ class Leaves:
         return _binary(torch._foreach_pow, torch.pow, self, exponent)
 
     def lerp(self, end: Any, weight: Any) -> "Leaves":
+        weight = _cpu_number(weight, self)
         if isinstance(end, Leaves) and (_is_scalar(weight) or isinstance(weight, Leaves)):
             return Leaves(
                 torch._foreach_lerp(
@@ -416,7 +451,9 @@ class Leaves:
         return _binary(torch._foreach_clamp_max, torch.clamp_max, self, maximum)
 
     def clamp(self, min: Any = None, max: Any = None) -> "Leaves":  # noqa: A002  (torch's names)
-        """``min(max(t, min), max)``, as ``torch.clamp``: the two multi-tensor clamps for numbers."""
+        """``min(max(t, min), max)``, as ``torch.clamp``: the two multi-tensor clamps for numbers
+        (and 0-dim CPU tensors read as numbers: :func:`_cpu_number`)."""
+        min, max = _cpu_number(min, self), _cpu_number(max, self)  # noqa: A001
         if min is None and max is None or not all(v is None or _is_scalar(v) for v in (min, max)):
             return _map(torch.clamp, (self,), {"min": min, "max": max})
         low = self if min is None else self.clamp_min(min)

@@ -241,6 +241,44 @@ def test_a_number_meets_tensors_of_several_dtypes_as_each_single_tensor_op():
                 assert g.dtype == e.dtype and torch.equal(g, e), (op, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("op", ["lerp", "clamp", "clamp_min", "clamp_max", "maximum", "minimum"])
+def test_a_0_dim_cpu_operand_of_lerp_clamp_or_extremes_runs_one_multi_tensor_op_with_the_single_tensor_bits(
+    dtype, op, monkeypatch
+):
+    """A 0-dim CPU tensor (a weight or a bound computed from the step count) reaches torch's
+    multi-tensor op as a number rounded to the tensors' dtype: one call for the group, each
+    tensor the bits and dtype of the single-tensor op (float32 and float64; other dtypes one
+    tensor at a time, as before)."""
+    gen = seeded(1)
+    tensors = [(torch.randn(1000, generator=gen) * 3).to(dtype), torch.randn(4, 5, generator=gen).to(dtype)[:, ::2]]
+    ends = [torch.randn(t.shape, generator=gen).to(dtype) for t in tensors]
+    calls = []
+    original = foreach._map
+    monkeypatch.setattr(foreach, "_map", lambda *a: calls.append(a) or original(*a))
+    for value in (1 / 3, 0.7, 1 - 0.9**5):
+        for scalar_dtype in (torch.float64, torch.float32, dtype):
+            b = torch.tensor(value, dtype=scalar_dtype)
+            if op == "lerp":
+                expected = [t.lerp(e, b.to(dtype)) for t, e in zip(tensors, ends)]
+                got = foreach.Leaves(tensors).lerp(foreach.Leaves(ends), b.to(dtype)).items
+            elif op == "clamp":
+                expected = [t.clamp(-b, b) for t in tensors]
+                got = foreach.Leaves(tensors).clamp(-b, b).items
+            else:
+                expected = [getattr(t, op)(b) for t in tensors]
+                got = getattr(foreach.Leaves(tensors), op)(b).items
+            for e, g in zip(expected, got):
+                assert g.dtype == e.dtype and torch.equal(g, e), (op, value, scalar_dtype)
+    assert bool(calls) == (dtype == torch.bfloat16), "one multi-tensor op for float32 and float64 only"
+    # beside a 0-dim tensor of the group, a bound of another dtype promotes it as the single-tensor op does
+    scalar, bound = torch.tensor(0.25, dtype=dtype), torch.tensor(1 / 3, dtype=torch.float64)
+    for e, g in zip(
+        [t.clamp_min(bound) for t in (scalar, *tensors)], foreach.Leaves([scalar, *tensors]).clamp_min(bound).items
+    ):
+        assert g.dtype == e.dtype and torch.equal(g, e)
+
+
 NEWER_FIRST_ORDER = {
     fb.schedule_free_adamw: dict(lr=1e-2, warmup_steps=2, weight_decay=0.1),
     fb.schedule_free_sgd: dict(lr=1e-2, weight_decay=0.1),
