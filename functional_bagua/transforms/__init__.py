@@ -59,6 +59,7 @@ from functional_bagua.transforms.low_precision import (
     stochastic_round_to_bfloat16,
 )
 from functional_bagua.transforms.mars import ScaleByMarsState, mars, scale_by_mars
+from functional_bagua.transforms.master_weights import MasterWeightsState, master_weights
 from functional_bagua.transforms.momentum import (
     EmaMomentumState,
     TraceState,

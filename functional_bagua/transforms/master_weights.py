@@ -1,0 +1,168 @@
+"""Parameters in bfloat16 or float16 stepped as if they were float32: a float32 master copy in
+the state, or bfloat16 with stochastic rounding of each step.
+
+A bfloat16 parameter ``p`` updated by ``p + u`` loses every ``u`` smaller than half its step
+(``|u| < 2^-9 |p|``): late in training, most of them. :func:`master_weights` keeps the inner
+transform on float32 values instead, in one of two ways, for every bfloat16 and float16
+parameter (float32 and float64 ones pass through untouched):
+
+- ``"float32"``: the state keeps ``m``, a float32 copy of ``p``; the inner transform runs on
+  ``m`` (its gradients cast to float32, so its own state is float32 too) and::
+
+      m' = m + u                 (float32)
+      p' = round(m')             (to p's dtype, to nearest)
+
+  6 bytes per parameter (2 in ``p``, 4 in ``m``) instead of float32 training's 4, and the
+  parameter is always the rounding of a float32 trajectory (as mixed-precision training
+  keeps it).
+- ``"stochastic_rounding"`` (bfloat16 parameters): nothing kept; the inner transform runs on
+  ``p`` as float32 and::
+
+      p' = stochastic_round(p + u)       (float32 sum, rounded to bfloat16 unbiased)
+
+  so ``E[p'] = p + u``: small updates move the parameter on average, with no memory beyond
+  the parameter (as heavyball's ``param_ecc`` and torchao's ``bf16_stochastic_round``). The
+  random bits are :func:`~functional_bagua.random_bits16` of the seed, the step count and the
+  parameter's number: the same on every device, eager or compiled, and after a resumed
+  checkpoint.
+
+The update returned for such a parameter is ``p' - p`` in float32, which
+:func:`~functional_bagua.apply_updates` (and ``fb.Optimizer``'s in-place add) adds in float32
+and rounds once into ``p``'s dtype: exactly ``p'`` (the difference of two nearby numbers of
+``p``'s dtype is exact in float32).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from functional_bagua import tree
+from functional_bagua.base import GradientTransformation
+from functional_bagua.numerics import zero_count
+from functional_bagua.transforms.low_precision import _mix, random_bits16, stochastic_round_to_bfloat16
+from functional_bagua.tree import PyTree
+
+MODES = ("float32", "stochastic_rounding")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeightsState(NamedTuple):
+    """``count``: the updates taken (with the seed, the stream of the stochastic rounding);
+    ``master``: per parameter, its float32 copy (bfloat16 and float16 parameters; ``None`` for
+    the others), in ``"float32"`` mode; ``None`` in ``"stochastic_rounding"`` mode; ``inner``: the inner transform's state (float32 for the
+    low-precision parameters)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, as in optax
+    master: Any
+    inner: Any
+
+
+def _is_low_precision(p: Optional[torch.Tensor]) -> bool:
+    return p is not None and p.dtype in LOW_PRECISION
+
+
+def _as_float32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.to(torch.float32)
+
+
+def _copies(spec: Any, master: Any) -> list:
+    """The master copy of each parameter of ``spec`` (``None`` where there is none: all of them
+    in ``"stochastic_rounding"`` mode, whose state holds ``None``)."""
+    if master is None:
+        return [None] * spec.num_leaves
+    return tree.leaves_matching(spec, master, "the state's master copies", "params")
+
+
+def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed: int = 0) -> GradientTransformation:
+    """``inner`` stepping bfloat16 and float16 parameters through float32 values (module
+    docstring): a float32 master copy in the state, or stochastic rounding of each step.
+
+    Args:
+        inner: any transform (an alias such as ``fb.adamw``, a chain; wrap it in
+            :func:`~functional_bagua.low_precision_state` to store its float32 state compressed).
+        mode: ``"float32"`` (a float32 copy of each such parameter in the state) or
+            ``"stochastic_rounding"`` (bfloat16 parameters only; no copy).
+        seed: the stochastic rounding's seed, in ``[0, 2^31)``.
+
+    Returns:
+        A GradientTransformation whose state is a :class:`MasterWeightsState`; its ``update``
+        needs ``params``.
+
+    Example::
+
+        model = model.to(torch.bfloat16)
+        opt = fb.Optimizer(model.parameters(), fb.master_weights(fb.adamw(1e-3)))
+    """
+    if mode not in MODES:
+        raise ValueError(f"master_weights: mode must be one of {MODES}, got {mode!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ValueError(f"master_weights: seed must be an int in [0, 2^31), got {seed!r}")
+    keeps_copy = mode == "float32"
+
+    def float32_params(params: PyTree, master: Any) -> PyTree:
+        """The values the inner transform steps: the master copies, else the parameters (the
+        low-precision ones as float32)."""
+        leaves, spec = tree.flatten(params)
+        copies = _copies(spec, master)
+        return spec.unflatten(
+            [c if c is not None else _as_float32(p) if _is_low_precision(p) else p for p, c in zip(leaves, copies)]
+        )
+
+    def init(params: PyTree) -> MasterWeightsState:
+        leaves, spec = tree.flatten(params)
+        if not keeps_copy:
+            for i, p in enumerate(leaves):
+                if p is not None and p.dtype == torch.float16:
+                    raise TypeError(
+                        f"master_weights: parameter {tree.leaf_name(spec, i)!r} is float16; stochastic rounding is "
+                        "made for bfloat16 parameters: use mode='float32' (a float32 master copy) for float16 ones"
+                    )
+        master = (
+            spec.unflatten([p.detach().to(torch.float32) if _is_low_precision(p) else None for p in leaves])
+            if keeps_copy
+            else None
+        )
+        return MasterWeightsState(zero_count(params), master, inner.init(float32_params(params, master)))
+
+    def update(
+        grads: PyTree, state: MasterWeightsState, params: Optional[PyTree] = None
+    ) -> tuple[PyTree, MasterWeightsState]:
+        if params is None:
+            raise ValueError("master_weights needs the parameters: call update(grads, state, params)")
+        if not isinstance(state, MasterWeightsState):
+            raise ValueError(
+                f"master_weights: got a state of type {type(state).__name__}, expected MasterWeightsState; pass "
+                "the state this transform's init made"
+            )
+        param_leaves, spec = tree.flatten(params)
+        grad_leaves = tree.leaves_matching(spec, grads, "grads", "params")
+        inner_grads = spec.unflatten(
+            [_as_float32(g) if _is_low_precision(p) else g for g, p in zip(grad_leaves, param_leaves)]
+        )
+        values = float32_params(params, state.master)
+        inner_updates, inner_state = inner.update(inner_grads, state.inner, values)
+        update_leaves = tree.leaves_matching(spec, inner_updates, "the inner transform's updates", "params")
+        value_leaves = tree.flatten(values)[0]
+        master_leaves = _copies(spec, state.master)
+        stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=state.count.device)) + state.count)
+        updates, masters = [], []
+        for number, (p, u, value, copy) in enumerate(zip(param_leaves, update_leaves, value_leaves, master_leaves)):
+            if u is None or not _is_low_precision(p):
+                updates.append(u)
+                masters.append(copy)
+                continue
+            stepped = value + u.to(torch.float32)  # float32
+            if keeps_copy:
+                masters.append(stepped)
+                target = stepped.to(p.dtype)
+            else:
+                masters.append(None)
+                bits = random_bits16(stepped.shape, _mix(stream + number), stepped.device)
+                target = stochastic_round_to_bfloat16(stepped, bits)
+            updates.append(target.to(torch.float32) - p.to(torch.float32))
+        new_state = MasterWeightsState(state.count + 1, spec.unflatten(masters) if keeps_copy else None, inner_state)
+        return spec.unflatten(updates), new_state
+
+    return GradientTransformation(init, update)
