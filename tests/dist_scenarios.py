@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import optree
 import torch
 from models import batches, loss_fn, make_model
 
@@ -36,18 +37,18 @@ def global_batches():
     return batches(STEPS, DTYPE)
 
 
-def local_batches(rank, world_size, seed=1):
+def local_batches(rank, world_size, seed=1, dtype=DTYPE):
     """This rank's slice of the global batch (the global loss is the mean of the ranks' losses)."""
-    return [(x.chunk(world_size)[rank], y.chunk(world_size)[rank]) for x, y in batches(STEPS, DTYPE, seed=seed)]
+    return [(x.chunk(world_size)[rank], y.chunk(world_size)[rank]) for x, y in batches(STEPS, dtype, seed=seed)]
 
 
 def grads_of(model, params, x, y):
     return torch.func.grad(lambda ps: loss_fn(torch.func.functional_call(model, ps, (x,)), y))(params)
 
 
-def train(tx, data, seed=0, update=None, trace=None):
+def train(tx, data, seed=0, update=None, trace=None, dtype=DTYPE):
     """Params and state after one ``tx`` step per batch; ``trace`` collects (params, grads) per step."""
-    model = make_model("shapes", DTYPE, seed=seed)
+    model = make_model("shapes", dtype, seed=seed)
     params = fb.params_of(model)
     state = tx.init(params)
     update = update or tx.update
@@ -89,6 +90,27 @@ def first_order_wrapped(rank, world_size):
 def shard_adamw(rank, world_size):
     params, state = train(fbd.shard(TXS["adamw"]()), local_batches(rank, world_size))
     return params, state_bytes(state)
+
+
+LOW_PRECISION = {  # codec -> the inner transform of shard (float32 parameters; 8 bits in blocks of 32)
+    "bf16": lambda: fb.low_precision_state(fb.adamw(1e-2, weight_decay=0.1), "bf16", seed=5),
+    "8bit": lambda: fb.low_precision_state(fb.adamw(1e-2, weight_decay=0.1), "8bit", block_size=32, min_size=1),
+}
+
+
+def shard_low_precision(rank, world_size):
+    """shard(low_precision_state(adamw)) in float32, per codec: the final params, this rank's
+    gradients per step (for the single-process reference) and the encoded state's types."""
+    out = {}
+    for codec, make in LOW_PRECISION.items():
+        trace = []
+        data = local_batches(rank, world_size, dtype=torch.float32)
+        params, state = train(fbd.shard(make()), data, trace=trace, dtype=torch.float32)
+        encoded = (fb.Bfloat16Stored, fb.Signed8bit, fb.Unsigned8bit)
+        leaves = optree.tree_leaves(state.inner.inner, is_leaf=lambda x: isinstance(x, encoded), none_is_leaf=True)
+        stored = sorted({type(x).__name__ for x in leaves if isinstance(x, encoded)})
+        out[codec] = (params, [grads for _, grads in trace], trace[0][0], stored)
+    return out
 
 
 def shard_lamb_refused(rank, world_size):

@@ -15,6 +15,7 @@ from dist_harness import PROCESS_GROUP_TIMEOUT_S, ScenarioError, run_ranks
 
 import functional_bagua as fb
 import functional_bagua.distributed as fbd
+from functional_bagua.distributed.compression import padded_chunks
 
 pytestmark = pytest.mark.cpu_only("spawned gloo ranks on the CPU (CUDA ranks: test_cuda_distributed.py)")
 
@@ -23,6 +24,7 @@ TWO_RANKS = [
     "allreduce_adamw",
     "first_order_wrapped",
     "shard_adamw",
+    "shard_low_precision",
     "shard_lamb_refused",
     "shard_clip_refused",
     "shard_prodigy_refused",
@@ -114,6 +116,36 @@ def test_shard_adamw_equals_adamw_unsharded_with_half_the_state_per_rank(two):
         assert_trees_close(params, expected)
         # the moments (2 x params) are halved; the step count (8 bytes) is per rank
         assert shard_bytes <= full_bytes / 2 + 64, (shard_bytes, full_bytes)
+
+
+@pytest.mark.parametrize("codec", list(sc.LOW_PRECISION))
+def test_shard_keeps_each_ranks_state_compressed_as_low_precision_state_on_that_shard_alone(two, codec):
+    """shard(low_precision_state(adamw)): each rank's state is its shard's, encoded (8 bits in
+    blocks that start at the shard, a short last one included; bfloat16 with the rounding stream
+    of the shard's buffer): bit for bit what low_precision_state gives one process stepping that
+    shard of the flat buffer alone on the ranks' mean gradient."""
+    runs = [ok(two[rank]["shard_low_precision"])[codec] for rank in range(2)]
+    initial = runs[0][2]
+    layout = fb.FlatLayout.of(initial)
+    chunks = {
+        rank: {k: padded_chunks(b, 2)[rank].clone() for k, b in layout.flatten(initial).items()} for rank in range(2)
+    }
+    tx = sc.LOW_PRECISION[codec]()
+    states = {rank: tx.init(chunks[rank]) for rank in range(2)}
+    for step in range(sc.STEPS):
+        flat = [layout.flatten(runs[rank][1][step]) for rank in range(2)]
+        mean = {k: (padded_chunks(flat[0][k], 2) + padded_chunks(flat[1][k], 2)) / 2 for k in flat[0]}
+        for rank in range(2):
+            updates, states[rank] = tx.update({k: m[rank] for k, m in mean.items()}, states[rank], chunks[rank])
+            chunks[rank] = fb.apply_updates(chunks[rank], updates)
+    expected = layout.unflatten(
+        {k: torch.cat([chunks[0][k], chunks[1][k]])[: layout.groups[k].numel] for k in chunks[0]}
+    )
+    for rank in range(2):
+        params, _, _, stored = runs[rank]
+        assert stored == (["Bfloat16Stored"] if codec == "bf16" else ["Signed8bit", "Unsigned8bit"])
+        for name in expected:
+            assert torch.equal(params[name], expected[name]), (codec, rank, name)
 
 
 def test_shard_refuses_per_tensor_rules_and_global_norms(two):
