@@ -45,6 +45,7 @@ STATES = {
     "float32": lambda: fb.adamw(1e-3, weight_decay=0.01),
     "bf16": lambda: fb.low_precision_state(fb.adamw(1e-3, weight_decay=0.01), "bf16"),
     "8bit": lambda: fb.low_precision_state(fb.adamw(1e-3, weight_decay=0.01), "8bit"),
+    "bf16+8bit": lambda: fb.low_precision_state(fb.adamw(1e-3, weight_decay=0.01), "bf16+8bit"),
 }
 
 

@@ -48,10 +48,13 @@ from functional_bagua.transforms.learning_rate_free import (
 from functional_bagua.transforms.lion import ScaleByLionState, scale_by_lion
 from functional_bagua.transforms.lookahead import LookaheadState, lookahead
 from functional_bagua.transforms.low_precision import (
+    Bfloat16Corrected,
     Bfloat16Stored,
     LowPrecisionState,
     Signed8bit,
     Unsigned8bit,
+    bfloat16_corrected,
+    bfloat16_uncorrected,
     dequantize_blockwise,
     low_precision_state,
     quantize_blockwise,

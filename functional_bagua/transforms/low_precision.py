@@ -1,5 +1,6 @@
 """Optimizer state in less memory: any transform's float32 state stored as bfloat16 with
-stochastic rounding, or as 8-bit blockwise dynamic quantization, and decoded inside each update.
+stochastic rounding, as 8-bit blockwise dynamic quantization, or as bfloat16 with an 8-bit
+correction of its rounding error, and decoded inside each update.
 
 **bfloat16 with stochastic rounding.** A float32 ``x`` keeps its upper 16 bits (bfloat16's
 sign, exponent and 7 fraction bits); its lower 16 bits ``f`` decide the rounding::
@@ -29,8 +30,19 @@ second moments and other non-negative statistics): 0, 1, and for each decade ``1
 the midpoints of equal steps of ``[0.1, 1]`` times that decade, 2^i steps in the i-th decade
 (2^(i+1) unsigned), mirrored to negative values when signed: dense near 0, where moments live.
 
+**bfloat16 with an 8-bit correction** (error feedback, as heavyball's ``"bf16+8"`` state): ``x``
+rounded to the nearest bfloat16 ``b``, and the rounding's error kept in 8 bits, in units of half
+the bfloat16 step ``h`` at ``b`` (``h = 2^(e - 8)`` for ``b = m 2^e``, ``1 <= |m| < 2``)::
+
+    c = round(127 (x - b) / h)   (int8)        x ~ b + c h / 127
+
+so the error left is at most ``h / 254``: about 16 significant bits instead of bfloat16's 8, with
+no randomness (an increment that bfloat16 alone would round away is kept in ``c`` and carried to
+the next step). A value beyond bfloat16's range is stored as infinity, as bfloat16 rounds it.
+
 State: 1 byte per value plus 4 per block (``block_size=256``: about 1.02 bytes) for 8-bit, 2
-for bfloat16, against 4 in float32; Adam's two moments go from 8 bytes per parameter to 2.03 or 4.
+for bfloat16, 3 for bfloat16 with its correction, against 4 in float32; Adam's two moments go from
+8 bytes per parameter to 2.03, 4 or 6.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from functional_bagua.flat import is_dtensor
 from functional_bagua.numerics import zero_count
 from functional_bagua.tree import PyTree
 
-CODECS = ("bf16", "8bit")
+CODECS = ("bf16", "8bit", "bf16+8bit")
 # fields of the library's states that hold non-negative statistics (second moments, their
 # maxima, squared averages and factors): 8-bit codes them with the unsigned map
 NON_NEGATIVE_FIELDS = ("nu", "nu_max", "square_avg", "sum_of_squares", "acc_delta", "row_var", "col_var")
@@ -82,7 +94,16 @@ class Unsigned8bit(NamedTuple):
     scales: torch.Tensor
 
 
-ENCODED = (Bfloat16Stored, Signed8bit, Unsigned8bit)
+class Bfloat16Corrected(NamedTuple):
+    """A float32 state tensor stored as its bfloat16 rounding to nearest (``value``) and that
+    rounding's error in 8 bits (``correction``: int8, in 127ths of half a bfloat16 step at
+    ``value``)."""
+
+    value: torch.Tensor
+    correction: torch.Tensor
+
+
+ENCODED = (Bfloat16Stored, Signed8bit, Unsigned8bit, Bfloat16Corrected)
 
 
 # ---- the dynamic map ----------------------------------------------------------------------------
@@ -235,6 +256,46 @@ def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.T
     return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32).view(shape)
 
 
+def _half_bfloat16_step(value: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of bfloat16 numbers at each bfloat16 ``value``, as float32: ``2^(e - 8)``
+    for ``value = m 2^e`` (``1 <= |m| < 2``), that of the smallest normal numbers at 0 and below."""
+    exponent = value.to(torch.float32).view(torch.int32) & 0x7F800000  # the bits of 2^e (sign and fraction off)
+    smallest_normal = 0x00800000  # 2^-126
+    return torch.where(exponent == 0, smallest_normal, exponent).view(torch.float32) * 2.0**-8
+
+
+def bfloat16_corrected(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32) as its nearest bfloat16 and the rounding's error in 8 bits (module
+    docstring): ``(value, correction)``, decoded by :func:`bfloat16_uncorrected`.
+
+    Args:
+        x: a float32 tensor.
+
+    Example::
+
+        value, correction = fb.bfloat16_corrected(torch.randn(1000))
+        x = fb.bfloat16_uncorrected(value, correction)       # within 1/254 of half a bfloat16 step
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"bfloat16_corrected: x must be float32, got {x.dtype}")
+    value = x.to(torch.bfloat16)
+    error = x - value.to(torch.float32)  # exact: x and its rounding share all but the last bits
+    code = torch.round(error / _half_bfloat16_step(value) * 127).clamp(-127, 127)
+    return value, torch.where(torch.isfinite(code), code, 0).to(torch.int8)  # inf and nan: no correction
+
+
+def bfloat16_uncorrected(value: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
+    """The float32 values :func:`bfloat16_corrected` coded: ``value + correction * h / 127``.
+
+    Args:
+        value: the bfloat16 roundings.
+        correction: their int8 corrections, in 127ths of half a bfloat16 step ``h`` at ``value``.
+    """
+    wide = value.to(torch.float32)
+    corrected = wide + correction.to(torch.float32) * (_half_bfloat16_step(value) * (1 / 127))
+    return torch.where(torch.isfinite(wide), corrected, wide)
+
+
 def stochastic_round_to_bfloat16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``x`` (float32) rounded to bfloat16 away from 0 where ``bits`` (16 random bits per element)
     fall below ``x``'s lower 16 bits, else towards 0: unbiased (module docstring).
@@ -278,14 +339,17 @@ def low_precision_state(
 
     Args:
         inner: any transform (an alias such as ``fb.adamw``, a chain).
-        codec: ``"bf16"`` (bfloat16 with stochastic rounding, 2 bytes per value) or ``"8bit"``
+        codec: ``"bf16"`` (bfloat16 with stochastic rounding, 2 bytes per value), ``"8bit"``
             (blockwise dynamic quantization, about 1 byte per value; fields named in
-            ``NON_NEGATIVE_FIELDS``, such as Adam's ``nu``, with the unsigned map).
+            ``NON_NEGATIVE_FIELDS``, such as Adam's ``nu``, with the unsigned map) or
+            ``"bf16+8bit"`` (bfloat16 rounded to nearest with an 8-bit correction of its error,
+            3 bytes per value, about 16 significant bits, no randomness).
         block_size: values per scale for ``"8bit"`` (at least 2).
         min_size: tensors of fewer values are kept in float32; ``None``: 4096 for ``"8bit"`` (as
             bitsandbytes and torchao keep small tensors, whose few blocks 8 bits serve badly), 1
             for ``"bf16"``.
-        seed: the stochastic rounding's seed for ``"bf16"``, in ``[0, 2^31)``.
+        seed: the stochastic rounding's seed for ``"bf16"``, in ``[0, 2^31)`` (unused by the
+            other codecs).
         fields: the names of the state fields to store encoded (``("mu", "nu")``); ``None``: every
             float32 tensor of at least one dimension. A name that no field of the inner state
             has, or a field holding integer or complex tensors, is refused.
@@ -366,6 +430,8 @@ def encoded(
             signed = field not in NON_NEGATIVE_FIELDS
             codes, scales = quantize_blockwise(x, block_size, signed=signed)
             out.append((Signed8bit if signed else Unsigned8bit)(codes, scales))
+        elif codec == "bf16+8bit":
+            out.append(Bfloat16Corrected(*bfloat16_corrected(x)))
         else:
             bits = random_bits16(x.shape, _mix(stream + number), x.device)
             out.append(Bfloat16Stored(stochastic_round_to_bfloat16(x, bits)))
@@ -374,12 +440,14 @@ def encoded(
 
 def decoded(state: Any, block_size: int = 256) -> Any:
     """``state`` with each encoded tensor (:class:`Bfloat16Stored`, :class:`Signed8bit`,
-    :class:`Unsigned8bit`) decoded to float32 (``block_size``: the one the 8-bit codes were made
+    :class:`Unsigned8bit`, :class:`Bfloat16Corrected`) decoded to float32 (``block_size``: the one the 8-bit codes were made
     with)."""
 
     def leaf(x: Any) -> Any:
         if isinstance(x, Bfloat16Stored):
             return x.value.to(torch.float32)
+        if isinstance(x, Bfloat16Corrected):
+            return bfloat16_uncorrected(x.value, x.correction)
         if isinstance(x, (Signed8bit, Unsigned8bit)):
             return dequantize_blockwise(x.codes, x.scales, isinstance(x, Signed8bit), block_size)
         return x
