@@ -22,7 +22,9 @@ copies, so stepping in place never writes into the checkpoint dict::
 
 A state type may name fields that say where the state belongs rather than what it learned, in a
 static method ``must_match_on_load()`` (a shard's rank and world size): those are compared with
-the template's, and a checkpoint whose values differ is refused.
+the template's, and a checkpoint whose values differ is refused. A checkpoint whose tensors are
+stored otherwise than the template's (``low_precision_state`` with another codec, or none) is
+refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ def load_state_dict(template: Any, flat: dict[str, torch.Tensor], strict: bool =
     unexpected = sorted(set(flat) - set(source.values()))
     if missing or unexpected:
         problem = _mismatch(missing, unexpected, _nesting(expected, flat))
+        stored = _stored_otherwise(expected, list(flat))
+        if strict and stored is not None:
+            raise ValueError(f"load_state_dict: {problem}; {stored}")
         if strict:
             raise ValueError(
                 f"load_state_dict: {problem}; pass strict=False to load the tensors found and keep the rest"
@@ -182,6 +187,32 @@ def _source_keys(expected: list, flat: dict) -> dict:
     if side == "template":
         return {k: k[len(prefix) :] for k in expected if k.startswith(prefix) and k[len(prefix) :] in flat}
     return {k: prefix + k for k in expected if prefix + k in flat}
+
+
+# the last key parts under which low_precision_state stores an encoded tensor, and how
+_STORED_FORMS = {"codes": "8-bit codes", "scales": "8-bit codes", "value": "bfloat16", "correction": "bfloat16"}
+
+
+def _forms(keys: list) -> set:
+    found = {_STORED_FORMS[k.rsplit("/", 1)[-1]] for k in keys if k.rsplit("/", 1)[-1] in _STORED_FORMS}
+    if any(k.endswith("/correction") for k in keys):
+        found = (found - {"bfloat16"}) | {"bfloat16 with 8-bit corrections"}
+    return found
+
+
+def _stored_otherwise(template_keys: list, checkpoint_keys: list) -> Optional[str]:
+    """What to say when the two states store their tensors otherwise (encoded by
+    ``low_precision_state`` in one, with another codec or none in the other); ``None`` otherwise."""
+    here, there = _forms(template_keys), _forms(checkpoint_keys)
+    if here == there:
+        return None
+    described = lambda forms: "as " + " and ".join(sorted(forms)) if forms else "as plain tensors"  # noqa: E731
+    return (
+        f"the checkpoint stores state tensors {described(there)}, this optimizer {described(here)}: it was saved "
+        "with another low_precision_state codec, or with none (or the other way round). Build the optimizer as the "
+        "checkpoint was saved to resume it (strict=False would keep this state's fresh values in place of the "
+        "saved ones)"
+    )
 
 
 def _mismatch(missing: list, unexpected: list, nesting: Optional[tuple[str, str]]) -> str:

@@ -257,12 +257,18 @@ def test_invalid_hyperparameters_raise_also_as_tensors(build, message):
 
 
 class _ItemCalls(TorchFunctionMode):
-    def __init__(self):
+    """Counts the ``.item()`` calls that wait for a device (on a tensor that is not on the CPU) or
+    read one of the ``watched`` tensors (a 0-dim CPU tensor computed in the step, read as a
+    number for torch's multi-tensor ops, is neither)."""
+
+    def __init__(self, watched=()):
         super().__init__()
         self.count = 0
+        self.watched = {id(t) for t in watched}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.Tensor.item
+        if func is torch.Tensor.item:
+            self.count += args[0].device.type != "cpu" or id(args[0]) in self.watched
         return func(*args, **(kwargs or {}))
 
 
@@ -272,12 +278,16 @@ def test_injected_hyperparameters_are_not_read_back_on_each_update():
     params = {"w": torch.ones(3)}
     tx = fb.inject_hyperparams(fb.adamw)(lr=0.1, betas=(0.9, 0.99), weight_decay=0.1)
     state = tx.init(params)
-    with _ItemCalls() as calls:
+    held = [t for t in fb.tree.flatten(state.hyperparams)[0] if isinstance(t, torch.Tensor)]
+    with _ItemCalls(watched=held) as calls:
         for _ in range(3):
             _, state = tx.update({"w": torch.ones(3)}, state, params)
+            held = [t for t in fb.tree.flatten(state.hyperparams)[0] if isinstance(t, torch.Tensor)]
+            calls.watched |= {id(t) for t in held}
     assert calls.count == 0
-    with _ItemCalls() as calls:
-        fb.adamw(lr=torch.tensor(0.1))
+    lr = torch.tensor(0.1)
+    with _ItemCalls(watched=[lr]) as calls:
+        fb.adamw(lr=lr)
     assert calls.count == 1  # a tensor given directly is read once, to validate it
 
 

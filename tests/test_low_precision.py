@@ -210,10 +210,16 @@ def test_a_compressed_checkpoint_is_refused_by_a_float32_state_and_the_other_way
     params, _ = problem()
     compressed = fb.state_dict(fb.low_precision_state(fb.adamw(1e-2), "8bit").init(params))
     plain = fb.state_dict(fb.adamw(1e-2).init(params))
-    with pytest.raises(ValueError, match="key"):
+    with pytest.raises(ValueError, match="stores state tensors as 8-bit codes, this optimizer as plain tensors"):
         fb.load_state_dict(fb.adamw(1e-2).init(params), compressed)
-    with pytest.raises(ValueError, match="key"):
+    with pytest.raises(ValueError, match="stores state tensors as plain tensors, this optimizer as 8-bit codes"):
         fb.load_state_dict(fb.low_precision_state(fb.adamw(1e-2), "8bit").init(params), plain)
+    bf16 = fb.state_dict(fb.low_precision_state(fb.adamw(1e-2), "bf16").init(params))
+    corrected = fb.low_precision_state(fb.adamw(1e-2), "bf16+8bit").init(params)
+    with pytest.raises(
+        ValueError, match="as bfloat16, this optimizer as bfloat16 with 8-bit corrections.*strict=False would"
+    ):
+        fb.load_state_dict(corrected, bf16)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -249,6 +255,29 @@ def test_fused_state_is_stored_per_block_of_the_flat_buffer():
         flat = fb.apply_updates(flat, updates)
     want, _ = run_updates(fb.adam(1e-2), params, grads)
     assert_trees_close(layout.unflatten(flat), want, tol=5e-2)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_fuse_inplace_writes_the_fused_updates_state_into_the_buffers(codec):
+    """fuse_inplace, eager and traced whole (aot_eager: the graph inductor would compile), steps
+    the flat buffers and the encoded state in place to the bits of the pure fused update."""
+    params, grads = problem(steps=3)
+    layout = fb.FlatLayout.of(params)
+    make = lambda: fb.low_precision_state(fb.adam(1e-2), codec, min_size=1, block_size=64)  # noqa: E731
+    fused = fb.fuse(make(), layout)
+    want = layout.flatten(params)
+    want_state = fused.init(want)
+    for g in grads:
+        updates, want_state = fused.update(layout.flatten(g), want_state, want)
+        want = fb.apply_updates(want, updates)
+    for kernel, options in (("eager", None), ("compiled", {"backend": "aot_eager"})):
+        step_ = fb.fuse_inplace(make(), layout, kernel=kernel, compile_options=options)
+        flat = layout.flatten(params)
+        state = step_.init(flat)
+        for g in grads:
+            step_(layout.flatten(g), state, flat)
+        assert_trees_close(flat, want, tol=0)
+        assert_trees_close(fb.state_dict(state), fb.state_dict(want_state), tol=0)
 
 
 def test_fb_optimizer_steps_and_saves_the_compressed_state():
