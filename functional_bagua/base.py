@@ -109,19 +109,22 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             )
         new_state = []
         owned = ownership.granted_to(update)  # the updates given may be overwritten (ownership module)
+        given = ownership.state_given_to(update)  # so may the state: then each link's too
         # checked and grouped once (leaf_lists module); without the params a link needs, the links
         # one by one raise (each in its turn, as always)
         if on_lists and foreach.grouped_enabled() and not (needs_params and params is None):
             x = LeafLists.of(updates, params, who=first_name)
             for t, run, s, next_name in zip(transforms, link_runs, state, next_names):
-                leaves, s = run(x, s, owned)
+                with ownership.giving_state(t.update if given else None):
+                    leaves, s = run(x, s, owned)
                 if leaves is not x.updates:  # a result checked where the next link would check its input
                     x = x.followed_by(leaves, who=next_name) if next_name else x._replace(updates=leaves)
                 owned = ownership.returns_fresh_updates(t)
                 new_state.append(s)
             return x.unflatten(x.updates), tuple(new_state)
         for t, s in zip(transforms, state):
-            updates, s = ownership.update_owning(t, owned, updates, s, params)
+            with ownership.giving_state(t.update if given else None):
+                updates, s = ownership.update_owning(t, owned, updates, s, params)
             owned = ownership.returns_fresh_updates(t)
             new_state.append(s)
         return updates, tuple(new_state)

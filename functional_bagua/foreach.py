@@ -33,13 +33,24 @@ what torch.compile traces: inductor fuses the per-tensor ops itself).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["Leaves", "PerTensorOnly", "grouped_enabled", "groups", "per_tensor", "run_grouped", "run_groups", "strict"]
+__all__ = [
+    "Leaves",
+    "PerTensorOnly",
+    "grouped_enabled",
+    "groups",
+    "per_tensor",
+    "run_grouped",
+    "run_groups",
+    "strict",
+    "updated",
+]
 
 
 class PerTensorOnly(TypeError):
@@ -295,6 +306,18 @@ def _binary_in_place(
     return a
 
 
+def _clamp_in_place(foreach: Callable[..., Any], method: str, a: "Leaves", bound: Any) -> "Leaves":
+    """``a``'s tensors clamped in place by ``foreach`` for a number (a 0-dim CPU tensor read as
+    one: :func:`_cpu_number`) or tensors, else by the tensor method on each."""
+    bound = _cpu_number(bound, a)
+    if _is_scalar(bound) or isinstance(bound, Leaves):
+        foreach(a.items, bound.items if isinstance(bound, Leaves) else bound)
+    else:
+        for t, b in zip(a.items, _items(bound, len(a))):
+            getattr(t, method)(b)
+    return a
+
+
 def _is_shared_scalar(b: Any, a: "Leaves") -> bool:
     """Whether ``b`` is a 0-dim real tensor on the device of ``a``'s tensors (each op then treats
     it as the single-tensor op does: no promotion of ``a``'s dtype by a wider ``b``)."""
@@ -314,10 +337,11 @@ class Leaves:
         items: the tensors.
     """
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "given")
 
-    def __init__(self, items: Sequence[torch.Tensor]) -> None:
+    def __init__(self, items: Sequence[torch.Tensor], given: Optional[list] = None) -> None:
         self.items = list(items)
+        self.given = given  # state its caller gave up (:func:`updated`): where its overwrites are noted
 
     def __len__(self) -> int:
         return len(self.items)
@@ -444,6 +468,36 @@ class Leaves:
         torch._foreach_neg_(self.items)
         return self
 
+    def clamp_min_(self, minimum: Any) -> "Leaves":
+        return _clamp_in_place(torch._foreach_clamp_min_, "clamp_min_", self, minimum)
+
+    def clamp_max_(self, maximum: Any) -> "Leaves":
+        return _clamp_in_place(torch._foreach_clamp_max_, "clamp_max_", self, maximum)
+
+    def clamp_(self, min: Any = None, max: Any = None) -> "Leaves":  # noqa: A002  (torch's names)
+        """``clamp`` in place: the two multi-tensor clamps for numbers (and 0-dim CPU tensors)."""
+        min, max = _cpu_number(min, self), _cpu_number(max, self)  # noqa: A001
+        if min is None and max is None or not all(v is None or _is_scalar(v) for v in (min, max)):
+            for t, low, high in zip(self.items, _items(min, len(self)), _items(max, len(self))):
+                t.clamp_(low, high)
+            return self
+        if min is not None:
+            torch._foreach_clamp_min_(self.items, min)
+        if max is not None:
+            torch._foreach_clamp_max_(self.items, max)
+        return self
+
+    def lerp_(self, end: Any, weight: Any) -> "Leaves":
+        weight = _cpu_number(weight, self)
+        if isinstance(end, Leaves) and _is_scalar(weight):
+            torch._foreach_lerp_(self.items, end.items, weight)
+        elif isinstance(end, Leaves) and isinstance(weight, Leaves):
+            torch._foreach_lerp_(self.items, end.items, weight.items)
+        else:
+            for t, e, w in zip(self.items, _items(end, len(self)), _items(weight, len(self))):
+                t.lerp_(e, w)
+        return self
+
     def clamp_min(self, minimum: Any) -> "Leaves":
         return _binary(torch._foreach_clamp_min, torch.clamp_min, self, minimum)
 
@@ -557,6 +611,30 @@ _FAST: dict = {
 }
 
 
+def updated(old: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``getattr(old, method)(*args, **kwargs)`` as the new value of the state tensor ``old``:
+    computed in ``old``'s own memory (its in-place form, ``method + "_"``: ``mu.lerp_(g, w)``)
+    where ``old`` holds state its caller gave up (:mod:`functional_bagua.ownership`; the grouped
+    path marks such state), else as a new tensor: the same numbers either way. The rule must not
+    read ``old`` after this line (a test per rule runs both ways and compares the bits).
+
+    Args:
+        old: a state tensor (or :class:`Leaves` of them) the rule replaces with the result.
+        method: the tensor method that computes the new value (one with an in-place form).
+        *args: its arguments.
+        **kwargs: its keyword arguments.
+
+    Example::
+
+        mu = foreach.updated(s.mu, "lerp", g, 1 - b1)      # the new first moment
+    """
+    if isinstance(old, Leaves) and old.given is not None:
+        old.given.append(method)
+        getattr(old, method + "_")(*args, **kwargs)
+        return old
+    return getattr(old, method)(*args, **kwargs)
+
+
 def groups(
     tensors: Sequence[Any], indices: Iterable[int], key: Callable[[int], Any] = lambda i: None
 ) -> list[list[int]]:
@@ -604,7 +682,12 @@ def run_groups(
     return ran, [i for i in indices if i not in done]
 
 
-def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int]) -> Optional[Any]:
+def run_grouped(
+    rule: Callable[..., Any],
+    columns: Sequence[Sequence[Any]],
+    indices: Sequence[int],
+    given: Sequence[int] = (),
+) -> Optional[Any]:
     """``rule`` once over the tensors at ``indices`` of each column, as :class:`Leaves`: its result
     with each ``Leaves`` replaced by its list of tensors (one per index; a value the rule shares
     between the tensors, such as ``None``, repeated), or ``None`` when the rule needs one tensor at
@@ -615,6 +698,8 @@ def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indi
         columns: per argument of the rule, a sequence with one value per tensor; a column of
             ``None`` s is passed as ``None``, one with some ``None`` s makes the group run per tensor.
         indices: which tensors form the group.
+        given: the columns of state its caller gave up (:func:`updated` may overwrite them), as
+            far as each holds tensors that no other column of the group shares.
     """
     args: list[Any] = []
     for column in columns:
@@ -625,13 +710,38 @@ def run_grouped(rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indi
             return None
         else:
             args.append(_shared_or_leaves(picked))
+    overwrites: list = []  # what updated() overwrote: then no falling back to one tensor at a time
+    for c in _unshared(args, given):
+        args[c] = Leaves(args[c].items, given=overwrites)
     try:
         result = rule(*args)
-    except Exception:  # anything a rule cannot do grouped (PerTensorOnly, ...): it runs per tensor,
-        if _SWITCH.strict:  # where a genuine error raises again
+    except Exception as error:  # anything a rule cannot do grouped (PerTensorOnly, ...): it runs per
+        if _SWITCH.strict:  # tensor, where a genuine error raises again
             raise
+        if overwrites:
+            raise RuntimeError(
+                f"a rule raised {type(error).__name__} after overwriting the state it was given ({overwrites}); "
+                "it cannot run again one tensor at a time: the state given up is part-stepped"
+            ) from error
         return None
     return _as_lists(result, len(indices))
+
+
+def _unshared(args: list, given: Sequence[int]) -> list[int]:
+    """The ``given`` columns among ``args`` that are :class:`Leaves` of tensors whose memory no
+    other tensor in ``args`` starts at (a state tensor that is a parameter, or shares one tensor
+    with another field, is computed as new tensors, not overwritten)."""
+    candidates = [c for c in given if isinstance(args[c], Leaves)]
+    if not candidates:
+        return []
+    others: set = set()
+    for c, a in enumerate(args):
+        if c not in candidates:
+            tensors = a.items if isinstance(a, Leaves) else [a] if isinstance(a, torch.Tensor) else []
+            others.update(t.data_ptr() for t in tensors)
+    addresses = {c: [t.data_ptr() for t in args[c].items] for c in candidates}  # empty ones: 0, shared
+    counts = collections.Counter(address for column in addresses.values() for address in column)
+    return [c for c in candidates if not any(counts[a] > 1 or a in others for a in addresses[c])]
 
 
 def _shared_or_leaves(picked: list) -> Any:

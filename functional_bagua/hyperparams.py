@@ -43,7 +43,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, overloa
 
 import torch
 
-from functional_bagua import tree
+from functional_bagua import ownership, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number
 from functional_bagua.schedules import (
@@ -254,7 +254,9 @@ def inject_hyperparams(
             updates: PyTree, state: InjectHyperparamsState, params: Optional[PyTree] = None
         ) -> tuple[PyTree, InjectHyperparamsState]:
             hyperparams = tensors_at(state.count, state.hyperparams)
-            updates, inner_state = rebuilt(hyperparams).update(updates, state.inner_state, params)
+            inner = rebuilt(hyperparams)
+            with ownership.giving_state(inner.update if ownership.state_given_to(update) else None):
+                updates, inner_state = inner.update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
         # the hyperparameters whose value the state holds and no schedule drives (fb.Optimizer

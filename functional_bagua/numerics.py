@@ -9,7 +9,7 @@ it multiplies, so a float32 parameter's update stays float32.
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -122,7 +122,19 @@ def lerp(start: torch.Tensor, end: torch.Tensor, weight: Union[float, torch.Tens
     Returns:
         A new tensor.
     """
-    return start.lerp(end, weight if is_number(weight) else weight.to(start.dtype))
+    return start.lerp(end, lerp_weight(weight, start))
+
+
+def lerp_weight(weight: Union[float, torch.Tensor], start: Any) -> Union[float, torch.Tensor]:
+    """``weight`` as :func:`lerp` hands it to ``torch.lerp``: a number as it is, a tensor in the
+    dtype of ``start`` (for ``foreach.updated(start, "lerp", end, lerp_weight(weight, start))``,
+    :func:`lerp` computed in ``start``'s memory).
+
+    Args:
+        weight: the interpolation weight, a number or a 0-dim tensor.
+        start: the tensor (or ``foreach.Leaves``) interpolated from.
+    """
+    return weight if is_number(weight) else weight.to(start.dtype)
 
 
 def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha: Union[float, torch.Tensor]) -> torch.Tensor:

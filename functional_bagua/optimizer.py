@@ -54,6 +54,11 @@ with Python-number hyperparameters: :mod:`functional_bagua.kernels`), ``step`` r
 kernel runs eagerly also inside ``torch.compile(opt.step)``, where the pure updates of the other
 groups are compiled.
 
+A group keeps only the new state its transform returns, so it gives the old one up
+(:mod:`functional_bagua.ownership`): rules that can compute their new state in the old tensors
+do (Adam's moments, ``mu.lerp_(g, 1 - b1)``: the same bits as the pure update, as torch.optim's
+in-place steps), and ``optimizer.state[p]``'s tensors are stepped in place, as torch.optim's are.
+
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
 (``state_dict()``, ``optimizer.state``) does not make it. Parameters that do not require
@@ -92,7 +97,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from functional_bagua import checkpoint, kernels, tree
+from functional_bagua import checkpoint, kernels, ownership, tree
 from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates_
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
@@ -437,7 +442,9 @@ class Optimizer(torch.optim.Optimizer):
                 if scale is not None:
                     grads = _unscaled(grads, scale)
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
-            updates, ours.state = ours.tx.update(grads, state, params)
+            # the group keeps only the new state: the old one is given up (ownership module), so the
+            # rules that can compute their new state in its tensors, as torch.optim's steps do
+            updates, ours.state = ownership.update_giving_state(ours.tx, grads, state, params)
             apply_updates_(params, updates)  # in place: the numbers of apply_updates, one pass
         return loss
 

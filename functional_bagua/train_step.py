@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from functional_bagua import kernels, tree
+from functional_bagua import kernels, ownership, tree
 from functional_bagua.base import GradientTransformation, OptState, apply_updates, chain, identity
 from functional_bagua.compiling import compile_own
 from functional_bagua.flat import FlatLayout
@@ -189,10 +189,11 @@ def make_train_step(
                 new_state: OptState = (reduced_state, inner)
             else:
                 new_params, new_state = _run_kernel(kernel, grads, state, params, donate and not compile)
-        else:
-            updates, new_state = update(grads, state, params)
+        else:  # donated and eager: the state given up to the rules that compute in it (ownership module)
+            with ownership.giving_state(update if donate and not compile else None):
+                updates, new_state = update(grads, state, params)
             new_params = apply_updates(params, updates)
-        if donate:  # the new values into the given tensors (those the kernel stepped in place are those)
+        if donate:  # the new values into the given tensors (those stepped in place already are those)
             with torch.no_grad():
                 tree.copy_into((params, state), (new_params, new_state))
             new_params, new_state = params, state

@@ -111,9 +111,9 @@ def test_builtin_rules_run_grouped(alias, monkeypatch):
     calls = []
     original = foreach.run_grouped
 
-    def counting(rule, columns, indices):
+    def counting(rule, columns, indices, *given):
         calls.append(len(indices))
-        return original(rule, columns, indices)
+        return original(rule, columns, indices, *given)
 
     monkeypatch.setattr(foreach, "run_grouped", counting)
     params, steps = mixed_problem(alias)

@@ -5,6 +5,7 @@ caller's gradients and the state untouched, and no grant reaching a transform ne
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from devices import ON_CUDA, seeded
 from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree
 
 import functional_bagua as fb
+from functional_bagua import foreach, ownership
 from functional_bagua.base import GradientTransformation
 
+PROBLEM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.complex64)
 
-def problem(dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.complex64)):
+
+def problem(dtypes=PROBLEM_DTYPES):
     gen = seeded(5)
     params = {f"p{i}": torch.randn(3, 4, generator=gen).to(dt) for i, dt in enumerate(dtypes)}
     grads = [{k: torch.randn(p.shape, generator=gen).to(p.dtype) for k, p in params.items()} for _ in range(3)]
@@ -170,3 +174,129 @@ def test_a_compiled_chain_gives_the_eager_bits():
             torch.testing.assert_close(got, expected)
         else:
             assert_trees_equal(got, expected)
+
+
+# --- state given up: a caller that keeps only the new state (fb.Optimizer) -------------------------
+
+NEWER = {  # the newer first-order aliases, with their stateful paths on
+    fb.schedule_free_adamw: dict(lr=1e-2, warmup_steps=2, weight_decay=0.1),
+    fb.schedule_free_sgd: dict(lr=1e-2, weight_decay=0.1),
+    fb.adopt: dict(lr=1e-2, weight_decay=0.1, decouple=True),
+    fb.ademamix: dict(lr=1e-2, t_alpha_beta3=3.0),
+    fb.laprop: dict(lr=1e-2, weight_decay=0.1),
+    fb.mars_adamw: dict(lr=1e-2),
+    fb.prodigy: dict(weight_decay=0.1),
+}
+WHOLE_TENSOR_RULES = {fb.muon, fb.adafactor, fb.lamb, fb.lars, fb.prodigy, fb.mars_adamw}  # norms or shapes: no complex
+REAL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+COMPUTED_IN_PLACE = {fb.adam, fb.adamw, fb.nadam, fb.radam, fb.adabelief, fb.lion, fb.adopt, fb.ademamix}
+COMPUTED_IN_PLACE |= {fb.laprop, fb.schedule_free_adamw, fb.schedule_free_sgd}
+
+
+def tensors_of(tree) -> list:
+    return [t for t in fb.tree.flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize(
+    "alias, settings",
+    [(a, RICH_SETTINGS.get(a, {})) for a in ALL_ALIASES] + list(NEWER.items()),
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_state_given_up_gives_the_pure_bits_and_is_stepped_in_its_own_tensors(alias, settings):
+    """Every alias, its state given up (as fb.Optimizer gives it) against the pure update on a
+    copy: the same updates and new state, bit for bit (float32, float64, bfloat16 and complex
+    parameters); the rules written with foreach.updated step their state in its own tensors."""
+    settings = dict(settings)
+    if alias is fb.adam:
+        settings.pop("amsgrad")  # nu_max has no in-place form; its own path is covered below
+    tx = alias(**settings)
+    params, steps = problem(dtypes=REAL_DTYPES if alias in WHOLE_TENSOR_RULES else PROBLEM_DTYPES)
+    state_pure = tx.init(params)
+    state_given = clone_tree(state_pure)
+    for grads in steps:
+        before = tensors_of(state_given)
+        want, state_pure = tx.update(grads, state_pure, params)
+        got, state_given = ownership.update_giving_state(tx, grads, state_given, params)
+        assert_trees_equal(got, want)
+        assert_trees_equal(state_given, state_pure)
+        kept = {id(t) for t in tensors_of(state_given)}
+        reused = [t for t in before if id(t) in kept and t.dim() > 0]
+        if alias in COMPUTED_IN_PLACE:
+            assert reused, "no state tensor was stepped in place"
+        params = fb.apply_updates(params, got)
+
+
+def test_a_pure_update_leaves_the_state_it_is_given_untouched():
+    params, steps = problem()
+    tx = fb.adopt(1e-2, weight_decay=0.1, decouple=True)
+    state = tx.init(params)
+    for grads in steps:
+        copy = clone_tree(state)
+        _, new_state = tx.update(grads, state, params)
+        assert_trees_equal(state, copy)
+        state = new_state
+
+
+@pytest.mark.parametrize(
+    "wrap, poisoned",
+    [(lambda tx: fb.apply_if_finite(tx, 3), True), (lambda tx: fb.multi_steps(tx, 2), False)],
+    ids=["apply_if_finite", "multi_steps"],
+)
+def test_a_wrapper_that_may_keep_the_old_state_never_passes_it_on_given_up(wrap, poisoned):
+    """fb.Optimizer gives its state up; apply_if_finite (which keeps the old state after a
+    non-finite gradient, the second one here) and multi_steps (which keeps it between windows) do
+    not pass that on: the steps are those of the pure update."""
+    params, steps = problem(dtypes=(torch.float32, torch.float64))
+    if poisoned:
+        steps[1] = {k: torch.full_like(g, float("nan")) for k, g in steps[1].items()}
+    tensors = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt = fb.Optimizer(tensors.values(), wrap(fb.adam(1e-2)))
+    want, _ = run_updates_pure(wrap(fb.adam(1e-2)), params, steps)
+    for grads in steps:
+        for k, p in tensors.items():
+            p.grad = grads[k].clone()
+        opt.step()
+    assert_trees_equal({k: p.detach() for k, p in tensors.items()}, want)
+
+
+def run_updates_pure(tx, params, steps):
+    state = tx.init(params)
+    for grads in steps:
+        updates, state = tx.update(grads, state, params)
+        params = fb.apply_updates(params, updates)
+    return params, state
+
+
+class _Held(NamedTuple):
+    x: torch.Tensor
+
+
+def test_given_state_that_shares_a_tensor_with_the_parameters_is_not_overwritten():
+    """A rule whose state holds the parameter tensor itself: given up or not, the parameter is
+    not written in (a column sharing a tensor with another is computed as new tensors)."""
+    tx = fb.leafwise(
+        _Held, lambda p: _Held(p), lambda g, s, p: (g * 0, _Held(foreach.updated(s.x, "add", g))), name="held"
+    )
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    state = tx.init(params)
+    _, new_state = ownership.update_giving_state(tx, {k: torch.ones_like(v) for k, v in params.items()}, state, params)
+    assert torch.equal(params["a"], torch.ones(3)) and torch.equal(new_state.x["a"], torch.full((3,), 2.0))
+
+
+def test_a_rule_that_fails_after_overwriting_given_state_raises_instead_of_running_again():
+    """The grouped path falls back to one tensor at a time when a rule raises; after the rule has
+    overwritten state given up, running it again would step that state twice: it raises."""
+
+    def rule(g, s, p):
+        x = foreach.updated(s.x, "add", g)
+        if isinstance(x, foreach.Leaves):
+            raise foreach.PerTensorOnly("only one tensor at a time from here")
+        return g, _Held(x)
+
+    tx = fb.leafwise(_Held, lambda p: _Held(torch.zeros_like(p)), rule, name="fails")
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    _, pure = tx.update(grads, tx.init(params), params)  # not given: falls back, one tensor at a time
+    assert torch.equal(pure.x["a"], torch.ones(3))
+    with pytest.raises(RuntimeError, match="after overwriting the state it was given"):
+        ownership.update_giving_state(tx, grads, tx.init(params), params)

@@ -198,13 +198,15 @@ def _run_step(make_tx, fused, steps=STEPS, **options):
 DONATED_ANY_TX = {
     "lion": lambda: fb.lion(1e-3, weight_decay=0.1),
     "adamw-cosine": lambda: fb.adamw(lr=fb.schedules.warmup_cosine_decay(0.0, 1e-2, 2, 10)),
+    "adopt": lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),  # its state computed in the given
 }
 
 
 @pytest.mark.parametrize("make_tx", DONATED_ANY_TX.values(), ids=DONATED_ANY_TX.keys())
 def test_donated_eager_step_of_any_transform_writes_into_what_it_is_given(make_tx):
-    """Without torch's kernel (no alias of it, or a schedule) the donated step copies the update's
-    results into the parameters and state it was given: the pure step's numbers, bit for bit."""
+    """Without torch's kernel (no alias of it, or a schedule) the donated step computes the new
+    state in the state it was given where the rules can (ownership module), and copies the rest
+    and the parameters in: the pure step's numbers, bit for bit."""
     pure, moved = _run_step(make_tx, False, compile=False)
     donated, in_place = _run_step(make_tx, False, compile=False, donate=True)
     assert in_place and not moved

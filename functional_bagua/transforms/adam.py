@@ -39,7 +39,8 @@ from typing import NamedTuple, Optional, Union, cast
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import as_scalar, holds_scalar_tensors, is_number, lerp, zero_count
+from functional_bagua.foreach import updated
+from functional_bagua.numerics import as_scalar, holds_scalar_tensors, is_number, lerp_weight, zero_count
 from functional_bagua.transforms.leafwise import leafwise
 
 
@@ -56,22 +57,39 @@ def bias_correction(beta: Union[float, torch.Tensor], t: torch.Tensor) -> torch.
     return 1 - beta**t
 
 
+def first_moment(mu: torch.Tensor, g: torch.Tensor, b1: Union[float, torch.Tensor]) -> torch.Tensor:
+    """``lerp(mu, g, 1 - b1) = b1 mu + (1 - b1) g``, the new first moment (``b1`` a number or a
+    0-dim tensor).
+
+    Args:
+        mu: the previous first-moment estimate (left unmodified, unless it is state its caller
+            gave up: then the new one is computed in it, :func:`~functional_bagua.foreach.updated`).
+        g: the gradient, of ``mu``'s shape.
+        b1: the decay rate, the weight of ``mu``.
+
+    Returns:
+        The new first-moment estimate.
+    """
+    return updated(mu, "lerp", g, lerp_weight(1 - b1, mu))
+
+
 def second_moment(v: torch.Tensor, g: torch.Tensor, b2: Union[float, torch.Tensor]) -> torch.Tensor:
     """``b2 v + (1 - b2) g^2`` (``b2`` a number or a 0-dim tensor).
 
     Args:
-        v: the previous second-moment estimate (left unmodified).
+        v: the previous second-moment estimate (left unmodified, unless it is state its caller
+            gave up: then the new one is computed in it, :func:`~functional_bagua.foreach.updated`).
         g: the gradient, of ``v``'s shape, whose square is averaged in.
         b2: the decay rate, the weight of ``v``; a number uses one fused ``addcmul``.
 
     Returns:
-        The new second-moment estimate, a new tensor.
+        The new second-moment estimate.
     """
     if not is_number(b2):
-        return v * b2 + (1 - b2) * g * g
+        return updated(v, "mul", b2).add_((1 - b2) * g * g)  # v * b2 + (1 - b2) * g * g
     if torch.compiler.is_compiling():  # traced, torch decomposes addcmul_ into other roundings than addcmul's
         return v.mul(b2).addcmul(g, g, value=1 - b2)
-    return v.mul(b2).addcmul_(g, g, value=1 - b2)  # in place on our own temporary: the same bits, one tensor less
+    return updated(v, "mul", b2).addcmul_(g, g, value=1 - b2)  # in place on v.mul(b2): the same bits
 
 
 def divided_root(v: torch.Tensor, divisor: Union[float, torch.Tensor]) -> torch.Tensor:
@@ -141,7 +159,7 @@ def scale_by_adam(
     def update_leaf(g: torch.Tensor, s: _AdamState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, _AdamState]:
         count = s.count + 1
         t = as_scalar(count)
-        mu = lerp(s.mu, g, 1 - b1)
+        mu = first_moment(s.mu, g, b1)
         nu = second_moment(s.nu, g, b2)
         new_state: _AdamState
         if amsgrad:
@@ -226,7 +244,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
         g: torch.Tensor, s: ScaleByAdamaxState, p: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, ScaleByAdamaxState]:
         count = s.count + 1
-        mu = lerp(s.mu, g, 1 - b1)
+        mu = first_moment(s.mu, g, b1)
         nu = torch.maximum(s.nu.mul(b2), g.abs().add(eps))
         u = mu / nu / bias_correction(b1, as_scalar(count))
         return u, ScaleByAdamaxState(count, mu, nu)
@@ -278,7 +296,7 @@ def scale_by_nadam(
         t = as_scalar(count)
         mu_t, mu_next = momentum_at(t), momentum_at(t + 1)
         mu_product = s.mu_product * mu_t
-        mu = lerp(s.mu, g, 1 - b1)
+        mu = first_moment(s.mu, g, b1)
         nu = second_moment(s.nu, g, b2)
         denom = nu.div(bias_correction(b2, t)).sqrt().add(eps)
         u = (g / denom) * ((1 - mu_t) / (1 - mu_product)) + (mu / denom) * (mu_next / (1 - mu_product * mu_next))
@@ -324,7 +342,7 @@ def scale_by_radam(
     ) -> tuple[torch.Tensor, ScaleByRadamState]:
         count = s.count + 1
         t = as_scalar(count)
-        mu = lerp(s.mu, g, 1 - b1)
+        mu = first_moment(s.mu, g, b1)
         nu = second_moment(s.nu, g, b2)
         bc2 = bias_correction(b2, t)
         mu_hat = mu / bias_correction(b1, t)

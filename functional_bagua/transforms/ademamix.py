@@ -19,8 +19,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import as_scalar, lerp, zero_count
-from functional_bagua.transforms.adam import bias_correction, second_moment
+from functional_bagua.foreach import updated
+from functional_bagua.numerics import as_scalar, lerp_weight, zero_count
+from functional_bagua.transforms.adam import bias_correction, first_moment, second_moment
 from functional_bagua.transforms.leafwise import leafwise
 
 Scalar = Union[float, torch.Tensor]
@@ -89,11 +90,11 @@ def scale_by_ademamix(
     ) -> tuple[torch.Tensor, ScaleByAdemamixState]:
         count = s.count + 1
         t = as_scalar(count)
-        mu = lerp(s.mu, g, 1 - b1)
+        mu = first_moment(s.mu, g, b1)
         nu = second_moment(s.nu, g, b2)
-        mu_slow = lerp(s.mu_slow, g, 1 - b3_at(t, b1, b3, t_alpha_beta3))
-        denom = nu.sqrt().div(bias_correction(b2, t).sqrt()).add(eps)
-        u = (mu / bias_correction(b1, t)).add(mu_slow * alpha_at(t, alpha, t_alpha_beta3)).div(denom)
+        mu_slow = updated(s.mu_slow, "lerp", g, lerp_weight(1 - b3_at(t, b1, b3, t_alpha_beta3), s.mu_slow))
+        denom = nu.sqrt().div_(bias_correction(b2, t).sqrt()).add_(eps)  # in place on new tensors
+        u = (mu / bias_correction(b1, t)).add_(mu_slow * alpha_at(t, alpha, t_alpha_beta3)).div_(denom)
         return u, ScaleByAdemamixState(count, mu, nu, mu_slow)
 
     return leafwise(ScaleByAdemamixState, init_leaf, update_leaf, name="scale_by_ademamix", fresh_updates=True)

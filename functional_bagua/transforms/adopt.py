@@ -22,7 +22,8 @@ from typing import Callable, NamedTuple, Optional, Union, cast
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import as_scalar, is_number, lerp, zero_count
+from functional_bagua.foreach import updated
+from functional_bagua.numerics import as_scalar, is_number, lerp_weight, zero_count
 from functional_bagua.transforms.leafwise import leafwise
 
 Scalar = Union[float, torch.Tensor]
@@ -84,17 +85,17 @@ def scale_by_adopt(
     ) -> tuple[torch.Tensor, ScaleByAdoptState]:
         steps_before = as_scalar(s.count)
         later = (s.count > 0).to(steps_before.dtype)  # 0 at the first step, which only initializes v
-        normalized = g / s.nu.sqrt().clamp_min(eps)
+        normalized = g / s.nu.sqrt().clamp_min_(eps)  # in place on the new tensors: the same bits
         if clip is not None:  # c(0) = 0 at the first step: nothing of g / eps enters the momentum
             bound = clip(steps_before)
             if isinstance(bound, torch.Tensor):  # in the gradient's dtype: a 0-dim one would be promoted
                 bound = bound.to(normalized.dtype)
-            normalized = normalized.clamp(-bound, bound)  # type: ignore[arg-type]  # a number or a 0-dim tensor
+            normalized = normalized.clamp_(-bound, bound)  # type: ignore[arg-type]  # a number or a 0-dim tensor
         else:  # g / eps may overflow a low-precision dtype at the first step: never let it in
             normalized = torch.where(s.count > 0, normalized, 0.0)
-        mu = lerp(s.mu, normalized, (1 - b1) * later)
+        mu = updated(s.mu, "lerp", normalized, lerp_weight((1 - b1) * later, s.mu))
         kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
-        nu = s.nu * kept + g * g * (1 - kept)
+        nu = updated(s.nu, "mul", kept).add_(g * g * (1 - kept))  # s.nu * kept + g g (1 - kept)
         u = mu if not decays else mu + cast(torch.Tensor, p) * weight_decay  # needs_params when it decays
         return u * later, ScaleByAdoptState(s.count + 1, mu, nu)
 

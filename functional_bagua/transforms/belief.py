@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import as_scalar, lerp, zero_count
-from functional_bagua.transforms.adam import bias_correction, second_moment
+from functional_bagua.numerics import as_scalar, zero_count
+from functional_bagua.transforms.adam import bias_correction, first_moment, second_moment
 from functional_bagua.transforms.leafwise import leafwise
 
 
@@ -51,8 +51,8 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16) -> G
     ) -> tuple[torch.Tensor, ScaleByBeliefState]:
         count = s.count + 1
         t = as_scalar(count)
-        mu = lerp(s.mu, g, 1 - b1)
-        nu = second_moment(s.nu, g - mu, b2).add(eps)
+        mu = first_moment(s.mu, g, b1)
+        nu = second_moment(s.nu, g - mu, b2).add_(eps)  # in s.nu given up, else in a new tensor
         u = mu / bias_correction(b1, t) / (nu.sqrt() / bias_correction(b2, t).sqrt()).add(eps)
         return u, ScaleByBeliefState(count, mu, nu)
 

@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional, Union, cast
 import torch
 
 from functional_bagua.base import GradientTransformation
+from functional_bagua.foreach import updated
 from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, lerp, zero_count
 from functional_bagua.transforms.adam import bias_correction, second_moment
 from functional_bagua.transforms.leafwise import leafwise
@@ -104,8 +105,8 @@ def scale_by_laprop(
         if centered:
             grad_avg = lerp(cast(ScaleByCenteredLapropState, s).grad_avg, g, 1 - b2)
             second = torch.where(count > steps_before_using_centered, nu - grad_avg * grad_avg, nu)
-        denom = (second + eps_root).sqrt().add(eps).div(bias_correction(b2, t).sqrt())
-        mu = s.mu * b1 + (g / denom) * ((1 - b1) * learning_rate)
+        denom = (second + eps_root).sqrt().add_(eps).div_(bias_correction(b2, t).sqrt())  # new tensors
+        mu = updated(s.mu, "mul", b1).add_((g / denom) * ((1 - b1) * learning_rate))  # s.mu b1 + ...
         u = mu * (1 / lr_bias)
         if centered:
             return u, ScaleByCenteredLapropState(count, mu, nu, lr_avg, grad_avg)

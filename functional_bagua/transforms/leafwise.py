@@ -124,8 +124,10 @@ def leafwise(
 
     def on_lists(x: LeafLists, state: NamedTuple, overwrite: bool) -> tuple[list, NamedTuple]:
         """The update on checked lists (:mod:`functional_bagua.leaf_lists`); the rule never
-        writes in its input, so ``overwrite`` is unused."""
+        writes in its input updates, so ``overwrite`` is unused; it may compute its new state in
+        the old one's tensors where its caller gave that up (:func:`~functional_bagua.foreach.updated`)."""
         del overwrite
+        given = range(2, 2 + len(fields)) if ownership.state_given_to(update) else ()
         if not isinstance(state, state_type):
             raise ValueError(
                 f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the "
@@ -142,7 +144,7 @@ def leafwise(
         singles = list(x.singles)
         columns = [x.updates, x.params, *state_leaves]
         for members in x.groups:
-            result = foreach.run_grouped(rule_of_fields, columns, members)
+            result = foreach.run_grouped(rule_of_fields, columns, members, given)
             if result is None:  # the rule needs single tensors
                 singles.extend(members)
                 continue

@@ -12,7 +12,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import lerp
+from functional_bagua.foreach import updated
+from functional_bagua.numerics import lerp, lerp_weight
 from functional_bagua.transforms.leafwise import leafwise
 
 
@@ -44,6 +45,6 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         g: torch.Tensor, s: ScaleByLionState, p: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, ScaleByLionState]:
         u = lerp(s.mu, g, 1 - b1).sign()
-        return u, ScaleByLionState(lerp(s.mu, g, 1 - b2))
+        return u, ScaleByLionState(updated(s.mu, "lerp", g, lerp_weight(1 - b2, s.mu)))  # s.mu read above
 
     return leafwise(ScaleByLionState, init_leaf, update_leaf, name="scale_by_lion", fresh_updates=True)

@@ -43,11 +43,12 @@ from typing import Any, NamedTuple, Optional, Union
 import optree
 import torch
 
-from functional_bagua import tree
+from functional_bagua import ownership, tree
 from functional_bagua.base import GradientTransformation, chain
+from functional_bagua.foreach import updated
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import SCALAR_DTYPE, add_scaled, as_scalar, is_number, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
 from functional_bagua.transforms.direction import refuse_a_step
 from functional_bagua.transforms.leafwise import leafwise
 from functional_bagua.tree import PyTree
@@ -166,13 +167,15 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         if params is None:
             raise ValueError("schedule_free needs the parameters: call update(grads, state, params)")
         (count, lr_max, weight_sum, b1_now), step = numbers(state)
-        u, iterate = step.update(d, _BaseIterate(state.z), params)
+        with ownership.giving_state(step.update if ownership.state_given_to(update) else None):  # z
+            u, iterate = step.update(d, _BaseIterate(state.z), params)
         return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
 
     def on_lists(x: LeafLists, state: ScheduleFreeState, overwrite: bool) -> tuple[list, ScheduleFreeState]:
         """The same on a chain's checked lists (:mod:`functional_bagua.leaf_lists`)."""
         (count, lr_max, weight_sum, b1_now), step = numbers(state)
-        u, iterate = step.update.on_lists(x, _BaseIterate(state.z), overwrite)
+        with ownership.giving_state(step.update if ownership.state_given_to(update) else None):  # z
+            u, iterate = step.update.on_lists(x, _BaseIterate(state.z), overwrite)
         return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
 
     update.on_lists = on_lists  # type: ignore[attr-defined]
@@ -194,7 +197,9 @@ def _stepped_with(c: Scalar, along: Scalar, minus_lr: Scalar) -> GradientTransfo
         u = (s.z - y).mul_(_on_device_of(c, y))
         along_here = _on_device_of(along, y)
         u = u.add_(d, alpha=along_here) if is_number(along_here) else u.add_(d * along_here)
-        return u, _BaseIterate(add_scaled(s.z, d, _on_device_of(minus_lr, y)))
+        step = _on_device_of(minus_lr, y)  # z + step d, in z where it was given up (read above)
+        z = updated(s.z, "add", d, alpha=step) if is_number(step) else updated(s.z, "add", step * d)
+        return u, _BaseIterate(z)
 
     return leafwise(_BaseIterate, init_leaf, update_leaf, name="schedule_free", needs_params=True, fresh_updates=True)
 
