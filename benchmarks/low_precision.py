@@ -1,6 +1,6 @@
 """Optimizer state in bfloat16 and 8 bits (``fb.low_precision_state``) against float32 state:
 the bytes the state takes, the step time, and the loss of the language model after a fixed
-number of steps, with torchao's 8-bit AdamW (optional peer) in the same run.
+number of steps, with torchao's and bitsandbytes' 8-bit AdamW (optional peers) in the same run.
 
     python benchmarks/low_precision.py                    # CPU: memory and step time, then the LM
     python benchmarks/low_precision.py --device cuda --skip-lm
@@ -53,6 +53,18 @@ def torchao_adamw8bit(params: Any) -> Any:
     from torchao.optim import AdamW8bit
 
     return AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+
+
+def bitsandbytes_adamw8bit(params: Any) -> Any:
+    from bitsandbytes.optim import AdamW8bit
+
+    return AdamW8bit(params, lr=1e-3, weight_decay=0.01)  # tensors under 4096 values in float32, as ours
+
+
+PEERS = {  # name: (the optimizer's factory, how its step runs)
+    "torchao AdamW8bit": (torchao_adamw8bit, "its step (torch.compile per tensor)"),
+    "bitsandbytes AdamW8bit": (bitsandbytes_adamw8bit, "its step (its CPU or CUDA kernels)"),
+}
 
 
 def allocated_during(fn: Callable[[], object], device: str) -> tuple[int, Optional[int]]:
@@ -144,22 +156,24 @@ def timing_rows(config: str, device: str, steps: int) -> list[dict]:
                     "first call s": f"{first:.1f}" if "compiled" in path else "",
                 }
             )
-    try:
-        params = problem(config, device)
-        opt = torchao_adamw8bit(params)
+    for name, (make, how) in PEERS.items():
+        try:
+            params = problem(config, device)
+            opt = make(params)
+        except ImportError:
+            print(f"# {name.split()[0]} not installed: its AdamW8bit left out", file=sys.stderr)
+            continue
         ts = step_times_ms(opt.step, device, steps)
         median = statistics.median(ts)
         rows.append(
             {
-                "state": "torchao AdamW8bit",
-                "path": "its step (torch.compile per tensor)",
+                "state": name,
+                "path": how,
                 "ms (range)": f"{median:.3g} ({spread(ts)})",
                 "x float32": f"{median / base['fb.Optimizer (eager)']:.2f}",
                 "first call s": "",
             }
         )
-    except ImportError:
-        print("# torchao not installed: its AdamW8bit left out", file=sys.stderr)
     return rows
 
 
@@ -172,13 +186,14 @@ def lm_rows(args: argparse.Namespace) -> list[dict]:
     )  # fmt: skip
     data, _ = data_for(lm_args, extra_batches=8)
     data, held_out = data[: lm_args.steps], data[lm_args.steps :]
-    runs = {name: dict(make_tx=make) for name, make in STATES.items()}
-    try:
-        import torchao  # noqa: F401
-
-        runs["torchao AdamW8bit"] = dict(make_optimizer=torchao_adamw8bit)
-    except ImportError:
-        print("# torchao not installed: its AdamW8bit left out", file=sys.stderr)
+    runs: dict[str, dict] = {name: dict(make_tx=make) for name, make in STATES.items()}
+    for name, (make, _) in PEERS.items():
+        try:
+            make([torch.nn.Parameter(torch.zeros(1, device=args.device))])
+        except ImportError:
+            print(f"# {name.split()[0]} not installed: its AdamW8bit left out", file=sys.stderr)
+            continue
+        runs[name] = dict(make_optimizer=make)
     results = [train(name, args=lm_args, data=data, held_out=held_out, **how) for name, how in runs.items()]
     base = results[0]
     return [
@@ -214,10 +229,11 @@ def main() -> None:
             memory_row(name, lambda ps, m=make: fb.Optimizer(ps, m()), config, args.device)
             for name, make in STATES.items()
         ]
-        try:
-            memory.append(memory_row("torchao AdamW8bit", torchao_adamw8bit, config, args.device))
-        except ImportError:
-            pass
+        for name, (make, _) in PEERS.items():
+            try:
+                memory.append(memory_row(name, make, config, args.device))
+            except ImportError:
+                pass
         columns = ["state", "bytes/param allocated", "bytes/param counted", "peak during the step"]
         print(table(memory, columns), flush=True)
         print()

@@ -1,6 +1,7 @@
-"""Optimizer state in bfloat16 (stochastic rounding) and 8 bits (blockwise dynamic quantization):
-the codecs against torchao's and against the rounding rule written out, the wrapper against the
-inner transform run on the decoded state, checkpoints, compiled and fused steps, bad input."""
+"""Optimizer state in bfloat16 (stochastic rounding), 8 bits (blockwise dynamic quantization) and
+bfloat16 with an 8-bit correction: the codecs against torchao's and bitsandbytes' and against
+the rules written out, the wrapper against the inner transform run on the decoded state,
+checkpoints, compiled and fused steps, bad input."""
 
 from __future__ import annotations
 
@@ -58,6 +59,39 @@ def test_codes_and_scales_are_torchaos(signed):
         fb.dequantize_blockwise(codes, scales, signed=signed),
         quant_utils.dequant_with_qmap(want_codes, qmap, want_scales),
     )
+
+
+BITSANDBYTES_WHY = (
+    "bitsandbytes' blockwise quantization is the 8-bit codec's second reference: an optional test dependency"
+)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_codes_and_scales_against_bitsandbytes(signed):
+    """bitsandbytes' (CPU) blockwise quantization on the same inputs, a short last block
+    included: the same map (its create_dynamic_map), the same scales (absmax), and from the same
+    codes the same decoded values, bit for bit. Its kernel's search is coarser than the nearest
+    entry: values under about 2e-5 of their block's scale share one code, and near a midpoint it
+    may take the farther neighbour. So: our code is never farther from the value than its, and
+    for values of at least 1e-3 of their scale the codes are equal but within 5% of a gap from
+    a midpoint."""
+    bnb = pytest.importorskip("bitsandbytes.functional", reason=BITSANDBYTES_WHY)
+    x = moments_like(256 * 40 + 77, signed, seeded(2))
+    qmap = bnb.create_dynamic_map(signed=signed)
+    assert torch.equal(qmap, lp.dynamic_map(signed, torch.device("cpu")))
+    want_codes, want_state = bnb.quantize_blockwise(x, code=qmap, blocksize=256)
+    codes, scales = fb.quantize_blockwise(x, block_size=256, signed=signed)
+    assert torch.equal(scales, want_state.absmax)
+    assert torch.equal(
+        fb.dequantize_blockwise(want_codes, scales, signed=signed), bnb.dequantize_blockwise(want_codes, want_state)
+    )
+    normalized = x / scales.repeat_interleave(256)[: x.numel()]
+    ours, theirs = qmap[codes.long()], qmap[want_codes.long()]
+    assert bool(((normalized - ours).abs() <= (normalized - theirs).abs()).all())
+    differ = (codes != want_codes) & (normalized.abs() >= 1e-3)
+    assert bool(((codes[differ].long() - want_codes[differ].long()).abs() == 1).all())  # neighbours
+    midpoint, gap = (ours[differ] + theirs[differ]) / 2, (ours[differ] - theirs[differ]).abs()
+    assert bool(((normalized[differ] - midpoint).abs() <= 0.05 * gap).all())
 
 
 def test_each_value_gets_the_nearest_entry_of_its_blocks_map():
