@@ -46,6 +46,7 @@ __all__ = [
     "grouped_enabled",
     "groups",
     "per_tensor",
+    "run_each",
     "run_grouped",
     "run_groups",
     "strict",
@@ -662,6 +663,7 @@ def run_groups(
     columns: Sequence[Sequence[Any]],
     indices: Sequence[int],
     key: Callable[[int], Any] = lambda i: None,
+    given: Sequence[int] = (),
 ) -> tuple[list[tuple[list[int], Any]], list[int]]:
     """``rule`` once per group of the tensors at ``indices`` of the first column (:func:`groups`),
     with :func:`run_grouped`: the ``(members, result)`` of each group that ran, and the indices
@@ -672,14 +674,42 @@ def run_groups(
         columns: per argument of the rule, one value per tensor; the first column is grouped.
         indices: which tensors to run.
         key: as for :func:`groups`.
+        given: as for :func:`run_grouped`.
     """
     ran, done = [], set()
     for members in groups(columns[0], indices, key):
-        result = run_grouped(rule, columns, members)
+        result = run_grouped(rule, columns, members, given)
         if result is not None:
             ran.append((members, result))
             done.update(members)
     return ran, [i for i in indices if i not in done]
+
+
+def run_each(
+    rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int], given: Sequence[int] = ()
+) -> dict[int, Any]:
+    """``rule`` on the tensors at ``indices`` of each column: grouped (:func:`run_groups`) where
+    grouping is on and the rule runs so, else one tensor at a time, with the same bits either
+    way; ``{index: the rule's result for that tensor}`` (a tuple where the rule returns one).
+
+    Args:
+        rule: a rule written for single tensors (its arguments: one per column).
+        columns: per argument of the rule, one value per tensor.
+        indices: which tensors to run.
+        given: as for :func:`run_grouped`.
+
+    Example::
+
+        norms = foreach.run_each(lambda g: g.abs().sum(), [grads], range(len(grads)))
+    """
+    ran, singles = run_groups(rule, columns, indices, given=given) if grouped_enabled() else ([], list(indices))
+    out: dict[int, Any] = {}
+    for members, result in ran:
+        for k, i in enumerate(members):
+            out[i] = tuple(part[k] for part in result) if isinstance(result, tuple) else result[k]
+    for i in singles:
+        out[i] = rule(*(column[i] for column in columns))
+    return out
 
 
 def run_grouped(

@@ -353,3 +353,14 @@ def test_a_group_of_0_dim_parameters_runs_its_whole_rule_stacked_as_each_tensor_
         grouped = run(alias(lr=1e-2), params, steps)
     assert_trees_equal(grouped, per_tensor_run)
     assert stacked_ops.count(True) >= 3, stacked_ops
+
+
+@pytest.mark.parametrize("alias", list(NEWER_FIRST_ORDER) + [fb.prodigy, fb.dadapt_adam], ids=lambda a: a.__name__)
+def test_newer_first_order_aliases_give_the_same_bits_grouped_and_per_tensor(alias):
+    """Schedule-free, ADOPT, AdEMAMix, LaProp, MARS and the learning-rate-free pair (whose sums
+    and moments run through foreach.run_each), grouped against one tensor at a time, float32,
+    float64 and bfloat16 parameters with some gradients None."""
+    params, steps = mixed_problem(alias)
+    settings = NEWER_FIRST_ORDER.get(alias, dict(weight_decay=0.1))
+    grouped, single = both_paths(alias(**settings), params, steps)
+    assert_trees_equal(grouped, single)

@@ -186,11 +186,20 @@ NEWER = {  # the newer first-order aliases, with their stateful paths on
     fb.laprop: dict(lr=1e-2, weight_decay=0.1),
     fb.mars_adamw: dict(lr=1e-2),
     fb.prodigy: dict(weight_decay=0.1),
+    fb.dadapt_adam: dict(weight_decay=0.1),
 }
-WHOLE_TENSOR_RULES = {fb.muon, fb.adafactor, fb.lamb, fb.lars, fb.prodigy, fb.mars_adamw}  # norms or shapes: no complex
+WHOLE_TENSOR_RULES = {
+    fb.muon,
+    fb.adafactor,
+    fb.lamb,
+    fb.lars,
+    fb.prodigy,
+    fb.dadapt_adam,
+    fb.mars_adamw,
+}  # norms or shapes: no complex
 REAL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 COMPUTED_IN_PLACE = {fb.adam, fb.adamw, fb.nadam, fb.radam, fb.adabelief, fb.lion, fb.adopt, fb.ademamix}
-COMPUTED_IN_PLACE |= {fb.laprop, fb.schedule_free_adamw, fb.schedule_free_sgd}
+COMPUTED_IN_PLACE |= {fb.laprop, fb.schedule_free_adamw, fb.schedule_free_sgd, fb.prodigy, fb.dadapt_adam}
 
 
 def tensors_of(tree) -> list:

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from functional_bagua import checks, layout_context, tree
+from functional_bagua import checks, foreach, layout_context, ownership, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
 from functional_bagua.tree import PyTree
@@ -85,6 +85,8 @@ def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The float64 sum of 0-dim tensors (on any devices), on ``device``; 0 for none."""
     if not values:
         return torch.zeros((), dtype=SCALAR_DTYPE, device=device)
+    if all(v.device == values[0].device and v.dtype == values[0].dtype for v in values):  # one conversion
+        return torch.stack(values).to(device=device, dtype=SCALAR_DTYPE).sum()
     return torch.stack([v.to(device=device, dtype=SCALAR_DTYPE) for v in values]).sum()
 
 
@@ -103,6 +105,22 @@ def _stepping(lr: Scalar) -> Optional[torch.Tensor]:
 
 def _kept_unless(stepping: Optional[torch.Tensor], new: Any, old: Any) -> Any:
     return new if stepping is None or new is None else torch.where(stepping.to(new.device), new, old)
+
+
+def _dot_with_difference(g: Any, p0: Any, p: Any) -> Any:
+    """``<g, p0 - p>`` of one tensor (or of each of a group's)."""
+    return torch.dot(g.reshape(-1), (p0 - p).reshape(-1))
+
+
+def _l1_norm(x: Any) -> Any:
+    """``sum |x|`` of one tensor (or of each of a group's)."""
+    return x.abs().sum()
+
+
+def _decayed_plus(old: Any, decay: Scalar, added: Any) -> Any:
+    """``old * decay + added`` (``decay`` in ``added``'s dtype), the new value of the state tensor
+    ``old``: computed in it where its caller gave it up (:func:`~functional_bagua.foreach.updated`)."""
+    return foreach.updated(old, "mul", _factor(decay, added)).add_(added)
 
 
 def _leaves(spec: Any, field: PyTree) -> list[Any]:
@@ -196,16 +214,22 @@ def scale_by_prodigy(
         stepping = _stepping(lr)
         dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
         stepped = [i for i, g in enumerate(g_leaves) if g is not None]
-        dots = [torch.dot(g_leaves[i].reshape(-1), (p0s[i] - p_leaves[i]).reshape(-1)) for i in stepped]
-        d_numerator = state.d_numerator * beta3 + (d / d0) * dlr * _total(dots, d.device)
+        dots = foreach.run_each(_dot_with_difference, [g_leaves, p0s, p_leaves], stepped)
+        d_numerator = state.d_numerator * beta3 + (d / d0) * dlr * _total(list(dots.values()), d.device)
         accumulate = (d / d0) * (d if safeguard_warmup else dlr)
+
+        def moments(g: Any, mu: Any, nu: Any, s: Any) -> tuple:
+            return (
+                _kept_unless(stepping, _decayed_plus(mu, b1, g * _factor(d * (1 - b1), g)), mu),
+                _kept_unless(stepping, _decayed_plus(nu, b2, g * g * _factor(d * d * (1 - b2), g)), nu),
+                _kept_unless(stepping, _decayed_plus(s, beta3, g * _factor(accumulate, g)), s),
+            )
+
         new_mu, new_nu, new_s = list(mus), list(nus), list(ss)
-        for i in stepped:
-            g = g_leaves[i]
-            new_mu[i] = _kept_unless(stepping, mus[i] * _factor(b1, g) + g * _factor(d * (1 - b1), g), mus[i])
-            new_nu[i] = _kept_unless(stepping, nus[i] * _factor(b2, g) + g * g * _factor(d * d * (1 - b2), g), nus[i])
-            new_s[i] = _kept_unless(stepping, ss[i] * _factor(beta3, g) + g * _factor(accumulate, g), ss[i])
-        d_denom = _total([new_s[i].abs().sum() for i in stepped], d.device)
+        given = (1, 2, 3) if stepping is None and ownership.state_given_to(update) else ()
+        for i, (mu, nu, s) in foreach.run_each(moments, [g_leaves, mus, nus, ss], stepped, given).items():
+            new_mu[i], new_nu[i], new_s[i] = mu, nu, s
+        d_denom = _total(list(foreach.run_each(_l1_norm, [new_s], stepped).values()), d.device)
         active = d_denom > 0  # else nothing moves (the references return early)
         if stepping is not None:
             active = active & stepping.to(active.device)
@@ -214,12 +238,15 @@ def scale_by_prodigy(
         d_max = torch.maximum(state.d_max, d_hat)
         new_d = torch.minimum(d_max, first * growth_rate)
         step_size = torch.where(active, dlr, 0.0)
+
+        def step(g: Any, mu: Any, nu: Any, p: Any) -> Any:
+            momentum = g * _factor(new_d, g) if without_momentum else mu
+            direction = momentum / nu.sqrt().add_(_factor(new_d * eps, g))  # in place on new tensors
+            return direction.add_(p * _factor(weight_decay, g)).mul_(_factor(step_size, g))
+
         updates: list = [None] * len(g_leaves)
-        for i in stepped:
-            g = g_leaves[i]
-            momentum = g * _factor(new_d, g) if without_momentum else new_mu[i]
-            direction = momentum / (new_nu[i].sqrt() + _factor(new_d * eps, g))
-            updates[i] = (direction + p_leaves[i] * _factor(weight_decay, g)) * _factor(step_size, g)
+        for i, u in foreach.run_each(step, [g_leaves, new_mu, new_nu, p_leaves], stepped).items():
+            updates[i] = u
         new_state = ProdigyState(
             torch.where(active, state.count + 1, state.count),
             torch.where(active, new_d, d),
@@ -284,29 +311,39 @@ def scale_by_dadapt_adam(
         stepping = _stepping(lr)
         dlr = d * lr * _bias_correction(state.count, b1, b2, use_bias_correction)
         stepped = [i for i, g in enumerate(g_leaves) if g is not None]
-        dots = [
-            torch.dot(g_leaves[i].reshape(-1), (ss[i] / (nus[i].sqrt() + _factor(eps, ss[i]))).reshape(-1))
-            for i in stepped
-        ]
-        numerator = state.numerator * sqrt_b2 + (1 - sqrt_b2) * (dlr * _total(dots, d.device))
+
+        def dot(g: Any, s: Any, nu: Any) -> Any:
+            return torch.dot(g.reshape(-1), (s / nu.sqrt().add_(_factor(eps, s))).reshape(-1))  # add_: a new tensor
+
+        dots = foreach.run_each(dot, [g_leaves, ss, nus], stepped)
+        numerator = state.numerator * sqrt_b2 + (1 - sqrt_b2) * (dlr * _total(list(dots.values()), d.device))
+
+        def moments(g: Any, mu: Any, nu: Any, s: Any) -> tuple:
+            return (
+                _kept_unless(stepping, _decayed_plus(mu, b1, g * _factor(dlr * (1 - b1), g)), mu),
+                _kept_unless(stepping, _decayed_plus(nu, b2, g * g * _factor(1 - b2, g)), nu),
+                _kept_unless(stepping, _decayed_plus(s, sqrt_b2, g * _factor(dlr * (1 - sqrt_b2), g)), s),
+            )
+
         new_mu, new_nu, new_s = list(mus), list(nus), list(ss)
-        for i in stepped:
-            g = g_leaves[i]
-            new_mu[i] = _kept_unless(stepping, mus[i] * _factor(b1, g) + g * _factor(dlr * (1 - b1), g), mus[i])
-            new_nu[i] = _kept_unless(stepping, nus[i] * _factor(b2, g) + g * g * _factor(1 - b2, g), nus[i])
-            new_s[i] = _kept_unless(stepping, ss[i] * _factor(sqrt_b2, g) + g * _factor(dlr * (1 - sqrt_b2), g), ss[i])
-        sk_l1 = _total([new_s[i].abs().sum() for i in stepped], d.device)
+        given = (1, 2, 3) if stepping is None and ownership.state_given_to(update) else ()
+        for i, (mu, nu, s) in foreach.run_each(moments, [g_leaves, mus, nus, ss], stepped, given).items():
+            new_mu[i], new_nu[i], new_s[i] = mu, nu, s
+        sk_l1 = _total(list(foreach.run_each(_l1_norm, [new_s], stepped).values()), d.device)
         active = sk_l1 > 0  # else nothing moves (the reference returns early)
         if stepping is not None:
             active = active & stepping.to(active.device)
         d_hat = numerator / ((1 - sqrt_b2) * torch.where(active, sk_l1, 1.0))
         new_d = torch.maximum(d, torch.minimum(d_hat, d * growth_rate))
         decay = dlr * weight_decay
+
+        def step(g: Any, mu: Any, nu: Any, p: Any) -> Any:
+            u = (mu / nu.sqrt().add_(_factor(eps, g))).add_(p * _factor(decay, g))  # in place on new tensors
+            return u.mul_(_factor(active.to(SCALAR_DTYPE), g))
+
         updates: list = [None] * len(g_leaves)
-        for i in stepped:
-            g = g_leaves[i]
-            u = new_mu[i] / (new_nu[i].sqrt() + _factor(eps, g)) + p_leaves[i] * _factor(decay, g)
-            updates[i] = u * _factor(active.to(SCALAR_DTYPE), g)
+        for i, u in foreach.run_each(step, [g_leaves, new_mu, new_nu, p_leaves], stepped).items():
+            updates[i] = u
         new_state = DadaptAdamState(
             torch.where(active, state.count + 1, state.count),
             torch.where(active, new_d, d),
