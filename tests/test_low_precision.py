@@ -94,6 +94,22 @@ def test_codes_and_scales_against_bitsandbytes(signed):
     assert bool(((normalized[differ] - midpoint).abs() <= 0.05 * gap).all())
 
 
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_entry_below_each_value_is_found_elementwise_as_a_binary_search_finds_it(signed):
+    """The code's bracketing pair is found from the map's structure (decades of equal steps) and
+    two comparisons with the map: the index of a binary search (``bucketize``) on every entry,
+    the floats either side of it, every midpoint and the floats either side of that, both signs,
+    0, +-1, beyond 1, infinities, NaN, subnormals and values over many decades."""
+    qmap = lp.dynamic_map(signed, torch.device("cpu"))
+    mids = (qmap[1:] + qmap[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    edges = [qmap, mids, *(torch.nextafter(t, d) for t in (qmap, mids) for d in (up, down))]
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, -2.0, float("inf"), -float("inf"), float("nan"), 1e-38, 1e-45])
+    n = torch.cat([*edges, *(-t for t in edges), special, moments_like(200_000, True, seeded(4)).clamp(-1, 1)])
+    want = (torch.bucketize(n, qmap, right=True) - 1).clamp(0, 254)
+    assert torch.equal(lp._largest_entry_at_most(n, qmap, signed), want)
+
+
 def test_each_value_gets_the_nearest_entry_of_its_blocks_map():
     """The rule written out: the code's entry is the nearest of all 256 to the value over its
     block's scale, the largest magnitude of the block (here a positive value: coded as 1)."""

@@ -185,10 +185,39 @@ def quantize_blockwise(
     scales = rows.abs().amax(dim=1).clamp(min=1e-12)
     normalized = (rows / scales[:, None]).reshape(-1)[: x.numel()]
     qmap = dynamic_map(signed, x.device)
-    below = (torch.bucketize(normalized, qmap, right=True) - 1).clamp(0, 254)  # the largest entry <= x
+    if torch.compiler.is_compiling():  # elementwise: fused with the rest of the step
+        below = _largest_entry_at_most(normalized, qmap, signed)
+    else:  # eagerly, one binary search (the same indices: tested)
+        below = (torch.bucketize(normalized, qmap, right=True) - 1).clamp(0, 254)
     low, high = qmap[below], qmap[below + 1]
     codes = torch.where(normalized - low >= (high - low) * 0.5, below + 1, below)
     return codes.to(torch.uint8).view(x.shape), scales
+
+
+def _largest_entry_at_most(normalized: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The index of the largest entry of the map ``qmap`` at most each value (0 below them all,
+    254 at most: the last pair ``(254, 255)`` brackets what is above), as
+    ``bucketize(normalized, qmap, right=True) - 1`` clamped, but elementwise: the map's structure
+    (``2^i`` or ``2^(i+1)`` equal steps in the ``i``-th decade) gives the index to within one, and
+    two comparisons with the map's own entries settle it. Elementwise, a compiled step fuses it
+    with the rest (a binary search over the map does not vectorize)."""
+    v = normalized.abs()
+    unit, steps = torch.full_like(v, 1e-6), torch.full_like(v, 1.0 if signed else 2.0)  # of decade 0
+    for i in range(1, 7):  # v in [10^(i-7), 10^(i-6)): decade i, its top 10^(i-6), 2^i or 2^(i+1) entries
+        above = v >= 10.0 ** (i - 7)
+        unit = torch.where(above, 10.0 ** (i - 6), unit)
+        steps = torch.where(above, 2.0 ** (i if signed else i + 1), steps)
+    within = torch.floor((v / unit - 0.1) * (steps / 0.9) - 0.5)  # the largest entry j <= v, to within one
+    first = 127 + steps if signed else steps - 1  # the index of the decade's first entry
+    position = first + torch.minimum(within.clamp(min=-1), steps - 1)  # among the entries >= 0
+    position = torch.where(v >= 1, 255, position)
+    # a negative value: below the mirror image of the smallest positive entry >= |value| (signed);
+    # nothing of the unsigned map lies below it
+    position = torch.where(normalized < 0, 253 - position if signed else 0, position)
+    index = torch.where(torch.isnan(normalized), 254, position).to(torch.int64).clamp(0, 254)
+    index = index - (qmap[index] > normalized).to(torch.int64)  # the estimate one above: down
+    index = index.clamp(0, 254)
+    return index + ((qmap[index + 1] <= normalized) & (index < 254)).to(torch.int64)  # one below: up
 
 
 def dequantize_blockwise(
