@@ -437,7 +437,8 @@ class Leaves:
             return Leaves(torch._foreach_addcdiv(self.items, t1.items, t2.items, value))
         return _map(torch.addcdiv, (self, t1, t2), {"value": value})
 
-    # ---- in place: only on a rule's own temporaries (tensors it made and has not returned) ------
+    # ---- in place: on a rule's own temporaries (tensors it made and has not returned), and through
+    # updated() on the state its caller gave up -----------------------------------------------------
 
     def add_(self, other: Any, alpha: Any = 1) -> "Leaves":
         if _is_scalar(alpha) and alpha == 1:
@@ -616,8 +617,11 @@ def updated(old: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     """``getattr(old, method)(*args, **kwargs)`` as the new value of the state tensor ``old``:
     computed in ``old``'s own memory (its in-place form, ``method + "_"``: ``mu.lerp_(g, w)``)
     where ``old`` holds state its caller gave up (:mod:`functional_bagua.ownership`; the grouped
-    path marks such state), else as a new tensor: the same numbers either way. The rule must not
-    read ``old`` after this line (a test per rule runs both ways and compares the bits).
+    path marks such state) and none of its tensors is 0-dim (an op on a 0-dim tensor and a 0-dim
+    float64 factor computes in float64 out of place, in the tensor's dtype in place), else as a
+    new tensor: the same numbers either way. The rule must not read ``old`` after this line (a
+    test per rule runs both ways and compares the bits). The overwrite is noted before it is made:
+    a method that raised part-way must not run again on what it left.
 
     Args:
         old: a state tensor (or :class:`Leaves` of them) the rule replaces with the result.
@@ -629,7 +633,7 @@ def updated(old: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
         mu = foreach.updated(s.mu, "lerp", g, 1 - b1)      # the new first moment
     """
-    if isinstance(old, Leaves) and old.given is not None:
+    if isinstance(old, Leaves) and old.given is not None and all(t.dim() for t in old.items):
         old.given.append(method)
         getattr(old, method + "_")(*args, **kwargs)
         return old

@@ -57,7 +57,9 @@ groups are compiled.
 A group keeps only the new state its transform returns, so it gives the old one up
 (:mod:`functional_bagua.ownership`): rules that can compute their new state in the old tensors
 do (Adam's moments, ``mu.lerp_(g, 1 - b1)``: the same bits as the pure update, as torch.optim's
-in-place steps), and ``optimizer.state[p]``'s tensors are stepped in place, as torch.optim's are.
+in-place steps), so those entries of ``optimizer.state[p]`` are stepped in place (others, such
+as step counts, are replaced). As with torch.optim, an error raised part-way through a step may
+leave such state part-stepped.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state

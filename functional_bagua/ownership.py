@@ -21,9 +21,11 @@ which holds its state and nothing else does) may give the old one up: the transf
 compute its new state in the old state's tensors (``foreach.updated``: ``mu.lerp_(g, 1 - b1)``
 instead of ``lerp(mu, g, 1 - b1)``), the same numbers with one tensor fewer per field and step, as
 torch.optim's in-place steps. The grant is to one update function, as above: a chain passes it to
-each of its links and ``inject_hyperparams`` to the transform it builds, and nothing else does,
-so a wrapper that may keep the old state (``apply_if_finite``, ``multi_steps``) never sees its
-inner transform overwrite it. Eager only: a traced update is pure.
+each of its links, ``inject_hyperparams`` to the transform it builds and ``schedule_free`` to its
+step of ``z``, and nothing else does, so a wrapper that may keep the old state
+(``apply_if_finite`` after a non-finite gradient) never sees its inner transform overwrite it.
+Eager only: a traced update is pure. As with torch.optim's in-place steps, an error raised by a
+later link, after a rule stepped its state in place, leaves that state part-stepped.
 """
 
 from __future__ import annotations

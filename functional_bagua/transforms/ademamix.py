@@ -93,8 +93,8 @@ def scale_by_ademamix(
         mu = first_moment(s.mu, g, b1)
         nu = second_moment(s.nu, g, b2)
         mu_slow = updated(s.mu_slow, "lerp", g, lerp_weight(1 - b3_at(t, b1, b3, t_alpha_beta3), s.mu_slow))
-        denom = nu.sqrt().div_(bias_correction(b2, t).sqrt()).add_(eps)  # in place on new tensors
-        u = (mu / bias_correction(b1, t)).add_(mu_slow * alpha_at(t, alpha, t_alpha_beta3)).div_(denom)
+        denom = nu.sqrt().div(bias_correction(b2, t).sqrt()).add(eps)
+        u = (mu / bias_correction(b1, t)).add(mu_slow * alpha_at(t, alpha, t_alpha_beta3)).div(denom)
         return u, ScaleByAdemamixState(count, mu, nu, mu_slow)
 
     return leafwise(ScaleByAdemamixState, init_leaf, update_leaf, name="scale_by_ademamix", fresh_updates=True)

@@ -105,7 +105,7 @@ def scale_by_laprop(
         if centered:
             grad_avg = lerp(cast(ScaleByCenteredLapropState, s).grad_avg, g, 1 - b2)
             second = torch.where(count > steps_before_using_centered, nu - grad_avg * grad_avg, nu)
-        denom = (second + eps_root).sqrt().add_(eps).div_(bias_correction(b2, t).sqrt())  # new tensors
+        denom = (second + eps_root).sqrt().add(eps).div(bias_correction(b2, t).sqrt())
         mu = updated(s.mu, "mul", b1).add_((g / denom) * ((1 - b1) * learning_rate))  # s.mu b1 + ...
         u = mu * (1 / lr_bias)
         if centered:
