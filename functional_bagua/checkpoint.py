@@ -200,11 +200,22 @@ def _forms(keys: list) -> set:
     return found
 
 
+def _stem(key: str) -> str:
+    """``key`` without an encoded form's last part and without ``low_precision_state``'s
+    ``inner`` level: the same for a tensor stored plain and encoded."""
+    parts = key.split("/")
+    if parts[-1] in _STORED_FORMS:
+        parts = parts[:-1]
+    return "/".join(part for part in parts if part != "inner")
+
+
 def _stored_otherwise(template_keys: list, checkpoint_keys: list) -> Optional[str]:
-    """What to say when the two states store their tensors otherwise (encoded by
-    ``low_precision_state`` in one, with another codec or none in the other); ``None`` otherwise."""
+    """What to say when the two states hold the same tensors stored otherwise (encoded by
+    ``low_precision_state`` in one, with another codec or none in the other: the keys agree but
+    for the encoded forms' parts and the wrapper's own count); ``None`` otherwise."""
     here, there = _forms(template_keys), _forms(checkpoint_keys)
-    if here == there:
+    differing = {_stem(k) for k in template_keys} ^ {_stem(k) for k in checkpoint_keys}
+    if here == there or any(k.rsplit("/", 1)[-1] != "count" for k in differing):
         return None
     described = lambda forms: "as " + " and ".join(sorted(forms)) if forms else "as plain tensors"  # noqa: E731
     return (

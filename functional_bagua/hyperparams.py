@@ -194,7 +194,7 @@ def inject_hyperparams(
         state.hyperparams["lr"].fill_(0.01)           # the next update uses lr=0.01
     """
     signature = inspect.signature(factory)
-    static_args = (*static_args, *getattr(factory, "static_args", ()))
+    static_args = (*_names(static_args), *getattr(factory, "static_args", ()))
 
     @functools.wraps(factory)
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:
@@ -264,7 +264,13 @@ def inject_hyperparams(
         update.adjustable = {k: v for k, v in dynamic.items() if not _holds_schedule(v)}  # type: ignore[attr-defined]
         return GradientTransformation(init, update)
 
+    build.static_args = static_args  # type: ignore[attr-defined]  # for a factory wrapped again
     return build
+
+
+def _names(static_args: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    """``static_args`` as a tuple of names (one name given as a string is one name)."""
+    return (static_args,) if isinstance(static_args, str) else tuple(static_args)
 
 
 def _holds_schedule(value: object) -> bool:
@@ -307,6 +313,7 @@ def accepts_schedules(
     """
     if alias is None:
         return functools.partial(accepts_schedules, static_args=static_args)
+    static_args = (*_names(static_args), *getattr(alias, "static_args", ()))
     parameters = inspect.signature(alias).parameters
     names = list(parameters)  # no Signature.bind per call: it may run inside a trace
     defaults = {k: p.default for k, p in parameters.items() if k not in static_args}

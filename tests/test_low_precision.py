@@ -270,6 +270,12 @@ def test_a_compressed_checkpoint_is_refused_by_a_float32_state_and_the_other_way
         ValueError, match="as bfloat16, this optimizer as bfloat16 with 8-bit corrections.*strict=False would"
     ):
         fb.load_state_dict(corrected, bf16)
+    # parameters named like the encoded parts are not taken for another codec
+    for name in ("value", "correction", "codes"):
+        grown = fb.adamw(1e-2).init({**params, name: torch.zeros(3)})
+        with pytest.raises(ValueError, match="pass strict=False") as refused:
+            fb.load_state_dict(grown, plain)
+        assert "low_precision_state" not in str(refused.value)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -456,10 +462,11 @@ def test_bfloat16_with_its_correction_is_the_nearest_bfloat16_plus_its_error_in_
     ``h / 254`` of ``x`` (and float32's rounding): about 250 times closer than ``b`` alone."""
     gen = seeded(11)
     x = torch.randn(20000, generator=gen) * torch.exp(torch.randn(20000, generator=gen) * 8)
-    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -2.0, 3.0e38, float("inf"), float("-inf")])])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -2.0, 3.4e38, float("inf"), float("-inf"), 1e-39, -3e-41])])
     value, correction = fb.bfloat16_corrected(x)
     b = x.to(torch.bfloat16)
     _, exponent = torch.frexp(b.to(torch.float32))  # b = m 2^exponent, 0.5 <= |m| < 1
+    exponent = torch.where(b == 0, -125, exponent)  # at 0, the smallest normal numbers' step
     h = torch.ldexp(torch.ones_like(x), torch.clamp(exponent, min=-125) - 9)  # half of 2^(exponent - 8)
     finite = torch.isfinite(b)
     want = torch.where(finite, torch.round(127 * (x - b.to(torch.float32)) / h).clamp(-127, 127), 0)
@@ -467,10 +474,21 @@ def test_bfloat16_with_its_correction_is_the_nearest_bfloat16_plus_its_error_in_
     assert correction.dtype == torch.int8 and torch.equal(correction.to(torch.float32), want)
     back = fb.bfloat16_uncorrected(value, correction)
     assert bool(((back - x).abs()[finite] <= (h / 254 + x.abs() * 2**-23)[finite]).all())
-    assert torch.equal(back[~finite], x.to(torch.bfloat16).to(torch.float32)[~finite])  # inf, and 3e38 -> inf
+    assert torch.equal(back[~finite], x.to(torch.bfloat16).to(torch.float32)[~finite])  # inf, and 3.4e38 -> inf
     errors = (back - x).abs()[finite & (x != 0)] / x.abs()[finite & (x != 0)]
     plain = (b.to(torch.float32) - x).abs()[finite & (x != 0)] / x.abs()[finite & (x != 0)]
     assert errors.max() < plain.max() / 200
+
+
+def test_the_correction_is_the_same_compiled_by_inductor():
+    """Inductor folds ``x.to(bfloat16).to(float32)`` back into ``x``; the codec widens the
+    bfloat16 value by its bits, so the compiled corrections (and decoded values) are eager's."""
+    x = torch.randn(4096, generator=seeded(12)) * torch.exp(torch.randn(4096, generator=seeded(13)) * 4)
+    want = fb.bfloat16_corrected(x)
+    got = torch.compile(fb.bfloat16_corrected, fullgraph=True)(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and bool((want[1] != 0).any())
+    decoded = torch.compile(fb.bfloat16_uncorrected, fullgraph=True)(*want)
+    assert torch.equal(decoded, fb.bfloat16_uncorrected(*want))
 
 
 def test_the_correction_keeps_the_increments_bfloat16_rounds_away():

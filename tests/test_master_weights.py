@@ -186,3 +186,32 @@ def test_bad_input_is_refused_with_the_way_out():
         tx.update({"w": torch.zeros(3, dtype=torch.float16)}, state)
     with pytest.raises(ValueError, match="expected MasterWeightsState"):
         tx.update({"w": torch.zeros(3, dtype=torch.float16)}, state.inner, params)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda tx: fb.master_weights(tx), lambda tx: fb.low_precision_state(tx, "bf16+8bit")],
+    ids=["master_weights", "low_precision_state"],
+)
+def test_fb_optimizer_shows_the_inner_alias_lr_for_schedulers(wrap):
+    """Around an alias, the wrappers let fb.Optimizer show its lr: a scheduler that halves it
+    halves the next SGD step (float32 parameters pass through both)."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = fb.Optimizer([p], wrap(fb.sgd(0.1)))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    moved = []
+    for _ in range(2):
+        before = p.detach().clone()
+        p.grad = torch.ones(4)
+        opt.step()
+        scheduler.step()
+        moved.append((before - p.detach())[0].item())
+    assert opt.param_groups[0]["lr"] == 0.025
+    assert moved[0] == pytest.approx(0.1) and moved[1] == pytest.approx(0.05)
+
+
+def test_a_state_made_for_other_dtypes_is_refused():
+    tx = fb.master_weights(adamw())
+    state = tx.init({"w": torch.zeros(3, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="'w' is torch.float32, but the state was made for a bfloat16 or float16"):
+        tx.update({"w": torch.zeros(3)}, state, {"w": torch.zeros(3)})

@@ -218,3 +218,16 @@ def test_a_scheduled_hyperparameter_set_by_hand_takes_effect_and_stays(compiled)
         u, state = update(g, state, params)
         torch.testing.assert_close(u["w"], -0.5 * g["w"])
     assert float(state.hyperparams["lr"]) == 0.5
+
+
+def test_one_static_argument_given_as_a_string_is_one_name():
+    """inject_hyperparams(fb.lookahead, static_args="inner") passes the inner transform as it is
+    (a string is one name, not its letters), as the tuple form does."""
+    params, grads = {"w": torch.ones(3)}, {"w": torch.full((3,), 0.5)}
+    runs = []
+    for static in ("inner", ("inner",)):
+        tx = fb.inject_hyperparams(fb.lookahead, static_args=static)(fb.adamw(1e-2), sync_period=2, alpha=0.5)
+        state = tx.init(params)
+        updates, _ = tx.update(grads, state, params)
+        runs.append(updates["w"])
+    assert torch.equal(runs[0], runs[1])

@@ -55,6 +55,7 @@ import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.flat import is_dtensor
+from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
 from functional_bagua.tree import PyTree
 
@@ -285,10 +286,16 @@ def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.T
     return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32).view(shape)
 
 
+def _widened(value: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 ``value`` as float32, by its bits (its 16 bits as the upper half): a compiled
+    graph keeps it, where it would fold ``x.to(bfloat16).to(float32)`` back into ``x``."""
+    return (value.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
 def _half_bfloat16_step(value: torch.Tensor) -> torch.Tensor:
     """Half the spacing of bfloat16 numbers at each bfloat16 ``value``, as float32: ``2^(e - 8)``
     for ``value = m 2^e`` (``1 <= |m| < 2``), that of the smallest normal numbers at 0 and below."""
-    exponent = value.to(torch.float32).view(torch.int32) & 0x7F800000  # the bits of 2^e (sign and fraction off)
+    exponent = _widened(value).view(torch.int32) & 0x7F800000  # the bits of 2^e (sign and fraction off)
     smallest_normal = 0x00800000  # 2^-126
     return torch.where(exponent == 0, smallest_normal, exponent).view(torch.float32) * 2.0**-8
 
@@ -308,20 +315,21 @@ def bfloat16_corrected(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype != torch.float32:
         raise TypeError(f"bfloat16_corrected: x must be float32, got {x.dtype}")
     value = x.to(torch.bfloat16)
-    error = x - value.to(torch.float32)  # exact: x and its rounding share all but the last bits
+    error = x - _widened(value)  # exact: x and its rounding share all but the last bits
     code = torch.round(error / _half_bfloat16_step(value) * 127).clamp(-127, 127)
     return value, torch.where(torch.isfinite(code), code, 0).to(torch.int8)  # inf and nan: no correction
 
 
 def bfloat16_uncorrected(value: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
-    """The float32 values :func:`bfloat16_corrected` coded: ``value + correction * h / 127``.
+    """The float32 values :func:`bfloat16_corrected` coded: ``value + (correction * h) / 127``
+    (``correction * h`` exact, one rounding in the division, none fused into the sum).
 
     Args:
         value: the bfloat16 roundings.
         correction: their int8 corrections, in 127ths of half a bfloat16 step ``h`` at ``value``.
     """
-    wide = value.to(torch.float32)
-    corrected = wide + correction.to(torch.float32) * (_half_bfloat16_step(value) * (1 / 127))
+    wide = _widened(value)
+    corrected = wide + correction.to(torch.float32) * _half_bfloat16_step(value) / 127
     return torch.where(torch.isfinite(wide), corrected, wide)
 
 
@@ -350,6 +358,7 @@ def stochastic_round_to_bfloat16(x: torch.Tensor, bits: torch.Tensor) -> torch.T
 # ---- the wrapper ----------------------------------------------------------------------------
 
 
+@accepts_schedules(static_args=("inner",))  # built_from: fb.Optimizer shows the inner alias's lr
 def low_precision_state(
     inner: GradientTransformation,
     codec: str = "bf16",

@@ -28,8 +28,10 @@ parameter (float32 and float64 ones pass through untouched):
 
 The update returned for such a parameter is ``p' - p`` in float32, which
 :func:`~functional_bagua.apply_updates` (and ``fb.Optimizer``'s in-place add) adds in float32
-and rounds once into ``p``'s dtype: exactly ``p'`` (the difference of two nearby numbers of
-``p``'s dtype is exact in float32).
+and rounds once into ``p``'s dtype: ``p'`` exactly, wherever the difference of the two numbers of
+``p``'s dtype is exact in float32 (unless ``p'`` lands within about ``2^-15 |p|`` (bfloat16) or
+``2^-12 |p|`` (float16) of 0 in one step: then one step of ``p'``'s dtype off, and the next
+step starts again from the master copy). A parameter that is not finite stays so.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
 from functional_bagua.transforms.low_precision import _mix, random_bits16, stochastic_round_to_bfloat16
 from functional_bagua.tree import PyTree
@@ -75,6 +78,7 @@ def _copies(spec: Any, master: Any) -> list:
     return tree.leaves_matching(spec, master, "the state's master copies", "params")
 
 
+@accepts_schedules(static_args=("inner",))  # built_from: fb.Optimizer shows the inner alias's lr
 def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed: int = 0) -> GradientTransformation:
     """``inner`` stepping bfloat16 and float16 parameters through float32 values (module
     docstring): a float32 master copy in the state, or stochastic rounding of each step.
@@ -148,6 +152,13 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
         master_leaves = _copies(spec, state.master)
         stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=state.count.device)) + state.count)
         updates, masters = [], []
+        for i, (p, copy) in enumerate(zip(param_leaves, master_leaves)):
+            if keeps_copy and p is not None and (copy is not None) != _is_low_precision(p):
+                raise ValueError(
+                    f"master_weights: parameter {tree.leaf_name(spec, i)!r} is {p.dtype}, but the state was made for "
+                    f"{'a bfloat16 or float16' if copy is not None else 'a float32 or float64'} one: call init again "
+                    "for parameters of other dtypes"
+                )
         for number, (p, u, value, copy) in enumerate(zip(param_leaves, update_leaves, value_leaves, master_leaves)):
             if u is None or not _is_low_precision(p):
                 updates.append(u)
