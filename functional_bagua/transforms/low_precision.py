@@ -286,16 +286,11 @@ def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.T
     return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32).view(shape)
 
 
-def _widened(value: torch.Tensor) -> torch.Tensor:
-    """The bfloat16 ``value`` as float32, by its bits (its 16 bits as the upper half): a compiled
-    graph keeps it, where it would fold ``x.to(bfloat16).to(float32)`` back into ``x``."""
-    return (value.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-
-
-def _half_bfloat16_step(value: torch.Tensor) -> torch.Tensor:
-    """Half the spacing of bfloat16 numbers at each bfloat16 ``value``, as float32: ``2^(e - 8)``
-    for ``value = m 2^e`` (``1 <= |m| < 2``), that of the smallest normal numbers at 0 and below."""
-    exponent = _widened(value).view(torch.int32) & 0x7F800000  # the bits of 2^e (sign and fraction off)
+def _half_bfloat16_step(wide: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of bfloat16 numbers at each bfloat16 value ``wide`` (given as float32):
+    ``2^(e - 8)`` for ``wide = m 2^e`` (``1 <= |m| < 2``), that of the smallest normal numbers at
+    0 and below."""
+    exponent = wide.view(torch.int32) & 0x7F800000  # the bits of 2^e (sign and fraction off)
     smallest_normal = 0x00800000  # 2^-126
     return torch.where(exponent == 0, smallest_normal, exponent).view(torch.float32) * 2.0**-8
 
@@ -314,10 +309,14 @@ def bfloat16_corrected(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if x.dtype != torch.float32:
         raise TypeError(f"bfloat16_corrected: x must be float32, got {x.dtype}")
-    value = x.to(torch.bfloat16)
-    error = x - _widened(value)  # exact: x and its rounding share all but the last bits
-    code = torch.round(error / _half_bfloat16_step(value) * 127).clamp(-127, 127)
-    return value, torch.where(torch.isfinite(code), code, 0).to(torch.int8)  # inf and nan: no correction
+    # rounded to nearest (ties to even) on x's own bits, as torch converts, in 32-bit lanes: a
+    # compiled graph keeps the rounding (it folds x.to(bfloat16).to(float32) back into x)
+    finite = torch.isfinite(x)
+    bits = torch.where(finite, x.view(torch.int32), 0)
+    rounded = torch.where(finite, ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32), x)
+    error = x - rounded  # exact: x and its rounding share all but the last bits
+    code = torch.round(error / _half_bfloat16_step(rounded) * 127).clamp(-127, 127)
+    return rounded.to(torch.bfloat16), torch.where(torch.isfinite(code), code, 0).to(torch.int8)
 
 
 def bfloat16_uncorrected(value: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
@@ -328,8 +327,8 @@ def bfloat16_uncorrected(value: torch.Tensor, correction: torch.Tensor) -> torch
         value: the bfloat16 roundings.
         correction: their int8 corrections, in 127ths of half a bfloat16 step ``h`` at ``value``.
     """
-    wide = _widened(value)
-    corrected = wide + correction.to(torch.float32) * _half_bfloat16_step(value) / 127
+    wide = value.to(torch.float32)
+    corrected = wide + correction.to(torch.float32) * _half_bfloat16_step(wide) / 127
     return torch.where(torch.isfinite(wide), corrected, wide)
 
 
