@@ -42,6 +42,17 @@ RICH_SETTINGS = {
 }
 
 
+# the newer first-order aliases, with their stateful paths on
+NEWER_FIRST_ORDER = {
+    fb.schedule_free_adamw: dict(lr=1e-2, warmup_steps=2, weight_decay=0.1),
+    fb.schedule_free_sgd: dict(lr=1e-2, weight_decay=0.1),
+    fb.adopt: dict(lr=1e-2, weight_decay=0.1, decouple=True),
+    fb.ademamix: dict(lr=1e-2, t_alpha_beta3=3.0),
+    fb.laprop: dict(lr=1e-2, weight_decay=0.1),
+    fb.mars_adamw: dict(lr=1e-2),
+}
+
+
 def problem(alias, dtype=torch.float32, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)  # the same numbers on every device
     shapes = {"w": (4, 3), "v": (3, 5)} if alias is fb.muon else {"w": (4, 3), "b": (3,), "s": (), "k": (2, 1, 3, 3)}

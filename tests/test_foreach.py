@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 from devices import seeded
-from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree
+from helpers import ALL_ALIASES, NEWER_FIRST_ORDER, RICH_SETTINGS, assert_trees_equal, clone_tree
 
 import functional_bagua as fb
 from functional_bagua import foreach
@@ -277,16 +277,6 @@ def test_a_0_dim_cpu_operand_of_lerp_clamp_or_extremes_runs_one_multi_tensor_op_
         [t.clamp_min(bound) for t in (scalar, *tensors)], foreach.Leaves([scalar, *tensors]).clamp_min(bound).items
     ):
         assert g.dtype == e.dtype and torch.equal(g, e)
-
-
-NEWER_FIRST_ORDER = {
-    fb.schedule_free_adamw: dict(lr=1e-2, warmup_steps=2, weight_decay=0.1),
-    fb.schedule_free_sgd: dict(lr=1e-2, weight_decay=0.1),
-    fb.adopt: dict(lr=1e-2, weight_decay=0.1, decouple=True),
-    fb.ademamix: dict(lr=1e-2, t_alpha_beta3=3.0),
-    fb.laprop: dict(lr=1e-2, weight_decay=0.1),
-    fb.mars_adamw: dict(lr=1e-2),
-}
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from devices import ON_CUDA, seeded
-from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_equal, clone_tree
+from helpers import ALL_ALIASES, NEWER_FIRST_ORDER, RICH_SETTINGS, assert_trees_equal, clone_tree, run_updates
 
 import functional_bagua as fb
 from functional_bagua import foreach, ownership
@@ -178,16 +178,7 @@ def test_a_compiled_chain_gives_the_eager_bits():
 
 # --- state given up: a caller that keeps only the new state (fb.Optimizer) -------------------------
 
-NEWER = {  # the newer first-order aliases, with their stateful paths on
-    fb.schedule_free_adamw: dict(lr=1e-2, warmup_steps=2, weight_decay=0.1),
-    fb.schedule_free_sgd: dict(lr=1e-2, weight_decay=0.1),
-    fb.adopt: dict(lr=1e-2, weight_decay=0.1, decouple=True),
-    fb.ademamix: dict(lr=1e-2, t_alpha_beta3=3.0),
-    fb.laprop: dict(lr=1e-2, weight_decay=0.1),
-    fb.mars_adamw: dict(lr=1e-2),
-    fb.prodigy: dict(weight_decay=0.1),
-    fb.dadapt_adam: dict(weight_decay=0.1),
-}
+NEWER = {**NEWER_FIRST_ORDER, fb.prodigy: dict(weight_decay=0.1), fb.dadapt_adam: dict(weight_decay=0.1)}
 WHOLE_TENSOR_RULES = {
     fb.muon,
     fb.adafactor,
@@ -200,10 +191,6 @@ WHOLE_TENSOR_RULES = {
 REAL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 COMPUTED_IN_PLACE = {fb.adam, fb.adamw, fb.nadam, fb.radam, fb.adabelief, fb.lion, fb.adopt, fb.ademamix}
 COMPUTED_IN_PLACE |= {fb.laprop, fb.schedule_free_adamw, fb.schedule_free_sgd, fb.prodigy, fb.dadapt_adam}
-
-
-def tensors_of(tree) -> list:
-    return [t for t in fb.tree.flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 @pytest.mark.parametrize(
@@ -255,20 +242,12 @@ def test_a_wrapper_that_keeps_the_old_state_never_passes_it_on_given_up():
     steps[1] = {k: torch.full_like(g, float("nan")) for k, g in steps[1].items()}
     tensors = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     opt = fb.Optimizer(tensors.values(), fb.apply_if_finite(fb.adam(1e-2), 3))
-    want, _ = run_updates_pure(fb.apply_if_finite(fb.adam(1e-2), 3), params, steps)
+    want, _ = run_updates(fb.apply_if_finite(fb.adam(1e-2), 3), params, steps)
     for grads in steps:
         for k, p in tensors.items():
             p.grad = grads[k].clone()
         opt.step()
     assert_trees_equal({k: p.detach() for k, p in tensors.items()}, want)
-
-
-def run_updates_pure(tx, params, steps):
-    state = tx.init(params)
-    for grads in steps:
-        updates, state = tx.update(grads, state, params)
-        params = fb.apply_updates(params, updates)
-    return params, state
 
 
 class _Held(NamedTuple):
@@ -326,7 +305,7 @@ def test_0_dim_parameters_with_hyperparameters_held_as_tensors_step_as_the_pure_
         if isinstance(v.default, (float, tuple)) and k != "lr"
     }
     tx = fb.inject_hyperparams(alias)(lr=1e-2, **numbers)
-    state_given = state_pure = tx.init(params)
+    state_pure = tx.init(params)
     state_given = clone_tree(state_pure)
     for grads in steps:
         want, state_pure = tx.update(grads, state_pure, params)

@@ -70,6 +70,12 @@ def _as_float32(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.to(torch.float32)
 
 
+def _values(param_leaves: list, copies: list) -> list:
+    """The values the inner transform steps: the master copies, else the parameters (the
+    low-precision ones as float32)."""
+    return [c if c is not None else _as_float32(p) if _is_low_precision(p) else p for p, c in zip(param_leaves, copies)]
+
+
 def _copies(spec: Any, master: Any) -> list:
     """The master copy of each parameter of ``spec`` (``None`` where there is none: all of them
     in ``"stochastic_rounding"`` mode, whose state holds ``None``)."""
@@ -105,15 +111,6 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
         raise ValueError(f"master_weights: seed must be an int in [0, 2^31), got {seed!r}")
     keeps_copy = mode == "float32"
 
-    def float32_params(params: PyTree, master: Any) -> PyTree:
-        """The values the inner transform steps: the master copies, else the parameters (the
-        low-precision ones as float32)."""
-        leaves, spec = tree.flatten(params)
-        copies = _copies(spec, master)
-        return spec.unflatten(
-            [c if c is not None else _as_float32(p) if _is_low_precision(p) else p for p, c in zip(leaves, copies)]
-        )
-
     def init(params: PyTree) -> MasterWeightsState:
         leaves, spec = tree.flatten(params)
         if not keeps_copy:
@@ -128,7 +125,8 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
             if keeps_copy
             else None
         )
-        return MasterWeightsState(zero_count(params), master, inner.init(float32_params(params, master)))
+        values = spec.unflatten(_values(leaves, _copies(spec, master)))
+        return MasterWeightsState(zero_count(params), master, inner.init(values))
 
     def update(
         grads: PyTree, state: MasterWeightsState, params: Optional[PyTree] = None
@@ -145,11 +143,10 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
         inner_grads = spec.unflatten(
             [_as_float32(g) if _is_low_precision(p) else g for g, p in zip(grad_leaves, param_leaves)]
         )
-        values = float32_params(params, state.master)
-        inner_updates, inner_state = inner.update(inner_grads, state.inner, values)
-        update_leaves = tree.leaves_matching(spec, inner_updates, "the inner transform's updates", "params")
-        value_leaves = tree.flatten(values)[0]
         master_leaves = _copies(spec, state.master)
+        value_leaves = _values(param_leaves, master_leaves)
+        inner_updates, inner_state = inner.update(inner_grads, state.inner, spec.unflatten(value_leaves))
+        update_leaves = tree.leaves_matching(spec, inner_updates, "the inner transform's updates", "params")
         stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=state.count.device)) + state.count)
         updates, masters = [], []
         for i, (p, copy) in enumerate(zip(param_leaves, master_leaves)):
