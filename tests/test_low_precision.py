@@ -480,6 +480,26 @@ def test_bfloat16_with_its_correction_is_the_nearest_bfloat16_plus_its_error_in_
     assert errors.max() < plain.max() / 200
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_rounding_to_nearest_on_the_bits_is_torchs_conversion_eager_and_compiled(dtype):
+    """``round_to_nearest(x, dtype)`` against torch's ``x.to(dtype).to(float32)`` (eager) on
+    values of every magnitude, random bit patterns (NaNs among them), ties, subnormals and the
+    overflow boundary; compiled by inductor (which folds the plain conversion away) the same."""
+    gen = seeded(14)
+    scaled = torch.randn(50000, generator=gen) * 10.0 ** torch.randint(-12, 6, (50000,), generator=gen)
+    raw = torch.randint(-(2**31), 2**31 - 1, (50000,), generator=gen, dtype=torch.int32).view(torch.float32)
+    edges = [65504.0, 65519.99, 65520.0, 1e9, 3.4e38, 2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1.0 + 2.0**-8]
+    edges += [1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 0.0, float("inf"), float("nan")]
+    x = torch.cat([scaled, raw, torch.tensor(edges), -torch.tensor(edges)])
+    want = x.to(dtype).to(torch.float32)
+
+    def same(a: torch.Tensor) -> bool:
+        return bool(((a.view(torch.int32) == want.view(torch.int32)) | (a.isnan() & want.isnan())).all())
+
+    assert same(lp.round_to_nearest(x, dtype))
+    assert same(torch.compile(lambda v: lp.round_to_nearest(v, dtype), fullgraph=True)(x))
+
+
 def test_the_correction_is_the_same_compiled_by_inductor():
     """Inductor folds ``x.to(bfloat16).to(float32)`` back into ``x``; the codec widens the
     bfloat16 value by its bits, so the compiled corrections (and decoded values) are eager's."""

@@ -5,12 +5,14 @@ draws, deterministic for a seed); checkpoints, compiled steps, fb.Optimizer, bad
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 from devices import seeded
 from helpers import assert_trees_equal, run_resumed, run_updates
 
 import functional_bagua as fb
+from functional_bagua.transforms.schedule_free import schedule_free_states
 
 STEPS = 12
 
@@ -111,7 +113,8 @@ def test_stochastic_rounding_lands_on_a_neighbour_of_the_float32_step_and_is_det
 def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_stalls():
     """4096 bfloat16 ones stepped by -1e-4 fifty times: to nearest they never move (half a step
     below 1 is 2^-9); stochastically their mean follows 1 - 50e-4 within five standard errors of a
-    sum of independent roundings (each step rounds down with probability 1e-4 / 2^-8)."""
+    sum of independent roundings (each step rounds down with probability 1e-4 / 2^-8), and the
+    share never moved is that of independent draws."""
     n, steps, step = 4096, 50, 1e-4
     params = {"w": torch.ones(n, dtype=torch.bfloat16)}
     grads = [{"w": torch.ones(n, dtype=torch.bfloat16)}] * steps
@@ -121,7 +124,11 @@ def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_stalls():
     per_element_std = ulp * (steps * p * (1 - p)) ** 0.5
     mean = got["w"].double().mean().item()
     assert abs(mean - (1 - steps * step)) < 5 * per_element_std / n**0.5
-    assert bool((got["w"] < 1).any())
+    # a fresh draw each step: an element stays at 1 only if every one of the 50 roundings went up
+    # ((1 - p)^50 of them, binomially); draws repeated across steps would leave 1 - p of them
+    stayed = (got["w"] == 1).double().mean().item()
+    never = (1 - p) ** steps
+    assert abs(stayed - never) < 5 * (never * (1 - never) / n) ** 0.5
 
 
 @pytest.mark.parametrize("mode", ["float32", "stochastic_rounding"])
@@ -159,16 +166,24 @@ def test_with_the_state_stored_in_bfloat16_it_is_that_transform_on_float32_param
         assert torch.equal(state.master[k], want[k])
 
 
-@pytest.mark.parametrize("mode", ["float32", "stochastic_rounding"])
-def test_compiled_update_equals_the_eager_one(mode):
-    params, grads = problem(8, dtypes=(torch.bfloat16, torch.float32))
-    tx = fb.master_weights(adamw(), mode)
-    compiled = torch.compile(tx.update, backend="aot_eager", fullgraph=True)
+@pytest.mark.parametrize(
+    "mode, dtype",
+    [("float32", torch.bfloat16), ("float32", torch.float16), ("stochastic_rounding", torch.bfloat16)],
+    ids=["float32-bfloat16", "float32-float16", "stochastic_rounding"],
+)
+def test_the_update_compiled_by_inductor_is_the_eager_one(mode, dtype):
+    """Bit for bit, updates and state, with an inner transform whose compiled update is exact
+    (SGD with momentum; Adam's divisions compile to other roundings): inductor folds a plain
+    ``x.to(dtype).to(float32)`` away, which would return the unrounded step."""
+    params, grads = problem(8, dtypes=(dtype, torch.float32))
+    tx = fb.master_weights(fb.sgd(0.3, momentum=0.9), mode)
+    compiled = torch.compile(tx.update, fullgraph=True)
     state_c = state_e = tx.init(params)
     for g in grads[:3]:
         got, state_c = compiled(g, state_c, params)
         want, state_e = tx.update(g, state_e, params)
         assert_trees_equal(got, want)
+        params = fb.apply_updates(params, want)
     assert_trees_equal(state_c, state_e)
 
 
@@ -215,3 +230,49 @@ def test_a_state_made_for_other_dtypes_is_refused():
     state = tx.init({"w": torch.zeros(3, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="'w' is torch.float32, but the state was made for a bfloat16 or float16"):
         tx.update({"w": torch.zeros(3)}, state, {"w": torch.zeros(3)})
+
+
+def test_schedule_free_inside_evaluates_at_the_float32_rule_and_resumes_its_trajectory():
+    """``opt.eval()`` on a bfloat16 model under ``master_weights(schedule_free_adamw)``: each
+    parameter at ``x = (y - (1 - b1) z) / b1`` computed in float32 from ``y`` (the parameter)
+    and the float32 ``z``, rounded (within one bfloat16 step of the formula); after ``train()``
+    the next step lands where a run that never left training lands, bit for bit (the master copy
+    is the trajectory)."""
+    params, grads = problem(9, dtypes=(torch.bfloat16,))
+    b1 = 0.9
+
+    def optimizer():
+        tensors = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+        tx = fb.master_weights(fb.schedule_free_adamw(1e-2, betas=(b1, 0.999), warmup_steps=2))
+        return tensors, fb.Optimizer(tensors.values(), tx)
+
+    cycled, opt = optimizer()
+    straight, reference = optimizer()
+    for step, g in enumerate(grads[:6]):
+        for tensors, o in ((cycled, opt), (straight, reference)):
+            for k, p in tensors.items():
+                p.grad = g[k].clone()
+            o.step()
+        assert_trees_equal({k: p.detach() for k, p in cycled.items()}, {k: p.detach() for k, p in straight.items()})
+        if step % 2:
+            continue
+        y = {k: p.detach().float() for k, p in cycled.items()}
+        (found,) = schedule_free_states(opt._state(0))
+        z = optree.tree_leaves(found.z)
+        opt.eval()
+        for i, (k, p) in enumerate(cycled.items()):
+            want = (y[k] - (1 - b1) * z[i]) / b1
+            assert p.dtype == torch.bfloat16
+            assert bool(((p.detach().float() - want).abs() <= want.abs() * 2**-8 + 1e-30).all()), k
+        opt.train()
+
+
+def test_float16_loss_scaling_unscaled_inside_in_float32_is_the_unscaled_run():
+    """The docstring's recipe for float16 (GradScaler refuses float16 gradients): gradients of a
+    loss scaled by ``S = 2^10`` through ``chain(scale(1 / S), adamw)`` give the run on the
+    unscaled gradients, bit for bit (a power of two scales exactly in float32)."""
+    params, grads = problem(10, dtypes=(torch.float16,))
+    want, _ = run_updates(fb.master_weights(adamw()), params, grads)
+    scaled = [{k: (v.float() * 2**10).to(torch.float16) for k, v in g.items()} for g in grads]
+    got, _ = run_updates(fb.master_weights(fb.chain(fb.scale(2.0**-10), adamw())), params, scaled)
+    assert_trees_equal(got, want)

@@ -295,6 +295,36 @@ def _half_bfloat16_step(wide: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent == 0, smallest_normal, exponent).view(torch.float32) * 2.0**-8
 
 
+def round_to_nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) rounded to the nearest value of ``dtype`` (bfloat16 or float16; ties to
+    even, a finite value beyond the range to infinity, as torch converts), given as float32.
+
+    Computed on ``x``'s bits in 32-bit lanes, so that a compiled graph keeps the rounding
+    (inductor folds ``x.to(bfloat16).to(float32)`` back into ``x`` unless
+    ``emulate_precision_casts`` is set). float16: ``10`` fraction bits kept, and below its
+    smallest normal number ``2^-14`` a fixed step of ``2^-24``.
+
+    Args:
+        x: a float32 tensor.
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+
+    Example::
+
+        y = round_to_nearest(x, torch.bfloat16)   # torch.equal(y, x.to(torch.bfloat16).float())
+    """
+    if x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"round_to_nearest: x must be float32 and dtype bfloat16 or float16, got {x.dtype}, {dtype}")
+    finite = torch.isfinite(x)
+    bits = torch.where(finite, x.view(torch.int32), 0)
+    if dtype == torch.bfloat16:  # 16 bits dropped; a carry into the exponent rounds up to inf
+        return torch.where(finite, ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32), x)
+    normal = ((bits + 0xFFF + ((bits >> 13) & 1)) & -8192).view(torch.float32)  # 13 bits dropped
+    subnormal = torch.round(x * 2.0**24) * 2.0**-24  # exact scalings; round: ties to even
+    rounded = torch.where(x.abs() < 2.0**-14, subnormal, normal)
+    rounded = torch.where(rounded.abs() > 65504.0, rounded * float("inf"), rounded)  # float16's largest
+    return torch.where(finite, rounded, x)
+
+
 def bfloat16_corrected(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (float32) as its nearest bfloat16 and the rounding's error in 8 bits (module
     docstring): ``(value, correction)``, decoded by :func:`bfloat16_uncorrected`.
@@ -309,11 +339,7 @@ def bfloat16_corrected(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if x.dtype != torch.float32:
         raise TypeError(f"bfloat16_corrected: x must be float32, got {x.dtype}")
-    # rounded to nearest (ties to even) on x's own bits, as torch converts, in 32-bit lanes: a
-    # compiled graph keeps the rounding (it folds x.to(bfloat16).to(float32) back into x)
-    finite = torch.isfinite(x)
-    bits = torch.where(finite, x.view(torch.int32), 0)
-    rounded = torch.where(finite, ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32), x)
+    rounded = round_to_nearest(x, torch.bfloat16)  # on x's bits: a compiled graph keeps it
     error = x - rounded  # exact: x and its rounding share all but the last bits
     code = torch.round(error / _half_bfloat16_step(rounded) * 127).clamp(-127, 127)
     return rounded.to(torch.bfloat16), torch.where(torch.isfinite(code), code, 0).to(torch.int8)

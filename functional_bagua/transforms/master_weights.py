@@ -32,6 +32,16 @@ and rounds once into ``p``'s dtype: ``p'`` exactly, wherever the difference of t
 ``p``'s dtype is exact in float32 (unless ``p'`` lands within about ``2^-15 |p|`` (bfloat16) or
 ``2^-12 |p|`` (float16) of 0 in one step: then one step of ``p'``'s dtype off, and the next
 step starts again from the master copy). A parameter that is not finite stays so.
+
+The rounding to nearest is computed on the float32 bits (:func:`round_to_nearest`), so a
+compiled update rounds as the eager one (inductor would fold a plain ``.to(dtype).float()``
+away). Under :func:`~functional_bagua.schedule_free`, ``fb.Optimizer.eval()`` moves each such
+parameter by the float32 rule (from the parameter and the float32 ``z``, rounded), and after
+``train()`` the next step lands on the master copy's trajectory again. torch's ``GradScaler``
+refuses float16 gradients (``"Attempting to unscale FP16 gradients"``), with torch.optim as
+here: with float16 parameters, scale the loss by a constant ``S`` and unscale inside, in
+float32 (``master_weights(fb.chain(fb.scale(1 / S), fb.adamw(...)))``), or train in bfloat16,
+which needs no loss scaling.
 """
 
 from __future__ import annotations
@@ -44,7 +54,12 @@ from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
-from functional_bagua.transforms.low_precision import _mix, random_bits16, stochastic_round_to_bfloat16
+from functional_bagua.transforms.low_precision import (
+    _mix,
+    random_bits16,
+    round_to_nearest,
+    stochastic_round_to_bfloat16,
+)
 from functional_bagua.tree import PyTree
 
 MODES = ("float32", "stochastic_rounding")
@@ -164,12 +179,12 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
             stepped = value + u.to(torch.float32)  # float32
             if keeps_copy:
                 masters.append(stepped)
-                target = stepped.to(p.dtype)
+                target = round_to_nearest(stepped, p.dtype)  # float32, exact in p's dtype
             else:
                 masters.append(None)
                 bits = random_bits16(stepped.shape, _mix(stream + number), stepped.device)
-                target = stochastic_round_to_bfloat16(stepped, bits)
-            updates.append(target.to(torch.float32) - p.to(torch.float32))
+                target = stochastic_round_to_bfloat16(stepped, bits).to(torch.float32)
+            updates.append(target - p.to(torch.float32))
         new_state = MasterWeightsState(state.count + 1, spec.unflatten(masters) if keeps_copy else None, inner_state)
         return spec.unflatten(updates), new_state
 

@@ -291,11 +291,15 @@ def _interpolated(state: Any, params: PyTree, mode: str, weight_of: Any) -> PyTr
                 raise ValueError(f"{who}: two schedule-free states hold parameter {tree.leaf_name(spec, i)!r}")
             z_leaves[i], weights[i] = z, weight
     return spec.unflatten(
-        [
-            p if z is None or p is None else torch.lerp(p, z, weight if is_number(weight) else weight.to(p))
-            for p, z, weight in zip(p_leaves, z_leaves, weights)
-        ]
+        [p if z is None or p is None else _lerp(p, z, w) for p, z, w in zip(p_leaves, z_leaves, weights)]
     )
+
+
+def _lerp(p: torch.Tensor, z: torch.Tensor, weight: Any) -> torch.Tensor:
+    """``lerp(p, z, weight)`` in ``z``'s dtype, rounded to ``p``'s: a bfloat16 parameter whose
+    ``z`` is float32 (under :func:`~functional_bagua.master_weights`) moves by the float32 rule."""
+    wide = p.to(z.dtype)
+    return torch.lerp(wide, z, weight if is_number(weight) else weight.to(wide)).to(p.dtype)
 
 
 def _weight(weight: torch.Tensor) -> Any:
