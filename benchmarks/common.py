@@ -1,10 +1,17 @@
-"""Shared benchmark helpers: timing, peak memory, copy bandwidth, tables, charts."""
+"""Shared benchmark helpers: timing, peak memory, copy bandwidth, tables, charts, and the
+results kept for the docs (``record``: ``benchmarks/results/<machine>/<benchmark>.json``)."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import pathlib
+import re
+import shlex
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -153,12 +160,49 @@ def machine(device: str = "cpu") -> str:
     return f"CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def machine_slug(device: str = "cpu") -> str:
+    """A folder name for the machine: ``cpu-2-cores``, ``nvidia-h200``."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+    else:
+        name = f"cpu {os.cpu_count()} cores"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def record(benchmark: str, device: str, tables: list[dict], *, into: pathlib.Path = RESULTS) -> pathlib.Path:
+    """The run's tables as ``into/<machine>/<benchmark>.json``, the latest run per machine,
+    which ``benchmarks/plots.py`` draws and the docs show.
+
+    Args:
+        benchmark: the benchmark's name (its script's stem, or the script's and a section's).
+        device: where it ran (``"cpu"``, ``"cuda"``).
+        tables: each ``{"title", "columns", "rows"}`` as printed (rows are dicts, keyed by the
+            columns and possibly more), and optionally ``"chart": {"value", "label", "log"}``:
+            a bar per row, its length ``row[value]`` (a number), named by the ``label`` columns
+            (with ``"kind": "curves"``, a line per row through the list ``row[value]``).
+    """
+    path = into / machine_slug(device) / f"{benchmark}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": benchmark,
+        "machine": machine(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": shlex.join(["python", "benchmarks/" + pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "tables": tables,
+    }
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    print(f"recorded: {path.relative_to(into.parent.parent) if into == RESULTS else path}")
+    return path
+
+
 def write_json(path: str, payload: object) -> None:
     """``payload`` as JSON at ``path`` (nothing when ``path`` is empty): the machine-readable
     copy of a benchmark's tables, for benchmarks/gpu_check.py's report."""
     if not path:
         return
-    import json
 
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)

@@ -32,7 +32,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, table  # noqa: E402
+from common import machine, record, table  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
 import functional_bagua.compat as bagua  # noqa: E402
@@ -393,6 +393,7 @@ def main(argv=None):
     parser.add_argument(
         "--only", default="", help="comma-separated parts of the variant names to run (torch DDP always)"
     )
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     args = parser.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -409,11 +410,16 @@ def main(argv=None):
         r["vs_ddp"] = f"{r['ms'] / base:.2f}x"
         if r["collective_mib_per_step"] is None:
             r["collective_mib_per_step"] = "n/a"
-    print(
-        f"# {args.ranks} gloo ranks ({args.threads} torch thread each), {machine()}; MLP {n_params / 1e6:.2f}M params "
-        f"({n_params * 4 / 2**20:.1f} MiB float32), global batch {args.global_batch}\n"
+    title = (
+        f"{args.ranks} gloo ranks ({args.threads} torch thread each); MLP {n_params / 1e6:.2f}M params "
+        f"({n_params * 4 / 2**20:.1f} MiB float32), global batch {args.global_batch}"
     )
-    print(table(rows, ["variant", "ms", "vs_ddp", "collective_mib_per_step", "state_mib"]))
+    print(f"# {title}, {machine()}\n")
+    columns = ["variant", "ms", "vs_ddp", "collective_mib_per_step", "state_mib"]
+    print(table(rows, columns))
+    if args.record:
+        chart = dict(value="ms", label=["variant"], log=False)
+        record("distributed", "cpu", [dict(title=title, columns=columns, rows=rows, chart=chart)])
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakMemory, first_call_s, machine, spread, step_times_ms, table, write_json  # noqa: E402
+from common import PeakMemory, first_call_s, machine, record, spread, step_times_ms, table, write_json  # noqa: E402
 from optimizer_step import disable_compile_caches  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
@@ -288,6 +288,7 @@ def main(argv=None):
     parser.add_argument("--autocast", choices=["none", "bf16", "fp16"], default="none", help="the forward's autocast")
     parser.add_argument("--only", default="", help="comma-separated substrings: run the variants whose name has one")
     parser.add_argument("--json", default="", help="also write the table as JSON to this path")
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     args = parser.parse_args(argv)
     global VOCAB, D_MODEL, LAYERS, MODEL, BATCH, SEQ  # the model and loss read them  # noqa: PLW0603
     VOCAB, D_MODEL, LAYERS = SIZES[args.size]
@@ -334,6 +335,10 @@ def main(argv=None):
     ]
     print()
     print(table(rows, columns))
+    if args.record:
+        chart = dict(value="ms", label=["variant"], log=False)
+        tables = [dict(title=title.strip("# \n"), columns=columns, rows=rows, chart=chart)]
+        record(f"end_to_end-{args.size}", args.device, tables)
 
 
 if __name__ == "__main__":

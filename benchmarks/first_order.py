@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import first_call_s, machine, spread, steady_malloc, step_times_ms, table, write_json  # noqa: E402
+from common import first_call_s, machine, record, spread, steady_malloc, step_times_ms, table, write_json  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
 
@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--skip", default="", help="comma-separated variants not to run, e.g. 'fuse_inplace compiled'")
     parser.add_argument("--json", default="")
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     parser.add_argument(
         "--profile",
         default="",
@@ -199,7 +200,12 @@ def main() -> None:
             medians[variant] = statistics.median(times)
             if variant in args.profile.split(","):
                 print(f"## {name}, {variant}: the operators of 5 steps\n{top_operators(step, args.device)}", flush=True)
-            row = {"optimizer": name, "variant": variant, "ms (range)": f"{medians[variant]:.3g} ({spread(times)})"}
+            row = {
+                "optimizer": name,
+                "variant": variant,
+                "ms (range)": f"{medians[variant]:.3g} ({spread(times)})",
+                "ms": medians[variant],
+            }
             if first is not None:
                 row["first call s"] = round(first, 1)
             rows.append(row)
@@ -220,6 +226,12 @@ def main() -> None:
     )
     print(table(rows, ["optimizer", "variant", "ms (range)", "x reference", "first call s"]))
     write_json(args.json, {"machine": machine(args.device), "config": args.config, "rows": rows})
+    if args.record:
+        elements = sum(p.numel() for p in params.values()) / 1e6
+        title = f"config {args.config}: {elements:.2f}M float32 elements in {len(params)} tensors, {args.steps} steps"
+        columns = ["optimizer", "variant", "ms (range)", "x reference", "first call s"]
+        chart = dict(value="ms", label=["optimizer", "variant"], log=True)
+        record(f"first_order-{args.config}", args.device, [dict(title=title, columns=columns, rows=rows, chart=chart)])
 
 
 if __name__ == "__main__":

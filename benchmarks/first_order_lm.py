@@ -21,8 +21,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import table  # noqa: E402
-from second_order_lm import arguments, data_for, plot, train  # noqa: E402
+from common import record, table  # noqa: E402
+from second_order_lm import arguments, data_for, lm_table, plot, train  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
 
@@ -53,11 +53,12 @@ def main() -> None:
         print(
             table(results[-1:], ["optimizer", "steps_to_target", "final_loss", "eval_loss", "ms_per_step"]), flush=True
         )
-    print(
-        table(results, ["optimizer", "steps_to_target", "seconds_to_target", "final_loss", "eval_loss", "ms_per_step"])
-    )
+    columns = ["optimizer", "steps_to_target", "seconds_to_target", "final_loss", "eval_loss", "ms_per_step"]
+    print(table(results, columns))
     if plot(results, entropy, args.target, args.plot):
         print(f"plot: {args.plot}")
+    if args.record:
+        record("first_order_lm", args.device, [lm_table(results, columns, args)])
 
 
 if __name__ == "__main__":

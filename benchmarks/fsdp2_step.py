@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import on_gloo_ranks, spread, step_times_ms, table  # noqa: E402
+from common import on_gloo_ranks, record, spread, step_times_ms, table  # noqa: E402
 
 HYPER = dict(lr=1e-3, weight_decay=0.01)
 
@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sections", default="optimizer,train,muon")
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     args = parser.parse_args()
     sections = args.sections.split(",")
     rows = []
@@ -204,11 +205,16 @@ def main() -> None:
                 row["collectives"] = results[0].get(("muon collectives", name), "")
                 rows.append(row)
     elements = args.layers * (args.width * args.width + args.width)
-    print(
+    title = (
         f"{args.layers} x Linear({args.width}, {args.width}), {elements / 1e6:.2f}M float32 parameters, fully_shard; "
         "one thread per rank; the slowest rank's median"
     )
-    print(table(rows, ["section", "ranks", "variant", "ms", "range", "x first", "collectives"]))
+    print(title)
+    columns = ["section", "ranks", "variant", "ms", "range", "x first", "collectives"]
+    print(table(rows, columns))
+    if args.record:
+        chart = dict(value="ms", label=["section", "ranks", "variant"], log=True)
+        record("fsdp2_step", "cpu", [dict(title=title, columns=columns, rows=rows, chart=chart)])
 
 
 if __name__ == "__main__":

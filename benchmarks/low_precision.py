@@ -33,7 +33,7 @@ import optree
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import first_call_s, machine, spread, step_times_ms, table  # noqa: E402
+from common import first_call_s, machine, record, spread, step_times_ms, table  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
 
@@ -152,6 +152,7 @@ def timing_rows(config: str, device: str, steps: int) -> list[dict]:
                     "state": name,
                     "path": path,
                     "ms (range)": f"{median:.3g} ({spread(ts)})",
+                    "ms": median,
                     "x float32": f"{median / base[path]:.2f}",
                     "first call s": f"{first:.1f}" if "compiled" in path else "",
                 }
@@ -170,6 +171,7 @@ def timing_rows(config: str, device: str, steps: int) -> list[dict]:
                 "state": name,
                 "path": how,
                 "ms (range)": f"{median:.3g} ({spread(ts)})",
+                "ms": median,
                 "x float32": f"{median / base['fb.Optimizer (eager)']:.2f}",
                 "first call s": "",
             }
@@ -218,7 +220,9 @@ def main() -> None:
     parser.add_argument("--lm-steps", type=int, default=400)
     parser.add_argument("--lm-width", type=int, default=128)
     parser.add_argument("--skip-lm", action="store_true")
+    parser.add_argument("--record", action="store_true", help="keep the tables in benchmarks/results/ for the docs")
     args = parser.parse_args()
+    recorded = []
     torch.set_num_threads(args.threads)
     torch._inductor.config.fx_graph_cache = False  # the first call compiles from scratch
     torch._functorch.config.enable_autograd_cache = False
@@ -237,16 +241,26 @@ def main() -> None:
         columns = ["state", "bytes/param allocated", "bytes/param counted", "peak during the step"]
         print(table(memory, columns), flush=True)
         print()
-        print(
-            table(
-                timing_rows(config, args.device, args.steps),
-                ["state", "path", "ms (range)", "x float32", "first call s"],
+        timing = timing_rows(config, args.device, args.steps)
+        timing_columns = ["state", "path", "ms (range)", "x float32", "first call s"]
+        print(table(timing, timing_columns), flush=True)
+        recorded += [
+            dict(title=f"{CONFIGS[config][0]}, AdamW: state memory", columns=columns, rows=memory),
+            dict(
+                title=f"{CONFIGS[config][0]}, AdamW: step time",
+                columns=timing_columns,
+                rows=timing,
+                chart=dict(value="ms", label=["state", "path"], log=True),
             ),
-            flush=True,
-        )
+        ]
     if not args.skip_lm:
         print(f"\n### The language model, {args.lm_steps} steps\n")
-        print(table(lm_rows(args), ["state", "final loss", "x float32", "eval loss", "eval x float32", "ms/step"]))
+        lm_columns = ["state", "final loss", "x float32", "eval loss", "eval x float32", "ms/step"]
+        lm = lm_rows(args)
+        print(table(lm, lm_columns))
+        recorded.append(dict(title=f"The language model, {args.lm_steps} steps", columns=lm_columns, rows=lm))
+    if args.record:
+        record("low_precision", args.device, recorded)
 
 
 if __name__ == "__main__":

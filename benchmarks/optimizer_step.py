@@ -42,6 +42,7 @@ from common import (  # noqa: E402
     copy_bandwidth_gbs,
     first_call_s,
     machine,
+    record,
     spread,
     step_times_ms,
     table,
@@ -464,12 +465,14 @@ def main(argv=None):
     )
     parser.add_argument("--fb-variants", default=",".join(FB_VARIANTS[1:]), help="which of our functional variants")
     parser.add_argument("--json", default="", help="also write every table as JSON to this path")
+    parser.add_argument("--record", action="store_true", help="keep the tables in benchmarks/results/ for the docs")
     args = parser.parse_args(argv)
     disable_compile_caches()
     families = args.families.split(",")
     copy_gbs = copy_bandwidth_gbs(args.device)
     print(f"# optimizer step, {machine(args.device)}; copy bandwidth {copy_gbs:.1f} GB/s\n", flush=True)
     out: dict = dict(machine=machine(args.device), copy_gbs=copy_gbs, configs={})
+    recorded: list[dict] = []
     chart = {}
     columns = ["optimizer", "variant", "ms", "range", "vs_torch", "compile_s", "peak_mib", "gbs", "bw_share", "error"]
     if not (args.only_scaling or args.only_roofline):
@@ -498,6 +501,14 @@ def main(argv=None):
             print(f"{table(rows, columns)}\n", flush=True)
             out["configs"][label] = dict(tensors=count, elements=numel, rows=rows)
             write_json(args.json, out)
+            recorded.append(
+                dict(
+                    title=f"{label}: {count} tensors, {numel / 1e6:.2f}M elements",
+                    columns=columns,
+                    rows=rows,
+                    chart=dict(value="ms", label=["optimizer", "variant"], log=True),
+                )
+            )
             for r in rows:
                 if "ms" in r:
                     chart.setdefault(f"{key}:{r['optimizer']}", {})[r["variant"]] = r["ms"]
@@ -527,12 +538,28 @@ def main(argv=None):
         print(flush=True)
         out["roofline"] = rows
         write_json(args.json, out)
+        recorded.append(
+            dict(
+                title=f"AdamW on one flat buffer: the memory roofline at {copy_gbs:.0f} GB/s",
+                columns=["elements", "variant", "ms", "range", "ideal_ms", "roofline_share", "vs_torch_fused"],
+                rows=rows,
+            )
+        )
     if args.only_scaling or not (args.no_scaling or args.only_roofline):
         print("## first-call (compile) time of the AdamW step, 10M elements in all\n", flush=True)
         rows = compile_scaling(args.device, families)
         print(table(rows, ["tensors", "variant", "compile_s", "ms", "range", "error"]), flush=True)
         out["compile_scaling"] = rows
         write_json(args.json, out)
+        recorded.append(
+            dict(
+                title="first-call (compile) time of the AdamW step, 10M elements in all",
+                columns=["tensors", "variant", "compile_s", "ms", "range", "error"],
+                rows=rows,
+            )
+        )
+    if args.record:
+        record("optimizer_step", args.device, recorded)
 
 
 if __name__ == "__main__":

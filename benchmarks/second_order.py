@@ -48,7 +48,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="induct
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, spread, steady_malloc, sync, table  # noqa: E402
+from common import machine, record, spread, steady_malloc, sync, table  # noqa: E402
 from optimizer_step import gpt2_small_shapes  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
@@ -308,8 +308,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizers", default="soap", help="soap, shampoo, kron, or several: soap,shampoo")
     parser.add_argument("--skip", default="", help="comma-separated parts of variant names not to run, e.g. heavyball")
+    parser.add_argument("--record", action="store_true", help="keep the tables in benchmarks/results/ for the docs")
     args = parser.parse_args()
+    recorded = []
     torch.set_num_threads(args.threads)
+    torch._inductor.config.fx_graph_cache = False  # first steps compile from scratch, ours and heavyball's
+    torch._functorch.config.enable_autograd_cache = False
     print(f"{machine(args.device)}; {steady_malloc()}")
     for key, optimizer in [(c, o) for o in args.optimizers.split(",") for c in args.configs.split(",")]:
         title, shapes = CONFIGS[key]
@@ -338,6 +342,12 @@ def main() -> None:
         )
         columns = ["variant", "first_s", "ms", "range", "mean_ms", "x AdamW", "x heavyball", "first x heavyball"]
         print(table(rows, columns))
+        title = f"{optimizer}, {title}: {len(params)} tensors, {elements / 1e6:.2f}M elements, {args.steps} steps"
+        recorded.append(
+            dict(title=title, columns=columns, rows=rows, chart=dict(value="ms", label=["variant"], log=True))
+        )
+    if args.record:
+        record("second_order", args.device, recorded)
 
 
 if __name__ == "__main__":

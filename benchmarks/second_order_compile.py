@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--heavyball-sizes", default="20,200", help="heavyball compiles for minutes past 200")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -77,7 +78,7 @@ def main() -> None:
         print(json.dumps(run_one(variant, int(size), args.steps, args.threads)))
         return
     sys.path.insert(0, os.path.dirname(__file__))
-    from common import machine, steady_malloc, table
+    from common import machine, record, steady_malloc, table
 
     print(f"{machine('cpu')}; {steady_malloc()}; tensors of shape {SHAPE}, float32")
     rows = []
@@ -97,7 +98,16 @@ def main() -> None:
         if r["variant"] != ours and r["tensors"] in first:
             r["ours / this first"] = first[r["tensors"]] / r["first_s"]
     print()
-    print(table(rows, ["variant", "tensors", "first_s", "ms", "range", "ours / this first"]))
+    columns = ["variant", "tensors", "first_s", "ms", "range", "ours / this first"]
+    print(table(rows, columns))
+    if args.record:
+        title = f"{args.optimizer}: first call (compile) against the number of tensors of shape {SHAPE}"
+        chart = dict(value="first_s", label=["variant", "tensors"], log=True)
+        record(
+            f"second_order_compile-{args.optimizer}",
+            "cpu",
+            [dict(title=title, columns=columns, rows=rows, chart=chart)],
+        )
 
 
 if __name__ == "__main__":

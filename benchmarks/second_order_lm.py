@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, table  # noqa: E402
+from common import machine, record, table  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
 
@@ -174,6 +174,7 @@ def arguments(description: str, plot_name: str) -> argparse.ArgumentParser:
         "--target", type=float, default=0.0, help="the loss to reach (default: the entropy rate + 0.25)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), plot_name))
     return parser
 
@@ -224,9 +225,24 @@ def main() -> None:
     args = arguments(__doc__.splitlines()[0], "second_order_lm.png").parse_args()
     data, entropy = data_for(args)
     results = [train(name, make, data, args) for name, make in OPTIMIZERS.items()]
-    print(table(results, ["optimizer", "steps_to_target", "seconds_to_target", "final_loss", "ms_per_step"]))
+    columns = ["optimizer", "steps_to_target", "seconds_to_target", "final_loss", "ms_per_step"]
+    print(table(results, columns))
     if plot(results, entropy, args.target, args.plot):
         print(f"plot: {args.plot}")
+    if args.record:
+        record("second_order_lm", args.device, [lm_table(results, columns, args)])
+
+
+def lm_table(results: list[dict], columns: list[str], args: argparse.Namespace) -> dict:
+    """The recorded table: each optimizer's row with its smoothed loss curve, drawn as curves."""
+    title = f"loss (EMA 0.9) of the language model, {args.steps} steps, target {args.target}"
+    rows = [{k: v for k, v in r.items() if k != "seconds"} for r in results]
+    return dict(
+        title=title,
+        columns=columns,
+        rows=rows,
+        chart=dict(kind="curves", value="curve", label=["optimizer"], ylabel="loss (EMA 0.9)"),
+    )
 
 
 if __name__ == "__main__":

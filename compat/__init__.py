@@ -13,7 +13,8 @@ A Bagua script runs after replacing ``import bagua.torch_api as bagua`` with
   :mod:`~functional_bagua.compat.bucket`);
 - ``algorithms`` (gradient_allreduce, bytegrad, decentralized, q_adam, async_model_average),
   ``data_parallel.DistributedDataParallel``, ``contrib.fuse_optimizer``;
-- :func:`fuse_optimizer`, :func:`fuse_step`, :func:`is_fused_optimizer`, :func:`fused_steps`:
+- :func:`~functional_bagua.compat.fuse.fuse_optimizer`, :func:`~functional_bagua.compat.fuse.fuse_step`,
+  :func:`~functional_bagua.compat.fuse.is_fused_optimizer`, :func:`~functional_bagua.compat.fuse.fused_steps`:
   Bagua's fused optimizer for any ``torch.optim.Optimizer`` (:mod:`functional_bagua.compat.fuse`).
 """
 

@@ -135,7 +135,7 @@ class AutotuneService:
 def in_order_buckets(tensors: list, bucket_bytes: float) -> list[list[int]]:
     """The indices of ``tensors`` in each bucket: the tensors in their order, by dtype and device,
     a bucket closed once it reaches ``bucket_bytes`` (the rule of
-    :func:`functional_bagua.distributed.buckets.assign_buckets`, which fills from the last tensor).
+    :func:`functional_bagua.distributed.assign_buckets`, which fills from the last tensor).
 
     Args:
         tensors: tensors (or meta tensors standing for them).

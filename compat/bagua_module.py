@@ -48,7 +48,7 @@ class BaguaDistributedDataParallel:
     Args:
         module: the model, wrapped in place.
         optimizers: the optimizers that step its parameters.
-        algorithm: an :class:`~functional_bagua.compat.algorithms.Algorithm`.
+        algorithm: an :class:`~functional_bagua.compat.algorithms.base.Algorithm`.
         process_group: ``None`` (the default group), a torch process group or a ``BaguaProcessGroup``.
         bagua_module_name: the module's name in Bagua's messages.
         gradient_as_bucket_view: let gradients live in the communication buckets (Bagua's ``do_flatten``).
@@ -361,7 +361,7 @@ def with_bagua(
 
     Args:
         optimizers: the optimizers that step this module's parameters.
-        algorithm: an :class:`~functional_bagua.compat.algorithms.Algorithm`.
+        algorithm: an :class:`~functional_bagua.compat.algorithms.base.Algorithm`.
         process_group: ``None`` (the default group), a torch process group or a ``BaguaProcessGroup``.
         do_flatten: keep gradients in the communication buckets (no copy per step).
 

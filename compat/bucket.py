@@ -8,7 +8,7 @@ append, each run in the order appended:
 
 - ``append_centralized_synchronous_op``: ``x <- mean_r x[r]`` (or the sum) over the group, in full
   precision or with Bagua's ``"MinMaxUInt8"`` codec (``minmax_uint8`` of
-  :mod:`functional_bagua.distributed.compression`);
+  ``functional_bagua.distributed.compression``);
 - ``append_decentralized_synchronous_op``: ``peer_weight <- mean_r x[r]`` (``"all"``) or
   ``(x[rank] + x[peer]) / 2`` (``"shift_one"``, the peer of the op's k-th run); the bucket keeps
   its values until ``op.copy_back_peer_weight(bucket)``;

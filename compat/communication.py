@@ -130,7 +130,7 @@ class CommMember(enum.Enum):
 
 
 class comm:  # noqa: N801  # Bagua's name
-    """Bagua's older spelling of :attr:`CommMember.WORLD`."""
+    """Bagua's older spelling of ``CommMember.WORLD``."""
 
     WORLD = CommMember.WORLD
 
@@ -243,7 +243,7 @@ class BaguaProcessGroup:
         return get_communicator(self.group_name, "intra")
 
     def get_global_communicator(self) -> Union[Communicator, CommMember]:
-        """The communicator over all ranks of the group (:data:`CommMember.NON_COMM_MEMBER` outside it)."""
+        """The communicator over all ranks of the group (``CommMember.NON_COMM_MEMBER`` outside it)."""
         return Communicator(self) if self.is_member() else CommMember.NON_COMM_MEMBER
 
     def __repr__(self) -> str:
@@ -457,7 +457,7 @@ def from_torch_group(group: dist.ProcessGroup, stream: object = None) -> BaguaPr
 def get_communicator(group_name: str, comm_name: str) -> Union[Communicator, CommMember]:
     """The communicator ``comm_name`` of the group named ``group_name``: ``"global"`` (all its
     ranks), ``"intra"`` (its ranks on this process's node) or ``"inter"`` (its ranks whose local
-    rank is its first rank's: one per node); :data:`CommMember.NON_COMM_MEMBER` on a process
+    rank is its first rank's: one per node); ``CommMember.NON_COMM_MEMBER`` on a process
     outside it.
 
     The intra- and inter-node communicators are torch subgroups, made at their first use and kept.

@@ -1,7 +1,7 @@
 """``do_flatten``: one param group's parameters moved into flat buffers, with gradient and state
 buffers of the same layout.
 
-The parameters move with the core's :func:`functional_bagua.flat.flatten_parameters` (``p.data``
+The parameters move with the core's :func:`functional_bagua.flatten_parameters` (``p.data``
 becomes a view of one buffer per (device, dtype); the ``Parameter`` objects stay the same). A
 :class:`FlattenedGroup` adds, in the same :class:`~functional_bagua.FlatLayout`, a gradient buffer
 and one buffer per state key (``optimizer.state[p]["exp_avg"]`` ...), each made when first needed
@@ -110,7 +110,7 @@ class FlattenedGroup:
         and made anew for another dtype or device (the old one lives on in the views that hold it).
 
         Args:
-            key: a group key of :attr:`layout`.
+            key: a group key of ``layout``.
             what: ``"grad"`` or ``("state", name)``.
             dtype: the buffer's dtype.
             device: the buffer's device, by default the group's.

@@ -40,7 +40,7 @@ threshold from ``inf`` to ``0.1``) asks for a new probe. Fusion never changes a 
 Fresh gradients cost a copy. After ``zero_grad(set_to_none=True)`` every gradient is a new
 tensor, which the fused step first copies into the flat gradient: about one foreach slot per
 parameter, and checking the plan costs about as much again. An optimizer whose own step does
-less per-tensor work than :data:`FRESH_GRADS_MIN_WORK` (the same probe counts it; torch's SGD
+less per-tensor work than ``FRESH_GRADS_MIN_WORK`` (the same probe counts it; torch's SGD
 without momentum is one ``_foreach_add_``, or one ``add_`` per tensor in its for-loop version)
 is no faster fused then, so ``fuse_step`` steps such a group as ``step()`` would whenever its
 gradients are fresh, and fused when they are in place.

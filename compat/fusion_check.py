@@ -22,7 +22,7 @@ A verdict holds for the hyperparameters it was found with, up to what schedules 
 step: :func:`hyperparameter_kinds` is what the caller keys it by. Any change of a hyperparameter
 asks for a new probe (a clip threshold lowered from ``inf`` to ``0.1`` starts clipping), except
 for the values torch's schedulers move every step (``lr``, ``momentum``, ``betas``,
-``weight_decay``), for which only the sign counts (turning momentum or decay on asks again); see :data:`SCHEDULED`.
+``weight_decay``), for which only the sign counts (turning momentum or decay on asks again); see ``SCHEDULED``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ SINGLE_OP_WORK = 2  # a single-tensor op costs about two slots of a foreach op's
 class ProbeResult(NamedTuple):
     """What the probe found. ``reason``: why fusing would change the result (``None``: it would
     not). ``work_per_param``: the per-tensor work of one unfused step per parameter, in slots of
-    a foreach op's tensor list (a single-tensor op counts :data:`SINGLE_OP_WORK`): torch's foreach
+    a foreach op's tensor list (a single-tensor op counts ``SINGLE_OP_WORK``): torch's foreach
     SGD without momentum does 1 (one ``_foreach_add_``), its for-loop SGD 2, foreach Adam 12."""
 
     reason: Optional[str]
@@ -75,7 +75,7 @@ SCHEDULED = ("lr", "momentum", "betas", "b1", "b2", "beta1", "beta2", "weight_de
 def hyperparameter_kinds(group: dict) -> tuple:
     """A param group's hyperparameters as far as a probe's verdict depends on them: every value
     as it is (a per-tensor clip threshold moving from ``inf`` to ``0.1`` must be probed again),
-    except the :data:`SCHEDULED` numbers, kept by their sign, and tensors, kept by dtype, device
+    except the ``SCHEDULED`` numbers, kept by their sign, and tensors, kept by dtype, device
     and shape (reading their values would synchronise an accelerator on every step); unhashable
     values by their type.
 
@@ -196,7 +196,7 @@ class _WorkCounter(TorchDispatchMode):
 def probe_members(run: list) -> list:
     """A few members to copy: the smallest of each number of dimensions first (shape-dependent
     math, such as factored moments, needs 1-D and 2-D), then the smallest others, at least
-    :data:`PROBE_MEMBERS` and, while the run has more, until they hold :data:`PROBE_MIN_NUMEL`
+    ``PROBE_MEMBERS`` and, while the run has more, until they hold ``PROBE_MIN_NUMEL``
     elements; small, so the probe stays cheap even when the run holds an embedding table."""
     by_size = sorted(run, key=lambda p: p.numel())
     chosen = []

@@ -5,7 +5,7 @@
 takes the arguments of ``python -m bagua.distributed.launch`` (and ``bagua.distributed.run``) and
 of ``torchrun``: the ones torchrun knows (``--nproc_per_node``, ``--nnodes``, ``--node_rank``,
 ``--master_addr``, ``--master_port``, ``--rdzv_*``, ...) go to ``torch.distributed.run``; the
-ones only Bagua has (its autotuning service, Bagua-Net, ssh host lists: see :data:`BAGUA_ONLY`)
+ones only Bagua has (its autotuning service, Bagua-Net, ssh host lists: see ``BAGUA_ONLY``)
 have no counterpart here and are ignored, with a note. Every rank then runs the script through
 :mod:`functional_bagua.compat.bagua_alias`, so ``import bagua.torch_api as bagua`` and ``from
 bagua.torch_api.algorithms import gradient_allreduce`` get this compat layer. The ranks get

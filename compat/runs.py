@@ -42,7 +42,7 @@ def signature(p: torch.Tensor, state: Optional[dict]) -> Optional[tuple]:
     """What a parameter must share with its neighbours to be fused with them, or ``None`` if it
     is stepped on its own: dtype, device, and per state key its kind, dtype and device.
 
-    On the CPU a parameter of more than :data:`CPU_FUSE_MAX_NUMEL` elements is stepped on its
+    On the CPU a parameter of more than ``CPU_FUSE_MAX_NUMEL`` elements is stepped on its
     own: its kernels already run long enough to hide the per-tensor overhead fusion saves
     (a few microseconds per op), while a fresh gradient (after ``zero_grad(set_to_none=True)``)
     would cost a copy into the flat buffer, about 1 ns per element here. A bfloat16 or float16
@@ -83,8 +83,8 @@ def fusable_on_its_device(p: torch.Tensor) -> bool:
     """False for a CPU parameter that fusion would not speed up or could change; such a
     parameter is neither fused nor moved into a flat buffer:
 
-    - more than :data:`CPU_FUSE_MAX_NUMEL` elements (see :func:`signature`);
-    - bfloat16 or float16 (:data:`CPU_UNFUSED_DTYPES`). torch's CPU kernels compute these in a
+    - more than ``CPU_FUSE_MAX_NUMEL`` elements (see :func:`signature`);
+    - bfloat16 or float16 (``CPU_UNFUSED_DTYPES``). torch's CPU kernels compute these in a
       vectorized loop and a scalar tail that round intermediate results differently, so on one
       flat tensor some elements move from tail to loop and come out different: measured over 3
       steps of 510 elements, 99 for SGD with momentum, 13 for centered RMSprop, 1 for a
@@ -153,7 +153,7 @@ def _scalar_values(tensors: list) -> list:
 
 
 def chunk_bounds(flat: torch.Tensor) -> list:
-    """``[(start, end), ...]`` cutting ``flat`` into pieces of at most :data:`CPU_CHUNK_BYTES`
+    """``[(start, end), ...]`` cutting ``flat`` into pieces of at most ``CPU_CHUNK_BYTES``
     on the CPU; one piece elsewhere (an accelerator wants few, large launches).
 
     Args:
@@ -219,7 +219,7 @@ class Run:
     """Members stepped as one (module docstring).
 
     The optimizer sees the run as ``chunks``: ``Parameter`` views of consecutive pieces of the
-    flat storage, each at most :data:`CPU_CHUNK_BYTES` on the CPU (one on other devices). A
+    flat storage, each at most ``CPU_CHUNK_BYTES`` on the CPU (one on other devices). A
     for-loop optimizer's temporaries then stay small enough for the allocator to reuse them
     (one 400 MB temporary per step costs page faults, and peak memory); a piece may cut a
     member in two, which elementwise math does not notice. benchmarks/RESULTS.md compares the

@@ -1,5 +1,5 @@
 """Bagua's ``bagua.torch_api.utils`` helpers that training scripts and tests call: tensors to one
-flat buffer and back (:func:`functional_bagua.flat.split_like` does the cutting), grouped by
+flat buffer and back (``functional_bagua.flat.split_like`` does the cutting), grouped by
 tensor type, and the checks around them."""
 
 from __future__ import annotations

@@ -1193,7 +1193,7 @@ def psgd_kron(
         merge_dims: view tensors of more than two dimensions as matrices.
         precond_dtype: the dtype of the factors.
         max_prob: the preconditioner's update probability at the start (its schedule:
-            :func:`~functional_bagua.transforms.psgd_kron.update_probability`).
+            ``update_probability``).
         min_prob: its floor.
         decay: its anneal rate after ``flat_start`` steps.
         flat_start: the steps at ``max_prob``.

@@ -75,7 +75,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             :class:`GradientTransformation` (a TypeError names the first that is not).
 
     Returns:
-        A :class:`GradientTransformation` whose ``init`` checks ``params`` (:func:`check_params`) and
+        A :class:`GradientTransformation` whose ``init`` checks ``params`` (``check_params``) and
         whose ``update`` passes ``params`` on to every inner ``update``.
     """
     for i, t in enumerate(transforms):
@@ -198,7 +198,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
     Each result keeps its parameter's dtype (a bf16 parameter stays bf16 whatever the update's
     dtype; the sum is formed in the wider of the two and rounded once). An update must have its
-    parameter's shape and be dense and floating-point (:mod:`functional_bagua.checks`): a wrong one
+    parameter's shape and be dense and floating-point (``functional_bagua.checks``): a wrong one
     raises a ValueError/TypeError naming the parameter, never broadcasts.
 
     Args:

@@ -166,7 +166,7 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 class FlatLayout:
     """Where each leaf of a parameter tree lives in the flat buffers (module docstring).
 
-    ``groups`` maps each key to its :class:`FlatGroup`; within a group the segments follow the
+    ``groups`` maps each key to its ``FlatGroup``; within a group the segments follow the
     tree's leaf order, back to back. The layout depends only on names, shapes, dtypes and devices,
     so the same model always gets the same layout (checkpoints do not depend on accidents).
 
@@ -174,7 +174,7 @@ class FlatLayout:
         spec: the tree structure (an ``optree`` treespec) of the parameter tree.
         names: a readable name per leaf, in leaf order (the segments' names).
         metas: ``(shape, dtype, device)`` per leaf, in leaf order, or ``(shape, dtype, device,
-            placement)`` for the local shard of a DTensor (:func:`placement_of`).
+            placement)`` for the local shard of a DTensor (``placement_of``).
         dict_keys: the tree's keys in leaf order when the tree is a flat dict (then :meth:`unflatten`
             builds the dict directly), else ``None``. :meth:`of` computes all four from a tree.
         max_bytes: the largest buffer, in bytes: a group that would grow past it continues in a
@@ -277,22 +277,22 @@ class FlatLayout:
         return any(group.placement for group in self.groups.values())
 
     def segments(self, key: str) -> tuple:
-        """The :class:`Segment` of each tensor in the buffer ``key``, in leaf order.
+        """The ``Segment`` of each tensor in the buffer ``key``, in leaf order.
 
         Args:
-            key: a group key of this layout (one of :attr:`keys`, e.g. ``"float32@cpu"``); any other
+            key: a group key of this layout (one of ``keys``, e.g. ``"float32@cpu"``); any other
                 raises a KeyError.
         """
         return self.groups[key].segments
 
     def shape_groups(self, key: str) -> tuple:
         """The non-empty tensors of the buffer ``key`` grouped by shape: ``(shape, rows)`` per
-        shape, in the order each first occurs, ``rows`` (:class:`Rows`) saying where they lie.
+        shape, in the order each first occurs, ``rows`` (``Rows``) saying where they lie.
         Computed with the layout: plain Python values that a traced step reads as constants,
         whatever the number of tensors.
 
         Args:
-            key: a group key of this layout (one of :attr:`keys`); any other raises a KeyError.
+            key: a group key of this layout (one of ``keys``); any other raises a KeyError.
         """
         return self._by_shape[key]
 

@@ -20,12 +20,12 @@ a time instead. Step counts that every tensor of a group shares (the usual case:
 often) enter the rule as one tensor, so its scalar arithmetic (bias corrections) runs once per
 group; each tensor still gets its own count back. A number (or a 0-dim factor) reaches torch's CPU
 multi-tensor ops as a 0-dim tensor of the tensors' dtype, which they convert once rather than
-once per tensor, to the same bits (:func:`_scalar_operand`); a 0-dim CPU tensor given to
+once per tensor, to the same bits (``_scalar_operand``); a 0-dim CPU tensor given to
 ``lerp``, the clamps, ``maximum`` or ``minimum`` (a weight or a bound computed from the step
-count) reaches them as a number, so those run as one multi-tensor op too (:func:`_cpu_number`). On a GPU, where 0-dim counts are
+count) reaches them as a number, so those run as one multi-tensor op too (``_cpu_number``). On a GPU, where 0-dim counts are
 not compared (that would wait for the device), a group's per-tensor scalars (counts, their
 bias corrections) are computed together: an elementwise operation on 0-dim tensors only runs
-once on them stacked into one vector (:func:`_on_stacked_scalars`), not once per tensor.
+once on them stacked into one vector (``_on_stacked_scalars``), not once per tensor.
 
 :func:`per_tensor` turns the grouped path off in this thread (the reference in the tests, and
 what torch.compile traces: inductor fuses the per-tensor ops itself).
@@ -508,7 +508,7 @@ class Leaves:
 
     def clamp(self, min: Any = None, max: Any = None) -> "Leaves":  # noqa: A002  (torch's names)
         """``min(max(t, min), max)``, as ``torch.clamp``: the two multi-tensor clamps for numbers
-        (and 0-dim CPU tensors read as numbers: :func:`_cpu_number`)."""
+        (and 0-dim CPU tensors read as numbers: ``_cpu_number``)."""
         min, max = _cpu_number(min, self), _cpu_number(max, self)  # noqa: A001
         if min is None and max is None or not all(v is None or _is_scalar(v) for v in (min, max)):
             return _map(torch.clamp, (self,), {"min": min, "max": max})
@@ -616,7 +616,7 @@ _FAST: dict = {
 def updated(old: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     """``getattr(old, method)(*args, **kwargs)`` as the new value of the state tensor ``old``:
     computed in ``old``'s own memory (its in-place form, ``method + "_"``: ``mu.lerp_(g, w)``)
-    where ``old`` holds state its caller gave up (:mod:`functional_bagua.ownership`; the grouped
+    where ``old`` holds state its caller gave up (``functional_bagua.ownership``; the grouped
     path marks such state) and none of its tensors is 0-dim (an op on a 0-dim tensor and a 0-dim
     float64 factor computes in float64 out of place, in the tensor's dtype in place), else as a
     new tensor: the same numbers either way. The rule must not read ``old`` after this line (a

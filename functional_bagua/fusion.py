@@ -220,7 +220,7 @@ def fuse_inplace(
     - ``"compiled"``: the same function through ``torch.compile(fullgraph=True)``; inductor turns
       the update and the copies into generated kernels that write into the buffers in place
       (numbers within float rounding), for every transform, the kernel aliases included.
-    - ``"torch"``: torch's own fused kernel (:mod:`functional_bagua.kernels`), for ``sgd``,
+    - ``"torch"``: torch's own fused kernel (``functional_bagua.kernels``), for ``sgd``,
       ``adam`` and ``adamw`` built with number hyperparameters: the numbers of
       ``torch.optim.*(fused=True)``. The fastest on CPU (benchmarks/RESULTS.md).
     - ``"auto"``: ``"torch"`` where it exists, else ``"compiled"``.

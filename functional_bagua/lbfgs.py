@@ -55,7 +55,7 @@ class LbfgsState(NamedTuple):
     """``func_evals`` and ``n_iter``: loss evaluations and iterations in all; ``d``, ``t``: the last
     direction and step; ``dirs``, ``steps``, ``rho``: the kept pairs' ``y``, ``s`` and ``1 / y.s``,
     oldest first, in fixed-size buffers of which the first ``kept`` rows count (each row padded to
-    :data:`ROW_ALIGN_BYTES`, see :func:`_row_length`); ``h_diag``: the
+    ``ROW_ALIGN_BYTES``, see ``_row_length``); ``h_diag``: the
     scale ``gamma``; ``prev_grad``, ``prev_loss``: the gradient and loss where ``d`` started."""
 
     func_evals: torch.Tensor

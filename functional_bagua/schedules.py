@@ -8,17 +8,16 @@ never recompiles as ``t`` grows. Each one equals its closed form below; where to
 scheduler for it, the sequence ``f(0), f(1), ...`` equals the scheduler's ``get_last_lr()``
 sequence (``init_value`` = the optimizer's initial ``lr``):
 
-=====================================================  ============================================
-schedule                                               torch.optim.lr_scheduler
-=====================================================  ============================================
-``exponential_decay(lr, step_size, gamma,               ``StepLR(step_size, gamma)``
-staircase=True)``
-``piecewise_constant(lr, {m: gamma for m in ms})``     ``MultiStepLR(ms, gamma)``
-``exponential_decay(lr, 1, gamma)``                    ``ExponentialLR(gamma)``
-``cosine_decay(lr, T_max, alpha=eta_min / lr)``        ``CosineAnnealingLR(T_max, eta_min)`` (t <= T_max)
-``linear(lr * start, lr * end, total_iters)``          ``LinearLR(start, end, total_iters)``
-``one_cycle(total_steps, max_lr, ...)``                ``OneCycleLR(max_lr, total_steps, ...)``
-=====================================================  ============================================
+===========================================================  ==================================================
+schedule                                                     torch.optim.lr_scheduler
+===========================================================  ==================================================
+``exponential_decay(lr, step_size, gamma, staircase=True)``  ``StepLR(step_size, gamma)``
+``piecewise_constant(lr, {m: gamma for m in ms})``           ``MultiStepLR(ms, gamma)``
+``exponential_decay(lr, 1, gamma)``                          ``ExponentialLR(gamma)``
+``cosine_decay(lr, T_max, alpha=eta_min / lr)``              ``CosineAnnealingLR(T_max, eta_min)`` (t <= T_max)
+``linear(lr * start, lr * end, total_iters)``                ``LinearLR(start, end, total_iters)``
+``one_cycle(total_steps, max_lr, ...)``                      ``OneCycleLR(max_lr, total_steps, ...)``
+===========================================================  ==================================================
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def make_train_step(
         overlap: for a step on a parameter tree whose ``tx`` is a ``chain`` starting with
             :func:`~functional_bagua.distributed.allreduce_gradients`, run that all-reduce during
             backward (module docstring): eager through gradient hooks; compiled with inductor
-            (the default backend, no ``mode``) through :data:`COMM_OVERLAP_OPTIONS`, added to the
+            (the default backend, no ``mode``) through ``COMM_OVERLAP_OPTIONS``, added to the
             ``options`` given in ``compile``. ``False`` runs it after backward, as the chain says.
         donate: let the step overwrite the ``params`` and ``state`` it is given and return them:
             eager, torch's fused kernel runs in place where it runs (module docstring), and any

@@ -180,7 +180,7 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
     @property
     def status(self) -> _AsyncInternalState:
-        """The averaging thread's state (:class:`_AsyncInternalState`)."""
+        """The averaging thread's state (``_AsyncInternalState``)."""
         if self.averager is not None:
             return _AsyncInternalState.STARTED
         return _AsyncInternalState.STOPPED if self._stopped else _AsyncInternalState.NEW

@@ -364,7 +364,7 @@ class Algorithm:
 
     @classmethod
     def init(cls, name: str, **kwargs: Any) -> "Algorithm":
-        """The algorithm registered as ``name`` (:data:`GlobalAlgorithmRegistry`), built with ``kwargs``.
+        """The algorithm registered as ``name`` (``GlobalAlgorithmRegistry``), built with ``kwargs``.
 
         Args:
             name: a registry name, e.g. ``"gradient_allreduce"``.

@@ -2,7 +2,7 @@
 each chunk quantized with its own minimum and maximum (255 levels); rank ``j`` receives every
 rank's chunk ``j``, averages the dequantized copies, quantizes the result again and sends it to
 every rank. Every rank ends with the same bits, within half a quantization step of each rounding
-of the exact average (``minmax_uint8`` of :mod:`functional_bagua.distributed.compression`)."""
+of the exact average (``minmax_uint8`` of ``functional_bagua.distributed.compression``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ __all__ = ["ByteGradAlgorithm", "ByteGradAlgorithmImpl"]
 
 
 class ByteGradAlgorithmImpl(GradientAllReduceAlgorithmImpl):
-    """:class:`GradientAllReduceAlgorithmImpl` with the ``minmax_uint8`` codec.
+    """:class:`~functional_bagua.compat.algorithms.gradient_allreduce.GradientAllReduceAlgorithmImpl` with the
+    ``minmax_uint8`` codec.
 
     Args:
         process_group: the group to average over.

@@ -11,7 +11,7 @@ averaging gradients.
 The average of the weights at the start of the step is launched before the forward and runs
 while forward and backward compute the local gradient at the local weights; after backward the
 weights become the average, and the optimizer applies the local gradient to it
-(:func:`functional_bagua.distributed.averaging.mean_over_ranks` and ``mean_with_peer``). Other
+(``functional_bagua.distributed.averaging.mean_over_ranks`` and ``mean_with_peer``). Other
 steps are plain local steps.
 
 :class:`LowPrecisionDecentralizedAlgorithm` (8-bit differences with the ring neighbours

@@ -25,7 +25,7 @@ class GradientAllReduceAlgorithmImpl(AlgorithmImpl):
             leaders); the result is the same average, and here it runs as one flat reduction over
             all ranks (torch's collectives pick their own topology).
         average: the mean over the ranks (``True``) or the sum.
-        compression: a codec of :mod:`functional_bagua.distributed.compression` (``None``: exact).
+        compression: a codec of ``functional_bagua.distributed.compression`` (``None``: exact).
     """
 
     def __init__(

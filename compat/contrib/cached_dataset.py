@@ -22,7 +22,7 @@ class CachedDataset(Dataset):
 
     Args:
         dataset: the dataset to wrap (of constant length).
-        backend: the cache's store, as :class:`CacheLoader`'s.
+        backend: the cache's store, as :class:`~functional_bagua.compat.contrib.cache_loader.CacheLoader`'s.
         dataset_name: the prefix of the cache's keys.
         writer_buffer_size: new samples gathered before one write to the store.
         store: the ``torch.distributed.Store`` of the ``"store"`` backend.

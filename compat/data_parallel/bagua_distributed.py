@@ -35,7 +35,7 @@ __all__ = [
 
 class TensorDeclaration(TypedDict):
     """A tensor as Bagua's autotuner sees it: its name, number of elements and dtype name
-    (:func:`to_bagua_datatype`: ``"f32"``, ``"f16"``, ``"u8"``, ``"i64"``)."""
+    (:func:`~functional_bagua.compat.utils.to_bagua_datatype`: ``"f32"``, ``"f16"``, ``"u8"``, ``"i64"``)."""
 
     name: str
     num_elements: int

@@ -208,7 +208,7 @@ def DistributedDataParallel(  # noqa: N802 - Bagua's name
         check_reduction: kept for torch DDP's signature (deprecated there).
         gradient_as_bucket_view: let gradients live in the communication buckets.
         optimizers: the optimizers that step the module's parameters.
-        algorithm: an :class:`~functional_bagua.compat.algorithms.Algorithm`; ``None`` for
+        algorithm: an :class:`~functional_bagua.compat.algorithms.base.Algorithm`; ``None`` for
             ``GradientAllReduceAlgorithm()``.
     """
     return DistributedDataParallel_V1_9_0(

@@ -2,14 +2,14 @@
 functional_bagua's averaging rule.
 
 ``PeriodicModelAverager(period, warmup_steps)`` averages on the steps where
-:func:`functional_bagua.distributed.averaging.periodic_due` holds (``periodic_average``'s rule)::
+``functional_bagua.distributed.averaging.periodic_due`` holds (``periodic_average``'s rule)::
 
     step >= warmup_steps and (step - warmup_steps) % period == 0:    p <- mean_r p[r]
 
 ``HierarchicalModelAverager({period: group_size, ...}, warmup_steps)`` averages, on each step after
 the warmup, within the groups of the largest period dividing the step (groups of ``group_size``
 consecutive ranks; the last entry's size is the whole group). The mean is
-:func:`functional_bagua.distributed.averaging.mean_over_ranks` (a flat buffer per dtype, divided by
+``functional_bagua.distributed.averaging.mean_over_ranks`` (a flat buffer per dtype, divided by
 the group size, summed), over the parameters given, param groups or a module's parameters, of
 which only those with a gradient take part (as torch's). Beyond torch: the hierarchical averager
 builds its subgroups from explicit rank lists, so it runs on the CPU with gloo too.

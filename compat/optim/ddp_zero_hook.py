@@ -1,4 +1,4 @@
-"""torch DDP's ZeRO communication hooks, for :class:`~functional_bagua.compat.optim.ZeroRedundancyOptimizer`
+"""torch DDP's ZeRO communication hooks, for :class:`~functional_bagua.compat.optim.zero.ZeroRedundancyOptimizer`
 built with ``overlap_with_ddp=True``, on any backend (gloo too):
 
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-3)

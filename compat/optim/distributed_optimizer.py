@@ -17,7 +17,7 @@ The local optimizer is functional_bagua's alias of ``optimizer_class`` where one
 (``torch.optim.SGD`` -> :func:`functional_bagua.sgd`, ``Adam`` -> ``adam``, ...; torch's
 implementation flags ``foreach``/``fused``/``capturable``/``differentiable`` dropped), run by the
 fastest kernel it has, as :func:`functional_bagua.fuse_inplace` picks it: torch's fused kernel
-(:mod:`functional_bagua.kernels`) for SGD, Adam and AdamW, over the parameters that have a
+(``functional_bagua.kernels``) for SGD, Adam and AdamW, over the parameters that have a
 gradient; for the other aliases, the pure ``tx.update`` compiled with ``torch.compile`` (one graph
 per pattern of missing gradients) and written back in place. Any other class (or arguments the
 alias does not take) runs as the class itself. No TorchScript (torch deprecates it for this class).

@@ -1,4 +1,4 @@
-"""torch's ``PostLocalSGDOptimizer``: an optimizer's step followed by a model averager's.
+"""torch's ``PostLocalSGDOptimizer``: an optimizer's step followed by a model averager's::
 
     optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                       averagers.PeriodicModelAverager(period=4, warmup_steps=100))

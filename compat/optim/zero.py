@@ -9,7 +9,7 @@ The partition is torch's: for each param group in turn, its parameters, largest 
 one to the rank holding the fewest elements so far; each parameter belongs to one rank. A step
 runs ``optimizer_class`` (torch's or a user's) on this rank's parameters, then every rank
 broadcasts the parameters it owns (with ``parameters_as_bucket_view``, one flat buffer per rank
-and device, which the parameters view: :func:`functional_bagua.flat.flatten_parameters`). So the
+and device, which the parameters view: :func:`functional_bagua.flatten_parameters`). So the
 numbers are those of ``optimizer_class`` on all the parameters, with ``1/world`` of its state per rank.
 
 ``consolidate_state_dict(to)`` gathers the ranks' local states on rank ``to``; ``state_dict()`` (an
@@ -20,7 +20,7 @@ and loads through the local optimizer's own ``load_state_dict``, so a fused opti
 tensors land where it needs them (torch moved every 0-dim state tensor to the CPU).
 
 With ``overlap_with_ddp=True`` the step runs inside DDP's backward, from the communication hook
-that :func:`~functional_bagua.compat.optim.hook_with_zero_step` (or its interleaved sibling) builds:
+that :func:`~functional_bagua.compat.optim.ddp_zero_hook.hook_with_zero_step` (or its interleaved sibling) builds:
 as each DDP bucket's all-reduce completes, this rank steps the parameters of that bucket it owns,
 on the reduced gradients, and every owner broadcasts its updated parameters (module
 :mod:`~functional_bagua.compat.optim.ddp_zero_hook`). The partition stays the one above, so the

@@ -52,7 +52,7 @@ def allreduce_gradients(
         bucket_cap_mb: the bucket size in MiB (a bucket closes once it reaches it, as in DDP); must
             be positive. ``None`` (default) for DDP's defaults: the first bucket 1 MiB, the others 25.
         average: ``True`` for the mean over the ranks, ``False`` for the sum.
-        compression: one of :data:`~functional_bagua.distributed.COMPRESSIONS`: ``None``, ``"fp16"``,
+        compression: one of ``functional_bagua.distributed.COMPRESSIONS``: ``None``, ``"fp16"``,
             ``"bf16"`` or ``"minmax_uint8"``; with one, complex gradients are refused.
         group: the process group; ``None`` for the default group (looked up at each ``init`` and
             ``update``).

@@ -74,7 +74,7 @@ class GradientReducer:
             DDP's defaults: the first bucket 1 MiB, the others 25.
         average: the mean over the ranks (``True``) or the sum.
         compression: ``None``, ``"fp16"``, ``"bf16"`` or ``"minmax_uint8"``
-            (:data:`~functional_bagua.distributed.COMPRESSIONS`).
+            (``functional_bagua.distributed.COMPRESSIONS``).
         gradient_as_bucket_view: make each ``.grad`` a view of its bucket's buffer (no copy into
             the bucket after the first backward, nor back into ``.grad`` after the reduction).
         find_unused_parameters: agree across the ranks on which parameters got a gradient (module

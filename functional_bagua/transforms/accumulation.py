@@ -198,6 +198,6 @@ class MultiSteps:
             state: the :class:`MultiStepsState` returned by the last ``update``.
 
         Returns:
-            A 0-dim bool tensor: ``True`` when ``mini_step`` is back at 0 after at least one inner step.
+            A 0-dim bool tensor, ``True`` when ``mini_step`` is back at 0 after at least one inner step.
         """
         return (state.mini_step == 0) & (state.gradient_step > 0)

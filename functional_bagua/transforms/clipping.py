@@ -40,7 +40,7 @@ def clip(max_delta: float) -> GradientTransformation:
 
 def global_norm(updates: PyTree, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all leaves together (``None`` leaves left out; 0 when there are none), as
-    clip_grad_norm_ computes it: one norm per tensor, in its dtype (the tensors grouped by device
+    ``clip_grad_norm_`` computes it: one norm per tensor, in its dtype (the tensors grouped by device
     and dtype), then the norm of those.
 
     Args:
@@ -78,7 +78,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
     Returns:
         A stateless GradientTransformation. It refuses to run inside ``distributed.shard`` and
         ``shard_by_tensor`` (put it before them); fused over DTensors' local shards (an FSDP2
-        model's) it takes the global norm across the ranks (:func:`norm_across_shards`; finite
+        model's) it takes the global norm across the ranks (``norm_across_shards``; finite
         ``norm_type`` only).
 
     Example::

@@ -76,7 +76,7 @@ def leafwise(
             ``torch.optim.SparseAdam``); it refuses dense and complex ones and cannot run fused.
         fresh_updates: ``True`` declares that ``u`` is always a new tensor that nothing else
             holds (not ``g``, ``p``, nor a state tensor, old or new), so that the next link of a
-            chain may overwrite it (:mod:`functional_bagua.ownership`).
+            chain may overwrite it (``functional_bagua.ownership``).
 
     Returns:
         A GradientTransformation whose state is a ``state_type`` with one tree per field.
@@ -250,13 +250,13 @@ def stateless(
     is ``None`` without them) must match the updates' structure, else a ValueError names the keys.
     ``per_tensor`` as in :func:`leafwise`. ``per_buffer(u, p, lengths, key)``, optional with
     ``per_tensor``, is the same rule written for a whole flat buffer ``key`` whose segments have
-    ``lengths`` elements (with :mod:`functional_bagua.segments`); inside a fused update it runs
+    ``lengths`` elements (with ``functional_bagua.segments``); inside a fused update it runs
     instead of a loop over the segments. A rule that only sums over each segment may run where
     the buffer holds DTensors' local shards, taking its sums across the ranks with
-    :func:`~functional_bagua.segments.norms_of_whole_tensors` (``lengths`` are then this rank's
+    ``norms_of_whole_tensors`` (``lengths`` are then this rank's
     parts). Without ``per_buffer``, a per-tensor rule gets whole tensors there too: each gathered
     to an owner rank, which runs the rule (with the whole parameter where ``needs_params``, else
-    ``p`` is ``None``), and its rows sent back (:mod:`functional_bagua.distributed.whole_tensors`).
+    ``p`` is ``None``), and its rows sent back (``functional_bagua.distributed.whole_tensors``).
 
     Args:
         update_leaf: ``update_leaf(u, p) -> new_u``, called on each update that is not ``None``
@@ -269,7 +269,7 @@ def stateless(
         in_place: the same rule computing its result in ``u`` (``u.mul_(s)`` for ``u * s``), to
             the same bits, for an elementwise rule that returns new tensors: the transform then
             declares its updates fresh, and runs ``in_place`` where the chain hands it updates
-            it may overwrite (:mod:`functional_bagua.ownership`).
+            it may overwrite (``functional_bagua.ownership``).
 
     Returns:
         A GradientTransformation whose state is an ``EmptyState``.

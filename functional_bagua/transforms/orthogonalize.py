@@ -108,7 +108,7 @@ def scale_by_shape(adjust_lr_fn: Optional[str] = None) -> GradientTransformation
     """``u = shape_factor(shape(g)) * g`` per tensor (module docstring).
 
     Args:
-        adjust_lr_fn: the name of the factor, as in :func:`shape_factor` (checked when the
+        adjust_lr_fn: the name of the factor, as in ``shape_factor`` (checked when the
             transform is built).
 
     Returns:

@@ -115,7 +115,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
             it is ``+lr * g``.
 
     Returns:
-        A GradientTransformation: a stateless one for a fixed ``learning_rate`` (a tensor is read
+        A GradientTransformation, a stateless one for a fixed ``learning_rate`` (a tensor is read
         at every update, so a value written into it in place takes effect), a
         :func:`scale_by_schedule` one for a schedule. In :class:`~functional_bagua.Optimizer`,
         a fixed ``learning_rate`` is its param group's ``"lr"``, for torch's schedulers.

@@ -87,7 +87,7 @@ NORM_FLOOR = 1e-16  # added to the Shampoo direction's norm before grafting, as 
 
 
 class ScaleByShampooState(NamedTuple):
-    """Per tensor: ``count`` (its gradients so far), and per block (in :func:`blocks_of` order):
+    """Per tensor: ``count`` (its gradients so far), and per block (in ``blocks_of`` order):
     ``mu`` (``M``, the filtered gradient; an empty tensor for ``b1 = 0``), ``graft`` (``V``, the
     grafting method's second moments; empty without), and tuples of the statistics ``L_i``
     (``statistics``) and of their inverse roots ``R_i`` (``roots``), one per dimension. Inside
@@ -156,7 +156,7 @@ def scale_by_shampoo(
             reference; ranks whose statistics differ are refused, each with the same
             ValueError); eager only (a TypeError under torch.compile); ``None``: all here.
         root_method: ``"eigh"`` (the reference's default) or ``"newton"``: the coupled Newton
-            iteration, batched matmuls only (:func:`inverse_root_newton`; meant for GPUs, where
+            iteration, batched matmuls only (``inverse_root_newton``; meant for GPUs, where
             ``eigh`` of many matrices is slow, not yet measured there; on the CPU slower than
             ``eigh``), ``eigh`` for a matrix that has not converged.
         newton_iterations: the most steps of the Newton iteration (an int >= 1; compiled, the

@@ -97,7 +97,7 @@ class ScaleBySoapState(NamedTuple):
     dimension of its preconditioned view the statistic ``L_i`` (``statistics``) and eigenbasis
     ``Q_i`` (``eigenbases``), tuples holding an empty tensor for a dimension without a
     preconditioner. Inside :func:`~functional_bagua.fuse`, per flat buffer, each field is a tuple
-    over its groups of equal-shaped tensors, each stacked (:func:`fused_state_of`)."""
+    over its groups of equal-shaped tensors, each stacked (``fused_state_of``)."""
 
     count: PyTree  # a field named like tuple.count, as in optax
     mu: PyTree

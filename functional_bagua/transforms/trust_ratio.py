@@ -42,11 +42,11 @@ def trust_ratio(p: torch.Tensor, u: torch.Tensor, trust_coefficient: float = 1.0
     Args:
         p: the parameter tensor.
         u: its update.
-        trust_coefficient: the factor of the ratio, as in :func:`ratio_of_norms`.
+        trust_coefficient: the factor of the ratio, as in ``ratio_of_norms``.
         eps: added to ``||u||`` in the denominator.
 
     Returns:
-        A 0-dim tensor: ``trust_coefficient * ||p|| / (||u|| + eps)``, or 1 if either norm is 0.
+        A 0-dim tensor, ``trust_coefficient * ||p|| / (||u|| + eps)``, or 1 if either norm is 0.
     """
     return ratio_of_norms(p.norm(), u.norm(), trust_coefficient, eps)
 

@@ -5,8 +5,8 @@ tensors lying back to back in memory and for a torch optimizer's per-parameter s
 - :func:`calculate_mutual_groups`: for several lists of tensors of one length (the parameters
   and each of their state tensors, say), the groups of positions whose tensors lie back to back,
   in address order, in every list, so that all of them can be viewed as one flat tensor each;
-  :func:`group_tensors` gives such a group's storage and size, :func:`_create_tensor` a flat
-  tensor over it, :func:`_can_reuse_tensor` whether a tensor already is that flat tensor.
+  :func:`group_tensors` gives such a group's storage and size, ``_create_tensor`` a flat
+  tensor over it, ``_can_reuse_tensor`` whether a tensor already is that flat tensor.
 - :func:`flatten_tensors_with_closure` moves tensors reached through a getter (``p.data``,
   ``p.grad.data``, ``optimizer.state[p][name].data``) into one flat buffer, each becoming a view
   of it; :func:`flatten_params_and_states` does so for every param group's parameters, gradients
@@ -17,11 +17,12 @@ tensors lying back to back in memory and for a torch optimizer's per-parameter s
   views shaped like its members'; :func:`sync_param_group_scalars` copies a group's settings.
 
 Bagua's fused optimizer kept a second optimizer over flat parameters
-(:func:`make_optimizer_instance` makes such a copy, as Bagua's); :func:`fuse_optimizer` here steps
-the optimizer itself on flat views, with no second copy. The steps of Bagua's design that act on
-the copy, ``do_fuse`` (build its flat parameters), ``sync_optimizer_state`` (write its state
-back) and ``check_optimizer`` (compare the attributes it cloned), therefore have nothing to act
-on: each raises a NotImplementedError that names :func:`fuse_step`, which does the whole step.
+(:func:`make_optimizer_instance` makes such a copy, as Bagua's);
+:func:`~functional_bagua.compat.fuse.fuse_optimizer` here steps the optimizer itself on flat views, with
+no second copy. The steps of Bagua's design that act on the copy, ``do_fuse`` (build its flat
+parameters), ``sync_optimizer_state`` (write its state back) and ``check_optimizer`` (compare the
+attributes it cloned), therefore have nothing to act on: each raises a NotImplementedError that
+names :func:`~functional_bagua.compat.fuse.fuse_step`, which does the whole step.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _intersect(a: Sequence[list[int]], b: Sequence[list[int]]) -> list[list[int]
 
 
 def calculate_mutual_groups(tensors_list: Sequence[Sequence[torch.Tensor]]) -> list[list[int]]:
-    """The runs of :func:`_find_continuous_tensors` that every list of ``tensors_list`` has
+    """The runs of ``_find_continuous_tensors`` that every list of ``tensors_list`` has
     (module docstring); ``[]`` for no lists. Every list must have the same length (an
     AssertionError otherwise, as Bagua's).
 
@@ -110,7 +111,7 @@ def calculate_mutual_groups(tensors_list: Sequence[Sequence[torch.Tensor]]) -> l
 
 def group_tensors(tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> Optional[tuple]:
     """``(storage, numel, dtype, device)`` of the tensors at ``indices``, which must lie back to
-    back (an AssertionError otherwise, as Bagua's): what :func:`_create_tensor` makes one flat
+    back (an AssertionError otherwise, as Bagua's): what ``_create_tensor`` makes one flat
     tensor of; ``None`` for no indices.
 
     Args:

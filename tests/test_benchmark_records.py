@@ -1,0 +1,71 @@
+"""A benchmark's recorded run reaches the docs: ``common.record`` writes the tables with the
+machine, date and command; ``plots.draw`` draws the charted tables; the benchmark's page shows
+the run's numbers and figure. And every public name has its place in the API reference."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.cpu_only("checks files written for the docs, not tensors")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "docs")]
+
+
+def test_a_recorded_run_is_drawn_and_shown_on_its_page(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the figures need matplotlib (pip install -e '.[docs]')")
+    import benchmark_pages
+    import common
+    import plots
+
+    monkeypatch.setattr(
+        sys, "argv", ["benchmarks/first_order.py", "--config", "mlp", "--skip", "fuse_inplace eager", "--record"]
+    )
+    rows = [
+        {"optimizer": "adopt", "variant": "fb.Optimizer", "ms": 1.25},
+        {"optimizer": "adopt", "variant": "ref", "ms": 2.5},
+    ]
+    tables = [
+        dict(
+            title="step time",
+            columns=["optimizer", "variant", "ms"],
+            rows=rows,
+            chart=dict(value="ms", label=["variant"]),
+        ),
+        dict(
+            title="loss",
+            columns=["optimizer", "final_loss"],
+            rows=[{"optimizer": "adamw", "final_loss": 1.5, "curve": [3.0, 2.0, 1.5]}],
+            chart=dict(kind="curves", value="curve", label=["optimizer"]),
+        ),
+    ]
+    path = common.record("first_order-mlp", "cpu", tables, into=tmp_path / "results")
+
+    run = json.loads(path.read_text())
+    assert path.parent.name == common.machine_slug("cpu") and path.name == "first_order-mlp.json"
+    assert run["date"] == datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    assert run["command"] == "python benchmarks/first_order.py --config mlp --skip 'fuse_inplace eager' --record"
+    assert run["tables"][0]["rows"] == rows
+
+    figures = tmp_path / "figures"
+    drawn, curves = plots.draw(figures, tmp_path / "results")
+    assert [drawn.name, curves.name] == [plots.figure_name(path, 0), plots.figure_name(path, 1)]
+    assert drawn.read_bytes().startswith(b"\x89PNG") and curves.read_bytes().startswith(b"\x89PNG")
+
+    page = benchmark_pages._page(ROOT / "benchmarks" / "first_order.py", tmp_path / "results", figures, plots)
+    assert f"## {run['machine']}, {run['date']}" in page
+    assert f"`{run['command']}`" in page
+    assert "| adopt | fb.Optimizer | 1.25 |" in page and "| adopt | ref | 2.5 |" in page
+    assert "| adamw | 1.5 |" in page
+    assert f"](figures/{drawn.name})" in page and f"](figures/{curves.name})" in page
+
+
+def test_every_public_name_has_one_place_in_the_api_reference():
+    import api_pages
+
+    api_pages.check_every_name_is_placed()  # raises naming what is missing or placed twice
