@@ -47,7 +47,7 @@ import torch
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from common import machine, steady_malloc, table  # noqa: E402
+from common import machine, record, steady_malloc, table  # noqa: E402
 from custom_optimizers import BertAdam  # noqa: E402
 from optimizer_step import bert_base_shapes  # noqa: E402
 
@@ -281,6 +281,7 @@ def main(argv=None):
         action="store_true",
         help="leave glibc's malloc as it is (BERT-size for-loop steps then vary up to 2x)",
     )
+    parser.add_argument("--record", action="store_true", help="keep the tables in benchmarks/results/ for the docs")
     args = parser.parse_args(argv)
     global DEVICE  # noqa: PLW0603
     DEVICE = args.device
@@ -288,22 +289,27 @@ def main(argv=None):
     allocator = steady_malloc() if not args.default_malloc else "default allocator"
     print(f"# fuse_step vs step, {machine(DEVICE)}, {allocator}\n")
     names = args.optimizers.split(",")
+    recorded = []
+    step_columns = ["optimizer", "grads", "impl", "step_ms", "fuse_step_ms", "speedup", "floor_ms", "ceiling"]
+    train_columns = ["model", "optimizer", "impl", "call", "ms", "speedup"]
     for key in args.configs.split(","):
         steps = args.bert_steps if key == "bert" else args.steps
         label, rows = bench_steps(key, names, steps, with_compile=key == "mlp" and not args.no_compile)
         print(f"## optimizer step, {label} (median of {steps})\n")
-        print(
-            table(rows, ["optimizer", "grads", "impl", "step_ms", "fuse_step_ms", "speedup", "floor_ms", "ceiling"])
-            + "\n",
-            flush=True,
-        )
+        print(table(rows, step_columns) + "\n", flush=True)
+        recorded.append(dict(title=f"optimizer step, {label} (median of {steps})", columns=step_columns, rows=rows))
     if args.bert_train:
-        print(f"## training step on BERT-base: zero_grad(), forward, backward, step (median of {args.train_steps})\n")
+        title = f"training step on BERT-base: zero_grad(), forward, backward, step (median of {args.train_steps})"
         rows = bench_training(args.train_steps, BERT_TRAIN, ("AdamW",))
-        print(table(rows, ["model", "optimizer", "impl", "call", "ms", "speedup"]), flush=True)
     elif not args.no_train:
-        print(f"## training step: zero_grad(), forward, backward, step (median of {args.train_steps})\n")
-        print(table(bench_training(args.train_steps), ["model", "optimizer", "impl", "call", "ms", "speedup"]))
+        title = f"training step: zero_grad(), forward, backward, step (median of {args.train_steps})"
+        rows = bench_training(args.train_steps)
+    if args.bert_train or not args.no_train:
+        print(f"## {title}\n")
+        print(table(rows, train_columns), flush=True)
+        recorded.append(dict(title=title, columns=train_columns, rows=rows))
+    if args.record:
+        record("fused_optimizer", DEVICE, recorded)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def draw(out_dir: pathlib.Path, results: pathlib.Path = RESULTS) -> list[pathlib
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*.png"):  # a table that lost its chart keeps no old figure
+        stale.unlink()
     written = []
     for result in sorted(results.glob("*/*.json")):
         run = json.loads(result.read_text())
@@ -38,14 +40,18 @@ def draw(out_dir: pathlib.Path, results: pathlib.Path = RESULTS) -> list[pathlib
                 continue
             labels = [" / ".join(str(r.get(c, "")) for c in chart["label"]) for r in tab["rows"]]
             if chart.get("kind") == "curves":  # a line per row: row[value] is a list, one value per step
+                lines = [(label, r.get(chart["value"])) for label, r in zip(labels, tab["rows"])]
+                lines = [(label, ys) for label, ys in lines if isinstance(ys, list) and ys]
+                if not lines:  # rows of failed variants hold an error and no values
+                    continue
                 fig, ax = plt.subplots(figsize=(8, 4))
-                for label, r in zip(labels, tab["rows"]):
-                    ax.plot(range(1, len(r[chart["value"]]) + 1), r[chart["value"]], label=label)
+                for label, ys in lines:
+                    ax.plot(range(1, len(ys) + 1), ys, label=label)
                 ax.set_xlabel("step")
                 ax.set_ylabel(chart.get("ylabel", chart["value"]))
                 ax.legend(fontsize=7)
             else:  # a bar per row whose row[value] is a number
-                bars = [(label, r[chart["value"]]) for label, r in zip(labels, tab["rows"])]
+                bars = [(label, r.get(chart["value"])) for label, r in zip(labels, tab["rows"])]
                 bars = [(label, v) for label, v in bars if isinstance(v, (int, float))]
                 if not bars:
                     continue

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import on_gloo_ranks, table  # noqa: E402
+from common import on_gloo_ranks, record, table  # noqa: E402
 
 from functional_bagua.transforms.batched_matrices import Owners, owner_computes, owner_computes_all  # noqa: E402
 from functional_bagua.transforms.shampoo import inverse_root  # noqa: E402
@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--computation", default="shampoo_root", choices=list(COMPUTATIONS))
+    parser.add_argument("--record", action="store_true", help="keep the tables in benchmarks/results/ for the docs")
     args = parser.parse_args()
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
@@ -241,11 +242,15 @@ def main() -> None:
             rows.append(row)
     if "all_gathers_per_step" in rows[0]:
         print("SOAP refreshing every step on a GPT-2 of hidden 256, 4 layers; one thread per rank; slowest rank's")
-        print(table(rows, ["ranks", "transform", "step_ms", "slowest_step_ms", "all_gathers_per_step"]))
+        columns = ["ranks", "transform", "step_ms", "slowest_step_ms", "all_gathers_per_step"]
+        print(table(rows, columns))
+        keep(args, "SOAP refreshing every step on a GPT-2 of hidden 256, 4 layers", columns, rows)
         return
     if "step_ms" in rows[0]:
         print("SOAP on a GPT-2 of hidden 256, 4 layers; one thread per rank; the slowest rank's median step")
-        print(table(rows, ["ranks", "transform", "step_ms", "state_mb_per_rank"]))
+        columns = ["ranks", "transform", "step_ms", "state_mb_per_rank"]
+        print(table(rows, columns))
+        keep(args, "SOAP on a GPT-2 of hidden 256, 4 layers", columns, rows)
         return
     base = {r["owners"]: r["own_decompositions_ms"] for r in rows if r["ranks"] == rows[0]["ranks"]}
     for r in rows:  # against the same way of sharing on the fewest ranks
@@ -258,7 +263,16 @@ def main() -> None:
     }[args.computation]
     print(f"{what}, one thread per rank; slowest rank's medians")
     columns = ["ranks", "owners", "own_decompositions_ms", "with_all_gather_ms", "own x 1 rank"]
-    print(table(rows, columns if rows[0]["owners"] else [c for c in columns if c != "owners"]))
+    columns = columns if rows[0]["owners"] else [c for c in columns if c != "owners"]
+    print(table(rows, columns))
+    keep(args, what, columns, rows)
+
+
+def keep(args: argparse.Namespace, what: str, columns: list[str], rows: list[dict]) -> None:
+    """The table in benchmarks/results/ (``--record``), one file per computation."""
+    if args.record:
+        title = f"{what}; one thread per rank; the slowest rank's medians"
+        record(f"second_order_sharded-{args.computation}", "cpu", [dict(title=title, columns=columns, rows=rows)])
 
 
 if __name__ == "__main__":

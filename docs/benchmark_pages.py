@@ -32,19 +32,23 @@ def _runs_of(stem: str, results: pathlib.Path) -> list[pathlib.Path]:
 def _page(script: pathlib.Path, results: pathlib.Path, figures: pathlib.Path, plots) -> str:
     doc = ast.get_docstring(ast.parse(script.read_text())) or ""
     summary, _, rest = doc.partition("\n\n")
-    title = summary.replace("\n", " ").split(": ")[0].rstrip(".")
-    lines = [f"# {title}", "", summary.replace("\n", " "), "", f"Script: `benchmarks/{script.name}`.", ""]
+    title, _, what = summary.replace("\n", " ").partition(": ")
+    lines = [f"# {title.rstrip('.')}", ""]
+    if what:
+        lines += [what[0].upper() + what[1:], ""]
+    lines += [f"Script: `benchmarks/{script.name}`.", ""]
     if rest:
         lines += ["```text", rest.rstrip(), "```", ""]
     runs = _runs_of(script.stem, results)
-    if "--record" in script.read_text():
+    if "record(" in script.read_text():  # it calls common.record (its --record flag)
         lines += ["Run it with `--record` to keep its tables in `benchmarks/results/<machine>/` for this page.", ""]
     if not runs:
         lines += ["No run recorded yet; earlier runs are in the {doc}`history`.", ""]
     for machine_dir in sorted({r.parent for r in runs}):
         for run_path in [r for r in runs if r.parent == machine_dir]:
             run = json.loads(run_path.read_text())
-            lines += [f"## {run['machine']}, {run['date']}", "", f"Command: `{run['command']}`", ""]
+            part = "" if run_path.stem == script.stem else f" ({run_path.stem[len(script.stem) + 1 :]})"
+            lines += [f"## {run['machine']}, {run['date']}{part}", "", f"Command: `{run['command']}`", ""]
             for index, tab in enumerate(run["tables"]):
                 lines += [f"### {tab['title']}", "", _table(tab), ""]
                 figure = figures / plots.figure_name(run_path, index)

@@ -32,6 +32,20 @@ from functional_bagua.numerics import SCALAR_DTYPE
 Count = Union[int, torch.Tensor]  # a step count: a Python int or a 0-dim tensor holding one
 Schedule = Callable[[Count], torch.Tensor]
 
+__all__ = [  # the schedules, and the step count as they read it (the module's helpers stay internal)
+    "Schedule",
+    "step_count",
+    "constant",
+    "linear",
+    "polynomial",
+    "cosine_decay",
+    "exponential_decay",
+    "piecewise_constant",
+    "join_schedules",
+    "warmup_cosine_decay",
+    "one_cycle",
+]
+
 
 def step_count(count: torch.Tensor) -> torch.Tensor:
     """An optimizer's integer step counter as the float64 tensor its schedules receive.

@@ -29,6 +29,7 @@ def test_a_recorded_run_is_drawn_and_shown_on_its_page(tmp_path, monkeypatch):
     rows = [
         {"optimizer": "adopt", "variant": "fb.Optimizer", "ms": 1.25},
         {"optimizer": "adopt", "variant": "ref", "ms": 2.5},
+        {"optimizer": "adopt", "variant": "broken", "error": "ImportError: not installed"},  # a failed variant
     ]
     tables = [
         dict(
@@ -40,7 +41,10 @@ def test_a_recorded_run_is_drawn_and_shown_on_its_page(tmp_path, monkeypatch):
         dict(
             title="loss",
             columns=["optimizer", "final_loss"],
-            rows=[{"optimizer": "adamw", "final_loss": 1.5, "curve": [3.0, 2.0, 1.5]}],
+            rows=[
+                {"optimizer": "adamw", "final_loss": 1.5, "curve": [3.0, 2.0, 1.5]},
+                {"optimizer": "lion", "error": "nan"},
+            ],
             chart=dict(kind="curves", value="curve", label=["optimizer"]),
         ),
     ]
@@ -53,7 +57,10 @@ def test_a_recorded_run_is_drawn_and_shown_on_its_page(tmp_path, monkeypatch):
     assert run["tables"][0]["rows"] == rows
 
     figures = tmp_path / "figures"
+    figures.mkdir()
+    (figures / "cpu-2-cores-gone-0.png").write_bytes(b"stale")  # a figure of a table no longer charted
     drawn, curves = plots.draw(figures, tmp_path / "results")
+    assert sorted(figures.iterdir()) == sorted([drawn, curves])
     assert [drawn.name, curves.name] == [plots.figure_name(path, 0), plots.figure_name(path, 1)]
     assert drawn.read_bytes().startswith(b"\x89PNG") and curves.read_bytes().startswith(b"\x89PNG")
 
