@@ -160,7 +160,9 @@ def machine(device: str = "cpu") -> str:
     return f"CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+# where record() keeps runs: benchmarks/results, or FB_RESULTS_DIR (the prepared GPU run points it
+# into its output folder, whose results/<machine>/ then go into benchmarks/results)
+RESULTS = pathlib.Path(os.environ.get("FB_RESULTS_DIR") or pathlib.Path(__file__).resolve().parent / "results")
 
 
 def machine_slug(device: str = "cpu") -> str:
@@ -194,7 +196,7 @@ def record(benchmark: str, device: str, tables: list[dict], *, into: pathlib.Pat
         "tables": tables,
     }
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    print(f"recorded: {path.relative_to(into.parent.parent) if into == RESULTS else path}")
+    print(f"recorded: {path}")
     return path
 
 

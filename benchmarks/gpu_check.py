@@ -30,7 +30,9 @@ always written:
     AdamW8bit: bytes from the allocator and step times (low_precision.py).
 
 The report names the device, the date, torch, CUDA and the driver, which optional packages were
-missing, each section's status and tables, and the issue's GPU targets against what was measured.
+missing, each section's status and tables, and the GPU targets against what was measured. Each
+benchmark also records its tables (``--record``) into ``OUTDIR/results/<machine>/``: copy that
+folder into ``benchmarks/results/`` and the docs show the GPU's latest runs beside the CPU's.
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
     configs = "a" if quick else "a,b,d,c"
     others = "muon" if quick else "adam,sgd,lamb,lion,adafactor,muon"
     steps = "3" if quick else "20"
-    step = lambda name, optimizers, *more: (  # noqa: E731
-        [py, bench("optimizer_step.py"), "--device", device, "--configs", configs, "--optimizers", optimizers]
-        + ["--no-scaling", "--chart", "", "--steps", steps, "--json", os.path.join(out, name), *more]
+    step = (
+        lambda name, optimizers, *more: (  # noqa: E731
+            [py, bench("optimizer_step.py"), "--device", device, "--configs", configs, "--optimizers", optimizers]
+            + ["--no-scaling", "--chart", "", "--steps", steps, "--json", os.path.join(out, name), *more]
+            + ["--record", "--record-as", "optimizer_step" + ("" if name == "step.json" else "-" + name[:-5])]
+        )
     )
     ours = [
         "--families",
@@ -93,7 +98,7 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
         (
             "compile",
             [py, bench("optimizer_step.py"), "--device", device, "--only-scaling", "--families", "fb,peers,torch"]
-            + ["--json", os.path.join(out, "compile.json")],
+            + ["--json", os.path.join(out, "compile.json"), "--record", "--record-as", "optimizer_step-compile"],
             "compile.json",
         ),
         (
@@ -113,7 +118,7 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
                 if quick
                 else ["--layers", "2", "--seq", "512", "--steps", "15"]
             )
-            + ["--json", os.path.join(out, "e2e.json")],
+            + ["--json", os.path.join(out, "e2e.json"), "--record"],
             "e2e.json",
         ),
         (
@@ -135,25 +140,28 @@ def sections(out: str, device: str, quick: bool) -> list[tuple[str, list[str], s
                 "3" if quick else "10",
                 "--train-steps",
                 "3" if quick else "10",
+                "--record",
             ],
             "",
         ),
         (
             "second",
             [py, bench("second_order.py"), "--device", device, "--optimizers", "soap" if quick else "shampoo,kron,soap"]
-            + ["--configs", "a" if quick else "a,d", "--steps", "2" if quick else "10"],
+            + ["--configs", "a" if quick else "a,d", "--steps", "2" if quick else "10", "--record"],
             "",
         ),
         (
             "first",
             [py, bench("first_order.py"), "--device", device, "--config", "many", "--profile", "fb.Optimizer"]
-            + (["--optimizers", "schedule_free_sgd", "--steps", "3"] if quick else ["--steps", "30"]),
+            + (["--optimizers", "schedule_free_sgd", "--steps", "3"] if quick else ["--steps", "30"])
+            + ["--record"],
             "",
         ),
         (
             "lowprec",
             [py, bench("low_precision.py"), "--device", device, "--skip-lm"]
-            + (["--configs", "many", "--steps", "3"] if quick else ["--steps", "20"]),
+            + (["--configs", "many", "--steps", "3"] if quick else ["--steps", "20"])
+            + ["--record"],
             "",
         ),
     ]
@@ -188,8 +196,8 @@ def section_env(name: str, out: str) -> dict:
     """Environment variables of a section: the tests write each failure's traceback and each
     distributed scenario's progress into ``out`` as they happen (tests/conftest.py,
     tests/dist_harness.py), so a section stopped at its limit still tells why and where."""
-    if name != "tests":
-        return {}
+    if name != "tests":  # the benchmarks record their tables into out/results/<machine>/
+        return dict(FB_RESULTS_DIR=os.path.join(out, "results"))
     return dict(FB_TEST_FAILURES=os.path.join(out, FAILURES_FILE), FB_DIST_PROGRESS=os.path.join(out, PROGRESS_FILE))
 
 

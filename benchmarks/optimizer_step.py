@@ -466,6 +466,9 @@ def main(argv=None):
     parser.add_argument("--fb-variants", default=",".join(FB_VARIANTS[1:]), help="which of our functional variants")
     parser.add_argument("--json", default="", help="also write every table as JSON to this path")
     parser.add_argument("--record", action="store_true", help="keep the tables in benchmarks/results/ for the docs")
+    parser.add_argument(
+        "--record-as", default="optimizer_step", help="the recorded run's name (several runs of one machine)"
+    )
     args = parser.parse_args(argv)
     disable_compile_caches()
     families = args.families.split(",")
@@ -559,7 +562,7 @@ def main(argv=None):
             )
         )
     if args.record:
-        record("optimizer_step", args.device, recorded)
+        record(args.record_as, args.device, recorded)
 
 
 if __name__ == "__main__":

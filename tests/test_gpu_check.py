@@ -34,6 +34,25 @@ def test_dry_run_writes_the_report_of_the_sections_it_ran(tmp_path):
     assert all(t["met"] == "-" and t["measured"] == "not measured" for t in data["targets"])
 
 
+def test_a_benchmark_section_records_its_tables_into_the_output_folder(tmp_path):
+    """The benchmarks of the run keep their tables in ``OUTDIR/results/<machine>/`` (what the docs
+    show once copied into benchmarks/results), with the command that made them."""
+    result = subprocess.run(
+        [sys.executable, SCRIPT, "--out", str(tmp_path), "--device", "cpu", "--only", "first", "--budget", "240"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import common
+
+    run = json.loads((tmp_path / "results" / common.machine_slug("cpu") / "first_order-many.json").read_text())
+    assert run["command"].startswith("python benchmarks/first_order.py --device cpu --config many")
+    rows = run["tables"][0]["rows"]
+    assert {r["variant"] for r in rows} >= {"reference", "fb.Optimizer"} and all(r["ms"] > 0 for r in rows)
+
+
 def test_a_section_past_its_limit_is_stopped_and_reported(tmp_path):
     sys.path.insert(0, os.path.dirname(SCRIPT))
     import gpu_check
