@@ -70,6 +70,12 @@ def _write_benchmark_pages(app) -> None:  # the benchmark pages and figures, fro
     benchmark_pages.write(here)
 
 
+def _skip_tuple_fields(app, what, name, obj, skip, options):  # a NamedTuple's "Alias for field number 0"
+    doc = getattr(obj, "__doc__", None) or ""
+    return True if doc.startswith("Alias for field number") else None
+
+
 def setup(app) -> None:
+    app.connect("autodoc-skip-member", _skip_tuple_fields)
     app.connect("builder-inited", _write_api_pages)
     app.connect("builder-inited", _write_benchmark_pages)
