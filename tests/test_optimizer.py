@@ -865,3 +865,28 @@ def test_a_factory_is_built_again_only_when_its_groups_numbers_change():
         runs.append(model)
     assert calls == [5e-3, 2.5e-3]
     assert_models_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_weight_decay_held_as_a_tensor_steps_as_the_number_and_as_torch(weight_decay):
+    """``fb.Optimizer``'s factory form holds ``weight_decay`` as a 0-dim tensor: the step is that
+    of the alias built with the number, bit for bit, and as torch.optim's SGD (``grad.add(param,
+    alpha=wd)``, nothing added at 0: a parameter at infinity stays there instead of turning NaN
+    through ``0 * inf``); the gradients are left as they were."""
+    at_infinity = float("inf") if weight_decay == 0 else 3.0  # with decay, torch's step is NaN there too
+    values = torch.tensor([1.0, -2.0, at_infinity, 0.5], device=DEVICE)
+    grad = torch.tensor([0.5, 0.25, 1.0, -1.0], device=DEVICE)
+    factory, alias, ref = (torch.nn.Parameter(values.clone()) for _ in range(3))
+    optimizers = [
+        fb.Optimizer([factory], fb.sgd, lr=0.1, momentum=0.9, weight_decay=weight_decay, fused=False),
+        fb.Optimizer([alias], fb.sgd(0.1, momentum=0.9, weight_decay=weight_decay), fused=False),
+        torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=weight_decay, foreach=False),
+    ]
+    for _ in range(3):
+        for p, opt in zip((factory, alias, ref), optimizers):
+            p.grad = grad.clone()
+            opt.step()
+            assert torch.equal(p.grad, grad)
+    assert torch.equal(factory.detach(), alias.detach())
+    torch.testing.assert_close(factory.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    assert not bool(factory.detach().isnan().any()) and factory.detach()[2] == ref.detach()[2]

@@ -12,7 +12,7 @@ after it and before the learning rate it is decoupled weight decay (AdamW's
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -40,6 +40,29 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
         rule = lambda u, p: u.add(p, alpha=weight_decay)  # noqa: E731  (one fused kernel for a number)
         in_place = lambda u, p: u.add_(p, alpha=weight_decay)  # noqa: E731
     else:
-        rule = lambda u, p: u + weight_decay * p  # noqa: E731
-        in_place = lambda u, p: u.add_(weight_decay * p)  # noqa: E731
+
+        def rule(u: Any, p: Any) -> Any:
+            wd = _eager_number(weight_decay)
+            if wd is None:  # traced, or on a device: the tensor as it is
+                return u + weight_decay * p
+            # at 0 a copy (the updates are declared fresh), in one multi-tensor op for grouped leaves
+            return u.mul(1.0) if wd == 0 else u.add(p, alpha=wd)
+
+        def in_place(u: Any, p: Any) -> Any:
+            wd = _eager_number(weight_decay)
+            if wd is None:
+                return u.add_(weight_decay * p)
+            return u if wd == 0 else u.add_(p, alpha=wd)
+
     return stateless(rule, name="add_decayed_weights", needs_params=True, in_place=in_place)
+
+
+def _eager_number(weight_decay: torch.Tensor) -> Optional[float]:
+    """A 0-dim CPU ``weight_decay`` as a Python number when running eagerly (its value read
+    without waiting for any device; ``fb.Optimizer`` and ``inject_hyperparams`` hold their
+    hyperparameters so): then the rule is the number's, one fused ``add`` with ``alpha`` (as
+    torch.optim's ``grad.add(param, alpha=weight_decay)``), and at 0 no term at all (as
+    torch.optim's ``if weight_decay != 0``). ``None`` while traced or for a device's tensor."""
+    if weight_decay.dim() == 0 and weight_decay.device.type == "cpu" and not torch.compiler.is_compiling():
+        return weight_decay.item()
+    return None
