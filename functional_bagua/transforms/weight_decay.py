@@ -42,14 +42,14 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
     else:
 
         def rule(u: Any, p: Any) -> Any:
-            wd = _eager_number(weight_decay)
-            if wd is None:  # traced, or on a device: the tensor as it is
+            wd = _eager_number(weight_decay, u)
+            if wd is None:  # traced, on a device, or half precision: the tensor as it is
                 return u + weight_decay * p
             # at 0 a copy (the updates are declared fresh), in one multi-tensor op for grouped leaves
             return u.mul(1.0) if wd == 0 else u.add(p, alpha=wd)
 
         def in_place(u: Any, p: Any) -> Any:
-            wd = _eager_number(weight_decay)
+            wd = _eager_number(weight_decay, u)
             if wd is None:
                 return u.add_(weight_decay * p)
             return u if wd == 0 else u.add_(p, alpha=wd)
@@ -57,12 +57,21 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
     return stateless(rule, name="add_decayed_weights", needs_params=True, in_place=in_place)
 
 
-def _eager_number(weight_decay: torch.Tensor) -> Optional[float]:
-    """A 0-dim CPU ``weight_decay`` as a Python number when running eagerly (its value read
-    without waiting for any device; ``fb.Optimizer`` and ``inject_hyperparams`` hold their
-    hyperparameters so): then the rule is the number's, one fused ``add`` with ``alpha`` (as
-    torch.optim's ``grad.add(param, alpha=weight_decay)``), and at 0 no term at all (as
-    torch.optim's ``if weight_decay != 0``). ``None`` while traced or for a device's tensor."""
-    if weight_decay.dim() == 0 and weight_decay.device.type == "cpu" and not torch.compiler.is_compiling():
-        return weight_decay.item()
+def _eager_number(weight_decay: torch.Tensor, u: Any) -> Optional[float]:
+    """A 0-dim CPU ``weight_decay`` as a Python number when running eagerly beside float32 or
+    float64 updates ``u`` on the CPU (``fb.Optimizer`` and ``inject_hyperparams`` hold their
+    hyperparameters so): its value rounded to ``u``'s dtype first, as the single-tensor op rounds
+    its ``alpha``, and read without waiting for any device (as ``foreach`` reads lerp weights).
+    Then the rule is the number's: one fused ``add`` with ``alpha`` (as torch.optim's
+    ``grad.add(param, alpha=weight_decay)``), and at 0 no term at all (as torch.optim's
+    ``if weight_decay != 0``). ``None`` while traced, on a device, or beside other dtypes."""
+    dtype = getattr(u, "dtype", None)
+    if (
+        weight_decay.dim() == 0
+        and weight_decay.device.type == "cpu"
+        and dtype in (torch.float32, torch.float64)
+        and u.device.type == "cpu"  # a tensor, or foreach.Leaves of one device
+        and not torch.compiler.is_compiling()
+    ):
+        return weight_decay.to(dtype).item()
     return None
