@@ -23,7 +23,7 @@ import torch
 from functional_bagua.aliases import _check, _check_adam_like, _check_betas, _check_lr, _check_nonnegative, _decayed
 from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.hyperparams import accepts_schedules
-from functional_bagua.numerics import is_number
+from functional_bagua.numerics import eager_number, is_number
 from functional_bagua.transforms.adam import scale_by_adam, scale_by_bias_corrected_rms
 from functional_bagua.transforms.ademamix import scale_by_ademamix
 from functional_bagua.transforms.adopt import fourth_root, scale_by_adopt
@@ -268,6 +268,8 @@ def _stepped_then_decayed(
 
     def stepped(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
         assert p is not None  # needs_params
+        if eager_number(weight_decay, u) == 0:  # a held 0 (fb.Optimizer's factory form): no decay term
+            return -u
         decay = lr * weight_decay
         return u * -(1 - decay) - p * decay
 

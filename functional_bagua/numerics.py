@@ -9,7 +9,7 @@ it multiplies, so a float32 parameter's update stays float32.
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -162,3 +162,30 @@ def filled_like(p: torch.Tensor, value: Union[float, complex, torch.Tensor]) -> 
         A new tensor.
     """
     return torch.full_like(p, value) if is_number(value) else torch.zeros_like(p).add_(value)
+
+
+def eager_number(x: Any, like: Any) -> Optional[float]:
+    """A 0-dim CPU hyperparameter ``x`` (``fb.Optimizer``'s factory form and ``inject_hyperparams``
+    hold them so) as a Python number when running eagerly beside float32 or float64 CPU tensors
+    ``like`` (a tensor, or ``foreach.Leaves`` of one device): its value rounded to their dtype
+    first, as a single-tensor op rounds a scalar operand, read without waiting for any device (as
+    ``foreach`` reads lerp weights). A rule then takes the number's path: a fused ``alpha``, or no
+    term at all where it is 0 (as torch.optim's ``if weight_decay != 0``). ``None`` while traced,
+    on a device, beside other dtypes, or for anything but such a tensor.
+
+    Args:
+        x: the hyperparameter.
+        like: the tensors it is applied to.
+    """
+    dtype = getattr(like, "dtype", None)
+    if (
+        isinstance(x, torch.Tensor)
+        and x.dim() == 0
+        and x.device.type == "cpu"
+        and x.is_floating_point()
+        and dtype in (torch.float32, torch.float64)
+        and like.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    ):
+        return x.to(dtype).item()
+    return None

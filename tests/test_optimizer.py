@@ -890,3 +890,26 @@ def test_weight_decay_held_as_a_tensor_steps_as_the_number_and_as_torch(weight_d
     assert torch.equal(factory.detach(), alias.detach())
     torch.testing.assert_close(factory.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
     assert not bool(factory.detach().isnan().any()) and factory.detach()[2] == ref.detach()[2]
+
+
+@pytest.mark.parametrize(
+    "alias, options",
+    [(fb.sgd, {}), (fb.adam, {}), (fb.adopt, {}), (fb.adopt, {"decouple": True}), (fb.laprop, {})],
+    ids=["sgd", "adam", "adopt", "adopt-decoupled", "laprop"],
+)
+def test_a_held_zero_weight_decay_adds_no_term(alias, options):
+    """The factory form holds ``weight_decay`` as a tensor even at 0; its steps are the alias's
+    built with the number 0, which adds no decay term at all: bit for bit, also at a parameter at
+    infinity (``0 * inf`` would make it NaN)."""
+    values = torch.tensor([[1.0, -2.0], [float("inf"), 0.5]], device=DEVICE)
+    grad = torch.tensor([[0.5, 0.25], [1.0, -1.0]], device=DEVICE)
+    factory, number = (torch.nn.Parameter(values.clone()) for _ in range(2))
+    optimizers = [
+        fb.Optimizer([factory], alias, lr=0.01, weight_decay=0.0, fused=False, **options),
+        fb.Optimizer([number], alias(0.01, weight_decay=0.0, **options), fused=False),
+    ]
+    for _ in range(3):
+        for p, opt in zip((factory, number), optimizers):
+            p.grad = grad.clone()
+            opt.step()
+    assert torch.equal(factory.detach(), number.detach()) and factory.detach()[1, 0] == float("inf")

@@ -23,7 +23,7 @@ import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.foreach import updated
-from functional_bagua.numerics import as_scalar, is_number, lerp_weight, zero_count
+from functional_bagua.numerics import as_scalar, eager_number, is_number, lerp_weight, zero_count
 from functional_bagua.transforms.leafwise import leafwise
 
 Scalar = Union[float, torch.Tensor]
@@ -96,7 +96,7 @@ def scale_by_adopt(
         mu = updated(s.mu, "lerp", normalized, lerp_weight((1 - b1) * later, s.mu))
         kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
         nu = updated(s.nu, "mul", kept).add_(g * g * (1 - kept))  # s.nu * kept + g g (1 - kept)
-        u = mu if not decays else mu + cast(torch.Tensor, p) * weight_decay  # needs_params when it decays
+        u = mu if not decays or eager_number(weight_decay, mu) == 0 else mu + cast(torch.Tensor, p) * weight_decay
         return u * later, ScaleByAdoptState(s.count + 1, mu, nu)
 
     return leafwise(

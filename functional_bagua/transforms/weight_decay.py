@@ -12,11 +12,12 @@ after it and before the learning rate it is decoupled weight decay (AdamW's
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
 from functional_bagua.base import GradientTransformation, identity
+from functional_bagua.numerics import eager_number
 from functional_bagua.transforms.leafwise import stateless
 
 
@@ -42,36 +43,16 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
     else:
 
         def rule(u: Any, p: Any) -> Any:
-            wd = _eager_number(weight_decay, u)
+            wd = eager_number(weight_decay, u)
             if wd is None:  # traced, on a device, or half precision: the tensor as it is
                 return u + weight_decay * p
             # at 0 a copy (the updates are declared fresh), in one multi-tensor op for grouped leaves
             return u.mul(1.0) if wd == 0 else u.add(p, alpha=wd)
 
         def in_place(u: Any, p: Any) -> Any:
-            wd = _eager_number(weight_decay, u)
+            wd = eager_number(weight_decay, u)
             if wd is None:
                 return u.add_(weight_decay * p)
             return u if wd == 0 else u.add_(p, alpha=wd)
 
     return stateless(rule, name="add_decayed_weights", needs_params=True, in_place=in_place)
-
-
-def _eager_number(weight_decay: torch.Tensor, u: Any) -> Optional[float]:
-    """A 0-dim CPU ``weight_decay`` as a Python number when running eagerly beside float32 or
-    float64 updates ``u`` on the CPU (``fb.Optimizer`` and ``inject_hyperparams`` hold their
-    hyperparameters so): its value rounded to ``u``'s dtype first, as the single-tensor op rounds
-    its ``alpha``, and read without waiting for any device (as ``foreach`` reads lerp weights).
-    Then the rule is the number's: one fused ``add`` with ``alpha`` (as torch.optim's
-    ``grad.add(param, alpha=weight_decay)``), and at 0 no term at all (as torch.optim's
-    ``if weight_decay != 0``). ``None`` while traced, on a device, or beside other dtypes."""
-    dtype = getattr(u, "dtype", None)
-    if (
-        weight_decay.dim() == 0
-        and weight_decay.device.type == "cpu"
-        and dtype in (torch.float32, torch.float64)
-        and u.device.type == "cpu"  # a tensor, or foreach.Leaves of one device
-        and not torch.compiler.is_compiling()
-    ):
-        return weight_decay.to(dtype).item()
-    return None
