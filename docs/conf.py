@@ -48,25 +48,16 @@ nitpick_ignore_regex = [
 ]
 
 
-def _write_api_pages(app) -> None:  # the API reference's pages, from api_pages.py
+def _write_generated_pages(app) -> None:  # the API reference and the benchmark pages (with figures)
     import pathlib
     import sys
 
     here = pathlib.Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     import api_pages
-
-    api_pages.write(here / "api")
-
-
-def _write_benchmark_pages(app) -> None:  # the benchmark pages and figures, from benchmarks/results
-    import pathlib
-    import sys
-
-    here = pathlib.Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
     import benchmark_pages
 
+    api_pages.write(here / "api")
     benchmark_pages.write(here)
 
 
@@ -77,5 +68,4 @@ def _skip_tuple_fields(app, what, name, obj, skip, options):  # a NamedTuple's "
 
 def setup(app) -> None:
     app.connect("autodoc-skip-member", _skip_tuple_fields)
-    app.connect("builder-inited", _write_api_pages)
-    app.connect("builder-inited", _write_benchmark_pages)
+    app.connect("builder-inited", _write_generated_pages)

@@ -171,7 +171,9 @@ def eager_number(x: Any, like: Any) -> Optional[float]:
     first, as a single-tensor op rounds a scalar operand, read without waiting for any device (as
     ``foreach`` reads lerp weights). A rule then takes the number's path: a fused ``alpha``, or no
     term at all where it is 0 (as torch.optim's ``if weight_decay != 0``). ``None`` while traced,
-    on a device, beside other dtypes, or for anything but such a tensor.
+    on a device, beside other dtypes, or for anything but such a tensor. (Unlike
+    ``foreach._cpu_number``, which keeps the tensor beside 0-dim tensors of a group, it decides
+    per tensor's dtype alone, so a rule takes the same path grouped and one tensor at a time.)
 
     Args:
         x: the hyperparameter.
