@@ -174,7 +174,9 @@ def machine_slug(device: str = "cpu") -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def record(benchmark: str, device: str, tables: list[dict], *, into: pathlib.Path = RESULTS) -> pathlib.Path:
+def record(
+    benchmark: str, device: str, tables: list[dict], *, note: str = "", into: pathlib.Path = RESULTS
+) -> pathlib.Path:
     """The run's tables as ``into/<machine>/<benchmark>.json``, the latest run per machine,
     which ``benchmarks/plots.py`` draws and the docs show.
 
@@ -185,6 +187,8 @@ def record(benchmark: str, device: str, tables: list[dict], *, into: pathlib.Pat
             columns and possibly more), and optionally ``"chart": {"value", "label", "log"}``:
             a bar per row, its length ``row[value]`` (a number), named by the ``label`` columns
             (with ``"kind": "curves"``, a line per row through the list ``row[value]``).
+        note: what a reader of the tables should know about the run (its page shows it under the
+            command); none by default.
     """
     path = into / machine_slug(device) / f"{benchmark}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -193,6 +197,7 @@ def record(benchmark: str, device: str, tables: list[dict], *, into: pathlib.Pat
         "machine": machine(device),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "command": shlex.join(["python", "benchmarks/" + pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]),
+        **({"note": note} if note else {}),
         "tables": tables,
     }
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")

@@ -10,9 +10,9 @@ replacement of a schedule), Prodigy and D-Adaptation Adam at lr 1 (they estimate
 ADOPT, AdEMAMix, LaProp, MARS-AdamW and cautious AdamW at 3e-3. "steps to target" is the first
 step whose smoothed training loss (EMA 0.9) is at or below ``--target``; "eval loss" is the mean
 loss on 8 held-out batches after the last step, at the weights the optimizer evaluates at
-(``optimizer.eval()``: schedule-free's averaged ``x``; the others' parameters). The plot
-(``benchmarks/first_order_lm.png``, with matplotlib) shows the smoothed loss against steps and
-against seconds.
+(``optimizer.eval()``: schedule-free's averaged ``x``; the others' parameters). ``--plot PATH``
+draws the smoothed loss against steps and against seconds (with matplotlib); ``--record`` keeps
+the table and the curves for the docs, whose figure ``benchmarks/plots.py`` draws.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ OPTIMIZERS = {
 
 
 def main() -> None:
-    parser = arguments(__doc__.splitlines()[0], "first_order_lm.png")
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated names of OPTIMIZERS")
     args = parser.parse_args()
     data, entropy = data_for(args, extra_batches=8)
@@ -55,7 +55,7 @@ def main() -> None:
         )
     columns = ["optimizer", "steps_to_target", "seconds_to_target", "final_loss", "eval_loss", "ms_per_step"]
     print(table(results, columns))
-    if plot(results, entropy, args.target, args.plot):
+    if args.plot and plot(results, entropy, args.target, args.plot):
         print(f"plot: {args.plot}")
     if args.record:
         record("first_order_lm", args.device, [lm_table(results, columns, args)])

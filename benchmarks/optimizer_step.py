@@ -2,7 +2,7 @@
 torchopt: optional) and functional_bagua (fb.Optimizer, the pure tree update, flat fused eager,
 flat fused in place with torch's kernel, flat fused compiled), in one run.
 
-    python benchmarks/optimizer_step.py                       # CPU, all configs, chart to benchmarks/
+    python benchmarks/optimizer_step.py --record              # CPU, all configs, tables kept for the docs
     python benchmarks/optimizer_step.py --device cuda --configs a,b,c,d --json step.json
     python benchmarks/optimizer_step.py --device cuda --roofline --only-roofline
     python benchmarks/optimizer_step.py --device cuda --only-scaling --families fb,peers,torch
@@ -453,8 +453,8 @@ def main(argv=None):
     )
     parser.add_argument(
         "--chart",
-        default=os.path.join(os.path.dirname(__file__), "optimizer_step.png"),
-        help="where to draw the chart; an empty string draws none",
+        default="",
+        help="also draw the chart into this PNG file (the docs draw theirs from --record's tables)",
     )
     parser.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling run")
     parser.add_argument("--only-scaling", action="store_true", help="only the compile-time scaling run")

@@ -65,7 +65,7 @@ def draw(out_dir: pathlib.Path, results: pathlib.Path = RESULTS) -> list[pathlib
             ax.set_title(f"{tab['title']}\n{run['machine']}, {run['date']}", fontsize=8)
             fig.tight_layout()
             path = out_dir / figure_name(result, index)
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=110, bbox_inches="tight")  # long labels stay whole
             plt.close(fig)
             written.append(path)
     return written

@@ -11,8 +11,9 @@ and ``--layers``, its head tied to the embedding. Each optimizer runs in ``fb.Op
 common learning rate for its kind, not tuned here: AdamW 3e-3 (weight decay 0.01), SOAP 3e-3,
 Shampoo 3e-3 with Adam grafting and betas (0.9, 0.999), PSGD-Kron 1e-3. The loss is smoothed
 with an EMA (0.9); "steps to target" is the first step whose smoothed loss is at or below
-``--target``. The plot (``benchmarks/second_order_lm.png``, with matplotlib) shows the smoothed
-loss against steps and against seconds.
+``--target``. ``--plot PATH`` draws the smoothed loss against steps and against seconds (with
+matplotlib); ``--record`` keeps the table and the curves for the docs, whose figure
+``benchmarks/plots.py`` draws.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def train(
     return result
 
 
-def arguments(description: str, plot_name: str) -> argparse.ArgumentParser:
+def arguments(description: str) -> argparse.ArgumentParser:
     """The options of the language-model runs (this script's and ``first_order_lm.py``'s)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu")
@@ -175,7 +176,7 @@ def arguments(description: str, plot_name: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
-    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), plot_name))
+    parser.add_argument("--plot", default="", help="draw the loss curves into this PNG file (with matplotlib)")
     return parser
 
 
@@ -222,12 +223,12 @@ def plot(results: list, entropy: float, target: float, path: str) -> bool:
 
 
 def main() -> None:
-    args = arguments(__doc__.splitlines()[0], "second_order_lm.png").parse_args()
+    args = arguments(__doc__.splitlines()[0]).parse_args()
     data, entropy = data_for(args)
     results = [train(name, make, data, args) for name, make in OPTIMIZERS.items()]
     columns = ["optimizer", "steps_to_target", "seconds_to_target", "final_loss", "ms_per_step"]
     print(table(results, columns))
-    if plot(results, entropy, args.target, args.plot):
+    if args.plot and plot(results, entropy, args.target, args.plot):
         print(f"plot: {args.plot}")
     if args.record:
         record("second_order_lm", args.device, [lm_table(results, columns, args)])

@@ -49,6 +49,8 @@ def _page(script: pathlib.Path, results: pathlib.Path, figures: pathlib.Path, pl
             run = json.loads(run_path.read_text())
             part = "" if run_path.stem == script.stem else f" ({run_path.stem[len(script.stem) + 1 :]})"
             lines += [f"## {run['machine']}, {run['date']}{part}", "", f"Command: `{run['command']}`", ""]
+            if run.get("note"):
+                lines += [run["note"], ""]
             for index, tab in enumerate(run["tables"]):
                 lines += [f"### {tab['title']}", "", _table(tab), ""]
                 figure = figures / plots.figure_name(run_path, index)

@@ -72,6 +72,28 @@ def test_a_recorded_run_is_drawn_and_shown_on_its_page(tmp_path, monkeypatch):
     assert f"](figures/{drawn.name})" in page and f"](figures/{curves.name})" in page
 
 
+def test_every_kept_run_has_what_its_page_shows():
+    """Each file of ``benchmarks/results/`` (recorded, or kept by hand from the results history
+    with a note saying so) is a run of an existing benchmark script, with its machine, date and
+    command, and tables whose charts name columns that rows hold."""
+    kept = sorted((ROOT / "benchmarks" / "results").glob("*/*.json"))
+    assert kept, "no recorded runs: the benchmark pages would show none"
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    for path in kept:
+        run = json.loads(path.read_text())
+        assert run["benchmark"] == path.stem, path
+        assert run["benchmark"].split("-")[0] in scripts, path
+        assert run["machine"] and run["command"].startswith("python benchmarks/" + path.stem.split("-")[0]), path
+        datetime.date.fromisoformat(run["date"])
+        for tab in run["tables"]:
+            assert tab["title"] and tab["rows"], path
+            assert all(set(row) & set(tab["columns"]) for row in tab["rows"]), path
+            chart = tab.get("chart")
+            if chart:
+                assert any(isinstance(row.get(chart["value"]), (int, float, list)) for row in tab["rows"]), path
+                assert all(c in tab["columns"] for c in chart["label"]), path
+
+
 def test_every_public_name_has_one_place_in_the_api_reference():
     import api_pages
 
