@@ -23,7 +23,7 @@ import time
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
-from common import machine, steady_malloc, table  # noqa: E402
+from common import machine, record, steady_malloc, table  # noqa: E402
 from fused_optimizer import CONFIGS, IMPLEMENTATIONS, OPTIMIZERS, make_tensors, optimizer_on_copies  # noqa: E402
 
 import functional_bagua.compat.fuse as fuse  # noqa: E402
@@ -57,6 +57,7 @@ def main(argv=None):
     parser.add_argument("--impl", default="foreach", choices=sorted(IMPLEMENTATIONS))
     parser.add_argument("--fresh", action="store_true", help="new gradient tensors before every step")
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     args = parser.parse_args(argv)
     allocator = steady_malloc()
     params, grads = make_tensors(CONFIGS["mlp"][1]())
@@ -107,8 +108,15 @@ def main(argv=None):
             phases[key].append(value)
     rows = [dict(part=k, us=statistics.median(v) / 1e3) for k, v in {**phases, **times}.items()]
     regime = "fresh gradients" if args.fresh else "gradients in place"
-    print(f"# fuse_step parts: {args.optimizer} {args.impl}, {regime}, 200 tensors; {machine()}, {allocator}\n")
+    title = f"fuse_step parts: {args.optimizer} {args.impl}, {regime}, 200 tensors; {allocator}"
+    print(f"# {title}; {machine()}\n")
     print(table(rows, ["part", "us"]))
+    if args.record:
+        name = "fused_step_parts-" + "_".join(
+            f"{args.optimizer} {args.impl} {'fresh' if args.fresh else 'in place'}".lower().split()
+        )
+        chart = dict(value="us", label=["part"], log=True)
+        record(name, "cpu", [dict(title=title, columns=["part", "us"], rows=rows, chart=chart)])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, median_ms, steady_malloc, table  # noqa: E402
+from common import machine, median_ms, record, steady_malloc, table  # noqa: E402
 
 N = 10_000_000
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pin", action="store_true", help="pin glibc's malloc first (common.steady_malloc)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     allocator = steady_malloc() if args.pin else "glibc's default malloc"
@@ -62,8 +63,13 @@ def main() -> None:
     for pieces in (1, 3, 10):
         rows.append(dict(update="fused kernel, functional form", buffers=pieces, ms=time_update("functional", pieces)))
         rows.append(dict(update="multi-op pure (foreach)", buffers=pieces, ms=time_update("multi-op", pieces)))
-    print(f"# AdamW on {N / 1e6:.0f}M float32 elements, {machine()}; {allocator}\n")
+    title = f"AdamW on {N / 1e6:.0f}M float32 elements; {allocator}"
+    print(f"# {title}, {machine()}\n")
     print(table(rows, ["update", "buffers", "ms"]))
+    if args.record:
+        chart = dict(value="ms", label=["update", "buffers"], log=False)
+        name = "pure_update_allocator-" + ("pinned" if args.pin else "default")
+        record(name, "cpu", [dict(title=title, columns=["update", "buffers", "ms"], rows=rows, chart=chart)])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, median_ms, steady_malloc, table  # noqa: E402
+from common import machine, median_ms, record, steady_malloc, table  # noqa: E402
 from optimizer_step import CONFIGS  # noqa: E402
 
 import functional_bagua as fb  # noqa: E402
@@ -235,9 +235,13 @@ def main() -> None:
     parser.add_argument("--configs", default="a,b,c")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--record", action="store_true", help="keep the tables in benchmarks/results/ for the docs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"# {machine()}; {steady_malloc()}; medians of {args.rounds} rounds (range)\n")
+    allocator = steady_malloc()
+    print(f"# {machine()}; {allocator}; medians of {args.rounds} rounds (range)\n")
+    columns = ["config", "optimizer", "variant", "ms", "vs_torch_foreach"]
+    tables = []
     for key in args.configs.split(","):
         rounds = [run(key) for _ in range(args.rounds)]
         rows = []
@@ -257,10 +261,22 @@ def main() -> None:
                     variant=r["variant"],
                     ms=f"{statistics.median(times):.3g} ({min(times):.3g}-{max(times):.3g})",
                     vs_torch_foreach=f"{statistics.median(ratios):.2f}x",
+                    ratio=statistics.median(ratios),
                 )
             )
-        print(table(rows, ["config", "optimizer", "variant", "ms", "vs_torch_foreach"]))
+        print(table(rows, columns))
         print()
+        title = f"{rows[0]['config']}: medians of {args.rounds} rounds (range); {allocator}"
+        tables.append(
+            dict(
+                title=title,
+                columns=columns,
+                rows=rows,
+                chart=dict(value="ratio", label=["optimizer", "variant"], log=True),
+            )
+        )
+    if args.record:
+        record("pure_update_ceiling", "cpu", tables)
 
 
 if __name__ == "__main__":

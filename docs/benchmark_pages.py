@@ -11,6 +11,8 @@ import pathlib
 import sys
 
 NOT_BENCHMARKS = {"common", "plots"}  # helpers, not benchmarks
+# A/B tools: each run compares this tree with another checkout, a question of one change, not of a machine
+COMPARES_CHECKOUTS = {"ab_eager_update", "ab_fused_step"}
 
 
 def _cell(value) -> str:
@@ -42,7 +44,13 @@ def _page(script: pathlib.Path, results: pathlib.Path, figures: pathlib.Path, pl
     runs = _runs_of(script.stem, results)
     if "record(" in script.read_text():  # it calls common.record (its --record flag)
         lines += ["Run it with `--record` to keep its tables in `benchmarks/results/<machine>/` for this page.", ""]
-    if not runs:
+    if script.stem in COMPARES_CHECKOUTS:
+        lines += [
+            "It compares this tree with another checkout, so no run is kept per machine: its runs, and "
+            "what they decided, are in the {doc}`history`.",
+            "",
+        ]
+    elif not runs:
         lines += ["No run recorded yet; earlier runs are in the {doc}`history`.", ""]
     for machine_dir in sorted({r.parent for r in runs}):
         for run_path in [r for r in runs if r.parent == machine_dir]:

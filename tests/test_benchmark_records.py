@@ -94,6 +94,20 @@ def test_every_kept_run_has_what_its_page_shows():
                 assert all(c in tab["columns"] for c in chart["label"]), path
 
 
+def test_every_benchmark_keeps_its_runs_for_the_docs():
+    """Each benchmark script records its tables (``--record``) and has a kept run, but the
+    prepared GPU run (whose benchmarks record their own) and the A/B tools (each run compares two
+    checkouts, which the page says instead)."""
+    import benchmark_pages
+
+    kept = {p.stem.split("-")[0] for p in (ROOT / "benchmarks" / "results").glob("*/*.json")}
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        name = script.stem
+        if name in benchmark_pages.NOT_BENCHMARKS or name in benchmark_pages.COMPARES_CHECKOUTS or name == "gpu_check":
+            continue
+        assert "record(" in script.read_text() and name in kept, f"benchmarks/{name}.py keeps no run for the docs"
+
+
 def test_every_public_name_has_one_place_in_the_api_reference():
     import api_pages
 
