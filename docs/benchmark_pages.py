@@ -50,6 +50,12 @@ def _page(script: pathlib.Path, results: pathlib.Path, figures: pathlib.Path, pl
             "what they decided, are in the {doc}`history`.",
             "",
         ]
+    elif script.stem == "gpu_check":
+        lines += [
+            "It keeps no run of its own: the benchmarks it runs record theirs into `OUTDIR/results/<machine>/`, "
+            "and copied into `benchmarks/results/` they appear on their own pages.",
+            "",
+        ]
     elif not runs:
         lines += ["No run recorded yet; earlier runs are in the {doc}`history`.", ""]
     for machine_dir in sorted({r.parent for r in runs}):
