@@ -279,6 +279,50 @@ def test_a_compressed_checkpoint_is_refused_by_a_float32_state_and_the_other_way
 
 
 @pytest.mark.parametrize("codec", CODECS)
+def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec):
+    """Eagerly the tensors of a state are coded back to back in one pass and decoded so: each
+    leaf's code (and value decoded) is its own, written out per tensor: bf16 with the bits of
+    its number in the stream, 8 bits in its own blocks (a tensor whose last block is short too),
+    Adam's second moment with the unsigned map."""
+    gen = seeded(8)
+    shapes = [(16, 32), (3, 256), (700,), (8, 64), (5,)]  # 512, 768, 700 (short last block), 512, 5 values
+    params = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
+    state = fb.scale_by_adam().init(params)
+    state = state._replace(
+        mu={k: torch.randn(v.shape, generator=gen) for k, v in params.items()},
+        nu={k: torch.rand(v.shape, generator=gen) for k, v in params.items()},
+    )
+    count, seed, block = torch.tensor(7), 11, 256
+    coded = lp.encoded(state, count, codec=codec, block_size=block, min_size=1, seed=seed)
+    leaves, fields = zip(*lp._leaves_and_fields(state)[0])
+    stored = optree.tree_leaves(coded, is_leaf=lambda x: isinstance(x, lp.ENCODED), none_is_leaf=True)
+    stream = lp._mix(lp._mix(torch.tensor(seed)) + count)
+    for number, (x, field, code) in enumerate(zip(leaves, fields, stored)):
+        if x.dim() == 0:
+            assert code is x
+            continue
+        if codec == "bf16":
+            bits = fb.random_bits16(x.shape, lp._mix(stream + number), x.device)
+            want = (fb.stochastic_round_to_bfloat16(x, bits),)
+        elif codec == "8bit":
+            want = fb.quantize_blockwise(x, block, signed=field != "nu")
+        else:
+            want = fb.bfloat16_corrected(x)
+        assert len(code) == len(want) and all(torch.equal(a, b) for a, b in zip(code, want)), (codec, number)
+    decoded = optree.tree_leaves(lp.decoded(coded, block), none_is_leaf=True)
+    for code, value in zip(stored, decoded):
+        if isinstance(code, fb.Bfloat16Stored):
+            want = code.value.float()
+        elif isinstance(code, fb.Bfloat16Corrected):
+            want = fb.bfloat16_uncorrected(code.value, code.correction)
+        elif isinstance(code, (fb.Signed8bit, fb.Unsigned8bit)):
+            want = fb.dequantize_blockwise(code.codes, code.scales, isinstance(code, fb.Signed8bit), block)
+        else:
+            want = code
+        assert torch.equal(value, want)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 def test_the_compiled_update_is_the_eager_one(codec):
     """Traced whole (fullgraph) by dynamo and AOT autograd (aot_eager: the same ops, no
     code generation), the same bits as eager: the rounding's random bits are integer

@@ -48,13 +48,14 @@ for bfloat16, 3 for bfloat16 with its correction, against 4 in float32; Adam's t
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.flat import is_dtensor
+from functional_bagua.flat import is_dtensor, span
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
 from functional_bagua.tree import PyTree
@@ -267,6 +268,9 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
     return h ^ _shifted_right(h, 31)
 
 
+_INDEX_MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the element index
+
+
 def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.Tensor:
     """16 random bits per element (int32 values in ``[0, 2^16)``), a hash of the element's index
     and ``seed``: integer arithmetic, the same bits on every device, eager or compiled.
@@ -282,8 +286,21 @@ def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.T
         bits = fb.random_bits16((4, 3), seed=7, device=torch.device("cpu"))
     """
     index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device)
-    h = _mix(index * -7046029254386353131 + _mix(torch.as_tensor(seed, dtype=torch.int64, device=device)))
+    h = _mix(index * _INDEX_MULTIPLIER + _mix(torch.as_tensor(seed, dtype=torch.int64, device=device)))
     return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32).view(shape)
+
+
+def _random_bits16_back_to_back(sizes: list[int], seeds: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """:func:`random_bits16` of tensors of ``sizes`` values, the ``i``-th with the seed
+    ``seeds[i]`` (an int64 vector), back to back in one flat tensor, computed in one pass: the
+    ``j``-th value of tensor ``i``, at ``offset_i + j``, hashes ``j C + mix(seed_i)``, which is
+    ``(offset_i + j) C + (mix(seed_i) - offset_i C)`` modulo 2^64."""
+    offsets = torch.tensor([0, *itertools.accumulate(sizes[:-1])], dtype=torch.int64, device=device)
+    start = _mix(seeds.to(device)) - offsets * _INDEX_MULTIPLIER
+    total = sum(sizes)
+    per_value = torch.repeat_interleave(start, torch.tensor(sizes, device=device), output_size=total)
+    h = _mix(torch.arange(total, dtype=torch.int64, device=device) * _INDEX_MULTIPLIER + per_value)
+    return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32)
 
 
 def _half_bfloat16_step(wide: torch.Tensor) -> torch.Tensor:
@@ -485,20 +502,52 @@ def encoded(
     rounding's stream)."""
     found, spec = _leaves_and_fields(state)
     stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=count.device)) + count.to(torch.int64))
-    out = []
+    out = [x for x, _ in found]
+    together: dict[tuple, list[int]] = {}  # the tensors coded in one pass: the same device and map
     for number, (x, field) in enumerate(found):
-        if not _stored_encoded(x, field, fields) or x.numel() < min_size:
-            out.append(x)
-        elif codec == "8bit":
-            signed = field not in NON_NEGATIVE_FIELDS
-            codes, scales = quantize_blockwise(x, block_size, signed=signed)
-            out.append((Signed8bit if signed else Unsigned8bit)(codes, scales))
-        elif codec == "bf16+8bit":
-            out.append(Bfloat16Corrected(*bfloat16_corrected(x)))
-        else:
-            bits = random_bits16(x.shape, _mix(stream + number), x.device)
-            out.append(Bfloat16Stored(stochastic_round_to_bfloat16(x, bits)))
+        if _stored_encoded(x, field, fields) and x.numel() >= min_size:
+            signed = codec == "8bit" and field not in NON_NEGATIVE_FIELDS
+            # 8 bits: a tensor whose last block is short codes alone (its blocks would run into the next's)
+            alone = number if codec == "8bit" and x.numel() % block_size else None
+            together.setdefault((x.device, signed, alone), []).append(number)
+    for (_, signed, _), numbers in together.items():
+        # eagerly, one pass over the tensors back to back instead of one per tensor (each op's call
+        # costs more than its work on small tensors); traced, each on its own (no copy into a batch)
+        for batch in [numbers] if not torch.compiler.is_compiling() else [[n] for n in numbers]:
+            coded = _encoded_back_to_back([found[n][0] for n in batch], batch, stream, codec, block_size, signed)
+            for n, value in zip(batch, coded):
+                out[n] = value
     return spec.unflatten(out)
+
+
+def _encoded_back_to_back(
+    xs: list[torch.Tensor], numbers: list[int], stream: torch.Tensor, codec: str, block_size: int, signed: bool
+) -> list:
+    """Each of ``xs`` (float32; the state leaves numbered ``numbers``) coded in ``codec``, with
+    the numbers of coding each alone: the values are coded back to back in one flat tensor
+    (elementwise codes; 8-bit blocks, as each tensor but the last fills whole blocks), and each
+    tensor's code is a view of the result. The stochastic rounding's bits of the leaf numbered
+    ``n`` are :func:`random_bits16` with the seed ``mix(stream + n)``."""
+    sizes = [x.numel() for x in xs]
+    flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+    if codec == "8bit":
+        codes, scales = quantize_blockwise(flat, block_size, signed=signed)
+        per_scale = torch.split(scales, [-(-size // block_size) for size in sizes])
+        kind = Signed8bit if signed else Unsigned8bit
+        return [kind(c.view(x.shape), s) for c, s, x in zip(codes.split(sizes), per_scale, xs)]
+    if codec == "bf16+8bit":
+        value, correction = bfloat16_corrected(flat)
+        return [
+            Bfloat16Corrected(v.view(x.shape), c.view(x.shape))
+            for v, c, x in zip(value.split(sizes), correction.split(sizes), xs)
+        ]
+    if len(xs) == 1:
+        bits = random_bits16(xs[0].shape, _mix(stream + numbers[0]), xs[0].device).reshape(-1)
+    else:
+        seeds = _mix(stream + torch.tensor(numbers, dtype=torch.int64, device=stream.device))
+        bits = _random_bits16_back_to_back(sizes, seeds, flat.device)
+    rounded = stochastic_round_to_bfloat16(flat, bits)
+    return [Bfloat16Stored(r.view(x.shape)) for r, x in zip(rounded.split(sizes), xs)]
 
 
 def decoded(state: Any, block_size: int = 256) -> Any:
@@ -506,16 +555,48 @@ def decoded(state: Any, block_size: int = 256) -> Any:
     :class:`Unsigned8bit`, :class:`Bfloat16Corrected`) decoded to float32 (``block_size``: the one the 8-bit codes were made
     with)."""
 
-    def leaf(x: Any) -> Any:
-        if isinstance(x, Bfloat16Stored):
-            return x.value.to(torch.float32)
-        if isinstance(x, Bfloat16Corrected):
-            return bfloat16_uncorrected(x.value, x.correction)
-        if isinstance(x, (Signed8bit, Unsigned8bit)):
-            return dequantize_blockwise(x.codes, x.scales, isinstance(x, Signed8bit), block_size)
-        return x
+    leaves, spec = optree.tree_flatten(state, is_leaf=lambda x: isinstance(x, ENCODED), none_is_leaf=True)
+    out = list(leaves)
+    batches: dict[tuple, list[int]] = {}  # eagerly, the codes encoded() made in one pass: one storage
+    for i, x in enumerate(leaves):
+        if isinstance(x, ENCODED):
+            home = i if torch.compiler.is_compiling() else x[0].untyped_storage().data_ptr()
+            batches.setdefault((type(x), home), []).append(i)
+    for places in batches.values():
+        coded = [leaves[i] for i in places]
+        together = None if torch.compiler.is_compiling() else _decoded_back_to_back(coded, block_size)
+        for i, value in zip(places, together or [_decoded_alone(x, block_size) for x in coded]):
+            out[i] = value
+    return spec.unflatten(out)
 
-    return optree.tree_map(leaf, state, is_leaf=lambda x: isinstance(x, ENCODED), none_is_leaf=True)
+
+def _decoded_alone(x: Any, block_size: int) -> torch.Tensor:
+    if isinstance(x, Bfloat16Stored):
+        return x.value.to(torch.float32)
+    if isinstance(x, Bfloat16Corrected):
+        return bfloat16_uncorrected(x.value, x.correction)
+    return dequantize_blockwise(x.codes, x.scales, isinstance(x, Signed8bit), block_size)
+
+
+def _decoded_back_to_back(coded: list, block_size: int) -> Optional[list[torch.Tensor]]:
+    """The float32 values of ``coded`` (encoded tensors of one kind) decoded in one pass where
+    each of their parts lies back to back in memory (and, for 8 bits, every tensor but the last
+    fills whole blocks); else ``None``."""
+    if len(coded) < 2:
+        return None
+    shapes, sizes = [x[0].shape for x in coded], [x[0].numel() for x in coded]
+    parts = [span([x[k] for x in coded]) for k in range(len(coded[0]))]
+    if any(part is None for part in parts) or any(part.numel() == 0 for part in parts):
+        return None
+    if isinstance(coded[0], Bfloat16Stored):
+        flat = parts[0].to(torch.float32)
+    elif isinstance(coded[0], Bfloat16Corrected):
+        flat = bfloat16_uncorrected(*parts)
+    else:
+        if any(size % block_size for size in sizes[:-1]) or parts[1].numel() != -(-sum(sizes) // block_size):
+            return None
+        flat = dequantize_blockwise(parts[0], parts[1], isinstance(coded[0], Signed8bit), block_size)
+    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
 
 
 def _stored_encoded(x: Any, field: Optional[str], chosen: Optional[tuple]) -> bool:
