@@ -585,8 +585,9 @@ def _decoded_back_to_back(coded: list, block_size: int) -> Optional[list[torch.T
     if len(coded) < 2:
         return None
     shapes, sizes = [x[0].shape for x in coded], [x[0].numel() for x in coded]
-    parts = [span([x[k] for x in coded]) for k in range(len(coded[0]))]
-    if any(part is None for part in parts) or any(part.numel() == 0 for part in parts):
+    spans = [span([x[k] for x in coded]) for k in range(len(coded[0]))]
+    parts = [part for part in spans if part is not None and part.numel() > 0]
+    if len(parts) < len(spans):
         return None
     if isinstance(coded[0], Bfloat16Stored):
         flat = parts[0].to(torch.float32)
