@@ -40,7 +40,14 @@ import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.foreach import updated
-from functional_bagua.numerics import as_scalar, holds_scalar_tensors, is_number, lerp_weight, zero_count
+from functional_bagua.numerics import (
+    as_scalar,
+    eager_number,
+    holds_scalar_tensors,
+    is_number,
+    lerp_weight,
+    zero_count,
+)
 from functional_bagua.transforms.leafwise import leafwise
 
 
@@ -86,7 +93,12 @@ def second_moment(v: torch.Tensor, g: torch.Tensor, b2: Union[float, torch.Tenso
         The new second-moment estimate.
     """
     if not is_number(b2):
-        return updated(v, "mul", b2).add_((1 - b2) * g * g)  # v * b2 + (1 - b2) * g * g
+        weight, value = eager_number(b2, v), eager_number(1 - b2, v)
+        if weight is None or value is None:  # traced, or on a device: the tensor as it is
+            return updated(v, "mul", b2).add_((1 - b2) * g * g)  # v * b2 + (1 - b2) * g * g
+        # eagerly on the CPU, the numbers the tensors round to, in the same roundings as the
+        # compiled step's (so not addcmul's), each a multi-tensor op for grouped leaves
+        return updated(v, "mul", weight).add_(g.mul(value).mul_(g))
     if torch.compiler.is_compiling():  # traced, torch decomposes addcmul_ into other roundings than addcmul's
         return v.mul(b2).addcmul(g, g, value=1 - b2)
     return updated(v, "mul", b2).addcmul_(g, g, value=1 - b2)  # in place on v.mul(b2): the same bits
