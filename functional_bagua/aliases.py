@@ -26,7 +26,7 @@ from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, chain, check_params
 from functional_bagua.hyperparams import accepts_schedules, checkable
 from functional_bagua.layout_context import tensor_shapes
-from functional_bagua.numerics import is_number, read_counts
+from functional_bagua.numerics import eager_number, is_number, read_counts
 from functional_bagua.transforms.adam import (
     scale_by_adam,
     scale_by_adamax,
@@ -1034,11 +1034,11 @@ def _step_then_decay(
     def stepped(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
         assert p is not None  # needs_params: update gets the parameters
         decay = lr * weight_decay
-        return (
-            torch.add(u * (-lr * (1 - decay)), p, alpha=-decay)
-            if is_number(decay)
-            else u * (-lr * (1 - decay)) - decay * p
-        )
+        if is_number(decay):
+            return torch.add(u * (-lr * (1 - decay)), p, alpha=-decay)
+        if eager_number(decay, u) == 0:  # held at 0 (the factory form): no term, as the number 0 adds none
+            return u * (-lr * (1 - decay))
+        return u * (-lr * (1 - decay)) - decay * p
 
     if is_number(weight_decay) and weight_decay == 0:
         return scale_by_learning_rate(lr)

@@ -894,8 +894,16 @@ def test_weight_decay_held_as_a_tensor_steps_as_the_number_and_as_torch(weight_d
 
 @pytest.mark.parametrize(
     "alias, options",
-    [(fb.sgd, {}), (fb.adam, {}), (fb.adopt, {}), (fb.adopt, {"decouple": True}), (fb.laprop, {})],
-    ids=["sgd", "adam", "adopt", "adopt-decoupled", "laprop"],
+    [
+        (fb.sgd, {}),
+        (fb.adam, {}),
+        (fb.adopt, {}),
+        (fb.adopt, {"decouple": True}),
+        (fb.laprop, {}),
+        (fb.soap, {}),
+        (fb.psgd_kron, {}),
+    ],
+    ids=["sgd", "adam", "adopt", "adopt-decoupled", "laprop", "soap", "psgd_kron"],
 )
 def test_a_held_zero_weight_decay_adds_no_term(alias, options):
     """The factory form holds ``weight_decay`` as a tensor even at 0; its steps are the alias's
@@ -908,8 +916,34 @@ def test_a_held_zero_weight_decay_adds_no_term(alias, options):
         fb.Optimizer([factory], alias, lr=0.01, weight_decay=0.0, fused=False, **options),
         fb.Optimizer([number], alias(0.01, weight_decay=0.0, **options), fused=False),
     ]
-    for _ in range(3):
+    for step in range(3):
         for p, opt in zip((factory, number), optimizers):
             p.grad = grad.clone()
+            torch.manual_seed(step)  # the same draws for both (PSGD-Kron's probes)
             opt.step()
     assert torch.equal(factory.detach(), number.detach()) and factory.detach()[1, 0] == float("inf")
+
+
+FACTORY_FORMS = [fb.soap, fb.shampoo, fb.psgd_kron, fb.schedule_free_adamw, fb.schedule_free_sgd, fb.prodigy]
+FACTORY_FORMS += [fb.dadapt_adam, fb.adopt, fb.ademamix, fb.laprop, fb.lion, fb.lamb, fb.adafactor, fb.nadam]
+
+
+@pytest.mark.parametrize("alias", FACTORY_FORMS, ids=[a.__name__ for a in FACTORY_FORMS])
+def test_the_factory_form_steps_float32_parameters_as_the_alias_does(alias):
+    """``fb.Optimizer(params, alias, lr=...)`` holds its hyperparameters as float64 tensors; on
+    float32 parameters its steps are the alias's built with the numbers, to float32's rounding
+    (SOAP's factory form raised: a float64 bias correction made its projection float64)."""
+    gen = seeded(3)
+    values = [torch.randn(6, 5, generator=gen), torch.randn(5, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(4)]
+    factory, number = ([torch.nn.Parameter(v.clone()) for v in values] for _ in range(2))
+    optimizers = [fb.Optimizer(factory, alias, lr=0.01), fb.Optimizer(number, alias(0.01))]
+    for step, g in enumerate(grads):
+        for params, opt in zip((factory, number), optimizers):
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            torch.manual_seed(step)  # the same draws for both (PSGD-Kron's probes)
+            opt.step()
+    for a, b in zip(factory, number):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

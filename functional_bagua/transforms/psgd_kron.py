@@ -296,7 +296,9 @@ def scale_by_psgd_kron(
         sync), 0-dim bool tensors while traced."""
         if not torch.compiler.is_compiling():
             step, skipped, done = read_counts([state.count, state.updates_skipped, state.preconditioner_updates])
-            refit = skipped + 1 >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start)
+            # a bool also where the probabilities are held as tensors (the factory form's): a
+            # tensor here would send the step through torch.cond, which eagerly compiles its branches
+            refit = bool(skipped + 1 >= 1 / update_probability(step, max_prob, min_prob, decay, flat_start))
             return refit, refit and done > 0 and done % balance_every == 0
         anneal = torch.exp(-decay * (state.count.to(torch.float64) - flat_start))
         probability = (max_prob * anneal).clamp(min=min_prob).clamp(max=max_prob)

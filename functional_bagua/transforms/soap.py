@@ -328,8 +328,10 @@ def scale_by_soap(
         """``sqrt(1 - b2^s) / (1 - b1^s)`` for ``s`` gradients before this one: a number when
         ``count`` is known, else per row from ``counts`` (``s + 1``; 1 where ``s`` is 0, which
         only initializes)."""
-        if count is not None:
-            return math.sqrt(1 - b2**count) / (1 - b1**count)
+        if count is not None:  # a number, or a 0-dim tensor where the betas are (the factory form's)
+            factor: Any = math.sqrt(1 - b2**count) / (1 - b1**count)
+            # in the gradient's dtype: a float64 factor made one per row would promote the product
+            return factor.to(dtype) if isinstance(factor, torch.Tensor) else factor
         before = (counts - 1).clamp(min=1).to(torch.float64)
         factor = torch.sqrt(1 - torch.pow(b2, before)) / (1 - torch.pow(b1, before))
         return factor.to(dtype)
