@@ -541,13 +541,23 @@ def _encoded_back_to_back(
             Bfloat16Corrected(v.view(x.shape), c.view(x.shape))
             for v, c, x in zip(value.split(sizes), correction.split(sizes), xs)
         ]
+    return [Bfloat16Stored(r) for r in _stochastically_rounded_back_to_back(flat, xs, numbers, stream)]
+
+
+def _stochastically_rounded_back_to_back(
+    flat: torch.Tensor, xs: list[torch.Tensor], numbers: list[int], stream: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each of ``xs`` (float32, back to back in ``flat``) rounded to bfloat16 stochastically with
+    the bits of :func:`random_bits16` for the seed ``mix(stream + n)`` (``n`` its number), in one
+    pass over ``flat``; views of one bfloat16 tensor, in ``xs``' shapes."""
+    sizes = [x.numel() for x in xs]
     if len(xs) == 1:
         bits = random_bits16(xs[0].shape, _mix(stream + numbers[0]), xs[0].device).reshape(-1)
     else:
         seeds = _mix(stream + torch.tensor(numbers, dtype=torch.int64, device=stream.device))
         bits = _random_bits16_back_to_back(sizes, seeds, flat.device)
     rounded = stochastic_round_to_bfloat16(flat, bits)
-    return [Bfloat16Stored(r.view(x.shape)) for r, x in zip(rounded.split(sizes), xs)]
+    return [r.view(x.shape) for r, x in zip(rounded.split(sizes), xs)]
 
 
 def decoded(state: Any, block_size: int = 256) -> Any:

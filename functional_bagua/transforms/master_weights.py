@@ -54,12 +54,7 @@ from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
-from functional_bagua.transforms.low_precision import (
-    _mix,
-    random_bits16,
-    round_to_nearest,
-    stochastic_round_to_bfloat16,
-)
+from functional_bagua.transforms.low_precision import _mix, _stochastically_rounded_back_to_back, round_to_nearest
 from functional_bagua.tree import PyTree
 
 MODES = ("float32", "stochastic_rounding")
@@ -89,6 +84,18 @@ def _values(param_leaves: list, copies: list) -> list:
     """The values the inner transform steps: the master copies, else the parameters (the
     low-precision ones as float32)."""
     return [c if c is not None else _as_float32(p) if _is_low_precision(p) else p for p, c in zip(param_leaves, copies)]
+
+
+def _rounded(stepped: list, numbers: list, dtype: torch.dtype, to_nearest: bool, stream: torch.Tensor) -> list:
+    """Each of ``stepped`` (float32; the parameters numbered ``numbers``, of ``dtype``) rounded
+    to ``dtype``, as float32: to nearest, or stochastically to bfloat16 with the bits of the
+    parameter's number in ``stream`` (module docstring); computed back to back in one pass."""
+    sizes = [x.numel() for x in stepped]
+    flat = torch.cat([x.reshape(-1) for x in stepped]) if len(stepped) > 1 else stepped[0].reshape(-1)
+    if to_nearest:
+        rounded = round_to_nearest(flat, dtype)  # float32, exact in dtype
+        return [r.view(x.shape) for r, x in zip(rounded.split(sizes), stepped)]
+    return [r.to(torch.float32) for r in _stochastically_rounded_back_to_back(flat, stepped, numbers, stream)]
 
 
 def _copies(spec: Any, master: Any) -> list:
@@ -171,20 +178,23 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
                     f"{'a bfloat16 or float16' if copy is not None else 'a float32 or float64'} one: call init again "
                     "for parameters of other dtypes"
                 )
+        stepping: dict[tuple, list[int]] = {}  # the parameters rounded together: one dtype and device
         for number, (p, u, value, copy) in enumerate(zip(param_leaves, update_leaves, value_leaves, master_leaves)):
             if u is None or not _is_low_precision(p):
                 updates.append(u)
                 masters.append(copy)
                 continue
             stepped = value + u.to(torch.float32)  # float32
-            if keeps_copy:
-                masters.append(stepped)
-                target = round_to_nearest(stepped, p.dtype)  # float32, exact in p's dtype
-            else:
-                masters.append(None)
-                bits = random_bits16(stepped.shape, _mix(stream + number), stepped.device)
-                target = stochastic_round_to_bfloat16(stepped, bits).to(torch.float32)
-            updates.append(target - p.to(torch.float32))
+            masters.append(stepped if keeps_copy else None)
+            updates.append(stepped)  # for now: replaced by the update below
+            stepping.setdefault((p.dtype, p.device), []).append(number)
+        for (dtype, _), numbers in stepping.items():
+            # eagerly, one pass over the parameters back to back (each op's call costs more than its
+            # work on small tensors), the numbers of rounding each alone; traced, each on its own
+            for batch in [numbers] if not torch.compiler.is_compiling() else [[n] for n in numbers]:
+                stepped_values = [updates[n] for n in batch]
+                for n, target in zip(batch, _rounded(stepped_values, batch, dtype, keeps_copy, stream)):
+                    updates[n] = target - param_leaves[n].to(torch.float32)
         new_state = MasterWeightsState(state.count + 1, spec.unflatten(masters) if keeps_copy else None, inner_state)
         return spec.unflatten(updates), new_state
 
