@@ -77,7 +77,10 @@ each parameter's entries named by their path in the chain's state, as in ``optim
 state that belongs to no single parameter (step counters of schedules, injected
 hyperparameters, schedule-free's count and averaging weights, Prodigy's ``d``) is kept in its
 group under ``"shared_state"``. ``load_state_dict`` restores it exactly, so a resumed run is the
-uninterrupted one bit for bit.
+uninterrupted one bit for bit. A function in a group (ADOPT's ``clip_lambda``, a schedule given
+as ``lr``) is code, not state: it is left out of the saved group (so that ``torch.load``, whose
+default reads tensors and plain values only, reads the file), and the loading optimizer keeps
+its own.
 
 A group running :func:`~functional_bagua.schedule_free` (``fb.schedule_free_adamw``) trains at
 ``y`` and evaluates at the average ``x``: ``optimizer.eval()`` moves its parameters to ``x``,
@@ -538,7 +541,10 @@ class Optimizer(torch.optim.Optimizer):
                 for position, entries in layout.per_parameter(leaves).items():
                     per_param[start + position] = entries
                 shared = layout.shared(leaves)
-            packed = {k: v for k, v in group.items() if k != "params"}
+            # a function in a group (ADOPT's clip_lambda, a schedule given as a number's value) is
+            # code, not state: left out, so that torch.load(weights_only=True) reads the file, and
+            # load_state_dict keeps this optimizer's own
+            packed = {k: v for k, v in group.items() if k != "params" and not _holds_code(v)}
             packed["params"] = list(range(start, start + len(group["params"])))
             packed["shared_state"] = shared
             shown = self._groups[i].numbers
@@ -870,6 +876,11 @@ def _check_same_state_structure(optimizer: Optimizer, i: int, tx: GradientTransf
             "buffer for momentum=0); build the transform with a nonzero value, or use the factory form "
             "fb.Optimizer(params, fb.sgd, lr=..., momentum=...), whose state holds every number"
         )
+
+
+def _holds_code(value: Any) -> bool:
+    """Whether a group's ``value`` is a function, or a tuple or list holding one."""
+    return callable(value) or (isinstance(value, (tuple, list)) and any(callable(v) for v in value))
 
 
 def _write_hyperparameters(state: InjectHyperparamsState, group: dict[str, Any], written: dict) -> None:

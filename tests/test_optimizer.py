@@ -947,3 +947,43 @@ def test_the_factory_form_steps_float32_parameters_as_the_alias_does(alias):
     for a, b in zip(factory, number):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: fb.Optimizer(ps, fb.adopt, lr=0.01),  # its clip_lambda, a function, in the group
+        lambda ps: fb.Optimizer(ps, fb.adamw, lr=fb.schedules.cosine_decay(0.1, 10)),  # a schedule as lr
+    ],
+    ids=["adopt-clip_lambda", "scheduled-lr"],
+)
+def test_a_group_holding_a_function_saves_a_file_torch_load_reads_and_resumes(make):
+    """A function in a param group is code, not state: torch.save could not pickle a schedule
+    (a closure), and torch.load's default (weights_only) refused ADOPT's clip_lambda; the saved
+    group leaves them out, the loading optimizer keeps its own, and the run resumes bit for bit."""
+    gen = seeded(5)
+    values = [torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(6)]
+
+    def run(params, opt, steps):
+        for g in steps:
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            opt.step()
+
+    straight = [torch.nn.Parameter(v.clone()) for v in values]
+    run(straight, make(straight), grads)
+    first = [torch.nn.Parameter(v.clone()) for v in values]
+    opt = make(first)
+    run(first, opt, grads[:3])
+    buffer = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "params": [p.detach() for p in first]}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)  # weights_only=True, torch's default
+    resumed = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    opt = make(resumed)
+    opt.load_state_dict(saved["opt"])
+    assert callable(opt.param_groups[0]["clip_lambda" if "clip_lambda" in opt.param_groups[0] else "lr"])
+    run(resumed, opt, grads[3:])
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
