@@ -746,8 +746,9 @@ def muon(
     _check_lr(lr)
     _check(momentum, lambda v: 0.0 <= v, "momentum should be >= 0 but is: {}")
     _check(weight_decay, lambda v: 0.0 <= v, "weight decay should be >= 0 but is: {}")
-    # torch.optim.Muon takes a negative eps; a zero gradient's update would then be 0 / 0
-    _check(eps, lambda v: 0.0 <= v, "Invalid epsilon value: {} (eps bounds the norm the update is divided by: >= 0)")
+    # torch.optim.Muon takes eps <= 0; a zero gradient's update (an unused layer's, gradients zeroed
+    # in place) would then be 0 / 0
+    _check(eps, lambda v: 0.0 < v, "Invalid epsilon value: {} (eps bounds the norm the update is divided by: > 0)")
     _require(
         adjust_lr_fn in (None, "original", "match_rms_adamw"),
         f"Adjust learning rate function {adjust_lr_fn} is not supported",

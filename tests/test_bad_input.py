@@ -241,6 +241,7 @@ BAD_HYPERPARAMETERS = [
     (lambda: fb.sgd(0.1, momentum=torch.tensor(-0.5)), "Invalid momentum value"),
     (lambda: fb.rmsprop(eps=torch.tensor(-1e-8)), "Invalid epsilon value"),
     (lambda: fb.muon(eps=-1e-8), "Invalid epsilon value"),  # torch's Muon takes it: a zero gradient gives NaN
+    (lambda: fb.muon(eps=0.0), "Invalid epsilon value"),
     (lambda: fb.clip(-1.0), "clip: max_delta must be a number >= 0"),
     (lambda: fb.clip_by_global_norm(float("nan")), "clip_by_global_norm: max_norm must be a number >= 0"),
     (lambda: fb.clip_by_global_norm(torch.tensor(-1.0)), "clip_by_global_norm: max_norm must be a number >= 0"),

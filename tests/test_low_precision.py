@@ -278,12 +278,16 @@ def test_a_compressed_checkpoint_is_refused_by_a_float32_state_and_the_other_way
         assert "low_precision_state" not in str(refused.value)
 
 
+@pytest.mark.cpu_only("coding in one pass is the CPU's eager path (elsewhere each tensor alone)")
+@pytest.mark.parametrize("cap", [None, 1300], ids=["one-pass", "passes-of-1300-values"])
 @pytest.mark.parametrize("codec", CODECS)
-def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec):
-    """Eagerly the tensors of a state are coded back to back in one pass and decoded so: each
-    leaf's code (and value decoded) is its own, written out per tensor: bf16 with the bits of
-    its number in the stream, 8 bits in its own blocks (a tensor whose last block is short too),
-    Adam's second moment with the unsigned map."""
+def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec, cap, monkeypatch):
+    """Eagerly the tensors of a state are coded back to back in one pass (or passes of at most
+    ``BATCH_VALUES`` values) and decoded so: each leaf's code (and value decoded) is its own,
+    written out per tensor: bf16 with the bits of its number in the stream, 8 bits in its own
+    blocks (a tensor whose last block is short too), Adam's second moment with the unsigned map."""
+    if cap is not None:
+        monkeypatch.setattr(lp, "BATCH_VALUES", cap)
     gen = seeded(8)
     shapes = [(16, 32), (3, 256), (700,), (8, 64), (5,)]  # 512, 768, 700 (short last block), 512, 5 values
     params = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
@@ -309,6 +313,12 @@ def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec):
         else:
             want = fb.bfloat16_corrected(x)
         assert len(code) == len(want) and all(torch.equal(a, b) for a, b in zip(code, want)), (codec, number)
+    passes: dict = {}  # the sizes of the tensors coded in each pass (one storage each)
+    for c in stored:
+        if isinstance(c, lp.ENCODED):
+            passes.setdefault(c[0].untyped_storage().data_ptr(), []).append(c[0].numel())
+    assert max(len(sizes) for sizes in passes.values()) > 1, passes
+    assert cap is None or all(sum(sizes) <= cap or len(sizes) == 1 for sizes in passes.values()), passes
     decoded = optree.tree_leaves(lp.decoded(coded, block), none_is_leaf=True)
     for code, value in zip(stored, decoded):
         if isinstance(code, fb.Bfloat16Stored):

@@ -905,6 +905,9 @@ def test_weight_decay_held_as_a_tensor_steps_as_the_number_and_as_torch(weight_d
     ],
     ids=["sgd", "adam", "adopt", "adopt-decoupled", "laprop", "soap", "psgd_kron"],
 )
+@pytest.mark.cpu_only(
+    "a held tensor is read as a number on the CPU only: on a GPU reading it would wait for the device"
+)
 def test_a_held_zero_weight_decay_adds_no_term(alias, options):
     """The factory form holds ``weight_decay`` as a tensor even at 0; its steps are the alias's
     built with the number 0, which adds no decay term at all: bit for bit, also at a parameter at
@@ -979,7 +982,7 @@ def test_a_group_holding_a_function_saves_a_file_torch_load_reads_and_resumes(ma
     buffer = io.BytesIO()
     torch.save({"opt": opt.state_dict(), "params": [p.detach() for p in first]}, buffer)
     buffer.seek(0)
-    saved = torch.load(buffer)  # weights_only=True, torch's default
+    saved = torch.load(buffer, weights_only=True)  # tensors and plain values only (torch's default)
     resumed = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
     opt = make(resumed)
     opt.load_state_dict(saved["opt"])

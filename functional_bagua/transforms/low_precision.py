@@ -415,7 +415,8 @@ def low_precision_state(
     The updates are ``inner``'s, computed from the decoded state; step counts, 0-dim scalars,
     integer and complex state and state in other dtypes (a bfloat16 parameter's bfloat16
     moments) are kept as they are; the parameters are untouched. The memory is saved between
-    steps: during one, the decoded state and the inner update's new state are float32.
+    steps: during one, the decoded state and the inner update's new state are float32 (and,
+    eagerly on the CPU, coding takes temporaries for up to ``BATCH_VALUES`` values at once).
 
     Args:
         inner: any transform (an alias such as ``fb.adamw``, a chain).
@@ -510,14 +511,34 @@ def encoded(
             # 8 bits: a tensor whose last block is short codes alone (its blocks would run into the next's)
             alone = number if codec == "8bit" and x.numel() % block_size else None
             together.setdefault((x.device, signed, alone), []).append(number)
-    for (_, signed, _), numbers in together.items():
-        # eagerly, one pass over the tensors back to back instead of one per tensor (each op's call
-        # costs more than its work on small tensors); traced, each on its own (no copy into a batch)
-        for batch in [numbers] if not torch.compiler.is_compiling() else [[n] for n in numbers]:
+    for (device, signed, _), numbers in together.items():
+        for batch in batches_of(numbers, [found[n][0].numel() for n in numbers], device):
             coded = _encoded_back_to_back([found[n][0] for n in batch], batch, stream, codec, block_size, signed)
             for n, value in zip(batch, coded):
                 out[n] = value
     return spec.unflatten(out)
+
+
+BATCH_VALUES = 1 << 20  # the most values coded in one pass: its temporaries (int64 hashes) stay small
+
+
+def batches_of(numbers: list[int], sizes: list[int], device: torch.device) -> list[list[int]]:
+    """``numbers`` (of tensors of ``sizes`` values on ``device``) cut into the batches coded in one
+    pass each: eagerly on the CPU, consecutive ones of at most :data:`BATCH_VALUES` values
+    together (each op's call costs more than its work on small tensors; a larger tensor alone);
+    one by one while traced (no copy into a batch) and on other devices (a batch's sizes and
+    seeds would be copied from the host, a wait each, which a CUDA graph's capture refuses)."""
+    if torch.compiler.is_compiling() or device.type != "cpu":
+        return [[n] for n in numbers]
+    batches: list[list[int]] = []
+    total = 0
+    for n, size in zip(numbers, sizes):
+        if not batches or total + size > BATCH_VALUES:
+            batches.append([])
+            total = 0
+        batches[-1].append(n)
+        total += size
+    return batches
 
 
 def _encoded_back_to_back(

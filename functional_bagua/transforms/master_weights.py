@@ -54,7 +54,12 @@ from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
-from functional_bagua.transforms.low_precision import _mix, _stochastically_rounded_back_to_back, round_to_nearest
+from functional_bagua.transforms.low_precision import (
+    _mix,
+    _stochastically_rounded_back_to_back,
+    batches_of,
+    round_to_nearest,
+)
 from functional_bagua.tree import PyTree
 
 MODES = ("float32", "stochastic_rounding")
@@ -188,10 +193,10 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
             masters.append(stepped if keeps_copy else None)
             updates.append(stepped)  # for now: replaced by the update below
             stepping.setdefault((p.dtype, p.device), []).append(number)
-        for (dtype, _), numbers in stepping.items():
-            # eagerly, one pass over the parameters back to back (each op's call costs more than its
-            # work on small tensors), the numbers of rounding each alone; traced, each on its own
-            for batch in [numbers] if not torch.compiler.is_compiling() else [[n] for n in numbers]:
+        for (dtype, device), numbers in stepping.items():
+            # eagerly on the CPU, the parameters back to back in passes over many at once, with the
+            # numbers of rounding each alone (low_precision.batches_of)
+            for batch in batches_of(numbers, [updates[n].numel() for n in numbers], device):
                 stepped_values = [updates[n] for n in batch]
                 for n, target in zip(batch, _rounded(stepped_values, batch, dtype, keeps_copy, stream)):
                     updates[n] = target - param_leaves[n].to(torch.float32)

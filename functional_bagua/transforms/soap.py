@@ -330,8 +330,9 @@ def scale_by_soap(
         only initializes)."""
         if count is not None:  # a number, or a 0-dim tensor where the betas are (the factory form's)
             factor: Any = math.sqrt(1 - b2**count) / (1 - b1**count)
-            # in the gradient's dtype: a float64 factor made one per row would promote the product
-            return factor.to(dtype) if isinstance(factor, torch.Tensor) else factor
+            # a number, as the alias's (a float64 tensor made one per row would promote the
+            # projection); the count was read already, so reading it waits for nothing more
+            return float(factor)
         before = (counts - 1).clamp(min=1).to(torch.float64)
         factor = torch.sqrt(1 - torch.pow(b2, before)) / (1 - torch.pow(b1, before))
         return factor.to(dtype)
