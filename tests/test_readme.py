@@ -5,6 +5,7 @@ shell command is one this suite or CI stands for, said where."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import shlex
@@ -116,6 +117,4 @@ def test_every_documented_example_runs():
 
 
 def importable(package: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(package) is not None

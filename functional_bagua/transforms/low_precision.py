@@ -55,7 +55,7 @@ import optree
 import torch
 
 from functional_bagua.base import GradientTransformation
-from functional_bagua.flat import is_dtensor, span
+from functional_bagua.flat import is_dtensor, span, split_like
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
 from functional_bagua.tree import PyTree
@@ -549,20 +549,21 @@ def _encoded_back_to_back(
     (elementwise codes; 8-bit blocks, as each tensor but the last fills whole blocks), and each
     tensor's code is a view of the result. The stochastic rounding's bits of the leaf numbered
     ``n`` are :func:`random_bits16` with the seed ``mix(stream + n)``."""
-    sizes = [x.numel() for x in xs]
-    flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+    flat = back_to_back(xs)
     if codec == "8bit":
         codes, scales = quantize_blockwise(flat, block_size, signed=signed)
-        per_scale = torch.split(scales, [-(-size // block_size) for size in sizes])
+        per_scale = torch.split(scales, [-(-x.numel() // block_size) for x in xs])
         kind = Signed8bit if signed else Unsigned8bit
-        return [kind(c.view(x.shape), s) for c, s, x in zip(codes.split(sizes), per_scale, xs)]
+        return [kind(c, s) for c, s in zip(split_like(codes, xs), per_scale)]
     if codec == "bf16+8bit":
         value, correction = bfloat16_corrected(flat)
-        return [
-            Bfloat16Corrected(v.view(x.shape), c.view(x.shape))
-            for v, c, x in zip(value.split(sizes), correction.split(sizes), xs)
-        ]
+        return [Bfloat16Corrected(v, c) for v, c in zip(split_like(value, xs), split_like(correction, xs))]
     return [Bfloat16Stored(r) for r in _stochastically_rounded_back_to_back(flat, xs, numbers, stream)]
+
+
+def back_to_back(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The values of ``xs`` back to back in one 1-D tensor (one tensor's own values, uncopied)."""
+    return torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
 
 
 def _stochastically_rounded_back_to_back(
@@ -571,14 +572,12 @@ def _stochastically_rounded_back_to_back(
     """Each of ``xs`` (float32, back to back in ``flat``) rounded to bfloat16 stochastically with
     the bits of :func:`random_bits16` for the seed ``mix(stream + n)`` (``n`` its number), in one
     pass over ``flat``; views of one bfloat16 tensor, in ``xs``' shapes."""
-    sizes = [x.numel() for x in xs]
     if len(xs) == 1:
         bits = random_bits16(xs[0].shape, _mix(stream + numbers[0]), xs[0].device).reshape(-1)
     else:
         seeds = _mix(stream + torch.tensor(numbers, dtype=torch.int64, device=stream.device))
-        bits = _random_bits16_back_to_back(sizes, seeds, flat.device)
-    rounded = stochastic_round_to_bfloat16(flat, bits)
-    return [r.view(x.shape) for r, x in zip(rounded.split(sizes), xs)]
+        bits = _random_bits16_back_to_back([x.numel() for x in xs], seeds, flat.device)
+    return split_like(stochastic_round_to_bfloat16(flat, bits), xs)
 
 
 def decoded(state: Any, block_size: int = 256) -> Any:
@@ -615,7 +614,7 @@ def _decoded_back_to_back(coded: list, block_size: int) -> Optional[list[torch.T
     fills whole blocks); else ``None``."""
     if len(coded) < 2:
         return None
-    shapes, sizes = [x[0].shape for x in coded], [x[0].numel() for x in coded]
+    sizes = [x[0].numel() for x in coded]
     spans = [span([x[k] for x in coded]) for k in range(len(coded[0]))]
     parts = [part for part in spans if part is not None and part.numel() > 0]
     if len(parts) < len(spans):
@@ -628,7 +627,7 @@ def _decoded_back_to_back(coded: list, block_size: int) -> Optional[list[torch.T
         if any(size % block_size for size in sizes[:-1]) or parts[1].numel() != -(-sum(sizes) // block_size):
             return None
         flat = dequantize_blockwise(parts[0], parts[1], isinstance(coded[0], Signed8bit), block_size)
-    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+    return split_like(flat, [x[0] for x in coded])
 
 
 def _stored_encoded(x: Any, field: Optional[str], chosen: Optional[tuple]) -> bool:

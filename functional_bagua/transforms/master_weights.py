@@ -52,11 +52,13 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.flat import split_like
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
 from functional_bagua.transforms.low_precision import (
     _mix,
     _stochastically_rounded_back_to_back,
+    back_to_back,
     batches_of,
     round_to_nearest,
 )
@@ -95,11 +97,9 @@ def _rounded(stepped: list, numbers: list, dtype: torch.dtype, to_nearest: bool,
     """Each of ``stepped`` (float32; the parameters numbered ``numbers``, of ``dtype``) rounded
     to ``dtype``, as float32: to nearest, or stochastically to bfloat16 with the bits of the
     parameter's number in ``stream`` (module docstring); computed back to back in one pass."""
-    sizes = [x.numel() for x in stepped]
-    flat = torch.cat([x.reshape(-1) for x in stepped]) if len(stepped) > 1 else stepped[0].reshape(-1)
+    flat = back_to_back(stepped)
     if to_nearest:
-        rounded = round_to_nearest(flat, dtype)  # float32, exact in dtype
-        return [r.view(x.shape) for r, x in zip(rounded.split(sizes), stepped)]
+        return split_like(round_to_nearest(flat, dtype), stepped)  # float32, exact in dtype
     return [r.to(torch.float32) for r in _stochastically_rounded_back_to_back(flat, stepped, numbers, stream)]
 
 
@@ -183,22 +183,23 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
                     f"{'a bfloat16 or float16' if copy is not None else 'a float32 or float64'} one: call init again "
                     "for parameters of other dtypes"
                 )
+        stepped: dict[int, torch.Tensor] = {}  # per low-precision parameter's number, p + u in float32
         stepping: dict[tuple, list[int]] = {}  # the parameters rounded together: one dtype and device
         for number, (p, u, value, copy) in enumerate(zip(param_leaves, update_leaves, value_leaves, master_leaves)):
             if u is None or not _is_low_precision(p):
                 updates.append(u)
                 masters.append(copy)
                 continue
-            stepped = value + u.to(torch.float32)  # float32
-            masters.append(stepped if keeps_copy else None)
-            updates.append(stepped)  # for now: replaced by the update below
+            stepped[number] = value + u.to(torch.float32)
+            masters.append(stepped[number] if keeps_copy else None)
+            updates.append(None)  # below: the rounded step minus p
             stepping.setdefault((p.dtype, p.device), []).append(number)
         for (dtype, device), numbers in stepping.items():
             # eagerly on the CPU, the parameters back to back in passes over many at once, with the
             # numbers of rounding each alone (low_precision.batches_of)
-            for batch in batches_of(numbers, [updates[n].numel() for n in numbers], device):
-                stepped_values = [updates[n] for n in batch]
-                for n, target in zip(batch, _rounded(stepped_values, batch, dtype, keeps_copy, stream)):
+            for batch in batches_of(numbers, [stepped[n].numel() for n in numbers], device):
+                rounded = _rounded([stepped[n] for n in batch], batch, dtype, keeps_copy, stream)
+                for n, target in zip(batch, rounded):
                     updates[n] = target - param_leaves[n].to(torch.float32)
         new_state = MasterWeightsState(state.count + 1, spec.unflatten(masters) if keeps_copy else None, inner_state)
         return spec.unflatten(updates), new_state
