@@ -173,12 +173,13 @@ def test_a_state_made_in_another_precision_is_refused_naming_the_option(made, us
 def test_a_compiled_fused_update_with_padded_strides_equals_the_eager_one(name):
     """Inductor pads the strides of the tensors a graph computes (on CUDA by default: a batch of
     40 x 33 matrices of float64 has a stride of 1320, padded to 1328), while it compiles each
-    ``torch.cond`` branch for dense operands; here the padding is switched on for the CPU too."""
+    ``torch.cond`` branch (PSGD-Kron's) for dense operands, and SOAP's and Shampoo's refresh
+    operators write into such tensors; here the padding is switched on for the CPU too."""
     params, grads = draws({f"w{i}": (40, 33) for i in range(3)}, steps=4)
     layout = fb.FlatLayout.of(params)
     # SOAP one-sided: a 40 x 40 statistic of rank 33 would have a degenerate eigenspace, whose basis
     # eager and compiled rounding pick differently
-    # Shampoo's roots by Newton: its torch.cond for the unconverged matrices nests in the refresh's
+    # Shampoo's roots by Newton: its iteration, and eigh for the unconverged matrices, in the refresh
     tx = {
         "soap": lambda: fb.soap(precondition_frequency=2, max_precondition_dim=35),
         "shampoo": lambda: fb.shampoo(
@@ -206,10 +207,10 @@ def test_a_compiled_fused_update_with_padded_strides_equals_the_eager_one(name):
 
 def test_a_compiled_refresh_that_reads_symbolic_floats():
     """Compiled with dynamic=True (and, without it, on recompiling one code object for another
-    number), dynamo makes floats symbolic, which torch.cond cannot take in: the floats Shampoo's
-    refresh reads (epsilon, the Newton tolerance) are passed in as a tensor. Its roots by Newton,
-    traced: at the refresh the 2 x 2 statistic converges, the 5 x 5 one (of rank 4) is left to
-    eigh under the inner torch.cond, as eagerly."""
+    number), dynamo makes floats symbolic: the floats Shampoo's refresh reads (epsilon, the
+    Newton tolerance) are passed to its operator as a tensor. Its roots by Newton: at the
+    refresh the 2 x 2 statistic converges, the 5 x 5 one (of rank 4) is left to eigh, as
+    eagerly."""
     params, grads = draws({"w": (5, 2)}, steps=3)
     tx = fb.shampoo(epsilon=1e-3, precondition_frequency=2, root_method="newton", newton_iterations=6)
     compiled = torch.compile(tx.update, fullgraph=True, dynamic=True)

@@ -128,6 +128,25 @@ def test_a_compiled_update_equals_the_eager_one_also_with_a_late_first_gradient(
             torch.testing.assert_close(have[k], want[k], **tolerance, msg=lambda m: f"step {t} {k}: {m}")
 
 
+def test_a_compiled_update_with_newton_roots_runs_the_iteration_as_the_eager_one():
+    """A loose Newton tolerance makes its roots differ from eigh's: the compiled refresh must
+    run the same iteration (and stop where the eager one stops)."""
+    params, grads = draws({"a": (5, 5), "b": (5, 5), "tall": (6, 3)}, steps=5)
+    options = dict(lr=0.1, epsilon=1e-3, precondition_frequency=2, newton_tolerance=1e-2, newton_iterations=8)
+    tx = fb.shampoo(root_method="newton", **options)
+    compiled = torch.compile(tx.update, fullgraph=True, backend="eager")
+    expected = trace(tx.update, tx.init(params), params, grads)
+    got = trace(compiled, tx.init(params), params, grads)
+    eigh_tx = fb.shampoo(root_method="eigh", **options)
+    by_eigh = trace(eigh_tx.update, eigh_tx.init(params), params, grads)
+    tolerance = dict(rtol=1e-6, atol=1e-6) if ON_CUDA else dict(rtol=1e-11, atol=1e-13)
+    for t, (want, have) in enumerate(zip(expected, got)):
+        for k in params:
+            torch.testing.assert_close(have[k], want[k], **tolerance, msg=lambda m: f"step {t} {k}: {m}")
+    # the methods differ by far more than the tolerances above (about 1e-4 here)
+    assert max((expected[-1][k] - by_eigh[-1][k]).abs().max().item() for k in params) > 1e-5
+
+
 def test_a_compiled_fused_train_step_equals_the_eager_unfused_one():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()

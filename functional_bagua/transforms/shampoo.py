@@ -34,8 +34,9 @@ a zero update.
 
 Compiled (``torch.compile``, ``make_train_step``) nothing is read from the counts: the blocks of
 one shape step as one batch, each row at its own count (its bias corrections, refreshes and
-start of preconditioning its own), and the inverse roots are recomputed under ``torch.cond``,
-only in a step where some row refreshes (the other rows keep theirs). Inside
+start of preconditioning its own), and the inverse roots are recomputed in an operator of their
+own that the compiled step calls (:func:`refresh_roots_`, so inductor generates no code for
+them), only in a step where some row refreshes (the other rows keep theirs). Inside
 :func:`~functional_bagua.fuse` the state of each flat buffer is kept per group of equal-shaped
 tensors, per block stacked: the graph, and its compile time, grow with the number of distinct
 shapes, not of tensors. With ``epsilon`` far below a rank-deficient statistic's scale, a
@@ -176,13 +177,9 @@ def scale_by_shampoo(
     )
     _check_root_method(root_method, newton_iterations, newton_tolerance)
 
-    def inverse_root_of(statistic: torch.Tensor, root: int, constants: Any = (epsilon, newton_tolerance)) -> Any:
-        """The inverse roots by ``root_method``; ``constants``: epsilon and the Newton tolerance
-        (numbers, or under ``torch.cond`` a tensor of the two: :func:`float_operands`)."""
-        eps, tolerance = constants[0], constants[1]
-        if root_method == "newton":
-            return inverse_root_newton(statistic, eps, root, matrix_dtype, newton_iterations, tolerance)
-        return inverse_root(statistic, eps, root, matrix_dtype)
+    def inverse_root_of(statistic: torch.Tensor, root: int) -> Any:
+        """The inverse roots by ``root_method`` (:func:`inverse_roots`)."""
+        return inverse_roots(statistic, root, root_method, matrix_dtype, newton_iterations, (epsilon, newton_tolerance))
 
     owners = Owners(group, NAME, "inverse roots")  # who computes which rows (group=), per update
 
@@ -394,7 +391,7 @@ def scale_by_shampoo(
         """Per request ``(statistics, roots, t)`` of a batch, its roots, recomputed from the
         statistics where the count ``t`` is a multiple of ``precondition_frequency``: eagerly
         every refreshing batch's roots in one :func:`owner_computes_all` (with ``group=``, one
-        all-gather for the update); traced per batch under ``torch.cond``."""
+        all-gather for the update); traced per batch in :func:`refresh_roots_`."""
         if any(isinstance(t, torch.Tensor) for _, _, t in requests):
             return [refreshed(*request) for request in requests]
         fns, batches, places = [], [], []
@@ -412,28 +409,21 @@ def scale_by_shampoo(
         return new_roots
 
     def refreshed(statistics: list, roots: list, t: torch.Tensor) -> list:
-        """Traced, a batch's roots recomputed under ``torch.cond`` from its statistics, in a step
-        where some block refreshes (``t`` a multiple of ``precondition_frequency``; the others
-        keep theirs)."""
+        """Traced, a batch's roots recomputed from its statistics (:func:`refresh_roots_`, on
+        copies of the roots) where some block refreshes (``t`` a multiple of
+        ``precondition_frequency``; the others keep theirs)."""
         if not statistics:
             return roots
-        root = 2 * len(statistics)
         correction = one_minus_power(b2, t, statistics[0]) if use_bias_correction and b2 < 1 else 1.0
-        scaled = tuple(stat / correction for stat in statistics)
+        new = [r.clone() for r in roots]
+        # epsilon and the tolerance as a tensor: dynamo may make a float symbolic (dynamic=True)
+        constants = float_operands(statistics[0], epsilon, newton_tolerance)
         refreshing = t % precondition_frequency == 0
-
-        def recomputed(scaled: tuple, roots: tuple, rows: torch.Tensor, constants: torch.Tensor) -> tuple:
-            return tuple(
-                torch.where(per_row(rows, r), inverse_root_of(stat, root, constants), r).contiguous()
-                for stat, r in zip(scaled, roots)
-            )
-
-        def kept(scaled: tuple, roots: tuple, rows: torch.Tensor, constants: torch.Tensor) -> tuple:
-            return tuple(r.clone() for r in roots)
-
-        constants = float_operands(scaled[0], epsilon, newton_tolerance)
-        operands = (scaled, tuple(roots), refreshing, constants)
-        return list(flat_operand_cond(refreshing.any(), recomputed, kept, operands))
+        scaled = [stat / correction for stat in statistics]
+        refresh_roots_(
+            scaled, new, refreshing, 2 * len(statistics), root_method, matrix_dtype, newton_iterations, constants
+        )
+        return new
 
     def accumulate(statistic: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
         """``L_d`` with this step's ``G_(d) G_(d)^T`` (module docstring), per batch element."""
@@ -506,6 +496,54 @@ def _block(t: torch.Tensor, k: int, view_of: Callable, cut: Callable) -> torch.T
     """Block ``k`` of ``t`` (viewed as the transform views tensors of its shape)."""
     shape = tuple(t.shape)
     return t.reshape(view_of(shape))[cut(shape)[k]]
+
+
+def inverse_roots(
+    statistic: torch.Tensor, root: int, method: str, matrix_dtype: torch.dtype, iterations: int, constants: Any
+) -> torch.Tensor:
+    """``(L + epsilon I)^(-1/root)`` per batch element by ``method`` (``"eigh"``:
+    :func:`inverse_root`; ``"newton"``: :func:`inverse_root_newton`); ``constants``: epsilon and
+    the Newton tolerance (numbers, or a tensor of the two: :func:`float_operands`)."""
+    epsilon, tolerance = constants[0], constants[1]
+    if method == "newton":
+        return inverse_root_newton(statistic, epsilon, root, matrix_dtype, iterations, tolerance)
+    return inverse_root(statistic, epsilon, root, matrix_dtype)
+
+
+@torch.library.custom_op("functional_bagua::shampoo_refresh_roots_", mutates_args=("roots",))
+def refresh_roots_(
+    statistics: list[torch.Tensor],
+    roots: list[torch.Tensor],
+    rows: torch.Tensor,
+    root: int,
+    method: str,
+    matrix_dtype: torch.dtype,
+    iterations: int,
+    constants: torch.Tensor,
+) -> None:
+    """The refresh of a compiled step, in place, for one batch of same-shape blocks: where
+    ``rows``, each root (one per dimension) becomes ``(L + epsilon I)^(-1/root)`` of its
+    statistic (bias-corrected) by ``method`` (:func:`inverse_roots`; ``constants``: epsilon and
+    the Newton tolerance); the other rows keep theirs.
+
+    An operator of its own (``functional_bagua::shampoo_refresh_roots_``), so that a compiled
+    step calls it rather than compiling it: inductor would generate code for both sides of a
+    ``torch.cond`` (with Newton's iteration, every one of its steps, unrolled), and a refresh
+    runs one step in ``precondition_frequency``. Run here, Newton's iteration stops once every
+    matrix has converged (a device sync per step), as eagerly. It reads ``rows`` (on a GPU, a
+    wait for them) and does nothing else in a step without a refresh.
+    """
+    if not bool(rows.any()):
+        return
+    everyone = bool(rows.all())
+    for statistic, old in zip(statistics, roots):
+        new = inverse_roots(statistic, root, method, matrix_dtype, iterations, constants)
+        old.copy_(new if everyone else torch.where(per_row(rows, old), new, old))
+
+
+@refresh_roots_.register_fake
+def _refresh_roots_shapes(*args: Any) -> None:
+    return None
 
 
 def inverse_root(statistic: torch.Tensor, epsilon: Any, root: int, matrix_dtype: torch.dtype) -> torch.Tensor:

@@ -36,9 +36,10 @@ A scalar (0-dim) tensor has no dimension to precondition: it steps as Adam does,
 reference.
 
 Compiled (``torch.compile``, ``make_train_step``) nothing is read from the counts: the tensors of
-one shape step as one batch, each row at its own count, and the decompositions run under
-``torch.cond`` (a first gradient's ``eigh`` only in a step where some row is at its first, a
-refresh only where some row refreshes; rows that do not are kept). Every shape then runs
+one shape step as one batch, each row at its own count, and the decompositions run in an
+operator of their own that the compiled step calls (:func:`decompose_`: a first gradient's
+``eigh`` only in a step where some row is at its first, a refresh only where some row
+refreshes; rows that do not are kept), so inductor generates no code for them. Every shape then runs
 batched, including where :func:`rounding_matters`, so directions that rounding decides may
 differ from an eager run's. Inside :func:`~functional_bagua.fuse` the state of each flat buffer
 is kept per group of equal-shaped tensors, stacked (:func:`fused_state_of`): the graph, and its
@@ -71,7 +72,6 @@ from functional_bagua.transforms.batched_matrices import (
     check_state_type,
     decided_by,
     device_of,
-    flat_operand_cond,
     fused_buffers,
     gather_rows,
     initial_fields,
@@ -268,7 +268,7 @@ def scale_by_soap(
         view)``, ``g`` and ``batch`` each given or a function that makes it; the list is
         emptied as the batches begin), every decomposition of the update
         at once: eagerly one :func:`owner_computes_all` (with ``group=``, one all-gather for the
-        update); traced, each batch's under ``torch.cond``. Per batch, ``u`` and its new state."""
+        update); traced, each batch's in :func:`decompose_`. Per batch, ``u`` and its new state."""
         begun = []
         for k, (g, s, view) in enumerate(calls):
             calls[k] = None  # each batch's stacked gradient and old state, freed once begun
@@ -282,7 +282,7 @@ def scale_by_soap(
         """A batch's step up to its decompositions (:class:`Begun`). ``m`` is kept in the
         eigenbasis (the same numbers: projecting is linear), so each step projects ``g`` once
         and ``u`` back once; a refresh carries ``m`` over to the new eigenbasis. The new state
-        is a new :class:`_Batch` (torch.compile loses attributes set on an older object after a
+        is a new :class:`_Batch` (torch.compile has lost attributes set on an older object after a
         ``torch.cond``)."""
         exact = rounding_matters(view, s.count, precondition_frequency)
         statistics = accumulate(s.statistics, g, exact)
@@ -312,11 +312,11 @@ def scale_by_soap(
             u = project(mu / (nu.sqrt() + eps), s.bases, back=True, scale=correction)
         if first is not None:
             u = torch.where(per_row(first, u), 0.0, u)
-            new_bases, mu, nu = decompose_traced(statistics, s.bases, mu, nu, s.counts, first)
+            new_bases, mu, nu = decomposed_traced(statistics, s.bases, mu, nu, s.counts, first)
             return Begun([], [], lambda found: (u, _Batch(None, counts, mu, nu, statistics, new_bases)))
         if count is None or count % precondition_frequency or not on:
             return Begun([], [], lambda found: (u, _Batch(count, counts, mu, nu, statistics, bases)))
-        m, nu, products = refresh_begun(statistics, bases, mu, nu, exact)
+        m, nu, products = refresh_begun(statistics, bases, mu, nu, matrix_dtype, exact)
 
         def refreshed_bases(found: list) -> tuple:
             new_bases, new_mu = refresh_finished(bases, m, on, found)
@@ -337,82 +337,28 @@ def scale_by_soap(
         factor = torch.sqrt(1 - torch.pow(b2, before)) / (1 - torch.pow(b1, before))
         return factor.to(dtype)
 
-    def refresh_begun(statistics: list, bases: list, mu: torch.Tensor, nu: torch.Tensor, exact: list) -> tuple:
-        """The first half of a refresh of the eigenbases (one power iteration each, module
-        docstring): ``m`` in the parameter's basis (to carry over to the new eigenbases), ``nu``
-        reordered as the bases will be, and per preconditioned dimension ``L_d Q_d``, reordered,
-        whose QR (:func:`orthonormal`) is the new basis."""
-        m = project(mu, bases, back=True)
-        products = []
-        for d, stat in enumerate(statistics):
-            if stat is not None:
-                product, nu = ordered_product(stat, bases[d], nu, d, matrix_dtype, exact[d])
-                products.append(product)
-        return m, nu, products
-
-    def refresh_finished(bases: list, m: torch.Tensor, on: list, found: list) -> tuple:
-        """The second half of a refresh: the new bases (``found``, the QRs' ``Q`` of the
-        dimensions ``on``, in the bases' dtype) and ``m`` carried over to them."""
-        new = placed([q.to(bases[d].dtype).contiguous() for d, q in zip(on, found)], on, bases)
-        return new, project(m, new)
-
-    def refreshed(statistics: list, bases: list, mu: torch.Tensor, nu: torch.Tensor, exact: list) -> tuple:
-        """A refresh computed here (traced, under ``torch.cond``): the new bases, ``mu`` and
-        ``nu``."""
-        on = [d for d, stat in enumerate(statistics) if stat is not None]
-        m, nu, products = refresh_begun(statistics, bases, mu, nu, exact)
-        new, mu = refresh_finished(bases, m, on, [orthonormal(p, exact[d]) for d, p in zip(on, products)])
-        return new, mu, nu
-
-    def decompose_traced(
-        statistics_per_dim: list,
-        bases_per_dim: list,
-        mu: torch.Tensor,
-        nu: torch.Tensor,
-        counts: torch.Tensor,
-        first: torch.Tensor,
+    def decomposed_traced(
+        statistics: list, bases: list, mu: torch.Tensor, nu: torch.Tensor, counts: torch.Tensor, first: torch.Tensor
     ) -> tuple:
-        """The decompositions of a traced step: ``eigh`` for the rows at their first gradient and
-        a power iteration for the rows that refresh, each under ``torch.cond`` (run only where
-        some row needs it; the other rows keep theirs): the new bases, ``mu`` and ``nu``."""
-        on = [d for d, stat in enumerate(statistics_per_dim) if stat is not None]
+        """The decompositions of a traced step (:func:`decompose_`, on copies of the bases):
+        the new bases, ``mu`` and ``nu``."""
+        on = [d for d, stat in enumerate(statistics) if stat is not None]
         if not on:
-            return bases_per_dim, mu, nu
-        dims = len(statistics_per_dim)
-        statistics = tuple(statistics_per_dim[d] for d in on)
-
-        def initialized(statistics: tuple, bases: tuple, first: torch.Tensor) -> tuple:
-            return tuple(
-                torch.where(per_row(first, b), eigenbasis(stat, matrix_dtype, False), b).contiguous()
-                for stat, b in zip(statistics, bases)
-            )
-
-        def kept(*operands: Any) -> tuple:
-            return tuple(t.clone() for t in operands[1])
-
-        bases = flat_operand_cond(
-            first.any(), initialized, kept, (statistics, tuple(bases_per_dim[d] for d in on), first)
+            return bases, mu, nu
+        new = [b.clone() if b is not None else None for b in bases]
+        # mu and nu were computed in this step, so they may be overwritten
+        decompose_(
+            [statistics[d] for d in on],
+            [new[d] for d in on],
+            on,
+            mu,
+            nu,
+            counts,
+            first,
+            precondition_frequency,
+            matrix_dtype,
         )
-        refreshing = ((counts - 1) % precondition_frequency == 0) & ~first
-
-        def unstacked(bases: tuple) -> list:
-            found = iter(bases)
-            return [next(found) if d in on else None for d in range(dims)]
-
-        def refreshed_rows(
-            statistics: tuple, bases: tuple, mu: torch.Tensor, nu: torch.Tensor, rows: torch.Tensor
-        ) -> tuple:
-            new_bases, new_mu, new_nu = refreshed(unstacked(statistics), unstacked(bases), mu, nu, [False] * dims)
-            pick = [(new_bases[d], bases[k]) for k, d in enumerate(on)] + [(new_mu, mu), (new_nu, nu)]
-            return tuple(torch.where(per_row(rows, old), new, old).contiguous() for new, old in pick)
-
-        def kept_all(statistics: tuple, bases: tuple, mu: torch.Tensor, nu: torch.Tensor, rows: torch.Tensor) -> tuple:
-            return tuple(t.clone() for t in (*bases, mu, nu))
-
-        done = flat_operand_cond(
-            refreshing.any(), refreshed_rows, kept_all, (statistics, tuple(bases), mu, nu, refreshing)
-        )
-        return unstacked(tuple(done[: len(on)])), done[-2], done[-1]
+        return new, mu, nu
 
     def accumulate(statistics: list, g: torch.Tensor, exact: list) -> list:
         """Each ``L_d <- lerp(L_d, G_(d) G_(d)^T, 1 - shampoo_beta)`` (``None``: no preconditioner)."""
@@ -713,6 +659,76 @@ def ordered_product(
 def orthonormal(matrices: torch.Tensor, exact: bool) -> torch.Tensor:
     """The ``Q`` of each matrix's QR decomposition (one matrix at a time where ``exact``)."""
     return per_element(lambda m: torch.linalg.qr(m).Q, matrices) if exact else torch.linalg.qr(matrices).Q
+
+
+def refresh_begun(
+    statistics: list, bases: list, mu: torch.Tensor, nu: torch.Tensor, matrix_dtype: Optional[torch.dtype], exact: list
+) -> tuple:
+    """The first half of a refresh of the eigenbases (one power iteration each, module
+    docstring): ``m`` in the parameter's basis (to carry over to the new eigenbases), ``nu``
+    reordered as the bases will be, and per preconditioned dimension ``L_d Q_d``, reordered,
+    whose QR (:func:`orthonormal`) is the new basis."""
+    m = project(mu, bases, back=True)
+    products = []
+    for d, stat in enumerate(statistics):
+        if stat is not None:
+            product, nu = ordered_product(stat, bases[d], nu, d, matrix_dtype, exact[d])
+            products.append(product)
+    return m, nu, products
+
+
+def refresh_finished(bases: list, m: torch.Tensor, on: list, found: list) -> tuple:
+    """The second half of a refresh: the new bases (``found``, the QRs' ``Q`` of the
+    dimensions ``on``, in the bases' dtype) and ``m`` carried over to them."""
+    new = placed([q.to(bases[d].dtype).contiguous() for d, q in zip(on, found)], on, bases)
+    return new, project(m, new)
+
+
+@torch.library.custom_op("functional_bagua::soap_decompose_", mutates_args=("bases", "mu", "nu"))
+def decompose_(
+    statistics: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    on: list[int],
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    counts: torch.Tensor,
+    first: torch.Tensor,
+    frequency: int,
+    matrix_dtype: Optional[torch.dtype],
+) -> None:
+    """The decompositions of a compiled step, in place, for one batch (rows: tensors of one
+    shape; ``statistics`` and ``bases`` those of the preconditioned dimensions ``on``): the rows
+    at their first gradient (``first``) take their statistics' eigenvectors as bases, and the
+    rows whose count (``counts``: gradients so far, this one included) is one past a multiple
+    of ``frequency`` refresh theirs by a power iteration (module docstring), reordering ``nu``
+    and carrying ``mu`` over; the other rows keep theirs.
+
+    An operator of its own (``functional_bagua::soap_decompose_``), so that a compiled step
+    calls it rather than compiling it: inductor would generate code for both sides of each
+    ``torch.cond`` (most of a SOAP step's compile time), and a refresh runs one step in
+    ``frequency``. It reads the two conditions from ``counts`` and ``first`` (on a GPU, a
+    wait for them) and does nothing else in a step that has neither.
+    """
+    if bool(first.any()):
+        for statistic, basis in zip(statistics, bases):
+            basis.copy_(torch.where(per_row(first, basis), eigenbasis(statistic, matrix_dtype, False), basis))
+    rows = ((counts - 1) % frequency == 0) & ~first
+    if not bool(rows.any()):
+        return
+    dims = mu.dim() - 1
+    old = placed(bases, on, [None] * dims)
+    m, new_nu, products = refresh_begun(
+        placed(statistics, on, [None] * dims), old, mu, nu, matrix_dtype, [False] * dims
+    )
+    new, new_mu = refresh_finished(old, m, on, [orthonormal(p, False) for p in products])
+    everyone = bool(rows.all())
+    for target, value in [*((old[d], new[d]) for d in on), (mu, new_mu), (nu, new_nu)]:
+        target.copy_(value if everyone else torch.where(per_row(rows, target), value, target))
+
+
+@decompose_.register_fake
+def _decompose_shapes(*args: Any) -> None:
+    return None
 
 
 def _check_arguments(
