@@ -221,6 +221,20 @@ def test_a_compiled_refresh_that_reads_symbolic_floats():
         torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-14)
 
 
+def test_soap_compiled_with_dynamic_shapes_refreshes_as_eagerly():
+    """Compiled with dynamic=True dynamo made a float of SOAP's refresh symbolic, and the
+    torch.cond its refresh ran under refused it; its decompositions now run in an operator of
+    their own. Full-rank statistics (square gradients), so eager and compiled agree closely."""
+    params, grads = draws({"w": (5, 5), "v": (4, 4)}, steps=6)
+    tx = fb.soap(lr=1e-2, precondition_frequency=2)
+    compiled = torch.compile(tx.update, fullgraph=True, dynamic=True, backend="aot_eager")
+    states = [tx.init(params), tx.init(params)]
+    for g in grads:
+        eager, states[0] = tx.update(g, states[0], params)
+        got, states[1] = compiled(g, states[1], params)
+        torch.testing.assert_close(got, eager, rtol=1e-10, atol=1e-12)
+
+
 def test_psgd_kron_compiled_with_dynamic_shapes_reads_its_constants_as_operands():
     """Compiled with dynamic=True dynamo made the module's probe scale a symbolic float, which
     the fit's torch.cond lifted as a tensor read by .item() (inductor: KeyError
