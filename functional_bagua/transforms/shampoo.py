@@ -530,15 +530,15 @@ def refresh_roots_(
     step calls it rather than compiling it: inductor would generate code for both sides of a
     ``torch.cond`` (with Newton's iteration, every one of its steps, unrolled), and a refresh
     runs one step in ``precondition_frequency``. Run here, Newton's iteration stops once every
-    matrix has converged (a device sync per step), as eagerly. It reads ``rows`` (on a GPU, a
+    matrix has converged (a device sync per step), as eagerly. It reads ``rows`` (on a GPU, one
     wait for them) and does nothing else in a step without a refresh.
     """
-    if not bool(rows.any()):
+    any_row, every_row = torch.stack([rows.any(), rows.all()]).tolist()  # one read
+    if not any_row:
         return
-    everyone = bool(rows.all())
     for statistic, old in zip(statistics, roots):
         new = inverse_roots(statistic, root, method, matrix_dtype, iterations, constants)
-        old.copy_(new if everyone else torch.where(per_row(rows, old), new, old))
+        old.copy_(new if every_row else torch.where(per_row(rows, old), new, old))
 
 
 @refresh_roots_.register_fake

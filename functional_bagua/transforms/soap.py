@@ -706,14 +706,15 @@ def decompose_(
     An operator of its own (``functional_bagua::soap_decompose_``), so that a compiled step
     calls it rather than compiling it: inductor would generate code for both sides of each
     ``torch.cond`` (most of a SOAP step's compile time), and a refresh runs one step in
-    ``frequency``. It reads the two conditions from ``counts`` and ``first`` (on a GPU, a
-    wait for them) and does nothing else in a step that has neither.
+    ``frequency``. It reads the two conditions from ``counts`` and ``first`` at once (on a
+    GPU, one wait for them) and does nothing else in a step that has neither.
     """
-    if bool(first.any()):
+    rows = ((counts - 1) % frequency == 0) & ~first
+    any_first, any_refresh, every_row = torch.stack([first.any(), rows.any(), rows.all()]).tolist()  # one read
+    if any_first:
         for statistic, basis in zip(statistics, bases):
             basis.copy_(torch.where(per_row(first, basis), eigenbasis(statistic, matrix_dtype, False), basis))
-    rows = ((counts - 1) % frequency == 0) & ~first
-    if not bool(rows.any()):
+    if not any_refresh:
         return
     dims = mu.dim() - 1
     old = placed(bases, on, [None] * dims)
@@ -721,9 +722,8 @@ def decompose_(
         placed(statistics, on, [None] * dims), old, mu, nu, matrix_dtype, [False] * dims
     )
     new, new_mu = refresh_finished(old, m, on, [orthonormal(p, False) for p in products])
-    everyone = bool(rows.all())
     for target, value in [*((old[d], new[d]) for d in on), (mu, new_mu), (nu, new_nu)]:
-        target.copy_(value if everyone else torch.where(per_row(rows, target), value, target))
+        target.copy_(value if every_row else torch.where(per_row(rows, target), value, target))
 
 
 @decompose_.register_fake
