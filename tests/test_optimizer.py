@@ -952,6 +952,37 @@ def test_the_factory_form_steps_float32_parameters_as_the_alias_does(alias):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
 
 
+SECOND_ORDER_FACTORIES = [fb.soap, fb.shampoo, fb.psgd_kron]
+
+
+@pytest.mark.parametrize("alias", SECOND_ORDER_FACTORIES, ids=[a.__name__ for a in SECOND_ORDER_FACTORIES])
+def test_a_compiled_step_of_the_factory_form_equals_its_eager_step(alias):
+    """``torch.compile(opt.step)`` from the first step (the state is made inside the compiled
+    call), with a scheduler moving the learning rate. Shampoo's factory form raised there:
+    its factory, built again inside the step, made an ``lru_cache`` and branched on its held
+    betas, and dynamo mistraced the trees after those breaks. Dynamo runs the step as traced
+    (batched counts, the refresh operators) without inductor: the same arithmetic as eagerly
+    up to the order of float64 sums."""
+    gen = seeded(11)
+    values = [torch.randn(4, 4, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64)]
+    grads = [[torch.randn(v.shape, generator=gen, dtype=torch.float64) for v in values] for _ in range(6)]
+    runs = []
+    for compiled in (False, True):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        opt = fb.Optimizer(params, alias, lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for t, g in enumerate(grads):
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            torch.manual_seed(t)  # the same draws for both (PSGD-Kron's probes)
+            step()
+            scheduler.step()
+        runs.append([p.detach() for p in params])
+    for eager, compiled in zip(*runs):
+        torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -42,6 +42,49 @@ def test_update_leaves_its_input_state_and_gradients_unchanged(name):
         state = new_state
 
 
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+def test_a_compiled_fused_update_leaves_its_input_state_unchanged(name):
+    """Compiled, SOAP's and Shampoo's refreshes run in operators that write in place, into copies
+    of the bases and roots the step was given; the state passed in must stay as it was
+    (dynamo alone: the operators run as eagerly, no copies of inductor's to hide a write)."""
+    params, grads = draws({"a": (4, 4), "b": (4, 4), "c": (5,)}, steps=5)
+    layout = fb.FlatLayout.of(params)
+    tx = fb.fuse(TRANSFORMS[name](), layout)
+    update = torch.compile(tx.update, fullgraph=True, backend="eager")
+    flat = layout.flatten(params)
+    state = tx.init(flat)
+    for t, g in enumerate(grads):
+        before = optree.tree_map(lambda x: x.clone(), state)
+        _, new_state = update(layout.flatten(g), state, flat)
+        same = optree.tree_map(torch.equal, state, before)
+        assert all(optree.tree_leaves(same)), t
+        state = new_state
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_a_factory_rebuilt_inside_a_compiled_step_traces_in_one_graph(name):
+    """``inject_hyperparams`` (and ``fb.Optimizer``'s factory form) builds the transform again in
+    every step, from hyperparameters held as tensors that a compiled step reads as data: the
+    factory's checks, its caches and the decisions its state's structure rests on must not read
+    them (each was a break in the graph; under ``fb.Optimizer`` dynamo then mistraced Shampoo's
+    trees and raised). ``fullgraph=True`` raises at any break."""
+    params, grads = draws({"w": (4, 4), "b": (4,)}, steps=3)
+    alias, betas = {
+        "soap": (fb.soap, {"betas": (0.9, 0.95)}),
+        "shampoo": (fb.shampoo, {"betas": (0.9, 0.95)}),
+        "psgd_kron": (fb.psgd_kron, {"b1": 0.9}),
+    }[name]
+    tx = fb.inject_hyperparams(alias)(lr=1e-2, **betas)
+    compiled = torch.compile(tx.update, fullgraph=True, backend="eager")
+    states = [tx.init(params), tx.init(params)]
+    for step, g in enumerate(grads):
+        torch.manual_seed(step)  # PSGD-Kron's probes
+        eager, states[0] = tx.update(g, states[0], params)
+        torch.manual_seed(step)
+        got, states[1] = compiled(g, states[1], params)
+        torch.testing.assert_close(got, eager, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_tensors_of_other_shapes_sharing_a_view_and_empty_tensors_keep_their_shapes(name):
     params = {"one": torch.ones(1), "scalar": torch.ones(()), "empty": torch.zeros(0, 3), "w": torch.ones(3, 2)}

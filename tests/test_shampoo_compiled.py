@@ -130,7 +130,7 @@ def test_a_compiled_update_equals_the_eager_one_also_with_a_late_first_gradient(
 
 def test_a_compiled_update_with_newton_roots_runs_the_iteration_as_the_eager_one():
     """A loose Newton tolerance makes its roots differ from eigh's: the compiled refresh must
-    run the same iteration (and stop where the eager one stops)."""
+    run Newton's iteration, as the eager one does."""
     params, grads = draws({"a": (5, 5), "b": (5, 5), "tall": (6, 3)}, steps=5)
     options = dict(lr=0.1, epsilon=1e-3, precondition_frequency=2, newton_tolerance=1e-2, newton_iterations=8)
     tx = fb.shampoo(root_method="newton", **options)

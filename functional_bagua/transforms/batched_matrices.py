@@ -16,6 +16,7 @@ import torch.distributed as dist
 from functional_bagua import layout_context, tree
 from functional_bagua.checks import check_param
 from functional_bagua.flat import Rows
+from functional_bagua.hyperparams import checkable
 
 _T = TypeVar("_T")
 
@@ -51,17 +52,66 @@ def refuse_group_under_compile(name: str, group: Any, shared: str) -> None:
         )
 
 
+def check_number(who: str, name: str, value: Any, ok: Callable[[float], bool], requirement: str) -> None:
+    """Raise ``ValueError("{who}: {name} must be {requirement}, got {value}")`` unless ``ok`` holds
+    for ``value``: a number, or a 0-dim tensor not validated yet
+    (:func:`~functional_bagua.hyperparams.checkable`). Tensors validated already are not read:
+    inside a traced step a comparison with one would break the graph, and where a factory is
+    rebuilt at each update (``fb.Optimizer(params, fb.shampoo, lr=...)``) it would read the
+    device each time.
+
+    Args:
+        who: the transform named in the message.
+        name: the argument's name.
+        value: its value.
+        ok: whether a number is allowed.
+        requirement: what is allowed, for the message ("in [0, 1)").
+    """
+    number = checkable(value)
+    if number is not None and not ok(number):
+        raise ValueError(f"{who}: {name} must be {requirement}, got {value}")
+
+
+def number_now(value: Any) -> Optional[float]:
+    """``value`` as a Python number where reading it waits for no device: a number as it is, and
+    eagerly a one-element CPU tensor (``fb.Optimizer``'s factory form holds its hyperparameters
+    so on the CPU); ``None`` while traced and for a tensor on a device, which the step then
+    reads as data (a matmul's ``beta`` and ``alpha`` would read it back to the host).
+
+    Args:
+        value: a hyperparameter: a number or a tensor.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    ):
+        return value.item()
+    return None
+
+
 def cached_eagerly(fn: Callable[[tuple], _T]) -> Callable[[tuple], _T]:
     """``fn`` of a shape, cached when called eagerly and computed afresh while traced (dynamo
-    traces through an ``lru_cache`` and warns about it).
+    traces through an ``lru_cache`` and warns about it). The cache is a plain dict: a transform
+    may be built inside a traced step (a factory rebuilt with new hyperparameters), where dynamo
+    cannot make an ``lru_cache`` (it breaks the graph there, and torch 2.13 then mistraces the
+    trees the step flattens).
 
     Args:
         fn: a function of one hashable argument (a shape), whose result depends on nothing else.
     """
-    known = functools.lru_cache(maxsize=None)(fn)
+    known: dict = {}
 
     def shaped(shape: tuple) -> _T:
-        return fn(tuple(shape)) if torch.compiler.is_compiling() else known(tuple(shape))
+        shape = tuple(shape)
+        if torch.compiler.is_compiling():
+            return fn(shape)
+        if shape not in known:
+            known[shape] = fn(shape)
+        return known[shape]
 
     return shaped
 
@@ -228,10 +278,11 @@ def flat_operand_cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable
 
 def float_operands(like: torch.Tensor, *values: Any) -> torch.Tensor:
     """``values`` (floats) as a float64 vector on ``like``'s device, to hand the floats that a
-    ``torch.cond`` branch reads to it as an operand: dynamo makes a closure's float symbolic
-    (compiled with ``dynamic=True``, or one code object recompiled for another value), which
-    ``torch.cond`` cannot take in (it lifts what a branch reads: tensors and ints only). Each element, a 0-dim tensor, enters arithmetic as the number would: a 0-dim tensor
-    does not widen another tensor's dtype.
+    ``torch.cond`` branch or an operator of the library reads to it as an operand: dynamo makes
+    a closure's float symbolic (compiled with ``dynamic=True``, or one code object recompiled
+    for another value), which ``torch.cond`` cannot take in (it lifts what a branch reads:
+    tensors and ints only). Each element, a 0-dim tensor, enters arithmetic as the number
+    would: a 0-dim tensor does not widen another tensor's dtype.
 
     Example::
 

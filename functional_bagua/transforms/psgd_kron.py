@@ -50,11 +50,13 @@ import torch
 from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.compiling import own_code
+from functional_bagua.hyperparams import checkable
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.numerics import read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     Owners,
     cached_eagerly,
+    check_number,
     check_state_type,
     decided_by,
     device_of,
@@ -188,10 +190,8 @@ def scale_by_psgd_kron(
     """
     if memory_save_mode not in MEMORY_SAVE_MODES:
         raise ValueError(f"{NAME}: memory_save_mode must be one of {MEMORY_SAVE_MODES}, got {memory_save_mode!r}")
-    if not 0.0 <= b1 < 1.0:
-        raise ValueError(f"{NAME}: b1 must be in [0, 1), got {b1}")
-    if not precond_lr > 0.0:
-        raise ValueError(f"{NAME}: precond_lr must be > 0, got {precond_lr}")
+    check_number(NAME, "b1", b1, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    check_number(NAME, "precond_lr", precond_lr, lambda v: v > 0.0, "> 0")
     for name, count in (("max_size_triangular", max_size_triangular), ("balance_every", balance_every)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{NAME}: {name} must be an int >= 1, got {count!r}")
@@ -199,11 +199,11 @@ def scale_by_psgd_kron(
         raise ValueError(
             f"{NAME}: precond_dtype must be torch.float32 or torch.float64 (its triangular solves), got {precond_dtype!r}"
         )
-    if not precond_init_scale > 0.0:
-        raise ValueError(f"{NAME}: precond_init_scale must be > 0, got {precond_init_scale}")
+    check_number(NAME, "precond_init_scale", precond_init_scale, lambda v: v > 0.0, "> 0")
     if isinstance(min_ndim_triangular, bool) or not isinstance(min_ndim_triangular, int) or min_ndim_triangular < 0:
         raise ValueError(f"{NAME}: min_ndim_triangular must be an int >= 0, got {min_ndim_triangular!r}")
-    if not 0.0 < min_prob <= max_prob <= 1.0:
+    low, high = checkable(min_prob), checkable(max_prob)  # None: validated already (check_number)
+    if low is not None and high is not None and not 0.0 < low <= high <= 1.0:
         raise ValueError(f"{NAME}: need 0 < min_prob <= max_prob <= 1, got {min_prob} and {max_prob}")
 
     owners = Owners(group, NAME, "fitted factors")  # who computes which rows (group=), per update

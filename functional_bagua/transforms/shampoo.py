@@ -57,20 +57,21 @@ from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.compiling import own_code
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import read_counts, zero_count
+from functional_bagua.numerics import is_number, read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     Owners,
     at_least_float32,
     cached_eagerly,
+    check_number,
     check_state_type,
     decided_by,
     device_of,
-    flat_operand_cond,
     float_operands,
     fused_buffers,
     gather_rows,
     initial_fields,
     merge_small_dims,
+    number_now,
     one_minus_power,
     own_storage,
     owner_computes_all,
@@ -196,7 +197,10 @@ def scale_by_shampoo(
     def block_shapes(shape: tuple) -> list[tuple]:
         return [tuple(piece.stop - piece.start for piece in s) for s in cut(shape)]  # blocks_of's slices
 
-    moments_kept = (b1 > 0, grafting in SECOND_MOMENTS)  # M and V, else empty placeholders
+    # M and V, else empty placeholders; a b1 given as a tensor (the factory form's, which may hold
+    # 0) keeps M: the state's structure does not depend on a value the step reads as data, and with
+    # b1 = 0 the kept M is the gradient itself, the same numbers as without it
+    moments_kept = (not is_number(b1) or b1 > 0, grafting in SECOND_MOMENTS)
 
     def zero_state(like: torch.Tensor, shape: tuple, rows: tuple = ()) -> tuple:
         """The zero state of one block of ``shape`` (``rows``: a batch's leading dimensions):
@@ -398,7 +402,7 @@ def scale_by_shampoo(
         for n, (statistics, _, t) in enumerate(requests):
             if not statistics or t % precondition_frequency:
                 continue
-            correction = one_minus_power(b2, t, statistics[0]) if use_bias_correction and b2 < 1 else 1.0
+            correction = statistics_correction(t, statistics[0])
             for d, stat in enumerate(statistics):
                 fns.append(functools.partial(inverse_root_of, root=2 * len(statistics)))
                 batches.append(stat / correction)
@@ -414,7 +418,7 @@ def scale_by_shampoo(
         ``precondition_frequency``; the others keep theirs)."""
         if not statistics:
             return roots
-        correction = one_minus_power(b2, t, statistics[0]) if use_bias_correction and b2 < 1 else 1.0
+        correction = statistics_correction(t, statistics[0])
         new = [r.clone() for r in roots]
         # epsilon and the tolerance as a tensor: dynamo may make a float symbolic (dynamic=True)
         constants = float_operands(statistics[0], epsilon, newton_tolerance)
@@ -428,9 +432,22 @@ def scale_by_shampoo(
     def accumulate(statistic: torch.Tensor, g: torch.Tensor, d: int) -> torch.Tensor:
         """``L_d`` with this step's ``G_(d) G_(d)^T`` (module docstring), per batch element."""
         rows = g.movedim(d + 1, 1).reshape(g.shape[0], g.shape[d + 1], -1)
-        if b2 == 1.0:
+        beta = number_now(b2)
+        if beta is None:  # a b2 held as a tensor, read as data (traced, or on a GPU): 1 sums
+            held = torch.as_tensor(b2)
+            return statistic * held + (rows @ rows.mT) * torch.where(held == 1, 1.0, 1 - held)
+        if beta == 1.0:
             return torch.baddbmm(statistic, rows, rows.mT)
-        return torch.baddbmm(statistic, rows, rows.mT, beta=b2, alpha=1 - b2)
+        return torch.baddbmm(statistic, rows, rows.mT, beta=beta, alpha=1 - beta)
+
+    def statistics_correction(t: Any, like: torch.Tensor) -> Any:
+        """The statistics' bias correction ``1 - b2^t`` at count ``t`` (:func:`one_minus_power`);
+        1 without ``use_bias_correction`` and where ``b2 = 1`` (the statistics are sums)."""
+        if not use_bias_correction:
+            return 1.0
+        if is_number(b2):
+            return one_minus_power(b2, t, like) if b2 < 1 else 1.0
+        return torch.where(b2 < 1, one_minus_power(b2, t, like), 1.0)  # held: read as data
 
     def graft_direction(m_hat: torch.Tensor, v: Optional[torch.Tensor], t: Any) -> torch.Tensor:
         """The grafted method's direction ``A`` (module docstring)."""
@@ -510,7 +527,10 @@ def inverse_roots(
     return inverse_root(statistic, epsilon, root, matrix_dtype)
 
 
-@torch.library.custom_op("functional_bagua::shampoo_refresh_roots_", mutates_args=("roots",))
+# a CUDA graph cannot hold it: it reads its rows (and Newton's convergence) back to the host
+@torch.library.custom_op(
+    "functional_bagua::shampoo_refresh_roots_", mutates_args=("roots",), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def refresh_roots_(
     statistics: list[torch.Tensor],
     roots: list[torch.Tensor],
@@ -575,20 +595,20 @@ def inverse_root_newton(
 
     ``X_k -> A^(-1/root)`` as ``M_k -> I``; each matrix stops where ``max |M_k - I| <= tolerance``.
     One that has not after ``iterations`` steps (a statistic too far from full rank for
-    ``epsilon``, or one that is not finite) takes :func:`inverse_root`'s, from ``eigh``: eagerly
-    only for those matrices, traced under ``torch.cond`` only in a step where some has not
-    converged. The result is symmetrized, as the root of a symmetric matrix is. A ``tolerance``
-    below what ``matrix_dtype`` resolves (or float32 products in TF32) leaves every matrix to
-    ``eigh`` after ``iterations`` wasted steps; unlike :func:`inverse_root`, negative eigenvalues
-    of ``L`` (rounding) are not clamped to 0 first. Eagerly each step reads whether all have
-    converged (a device sync).
+    ``epsilon``, or one that is not finite) takes :func:`inverse_root`'s, from ``eigh`` (for
+    those matrices only). The result is symmetrized, as the root of a symmetric matrix is. A
+    ``tolerance`` below what ``matrix_dtype`` resolves (or float32 products in TF32) leaves every
+    matrix to ``eigh`` after ``iterations`` wasted steps; unlike :func:`inverse_root`, negative
+    eigenvalues of ``L`` (rounding) are not clamped to 0 first. Each step reads whether all have
+    converged (a device sync), so it runs eagerly (a compiled step calls it in
+    :func:`refresh_roots_`).
 
     Args:
         statistic: a batch of symmetric positive semi-definite matrices.
         epsilon: added to the diagonal.
         root: the root (``2k`` for a tensor of ``k`` dimensions).
         matrix_dtype: the precision of the iteration.
-        iterations: the most steps (all of them, when traced).
+        iterations: the most steps.
         tolerance: the largest ``|M_k - I|`` entry of a converged matrix.
 
     Example::
@@ -603,9 +623,8 @@ def inverse_root_newton(
     x = z.pow(1.0 / root)[:, None, None] * eye
     m = z[:, None, None] * a
     converged = (m - eye).abs().amax(dim=(-2, -1)) <= tolerance
-    traced = torch.compiler.is_compiling()
     for _ in range(iterations):
-        if not traced and bool(converged.all()):
+        if bool(converged.all()):
             break
         t = ((root + 1) * eye - m) / root
         stay = converged[:, None, None]
@@ -613,16 +632,6 @@ def inverse_root_newton(
         m = torch.where(stay, m, torch.linalg.matrix_power(t, root) @ m)
         converged = (m - eye).abs().amax(dim=(-2, -1)) <= tolerance
     x = (x + x.mT) / 2
-    if traced:
-        eps = epsilon if isinstance(epsilon, torch.Tensor) else float_operands(statistic, epsilon)[0]
-        return flat_operand_cond(
-            converged.all(),
-            lambda stat, newton, done, eps: newton.clone(),
-            lambda stat, newton, done, eps: torch.where(
-                done[:, None, None], newton, inverse_root(stat, eps, root, matrix_dtype)
-            ),
-            (statistic, x, converged, eps),
-        )
     if bool(converged.all()):
         return x
     left = (~converged).nonzero().squeeze(-1)
@@ -689,8 +698,7 @@ def _check_root_method(root_method: str, newton_iterations: int, newton_toleranc
         raise ValueError(f"{NAME}: root_method must be one of {ROOT_METHODS}, got {root_method!r}")
     if isinstance(newton_iterations, bool) or not isinstance(newton_iterations, int) or newton_iterations < 1:
         raise ValueError(f"{NAME}: newton_iterations must be an int >= 1, got {newton_iterations!r}")
-    if not newton_tolerance > 0.0 or not math.isfinite(newton_tolerance):
-        raise ValueError(f"{NAME}: newton_tolerance must be > 0, got {newton_tolerance!r}")
+    check_number(NAME, "newton_tolerance", newton_tolerance, lambda v: 0.0 < v < math.inf, "> 0")
 
 
 def _check_arguments(
@@ -704,14 +712,10 @@ def _check_arguments(
     grafting_beta2: float,
     matrix_dtype: torch.dtype,
 ) -> None:
-    if not 0.0 <= b1 < 1.0:
-        raise ValueError(f"{NAME}: b1 must be in [0, 1), got {b1}")
-    if not 0.0 < b2 <= 1.0:
-        raise ValueError(f"{NAME}: b2 must be in (0, 1], got {b2}")
-    if not 0.0 <= grafting_beta2 < 1.0:
-        raise ValueError(f"{NAME}: grafting_beta2 must be in [0, 1), got {grafting_beta2}")
-    if not epsilon > 0.0 or not math.isfinite(epsilon):
-        raise ValueError(f"{NAME}: epsilon must be > 0 (it keeps the inverse roots finite), got {epsilon}")
+    check_number(NAME, "b1", b1, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    check_number(NAME, "b2", b2, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+    check_number(NAME, "grafting_beta2", grafting_beta2, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    check_number(NAME, "epsilon", epsilon, lambda v: 0.0 < v < math.inf, "> 0 (it keeps the inverse roots finite)")
     for name, count in (
         ("max_preconditioner_dim", max_preconditioner_dim),
         ("precondition_frequency", precondition_frequency),

@@ -69,6 +69,7 @@ from functional_bagua.transforms.batched_matrices import (
     Owners,
     at_least_float32,
     cached_eagerly,
+    check_number,
     check_state_type,
     decided_by,
     device_of,
@@ -76,6 +77,7 @@ from functional_bagua.transforms.batched_matrices import (
     gather_rows,
     initial_fields,
     merge_small_dims,
+    number_now,
     own_storage,
     owner_computes_all,
     per_element,
@@ -619,7 +621,10 @@ def accumulated(statistic: torch.Tensor, g: torch.Tensor, d: int, beta: float, e
     rows = g.movedim(d + 1, 1).reshape(g.shape[0], g.shape[d + 1], -1)
     if exact:
         return torch.lerp(statistic, per_element(torch.matmul, rows, rows.mT), 1 - beta)
-    return torch.baddbmm(statistic, rows, rows.mT, beta=beta, alpha=1 - beta)
+    number = number_now(beta)
+    if number is None:  # held as a tensor and read as data (traced, or on a GPU)
+        return statistic * beta + (rows @ rows.mT) * (1 - beta)
+    return torch.baddbmm(statistic, rows, rows.mT, beta=number, alpha=1 - number)
 
 
 def eigenbasis(statistic: torch.Tensor, matrix_dtype: Optional[torch.dtype], exact: bool) -> torch.Tensor:
@@ -684,7 +689,10 @@ def refresh_finished(bases: list, m: torch.Tensor, on: list, found: list) -> tup
     return new, project(m, new)
 
 
-@torch.library.custom_op("functional_bagua::soap_decompose_", mutates_args=("bases", "mu", "nu"))
+# a CUDA graph cannot hold it: it reads its conditions back to the host (inductor runs it between graphs)
+@torch.library.custom_op(
+    "functional_bagua::soap_decompose_", mutates_args=("bases", "mu", "nu"), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def decompose_(
     statistics: list[torch.Tensor],
     bases: list[torch.Tensor],
@@ -741,10 +749,8 @@ def _check_arguments(
     matrix_dtype: Optional[torch.dtype],
 ) -> None:
     for name, value in (("b1", b1), ("b2", b2), ("shampoo_beta", shampoo_beta)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{NAME}: {name} must be in [0, 1), got {value}")
-    if not eps >= 0.0:
-        raise ValueError(f"{NAME}: eps must be >= 0, got {eps}")
+        check_number(NAME, name, value, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    check_number(NAME, "eps", eps, lambda v: v >= 0.0, ">= 0")
     for name, count in (
         ("precondition_frequency", precondition_frequency),
         ("max_precondition_dim", max_precondition_dim),
