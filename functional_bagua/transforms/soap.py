@@ -348,17 +348,12 @@ def scale_by_soap(
         if not on:
             return bases, mu, nu
         new = [b.clone() if b is not None else None for b in bases]
+        refreshing = ((counts - 1) % precondition_frequency == 0) & ~first
+        # computed in the graph, read by the operator at once
+        decisions = torch.stack([first.any(), refreshing.any(), refreshing.all()])
         # mu and nu were computed in this step, so they may be overwritten
         decompose_(
-            [statistics[d] for d in on],
-            [new[d] for d in on],
-            on,
-            mu,
-            nu,
-            counts,
-            first,
-            precondition_frequency,
-            matrix_dtype,
+            [statistics[d] for d in on], [new[d] for d in on], on, mu, nu, first, refreshing, decisions, matrix_dtype
         )
         return new, mu, nu
 
@@ -699,26 +694,25 @@ def decompose_(
     on: list[int],
     mu: torch.Tensor,
     nu: torch.Tensor,
-    counts: torch.Tensor,
     first: torch.Tensor,
-    frequency: int,
+    rows: torch.Tensor,
+    decisions: torch.Tensor,
     matrix_dtype: Optional[torch.dtype],
 ) -> None:
     """The decompositions of a compiled step, in place, for one batch (rows: tensors of one
     shape; ``statistics`` and ``bases`` those of the preconditioned dimensions ``on``): the rows
     at their first gradient (``first``) take their statistics' eigenvectors as bases, and the
-    rows whose count (``counts``: gradients so far, this one included) is one past a multiple
-    of ``frequency`` refresh theirs by a power iteration (module docstring), reordering ``nu``
-    and carrying ``mu`` over; the other rows keep theirs.
+    rows that refresh (``rows``) theirs by a power iteration (module docstring), reordering
+    ``nu`` and carrying ``mu`` over; the other rows keep theirs. ``decisions``: whether any row
+    is at its first gradient, whether any refreshes and whether all do (3 bools).
 
     An operator of its own (``functional_bagua::soap_decompose_``), so that a compiled step
     calls it rather than compiling it: inductor would generate code for both sides of each
     ``torch.cond`` (most of a SOAP step's compile time), and a refresh runs one step in
-    ``frequency``. It reads the two conditions from ``counts`` and ``first`` at once (on a
-    GPU, one wait for them) and does nothing else in a step that has neither.
+    ``precondition_frequency``. It reads ``decisions`` (on a GPU, one wait for them) and does
+    nothing else in a step that neither initializes nor refreshes.
     """
-    rows = ((counts - 1) % frequency == 0) & ~first
-    any_first, any_refresh, every_row = torch.stack([first.any(), rows.any(), rows.all()]).tolist()  # one read
+    any_first, any_refresh, every_row = decisions.tolist()
     if any_first:
         for statistic, basis in zip(statistics, bases):
             basis.copy_(torch.where(per_row(first, basis), eigenbasis(statistic, matrix_dtype, False), basis))
