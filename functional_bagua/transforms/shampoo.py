@@ -423,9 +423,18 @@ def scale_by_shampoo(
         # epsilon and the tolerance as a tensor: dynamo may make a float symbolic (dynamic=True)
         constants = float_operands(statistics[0], epsilon, newton_tolerance)
         refreshing = t % precondition_frequency == 0
-        scaled = [stat / correction for stat in statistics]
+        # divided by the correction in the operator: only in a step that refreshes
+        divisor = correction if isinstance(correction, torch.Tensor) else None  # else 1
         refresh_roots_(
-            scaled, new, refreshing, 2 * len(statistics), root_method, matrix_dtype, newton_iterations, constants
+            statistics,
+            new,
+            refreshing,
+            divisor,
+            2 * len(statistics),
+            root_method,
+            matrix_dtype,
+            newton_iterations,
+            constants,
         )
         return new
 
@@ -535,6 +544,7 @@ def refresh_roots_(
     statistics: list[torch.Tensor],
     roots: list[torch.Tensor],
     rows: torch.Tensor,
+    correction: Optional[torch.Tensor],
     root: int,
     method: str,
     matrix_dtype: torch.dtype,
@@ -543,8 +553,9 @@ def refresh_roots_(
 ) -> None:
     """The refresh of a compiled step, in place, for one batch of same-shape blocks: where
     ``rows``, each root (one per dimension) becomes ``(L + epsilon I)^(-1/root)`` of its
-    statistic (bias-corrected) by ``method`` (:func:`inverse_roots`; ``constants``: epsilon and
-    the Newton tolerance); the other rows keep theirs.
+    statistic divided by ``correction`` (the bias correction per row; ``None``: none) by
+    ``method`` (:func:`inverse_roots`; ``constants``: epsilon and the Newton tolerance); the
+    other rows keep theirs.
 
     An operator of its own (``functional_bagua::shampoo_refresh_roots_``), so that a compiled
     step calls it rather than compiling it: inductor would generate code for both sides of a
@@ -557,7 +568,8 @@ def refresh_roots_(
     if not any_row:
         return
     for statistic, old in zip(statistics, roots):
-        new = inverse_roots(statistic, root, method, matrix_dtype, iterations, constants)
+        scaled = statistic if correction is None else statistic / correction
+        new = inverse_roots(scaled, root, method, matrix_dtype, iterations, constants)
         old.copy_(new if every_row else torch.where(per_row(rows, old), new, old))
 
 
