@@ -17,14 +17,14 @@ Everything returns a :class:`~functional_bagua.GradientTransformation`::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union, cast
+from typing import Any, Optional, Sequence, Union, cast
 
 import optree
 import torch
 
 from functional_bagua import kernels, tree
 from functional_bagua.base import GradientTransformation, OptState, chain, check_params
-from functional_bagua.hyperparams import accepts_schedules, checkable
+from functional_bagua.hyperparams import accepts_schedules, check_hyperparameter, checkable
 from functional_bagua.layout_context import tensor_shapes
 from functional_bagua.numerics import eager_number, is_number, read_counts
 from functional_bagua.transforms.adam import (
@@ -83,13 +83,7 @@ def _known(*values: object) -> bool:
     return all(is_number(v) for v in values)
 
 
-def _check(value: object, ok: Callable[[float], bool], message: str) -> None:
-    """Raise ``message.format(value)`` unless ``ok(value)``, for a value that can be checked now
-    (:func:`~functional_bagua.hyperparams.checkable`). The message is formatted only on failure:
-    inside a traced step a value may be symbolic, and formatting it would break the trace."""
-    number = checkable(value)
-    if number is not None and not ok(number):
-        raise ValueError(message.format(value))
+_check = check_hyperparameter  # the aliases' messages are torch.optim's
 
 
 def _check_lr(lr: ScalarOrSchedule) -> None:

@@ -76,6 +76,23 @@ def checkable(value: object) -> Optional[float]:
     return None
 
 
+def check_hyperparameter(value: object, ok: Callable[[float], bool], message: str) -> None:
+    """Raise ``ValueError(message.format(value))`` unless ``ok`` holds for ``value``, where it can
+    be checked now (:func:`checkable`: a number, or a one-element tensor not validated yet; a
+    tensor validated already is not read, so a factory rebuilt inside a traced step does not
+    break its graph). The message is formatted only on failure: inside a traced step a value may
+    be symbolic, and formatting it would break the trace.
+
+    Args:
+        value: a hyperparameter as a factory receives it.
+        ok: whether a number is allowed.
+        message: the error's text, with ``{}`` where the value goes.
+    """
+    number = checkable(value)
+    if number is not None and not ok(number):
+        raise ValueError(message.format(value))
+
+
 def hyperparams_are_checked() -> bool:
     """Whether the tensor hyperparameters a factory receives now were validated already: inside
     a traced step (where they cannot be read), and while :func:`inject_hyperparams` rebuilds its

@@ -164,6 +164,29 @@ def filled_like(p: torch.Tensor, value: Union[float, complex, torch.Tensor]) -> 
     return torch.full_like(p, value) if is_number(value) else torch.zeros_like(p).add_(value)
 
 
+def number_now(value: Any) -> Optional[float]:
+    """``value`` as a Python number where reading it waits for no device: a number as it is, and
+    eagerly a one-element CPU tensor (``fb.Optimizer``'s factory form holds its hyperparameters
+    so on the CPU); ``None`` while traced and for a tensor on a device, which the step then
+    reads as data (a matmul's ``beta`` and ``alpha`` would read it back to the host). Unlike
+    :func:`eager_number` it is not rounded to any dtype first: for an op that takes the number
+    itself, as the alias built with it gives it.
+
+    Args:
+        value: a hyperparameter: a number or a tensor.
+    """
+    if is_number(value):
+        return value
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    ):
+        return value.item()
+    return None
+
+
 def eager_number(x: Any, like: Any) -> Optional[float]:
     """A 0-dim CPU hyperparameter ``x`` (``fb.Optimizer``'s factory form and ``inject_hyperparams``
     hold them so) as a Python number when running eagerly beside float32 or float64 CPU tensors

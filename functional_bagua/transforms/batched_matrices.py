@@ -16,7 +16,7 @@ import torch.distributed as dist
 from functional_bagua import layout_context, tree
 from functional_bagua.checks import check_param
 from functional_bagua.flat import Rows
-from functional_bagua.hyperparams import checkable
+from functional_bagua.hyperparams import check_hyperparameter
 
 _T = TypeVar("_T")
 
@@ -54,11 +54,9 @@ def refuse_group_under_compile(name: str, group: Any, shared: str) -> None:
 
 def check_number(who: str, name: str, value: Any, ok: Callable[[float], bool], requirement: str) -> None:
     """Raise ``ValueError("{who}: {name} must be {requirement}, got {value}")`` unless ``ok`` holds
-    for ``value``: a number, or a 0-dim tensor not validated yet
-    (:func:`~functional_bagua.hyperparams.checkable`). Tensors validated already are not read:
-    inside a traced step a comparison with one would break the graph, and where a factory is
-    rebuilt at each update (``fb.Optimizer(params, fb.shampoo, lr=...)``) it would read the
-    device each time.
+    for ``value`` (:func:`~functional_bagua.hyperparams.check_hyperparameter`: a tensor validated
+    already is not read, as inside a traced step or where a factory is rebuilt at each update,
+    ``fb.Optimizer(params, fb.shampoo, lr=...)``).
 
     Args:
         who: the transform named in the message.
@@ -67,30 +65,7 @@ def check_number(who: str, name: str, value: Any, ok: Callable[[float], bool], r
         ok: whether a number is allowed.
         requirement: what is allowed, for the message ("in [0, 1)").
     """
-    number = checkable(value)
-    if number is not None and not ok(number):
-        raise ValueError(f"{who}: {name} must be {requirement}, got {value}")
-
-
-def number_now(value: Any) -> Optional[float]:
-    """``value`` as a Python number where reading it waits for no device: a number as it is, and
-    eagerly a one-element CPU tensor (``fb.Optimizer``'s factory form holds its hyperparameters
-    so on the CPU); ``None`` while traced and for a tensor on a device, which the step then
-    reads as data (a matmul's ``beta`` and ``alpha`` would read it back to the host).
-
-    Args:
-        value: a hyperparameter: a number or a tensor.
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    if (
-        isinstance(value, torch.Tensor)
-        and value.numel() == 1
-        and value.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    ):
-        return value.item()
-    return None
+    check_hyperparameter(value, ok, f"{who}: {name} must be {requirement}, got {{}}")
 
 
 def cached_eagerly(fn: Callable[[tuple], _T]) -> Callable[[tuple], _T]:

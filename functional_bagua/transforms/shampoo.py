@@ -57,7 +57,7 @@ from functional_bagua import layout_context, tree
 from functional_bagua.base import GradientTransformation
 from functional_bagua.compiling import own_code
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import is_number, read_counts, zero_count
+from functional_bagua.numerics import is_number, number_now, read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     Owners,
     at_least_float32,
@@ -71,7 +71,6 @@ from functional_bagua.transforms.batched_matrices import (
     gather_rows,
     initial_fields,
     merge_small_dims,
-    number_now,
     one_minus_power,
     own_storage,
     owner_computes_all,

@@ -64,7 +64,7 @@ from functional_bagua.base import GradientTransformation
 from functional_bagua.compiling import own_code
 from functional_bagua.flat import Rows
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import read_counts, zero_count
+from functional_bagua.numerics import number_now, read_counts, zero_count
 from functional_bagua.transforms.batched_matrices import (
     Owners,
     at_least_float32,
@@ -77,7 +77,6 @@ from functional_bagua.transforms.batched_matrices import (
     gather_rows,
     initial_fields,
     merge_small_dims,
-    number_now,
     own_storage,
     owner_computes_all,
     per_element,
