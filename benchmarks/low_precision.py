@@ -11,9 +11,12 @@ the parameters are updated in place), measured with the allocator (CUDA:
 torch's profiler), beside the bytes the state's tensors count, per parameter, and on CUDA the
 most the step held at once beyond what was there before it (the decoded state and temporaries).
 
-**Step time**: ``fb.Optimizer.step`` (eager) and the pure update over flat buffers (``fb.fuse``: one buffer per dtype, 8 bits coded per block of it) under
-``torch.compile`` (inductor), each against the same path with float32 state (AdamW), medians of
-``--steps`` calls with their range.
+**Step time**: ``fb.Optimizer.step`` (eager; its codecs by compiled kernels, the default, and
+op by op, ``compile_codecs=False``) and the pure update over flat buffers (``fb.fuse``: one
+buffer per dtype, 8 bits coded per block of it) under ``torch.compile`` (inductor), each against
+float32 state (AdamW) on the same path (the eager ones against ``fb.Optimizer``'s), medians of
+``--steps`` calls with their range; the first call's seconds where it compiles (the eager
+step's: its codecs' kernels, on an inductor cache that earlier compiles may have filled).
 
 **Training**: the language model of ``second_order_lm.py``
 (same data, weights and batches) for ``--lm-steps`` steps with each state; the smoothed final
@@ -41,11 +44,17 @@ CONFIGS = {  # name: (description, shapes)
     "many": ("200 matrices of 64 x 128, 1.64M values", [(64, 128)] * 200),
     "large": ("8 matrices of 1024 x 1024 and 8 of 1024, 8.40M values", [(1024, 1024)] * 8 + [(1024,)] * 8),
 }
-STATES = {
-    "float32": lambda: fb.adamw(1e-3, weight_decay=0.01),
-    "bf16": lambda: fb.low_precision_state(fb.adamw(1e-3, weight_decay=0.01), "bf16"),
-    "8bit": lambda: fb.low_precision_state(fb.adamw(1e-3, weight_decay=0.01), "8bit"),
-    "bf16+8bit": lambda: fb.low_precision_state(fb.adamw(1e-3, weight_decay=0.01), "bf16+8bit"),
+STATES = {  # name: the transform (compile_codecs: low_precision_state's option)
+    "float32": lambda compile_codecs=True: fb.adamw(1e-3, weight_decay=0.01),
+    "bf16": lambda compile_codecs=True: fb.low_precision_state(
+        fb.adamw(1e-3, weight_decay=0.01), "bf16", compile_codecs=compile_codecs
+    ),
+    "8bit": lambda compile_codecs=True: fb.low_precision_state(
+        fb.adamw(1e-3, weight_decay=0.01), "8bit", compile_codecs=compile_codecs
+    ),
+    "bf16+8bit": lambda compile_codecs=True: fb.low_precision_state(
+        fb.adamw(1e-3, weight_decay=0.01), "bf16+8bit", compile_codecs=compile_codecs
+    ),
 }
 
 
@@ -131,7 +140,13 @@ def timing_rows(config: str, device: str, steps: int) -> list[dict]:
     for name, make in STATES.items():
         params = problem(config, device)
         opt = fb.Optimizer(params, make())
+        eager_first = first_call_s(opt.step, device)  # with the codecs' kernels compiled in it
         times = step_times_ms(opt.step, device, steps)
+        paths = [("fb.Optimizer (eager)", times, None if name == "float32" else eager_first)]
+        if name != "float32":
+            params = problem(config, device)
+            opt = fb.Optimizer(params, make(compile_codecs=False))
+            paths.append(("fb.Optimizer (eager), codecs op by op", step_times_ms(opt.step, device, steps), None))
         tree = {f"p{i}": p.detach().clone() for i, p in enumerate(params)}
         layout = fb.FlatLayout.of(tree)
         flat, flat_grads = layout.flatten(tree), layout.flatten({f"p{i}": p.grad for i, p in enumerate(params)})
@@ -143,8 +158,8 @@ def timing_rows(config: str, device: str, steps: int) -> list[dict]:
             _, holder[0] = update(grads, holder[0], flat)
 
         first = first_call_s(compiled_step, device)
-        compiled = step_times_ms(compiled_step, device, steps)
-        for path, ts in (("fb.Optimizer (eager)", times), ("flat buffers, compiled", compiled)):
+        paths.append(("flat buffers, compiled", step_times_ms(compiled_step, device, steps), first))
+        for path, ts, first_s in paths:
             median = statistics.median(ts)
             base.setdefault(path, median)
             rows.append(
@@ -153,8 +168,8 @@ def timing_rows(config: str, device: str, steps: int) -> list[dict]:
                     "path": path,
                     "ms (range)": f"{median:.3g} ({spread(ts)})",
                     "ms": median,
-                    "x float32": f"{median / base[path]:.2f}",
-                    "first call s": f"{first:.1f}" if "compiled" in path else "",
+                    "x float32": f"{median / base[path.split(', codecs')[0]]:.2f}",
+                    "first call s": "" if first_s is None else f"{first_s:.1f}",
                 }
             )
     for name, (make, how) in PEERS.items():
@@ -229,6 +244,10 @@ def main() -> None:
     print(machine(args.device))
     for config in args.configs.split(","):
         print(f"\n### {config}: {CONFIGS[config][0]}, AdamW\n")
+        # the step times first: the eager steps' first calls compile the codecs' kernels, which
+        # the memory rows' first steps then find compiled (their allocations are the state's)
+        timing = timing_rows(config, args.device, args.steps)
+        timing_columns = ["state", "path", "ms (range)", "x float32", "first call s"]
         memory = [
             memory_row(name, lambda ps, m=make: fb.Optimizer(ps, m()), config, args.device)
             for name, make in STATES.items()
@@ -241,8 +260,6 @@ def main() -> None:
         columns = ["state", "bytes/param allocated", "bytes/param counted", "peak during the step"]
         print(table(memory, columns), flush=True)
         print()
-        timing = timing_rows(config, args.device, args.steps)
-        timing_columns = ["state", "path", "ms (range)", "x float32", "first call s"]
         print(table(timing, timing_columns), flush=True)
         recorded += [
             dict(title=f"{CONFIGS[config][0]}, AdamW: state memory", columns=columns, rows=memory),

@@ -16,6 +16,7 @@ import functools
 import itertools
 import re
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -94,3 +95,72 @@ def raised_while_tracing(error: BaseException) -> Optional[Exception]:
             return (TypeError if found.group(1) == "TypeError" else ValueError)(message)
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+_KERNELS: dict[tuple, Callable] = {}
+_KERNEL_FAILURE: list[str] = []  # why inductor could not compile here, once it failed
+
+
+def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = ()) -> Any:
+    """``fn(*tensors, *static)`` computed by a ``torch.compile``'d copy of ``fn``: for an
+    elementwise computation run eagerly that would otherwise take an op, and a pass over memory,
+    per line (one kernel instead).
+
+    One compiled copy per ``fn``, ``static`` (hashable Python constants, baked into the graph)
+    and device type, each with its own code object (:func:`own_code`) and the tensors' sizes
+    symbolic: it compiles at its first call for tensors of any size (again where ``fn`` branches
+    on a size). While
+    traced (inside a compiled step), ``fn`` itself, which the step's graph fuses. Where inductor
+    cannot compile (``BackendCompilerFailed``: no C++ compiler, say), a warning, once, and ``fn``
+    eagerly from then on (the same numbers, op by op).
+
+    The kernel runs without autograd (``torch.no_grad``): for values that need no gradient,
+    such as an optimizer's state.
+
+    Args:
+        fn: a function of tensors (and ``static``) that dynamo traces in one graph.
+        *tensors: its tensor arguments.
+        static: its other arguments.
+
+    Example::
+
+        wide = run_compiled(bfloat16_uncorrected, value, correction)
+    """
+    if torch.compiler.is_compiling() or _KERNEL_FAILURE:
+        return fn(*tensors, *static)
+    key = (fn, static, tensors[0].device.type)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = compile_own(_with_constants(fn, static), dynamic=False, fullgraph=True)
+    # sizes symbolic (one compile for any size) and the constants constant (under dynamic=True
+    # an int is symbolic too); marked on new tensor objects (detach: the same memory, no view of
+    # a base to guard on), so that the caller's own tensors keep their own compiling
+    inputs = [t.detach() for t in tensors]
+    for t in inputs:
+        for dim in range(t.dim()):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+    try:
+        with torch.no_grad():  # one graph whatever the caller's grad mode
+            return kernel(*inputs)
+    except torch._dynamo.exc.BackendCompilerFailed as failed:
+        cause = getattr(failed, "inner_exception", failed)
+        _KERNEL_FAILURE.append(f"{type(cause).__name__}: {cause}".strip().splitlines()[0])
+        warnings.warn(
+            f"functional_bagua: torch.compile could not compile {fn.__name__} here ({_KERNEL_FAILURE[0]}); "
+            "computing it eagerly, op by op, from now on (the same numbers, slower)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return fn(*tensors, *static)
+
+
+def _with_constants(fn: Callable, static: tuple) -> Callable:
+    """``fn`` with ``static`` as its last arguments, held in a closure: constants of the graph
+    (a block size that is symbolic keeps inductor from vectorizing the division of an index by
+    it)."""
+
+    def kernel(*tensors: torch.Tensor) -> Any:
+        return fn(*tensors, *static)
+
+    kernel.__name__ = kernel.__qualname__ = fn.__name__
+    return kernel

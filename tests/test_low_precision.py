@@ -11,9 +11,11 @@ import optree
 import pytest
 import torch
 from devices import seeded
-from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_close, run_resumed, run_updates
+from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_close, assert_trees_equal, run_resumed, run_updates
 
 import functional_bagua as fb
+from functional_bagua import compiling, ownership
+from functional_bagua.flat import span
 from functional_bagua.transforms import low_precision as lp
 
 CODECS = ["bf16", "8bit", "bf16+8bit"]
@@ -278,16 +280,20 @@ def test_a_compressed_checkpoint_is_refused_by_a_float32_state_and_the_other_way
         assert "low_precision_state" not in str(refused.value)
 
 
-@pytest.mark.cpu_only("coding in one pass is the CPU's eager path (elsewhere each tensor alone)")
-@pytest.mark.parametrize("cap", [None, 1300], ids=["one-pass", "passes-of-1300-values"])
+@pytest.mark.parametrize(
+    "cap, compiled",
+    [(None, False), (1300, False), (None, True), (1300, True)],
+    ids=["one-pass", "passes-of-1300-values", "one-compiled-pass", "compiled-passes-of-1300-values"],
+)
 @pytest.mark.parametrize("codec", CODECS)
-def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec, cap, monkeypatch):
+def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec, cap, compiled, monkeypatch):
     """Eagerly the tensors of a state are coded back to back in one pass (or passes of at most
-    ``BATCH_VALUES`` values) and decoded so: each leaf's code (and value decoded) is its own,
-    written out per tensor: bf16 with the bits of its number in the stream, 8 bits in its own
-    blocks (a tensor whose last block is short too), Adam's second moment with the unsigned map."""
+    ``BATCH_VALUES`` values), op by op or by compiled kernels, and decoded so: each leaf's code
+    (and value decoded) is its own, written out per tensor: bf16 with the bits of its values'
+    places in the stream (counted through the coded tensors in order), 8 bits in its own blocks
+    (a tensor whose last block is short too), Adam's second moment with the unsigned map."""
     if cap is not None:
-        monkeypatch.setattr(lp, "BATCH_VALUES", cap)
+        monkeypatch.setattr(lp, "KERNEL_BATCH_VALUES" if compiled else "BATCH_VALUES", cap)
     gen = seeded(8)
     shapes = [(16, 32), (3, 256), (700,), (8, 64), (5,)]  # 512, 768, 700 (short last block), 512, 5 values
     params = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
@@ -297,29 +303,31 @@ def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec, cap, monkeypat
         nu={k: torch.rand(v.shape, generator=gen) for k, v in params.items()},
     )
     count, seed, block = torch.tensor(7), 11, 256
-    coded = lp.encoded(state, count, codec=codec, block_size=block, min_size=1, seed=seed)
+    coded = lp.encoded(state, count, codec=codec, block_size=block, min_size=1, seed=seed, compiled=compiled)
     leaves, fields = zip(*lp._leaves_and_fields(state)[0])
     stored = optree.tree_leaves(coded, is_leaf=lambda x: isinstance(x, lp.ENCODED), none_is_leaf=True)
     stream = lp._mix(lp._mix(torch.tensor(seed)) + count)
+    place = 0  # in the stream: the values coded before this tensor's
     for number, (x, field, code) in enumerate(zip(leaves, fields, stored)):
         if x.dim() == 0:
             assert code is x
             continue
         if codec == "bf16":
-            bits = fb.random_bits16(x.shape, lp._mix(stream + number), x.device)
+            bits = fb.random_bits16(x.shape, stream, x.device, start=place)
             want = (fb.stochastic_round_to_bfloat16(x, bits),)
         elif codec == "8bit":
             want = fb.quantize_blockwise(x, block, signed=field != "nu")
         else:
             want = fb.bfloat16_corrected(x)
         assert len(code) == len(want) and all(torch.equal(a, b) for a, b in zip(code, want)), (codec, number)
+        place += x.numel()
     passes: dict = {}  # the sizes of the tensors coded in each pass (one storage each)
     for c in stored:
         if isinstance(c, lp.ENCODED):
             passes.setdefault(c[0].untyped_storage().data_ptr(), []).append(c[0].numel())
     assert max(len(sizes) for sizes in passes.values()) > 1, passes
     assert cap is None or all(sum(sizes) <= cap or len(sizes) == 1 for sizes in passes.values()), passes
-    decoded = optree.tree_leaves(lp.decoded(coded, block), none_is_leaf=True)
+    decoded = optree.tree_leaves(lp.decoded(coded, block, compiled), none_is_leaf=True)
     for code, value in zip(stored, decoded):
         if isinstance(code, fb.Bfloat16Stored):
             want = code.value.float()
@@ -330,6 +338,93 @@ def test_tensors_coded_in_one_pass_are_each_coded_as_alone(codec, cap, monkeypat
         else:
             want = code
         assert torch.equal(value, want)
+
+
+def _optimizer_run(codec, compile_codecs, steps=4):
+    """Parameters and saved state after ``fb.Optimizer`` steps of AdamW with its state in
+    ``codec``, and the state's tensors before the last step: several tensors coded together,
+    one whose last 8-bit block is short, one below the 8-bit ``min_size`` (kept in float32)."""
+    gen = seeded(21)
+    shapes = [(64, 128), (3, 1000), (40, 70), (100,), (64, 64)]  # 8192, 3000 (short), 2800, 100, 4096 values
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt = fb.Optimizer(
+        params, fb.low_precision_state(fb.adamw(1e-2), codec, min_size=2000, compile_codecs=compile_codecs)
+    )
+    held = []
+    for _ in range(steps):
+        held = [t for t in optree.tree_leaves(opt.state_dict()["state"]) if isinstance(t, torch.Tensor)]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach() for p in params], opt.state_dict(), held
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_codecs_by_compiled_kernels_step_as_the_codecs_op_by_op(codec):
+    """Eagerly, the codecs by compiled kernels (the default) against op by op
+    (``compile_codecs=False``): the same parameters and stored state, bit for bit; the state's
+    tensors the last step decoded are not marked for dynamo (the kernels take new tensor
+    objects: the caller's own compile of them would be changed)."""
+    want_params, want_state, _ = _optimizer_run(codec, compile_codecs=False)
+    got_params, got_state, held = _optimizer_run(codec, compile_codecs=True)
+    assert_trees_equal(got_params, want_params)
+    assert_trees_equal(got_state, want_state)
+    assert held and not any(hasattr(t, "_dynamo_weak_dynamic_indices") for t in held + got_params)
+
+
+def test_the_decoded_state_is_stepped_in_place_only_when_given_up(monkeypatch):
+    """The inner transform steps the decoded state in its own tensors where the caller gave the
+    state up (fb.Optimizer): the same bits as the pure update, and its new moments lie back to
+    back as decoded, coded again without a copy; a pure update leaves the state it is given
+    untouched, the tensors kept in float32 (below min_size) too."""
+    spans = []  # per float32 run to code: whether it was found back to back in one storage
+
+    def spying(tensors):
+        found = span(tensors)
+        if tensors[0].dtype == torch.float32:
+            spans.append(found is not None)
+        return found
+
+    monkeypatch.setattr(lp, "span", spying)
+    gen = seeded(5)  # no 0-dim tensor: in a group it would keep Adam's steps out of place
+    params = {"w": torch.randn(100, 50, generator=gen), "v": torch.randn(30, 40, generator=gen), "b": torch.randn(50)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(4)]
+    tx = fb.low_precision_state(fb.adam(1e-2), "bf16", min_size=100)  # "b" (50 values) stays float32
+    state_pure = tx.init(params)
+    state_given = tx.init(params)
+    for g in grads:
+        before = fb.state_dict(state_pure)
+        copy = {k: v.clone() for k, v in before.items()}
+        spans.clear()
+        want, state_pure_next = tx.update(g, state_pure, params)
+        assert_trees_equal(before, copy)  # untouched
+        assert spans == [False]  # the moments (one run, coded in one pass), new tensors: copied to be coded
+        spans.clear()
+        got, state_given = ownership.update_giving_state(tx, g, state_given, params)
+        assert spans == [True]  # the decoded tensors, stepped in place: coded where they lie
+        assert_trees_equal(got, want)
+        assert_trees_equal(fb.state_dict(state_given), fb.state_dict(state_pure_next))
+        state_pure = state_pure_next
+        params = fb.apply_updates(params, want)
+
+
+def test_codecs_fall_back_to_op_by_op_with_a_warning_where_inductor_cannot_compile(monkeypatch):
+    """A backend that fails (as inductor without a C++ compiler does) raises
+    ``BackendCompilerFailed`` at the kernel's first call: a warning saying so, and the codec op by
+    op from then on, with the same numbers."""
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    failing = lambda fn, **kwargs: torch.compile(fn, backend=no_compiler, **kwargs)  # noqa: E731
+    monkeypatch.setattr(compiling, "compile_own", failing)
+    monkeypatch.setattr(compiling, "_KERNELS", {})
+    monkeypatch.setattr(compiling, "_KERNEL_FAILURE", [])
+    want_params, want_state, _ = _optimizer_run("bf16", compile_codecs=False)
+    with pytest.warns(RuntimeWarning, match="could not compile stochastically_rounded_from here.*no C.. compiler"):
+        got_params, got_state, _ = _optimizer_run("bf16", compile_codecs=True)
+    assert_trees_equal(got_params, want_params)
+    assert_trees_equal(got_state, want_state)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -475,14 +570,27 @@ def test_every_alias_runs_on_its_decoded_state(alias, codec):
 
 def test_the_rounding_bits_are_the_same_compiled_by_inductor():
     """The hash's 64-bit products wrap and its shifts are logical in inductor's generated code as
-    eagerly: the same random bits and the same rounding."""
+    eagerly: the same random bits and the same rounding, for sizes that fill whole vectors and
+    sizes that leave a tail (where inductor once vectorized an index times a large constant
+    wrongly), from index 0 and from a later index of the stream."""
 
     def rounded(x, seed):
         return fb.stochastic_round_to_bfloat16(x, fb.random_bits16(x.shape, seed, x.device))
 
-    x = torch.randn(4096, generator=seeded(8))
+    def rounded_later(x, seed):
+        return fb.stochastic_round_to_bfloat16(x, fb.random_bits16(x.shape, seed, x.device, start=1000))
+
     seed = torch.tensor(123456789, dtype=torch.int64)
-    assert torch.equal(torch.compile(rounded, fullgraph=True)(x, seed), rounded(x, seed))
+    for fn in (rounded, rounded_later):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True)  # one compile for the sizes
+        for size in (4096, 4099, 37):
+            x = torch.randn(size, generator=seeded(8))
+            assert torch.equal(compiled(x, seed), fn(x, seed)), (fn.__name__, size)
+    x = torch.randn(4099, generator=seeded(9))  # the kernel eager steps code with, sizes symbolic
+    start = torch.tensor(77, dtype=torch.int64)
+    for n in (4099, 37, 4096):
+        want = lp.stochastically_rounded_from(x[:n], start, seed)
+        assert torch.equal(compiling.run_compiled(lp.stochastically_rounded_from, x[:n], start, seed), want), n
 
 
 @pytest.mark.parametrize("alias", ALL_ALIASES, ids=lambda a: a.__name__)

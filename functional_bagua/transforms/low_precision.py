@@ -9,9 +9,11 @@ sign, exponent and 7 fraction bits); its lower 16 bits ``f`` decide the rounding
             = the next bfloat16 away from 0          with probability f / 2^16
 
 so ``E[bf16(x)] = x``: small updates of a moment accumulate on average instead of being rounded
-away. The 16 random bits come from a hash of (seed, step count, tensor, element), computed with
-integer tensor ops and no generator state: the same bits on every device, eagerly and compiled,
-and again after a checkpoint is loaded (nothing but the seed and the count is kept). A finite
+away. The 16 random bits come from a hash of (seed, step count, the value's place among the values
+coded, counted through the state's tensors in order), computed with integer tensor ops and no
+generator state: the same bits on every device, eagerly and compiled, one tensor at a time or
+many back to back, and again after a checkpoint is loaded (nothing but the seed and the count is
+kept). A finite
 value above bfloat16's largest one rounds to infinity when rounded away from 0.
 
 **8-bit blockwise dynamic quantization** (Dettmers et al., 2022, "8-bit Optimizers via
@@ -48,13 +50,14 @@ for bfloat16, 3 for bfloat16 with its correction, against 4 in float32; Adam's t
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
 import torch
 
+from functional_bagua import ownership
 from functional_bagua.base import GradientTransformation
+from functional_bagua.compiling import run_compiled
 from functional_bagua.flat import is_dtensor, span, split_like
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
@@ -181,12 +184,17 @@ def quantize_blockwise(
         codes, scales = fb.quantize_blockwise(torch.randn(1000), block_size=256)
         x = fb.dequantize_blockwise(codes, scales, signed=True)
     """
+    return _quantized(x, dynamic_map(signed, x.device), block_size, signed)
+
+
+def _quantized(x: torch.Tensor, qmap: torch.Tensor, block_size: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blockwise` with the map ``qmap`` given (a compiled kernel takes it as an
+    input, not as 256 constants)."""
     if x.numel() == 0:
         return torch.zeros(x.shape, dtype=torch.uint8, device=x.device), x.new_zeros(0)
     rows = _blocks(x, block_size)
     scales = rows.abs().amax(dim=1).clamp(min=1e-12)
     normalized = (rows / scales[:, None]).reshape(-1)[: x.numel()]
-    qmap = dynamic_map(signed, x.device)
     if torch.compiler.is_compiling():  # elementwise: fused with the rest of the step
         below = _largest_entry_at_most(normalized, qmap, signed)
     else:  # eagerly, one binary search (the same indices: tested)
@@ -238,15 +246,23 @@ def dequantize_blockwise(
         signed: the map the codes index.
         block_size: the values per block the codes were made with.
     """
+    _check_scales(codes, scales, block_size)
+    return _dequantized(codes, scales, dynamic_map(signed, codes.device), block_size)
+
+
+def _check_scales(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> None:
     blocks = -(-codes.numel() // block_size)
     if scales.shape != (blocks,):
         raise ValueError(
             f"dequantize_blockwise: {codes.numel()} codes in blocks of {block_size} need {blocks} scales, "
             f"got a tensor of shape {tuple(scales.shape)}; pass the block_size the codes were made with"
         )
+
+
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor, block_size: int) -> torch.Tensor:
+    """:func:`dequantize_blockwise` with the map ``qmap`` given, the scales checked."""
     if codes.numel() == 0:
         return torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)
-    qmap = dynamic_map(signed, codes.device)
     values = _blocks(qmap[codes.reshape(-1).long()], block_size)
     return (values * scales[:, None]).reshape(-1)[: codes.numel()].view(codes.shape)
 
@@ -271,36 +287,45 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
 _INDEX_MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the element index
 
 
-def random_bits16(shape: torch.Size, seed: Any, device: torch.device) -> torch.Tensor:
+def _bits16(index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """16 random bits (int32 values in ``[0, 2^16)``) per int64 ``index``: bits 24 to 39 of
+    ``mix((index ^ mask) C)``. The index enters by xor, not as ``index C + mask``: inductor
+    (torch 2.13, CPU) folds an arange times a large constant into one index expression that it
+    vectorizes wrongly for sizes that are not a multiple of the vector width (wrong values, and
+    stores past the end of the buffer)."""
+    h = _mix((index ^ mask) * _INDEX_MULTIPLIER)
+    return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32)
+
+
+def random_bits16(shape: torch.Size, seed: Any, device: torch.device, start: int = 0) -> torch.Tensor:
     """16 random bits per element (int32 values in ``[0, 2^16)``), a hash of the element's index
-    and ``seed``: integer arithmetic, the same bits on every device, eager or compiled.
+    in the stream ``seed``: integer arithmetic, the same bits on every device, eager or compiled.
+    The element at flat position ``j`` has index ``start + j``, so the bits of a tensor that
+    starts at index ``start`` of a stream are those of its values' places in one long run::
+
+        random_bits16((n,), s, d, start=k) == random_bits16((k + n,), s, d)[k:]
 
     Args:
         shape: the shape of the bits.
-        seed: an int or a 0-dim integer tensor (mix the step count and a tensor's number into it:
-            each stream its own seed).
+        seed: an int or a 0-dim integer tensor (mix the step count into it: each stream its own
+            seed).
         device: where to make them.
+        start: the stream index of the first element.
 
     Example::
 
         bits = fb.random_bits16((4, 3), seed=7, device=torch.device("cpu"))
     """
-    index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device)
-    h = _mix(index * _INDEX_MULTIPLIER + _mix(torch.as_tensor(seed, dtype=torch.int64, device=device)))
-    return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32).view(shape)
+    index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device) + start
+    return _bits16(index, _mix(torch.as_tensor(seed, dtype=torch.int64, device=device))).view(shape)
 
 
-def _random_bits16_back_to_back(sizes: list[int], seeds: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """:func:`random_bits16` of tensors of ``sizes`` values, the ``i``-th with the seed
-    ``seeds[i]`` (an int64 vector), back to back in one flat tensor, computed in one pass: the
-    ``j``-th value of tensor ``i``, at ``offset_i + j``, hashes ``j C + mix(seed_i)``, which is
-    ``(offset_i + j) C + (mix(seed_i) - offset_i C)`` modulo 2^64."""
-    offsets = torch.tensor([0, *itertools.accumulate(sizes[:-1])], dtype=torch.int64, device=device)
-    start = _mix(seeds.to(device)) - offsets * _INDEX_MULTIPLIER
-    total = sum(sizes)
-    per_value = torch.repeat_interleave(start, torch.tensor(sizes, device=device), output_size=total)
-    h = _mix(torch.arange(total, dtype=torch.int64, device=device) * _INDEX_MULTIPLIER + per_value)
-    return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32)
+def stochastically_rounded_from(flat: torch.Tensor, start: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """The 1-D float32 ``flat`` rounded to bfloat16 stochastically with the bits of
+    :func:`random_bits16` of ``seed`` from index ``start`` (both 0-dim int64 tensors, inputs of
+    a compiled kernel, not constants): the coding kernel of ``"bf16"``."""
+    index = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) + start
+    return stochastic_round_to_bfloat16(flat, _bits16(index, _mix(seed)))
 
 
 def _half_bfloat16_step(wide: torch.Tensor) -> torch.Tensor:
@@ -409,14 +434,16 @@ def low_precision_state(
     min_size: Optional[int] = None,
     seed: int = 0,
     fields: Optional[Sequence[str]] = None,
+    compile_codecs: bool = True,
 ) -> GradientTransformation:
     """``inner`` with its float32 state tensors stored in ``codec`` between updates (module
     docstring): decoded to float32 at the start of each update, the new state encoded at its end.
     The updates are ``inner``'s, computed from the decoded state; step counts, 0-dim scalars,
     integer and complex state and state in other dtypes (a bfloat16 parameter's bfloat16
     moments) are kept as they are; the parameters are untouched. The memory is saved between
-    steps: during one, the decoded state and the inner update's new state are float32 (and,
-    eagerly on the CPU, coding takes temporaries for up to ``BATCH_VALUES`` values at once).
+    steps: during one, the decoded state and the inner update's new state are float32 (and
+    eagerly the values coded together are copied back to back first, up to
+    ``KERNEL_BATCH_VALUES`` of them at once).
 
     Args:
         inner: any transform (an alias such as ``fb.adamw``, a chain).
@@ -434,6 +461,12 @@ def low_precision_state(
         fields: the names of the state fields to store encoded (``("mu", "nu")``); ``None``: every
             float32 tensor of at least one dimension. A name that no field of the inner state
             has, or a field holding integer or complex tensors, is refused.
+        compile_codecs: in an update run eagerly, code and decode through kernels compiled by
+            ``torch.compile`` (inductor; one per codec and direction, compiled at its first use,
+            shapes dynamic): one pass over the values instead of an op per line of the codec
+            (about 20 for ``"bf16"``'s hash), the same numbers. Inside a compiled step the step's
+            graph codes itself either way. ``False``: op by op (no compiling; what happens anyway,
+            after a warning, where inductor cannot compile).
 
     Returns:
         A GradientTransformation whose state is a :class:`LowPrecisionState`.
@@ -453,6 +486,8 @@ def low_precision_state(
         raise ValueError(f"low_precision_state: min_size must be an int >= 1 or None, got {min_size!r}")
     if isinstance(fields, str):
         raise ValueError(f"low_precision_state: fields must be a sequence of field names, got the string {fields!r}")
+    if not isinstance(compile_codecs, bool):
+        raise ValueError(f"low_precision_state: compile_codecs must be True or False, got {compile_codecs!r}")
     encode = functools.partial(
         encoded,
         codec=codec,
@@ -460,6 +495,7 @@ def low_precision_state(
         min_size=min_size if min_size is not None else 4096 if codec == "8bit" else 1,
         seed=seed,
         fields=None if fields is None else tuple(fields),
+        compiled=compile_codecs,
     )
 
     def init(params: PyTree) -> LowPrecisionState:
@@ -481,7 +517,11 @@ def low_precision_state(
                 f"low_precision_state: got a state of type {type(state).__name__}, expected LowPrecisionState; "
                 "pass the state this transform's init made"
             )
-        updates, new_inner = inner.update(grads, decoded(state.inner, block_size), params)
+        # the decoded state is new tensors, and the rest is ours to give where the caller gave it
+        # up: then the inner transform may step it in place (ownership), and its new state lies
+        # back to back as decoded, coded again without a copy
+        with ownership.giving_state(inner.update if ownership.state_given_to(update) else None):
+            updates, new_inner = inner.update(grads, decoded(state.inner, block_size, compile_codecs), params)
         count = state.count + 1
         return updates, LowPrecisionState(count, encode(new_inner, count))
 
@@ -497,93 +537,107 @@ def encoded(
     min_size: int,
     seed: int,
     fields: Optional[tuple] = None,
+    compiled: bool = False,
 ) -> Any:
     """``state`` with the tensors :func:`low_precision_state` stores encoded in ``codec`` (its
-    arguments; ``count``, the updates taken, and ``seed`` with each tensor's number make the
-    rounding's stream)."""
+    arguments; ``count``, the updates taken, and ``seed`` make the rounding's stream, in which
+    each value's index is its place among the values coded, in the state's order; ``compiled``:
+    eagerly, through compiled kernels)."""
     found, spec = _leaves_and_fields(state)
     stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=count.device)) + count.to(torch.int64))
     out = [x for x, _ in found]
+    starts: dict[int, int] = {}  # each coded tensor's first index in the stream
     together: dict[tuple, list[int]] = {}  # the tensors coded in one pass: the same device and map
+    coded_so_far = 0
     for number, (x, field) in enumerate(found):
         if _stored_encoded(x, field, fields) and x.numel() >= min_size:
+            starts[number], coded_so_far = coded_so_far, coded_so_far + x.numel()
             signed = codec == "8bit" and field not in NON_NEGATIVE_FIELDS
             # 8 bits: a tensor whose last block is short codes alone (its blocks would run into the next's)
             alone = number if codec == "8bit" and x.numel() % block_size else None
             together.setdefault((x.device, signed, alone), []).append(number)
-    for (device, signed, _), numbers in together.items():
-        for batch in batches_of(numbers, [found[n][0].numel() for n in numbers], device):
-            coded = _encoded_back_to_back([found[n][0] for n in batch], batch, stream, codec, block_size, signed)
-            for n, value in zip(batch, coded):
+    for (_, signed, _), numbers in together.items():
+        sizes = [found[n][0].numel() for n in numbers]
+        for batch in batches_of(numbers, sizes, [starts[n] for n in numbers], compiled):
+            xs = [found[n][0] for n in batch]
+            for n, value in zip(
+                batch, _encoded_back_to_back(xs, starts[batch[0]], stream, codec, block_size, signed, compiled)
+            ):
                 out[n] = value
     return spec.unflatten(out)
 
 
-BATCH_VALUES = 1 << 20  # the most values coded in one pass: its temporaries (int64 hashes) stay small
+BATCH_VALUES = 1 << 20  # the most values coded in one pass op by op: its temporaries (int64 hashes) stay small
+KERNEL_BATCH_VALUES = 1 << 24  # by a compiled kernel (no temporaries): the copy of the batch's values
 
 
-def batches_of(numbers: list[int], sizes: list[int], device: torch.device) -> list[list[int]]:
-    """``numbers`` (of tensors of ``sizes`` values on ``device``) cut into the batches coded in one
-    pass each: eagerly on the CPU, consecutive ones of at most :data:`BATCH_VALUES` values
-    together (each op's call costs more than its work on small tensors; a larger tensor alone);
-    one by one while traced (no copy into a batch) and on other devices (a batch's sizes and
-    seeds would be copied from the host, a wait each, which a CUDA graph's capture refuses)."""
-    if torch.compiler.is_compiling() or device.type != "cpu":
+def batches_of(numbers: list[int], sizes: list[int], starts: list[int], compiled: bool = False) -> list[list[int]]:
+    """``numbers`` (of tensors of ``sizes`` values, starting at ``starts`` in their stream) cut
+    into the batches coded in one pass each: eagerly, runs of tensors that follow one another in
+    the stream, of at most :data:`BATCH_VALUES` values together (:data:`KERNEL_BATCH_VALUES`
+    when ``compiled``; a larger tensor alone): each op's call costs more than its work on small
+    tensors. One by one while traced: no copy into a batch, the graph fuses the rest."""
+    if torch.compiler.is_compiling():
         return [[n] for n in numbers]
+    cap = KERNEL_BATCH_VALUES if compiled else BATCH_VALUES
     batches: list[list[int]] = []
-    total = 0
-    for n, size in zip(numbers, sizes):
-        if not batches or total + size > BATCH_VALUES:
+    total = end = 0
+    for n, size, start in zip(numbers, sizes, starts):
+        if not batches or total + size > cap or start != end:
             batches.append([])
             total = 0
         batches[-1].append(n)
-        total += size
+        total, end = total + size, start + size
     return batches
 
 
+def _coded(fn: Any, *tensors: torch.Tensor, static: tuple = (), compiled: bool) -> Any:
+    """``fn(*tensors, *static)``, by a compiled kernel when ``compiled`` (:func:`run_compiled`)."""
+    return run_compiled(fn, *tensors, static=static) if compiled else fn(*tensors, *static)
+
+
 def _encoded_back_to_back(
-    xs: list[torch.Tensor], numbers: list[int], stream: torch.Tensor, codec: str, block_size: int, signed: bool
+    xs: list[torch.Tensor],
+    start: int,
+    stream: torch.Tensor,
+    codec: str,
+    block_size: int,
+    signed: bool,
+    compiled: bool,
 ) -> list:
-    """Each of ``xs`` (float32; the state leaves numbered ``numbers``) coded in ``codec``, with
-    the numbers of coding each alone: the values are coded back to back in one flat tensor
-    (elementwise codes; 8-bit blocks, as each tensor but the last fills whole blocks), and each
-    tensor's code is a view of the result. The stochastic rounding's bits of the leaf numbered
-    ``n`` are :func:`random_bits16` with the seed ``mix(stream + n)``."""
+    """Each of ``xs`` (float32, following one another in the stream from ``start``) coded in
+    ``codec``, with the numbers of coding each alone: the values are coded back to back in one
+    flat tensor (elementwise codes; 8-bit blocks, as each tensor but the last fills whole
+    blocks), and each tensor's code is a view of the result."""
     flat = back_to_back(xs)
     if codec == "8bit":
-        codes, scales = quantize_blockwise(flat, block_size, signed=signed)
+        qmap = dynamic_map(signed, flat.device)
+        codes, scales = _coded(_quantized, flat, qmap, static=(block_size, signed), compiled=compiled)
         per_scale = torch.split(scales, [-(-x.numel() // block_size) for x in xs])
         kind = Signed8bit if signed else Unsigned8bit
         return [kind(c, s) for c, s in zip(split_like(codes, xs), per_scale)]
     if codec == "bf16+8bit":
-        value, correction = bfloat16_corrected(flat)
+        value, correction = _coded(bfloat16_corrected, flat, compiled=compiled)
         return [Bfloat16Corrected(v, c) for v, c in zip(split_like(value, xs), split_like(correction, xs))]
-    return [Bfloat16Stored(r) for r in _stochastically_rounded_back_to_back(flat, xs, numbers, stream)]
+    at = torch.full((), start, dtype=torch.int64, device=flat.device)  # a fill: no copy from the host
+    rounded = _coded(stochastically_rounded_from, flat, at, stream, compiled=compiled)
+    return [Bfloat16Stored(r) for r in split_like(rounded, xs)]
 
 
 def back_to_back(xs: list[torch.Tensor]) -> torch.Tensor:
-    """The values of ``xs`` back to back in one 1-D tensor (one tensor's own values, uncopied)."""
-    return torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
-
-
-def _stochastically_rounded_back_to_back(
-    flat: torch.Tensor, xs: list[torch.Tensor], numbers: list[int], stream: torch.Tensor
-) -> list[torch.Tensor]:
-    """Each of ``xs`` (float32, back to back in ``flat``) rounded to bfloat16 stochastically with
-    the bits of :func:`random_bits16` for the seed ``mix(stream + n)`` (``n`` its number), in one
-    pass over ``flat``; views of one bfloat16 tensor, in ``xs``' shapes."""
+    """The values of ``xs`` back to back in one 1-D tensor: a view where they already lie so in
+    one storage (one tensor's own values, the decoded state an update stepped in place), else a
+    copy."""
     if len(xs) == 1:
-        bits = random_bits16(xs[0].shape, _mix(stream + numbers[0]), xs[0].device).reshape(-1)
-    else:
-        seeds = _mix(stream + torch.tensor(numbers, dtype=torch.int64, device=stream.device))
-        bits = _random_bits16_back_to_back([x.numel() for x in xs], seeds, flat.device)
-    return split_like(stochastic_round_to_bfloat16(flat, bits), xs)
+        return xs[0].reshape(-1)
+    together = span(xs)
+    return together if together is not None else torch.cat([x.reshape(-1) for x in xs])
 
 
-def decoded(state: Any, block_size: int = 256) -> Any:
+def decoded(state: Any, block_size: int = 256, compiled: bool = False) -> Any:
     """``state`` with each encoded tensor (:class:`Bfloat16Stored`, :class:`Signed8bit`,
-    :class:`Unsigned8bit`, :class:`Bfloat16Corrected`) decoded to float32 (``block_size``: the one the 8-bit codes were made
-    with)."""
+    :class:`Unsigned8bit`, :class:`Bfloat16Corrected`) decoded to float32 (``block_size``: the one
+    the 8-bit codes were made with; ``compiled``: eagerly, through compiled kernels)."""
 
     leaves, spec = optree.tree_flatten(state, is_leaf=lambda x: isinstance(x, ENCODED), none_is_leaf=True)
     out = list(leaves)
@@ -594,21 +648,32 @@ def decoded(state: Any, block_size: int = 256) -> Any:
             batches.setdefault((type(x), home), []).append(i)
     for places in batches.values():
         coded = [leaves[i] for i in places]
-        together = None if torch.compiler.is_compiling() else _decoded_back_to_back(coded, block_size)
-        for i, value in zip(places, together or [_decoded_alone(x, block_size) for x in coded]):
+        together = None if torch.compiler.is_compiling() else _decoded_back_to_back(coded, block_size, compiled)
+        for i, value in zip(places, together or [_decoded_alone(x, block_size, compiled) for x in coded]):
             out[i] = value
     return spec.unflatten(out)
 
 
-def _decoded_alone(x: Any, block_size: int) -> torch.Tensor:
+def _decoded_alone(x: Any, block_size: int, compiled: bool) -> torch.Tensor:
     if isinstance(x, Bfloat16Stored):
         return x.value.to(torch.float32)
-    if isinstance(x, Bfloat16Corrected):
-        return bfloat16_uncorrected(x.value, x.correction)
-    return dequantize_blockwise(x.codes, x.scales, isinstance(x, Signed8bit), block_size)
+    if isinstance(x, Bfloat16Corrected):  # flattened: one kernel for every shape
+        flat = _coded(bfloat16_uncorrected, x.value.reshape(-1), x.correction.reshape(-1), compiled=compiled)
+        return flat.view(x.value.shape)
+    return _decoded_8bit(x.codes, x.scales, isinstance(x, Signed8bit), block_size, compiled)
 
 
-def _decoded_back_to_back(coded: list, block_size: int) -> Optional[list[torch.Tensor]]:
+def _decoded_8bit(
+    codes: torch.Tensor, scales: torch.Tensor, signed: bool, block_size: int, compiled: bool
+) -> torch.Tensor:
+    """:func:`dequantize_blockwise`, by a compiled kernel when ``compiled``."""
+    _check_scales(codes, scales, block_size)
+    qmap = dynamic_map(signed, codes.device)
+    flat = _coded(_dequantized, codes.reshape(-1), scales, qmap, static=(block_size,), compiled=compiled)
+    return flat.view(codes.shape)
+
+
+def _decoded_back_to_back(coded: list, block_size: int, compiled: bool) -> Optional[list[torch.Tensor]]:
     """The float32 values of ``coded`` (encoded tensors of one kind) decoded in one pass where
     each of their parts lies back to back in memory (and, for 8 bits, every tensor but the last
     fills whole blocks); else ``None``."""
@@ -622,11 +687,12 @@ def _decoded_back_to_back(coded: list, block_size: int) -> Optional[list[torch.T
     if isinstance(coded[0], Bfloat16Stored):
         flat = parts[0].to(torch.float32)
     elif isinstance(coded[0], Bfloat16Corrected):
-        flat = bfloat16_uncorrected(*parts)
+        flat = _coded(bfloat16_uncorrected, *parts, compiled=compiled)
     else:
         if any(size % block_size for size in sizes[:-1]) or parts[1].numel() != -(-sum(sizes) // block_size):
             return None
-        flat = dequantize_blockwise(parts[0], parts[1], isinstance(coded[0], Signed8bit), block_size)
+        codes, scales = parts
+        flat = _decoded_8bit(codes, scales, isinstance(coded[0], Signed8bit), block_size, compiled)
     return split_like(flat, [x[0] for x in coded])
 
 
@@ -658,9 +724,15 @@ def _leaves_and_fields(state: Any) -> tuple[list[tuple[Any, Optional[str]]], Any
     innermost NamedTuple field that holds each (``"nu"`` for Adam's second moments), and the
     structure to rebuild it from new leaves."""
     leaves, spec = optree.tree_flatten(state, none_is_leaf=True)
-    accessors = optree.tree_accessors(state, none_is_leaf=True)
-    fields = []
-    for accessor in accessors:
-        names = [entry.field for entry in accessor if isinstance(entry, optree.NamedTupleEntry)]
-        fields.append(names[-1] if names else None)
+    fields = None if torch.compiler.is_compiling() else _FIELDS.get(spec)
+    if fields is None:
+        fields = []
+        for accessor in optree.tree_accessors(state, none_is_leaf=True):
+            names = [entry.field for entry in accessor if isinstance(entry, optree.NamedTupleEntry)]
+            fields.append(names[-1] if names else None)
+        if not torch.compiler.is_compiling():
+            _FIELDS[spec] = fields
     return list(zip(leaves, fields)), spec
+
+
+_FIELDS: dict[Any, list[Optional[str]]] = {}  # per structure (eagerly): its leaves' field names

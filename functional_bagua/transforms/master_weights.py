@@ -22,9 +22,9 @@ parameter (float32 and float64 ones pass through untouched):
 
   so ``E[p'] = p + u``: small updates move the parameter on average, with no memory beyond
   the parameter (as heavyball's ``param_ecc`` and torchao's ``bf16_stochastic_round``). The
-  random bits are :func:`~functional_bagua.random_bits16` of the seed, the step count and the
-  parameter's number: the same on every device, eager or compiled, and after a resumed
-  checkpoint.
+  random bits are :func:`~functional_bagua.random_bits16` of the seed and the step count, at
+  the places of the parameter's values among those of the parameters rounded (in the tree's
+  order): the same on every device, eager or compiled, and after a resumed checkpoint.
 
 The update returned for such a parameter is ``p' - p`` in float32, which
 :func:`~functional_bagua.apply_updates` (and ``fb.Optimizer``'s in-place add) adds in float32
@@ -57,10 +57,10 @@ from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
 from functional_bagua.transforms.low_precision import (
     _mix,
-    _stochastically_rounded_back_to_back,
     back_to_back,
     batches_of,
     round_to_nearest,
+    stochastically_rounded_from,
 )
 from functional_bagua.tree import PyTree
 
@@ -93,14 +93,17 @@ def _values(param_leaves: list, copies: list) -> list:
     return [c if c is not None else _as_float32(p) if _is_low_precision(p) else p for p, c in zip(param_leaves, copies)]
 
 
-def _rounded(stepped: list, numbers: list, dtype: torch.dtype, to_nearest: bool, stream: torch.Tensor) -> list:
-    """Each of ``stepped`` (float32; the parameters numbered ``numbers``, of ``dtype``) rounded
-    to ``dtype``, as float32: to nearest, or stochastically to bfloat16 with the bits of the
-    parameter's number in ``stream`` (module docstring); computed back to back in one pass."""
+def _rounded(stepped: list, start: int, dtype: torch.dtype, to_nearest: bool, stream: torch.Tensor) -> list:
+    """Each of ``stepped`` (float32 parameters of ``dtype``, following one another in ``stream``
+    from index ``start``) rounded to ``dtype``, as float32: to nearest, or stochastically to
+    bfloat16 with the bits of their values' places in ``stream`` (module docstring); computed back
+    to back in one pass."""
     flat = back_to_back(stepped)
     if to_nearest:
         return split_like(round_to_nearest(flat, dtype), stepped)  # float32, exact in dtype
-    return [r.to(torch.float32) for r in _stochastically_rounded_back_to_back(flat, stepped, numbers, stream)]
+    at = torch.full((), start, dtype=torch.int64, device=flat.device)  # a fill: no copy from the host
+    rounded = stochastically_rounded_from(flat, at, stream)
+    return [r.to(torch.float32) for r in split_like(rounded, stepped)]
 
 
 def _copies(spec: Any, master: Any) -> list:
@@ -184,6 +187,8 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
                     "for parameters of other dtypes"
                 )
         stepped: dict[int, torch.Tensor] = {}  # per low-precision parameter's number, p + u in float32
+        starts: dict[int, int] = {}  # the index of its first value in the rounding's stream
+        rounded_so_far = 0
         stepping: dict[tuple, list[int]] = {}  # the parameters rounded together: one dtype and device
         for number, (p, u, value, copy) in enumerate(zip(param_leaves, update_leaves, value_leaves, master_leaves)):
             if u is None or not _is_low_precision(p):
@@ -191,14 +196,16 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
                 masters.append(copy)
                 continue
             stepped[number] = value + u.to(torch.float32)
+            starts[number], rounded_so_far = rounded_so_far, rounded_so_far + p.numel()
             masters.append(stepped[number] if keeps_copy else None)
             updates.append(None)  # below: the rounded step minus p
             stepping.setdefault((p.dtype, p.device), []).append(number)
-        for (dtype, device), numbers in stepping.items():
-            # eagerly on the CPU, the parameters back to back in passes over many at once, with the
-            # numbers of rounding each alone (low_precision.batches_of)
-            for batch in batches_of(numbers, [stepped[n].numel() for n in numbers], device):
-                rounded = _rounded([stepped[n] for n in batch], batch, dtype, keeps_copy, stream)
+        for (dtype, _), numbers in stepping.items():
+            # eagerly, the parameters back to back in passes over many at once, with the numbers of
+            # rounding each alone (low_precision.batches_of)
+            sizes, firsts = [stepped[n].numel() for n in numbers], [starts[n] for n in numbers]
+            for batch in batches_of(numbers, sizes, firsts):
+                rounded = _rounded([stepped[n] for n in batch], starts[batch[0]], dtype, keeps_copy, stream)
                 for n, target in zip(batch, rounded):
                     updates[n] = target - param_leaves[n].to(torch.float32)
         new_state = MasterWeightsState(state.count + 1, spec.unflatten(masters) if keeps_copy else None, inner_state)
