@@ -98,45 +98,56 @@ def raised_while_tracing(error: BaseException) -> Optional[Exception]:
 
 
 _KERNELS: dict[tuple, Callable] = {}
-_KERNEL_FAILURE: list[str] = []  # why inductor could not compile here, once it failed
+_KERNEL_FAILURES: dict[str, str] = {}  # per device type where inductor could not compile: why
+COMPILED_DEVICE_TYPES = ("cpu", "cuda")  # kernels compiled for these; elsewhere (meta, ...) fn itself
+# exact division (Triton's x / y is approximate, torch's is rounded) and no flushing of
+# subnormals to zero on CUDA: the kernels give eager's numbers
+_EXACT = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
 
 
-def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = ()) -> Any:
+def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = (), fixed_shapes: int = 0) -> Any:
     """``fn(*tensors, *static)`` computed by a ``torch.compile``'d copy of ``fn``: for an
     elementwise computation run eagerly that would otherwise take an op, and a pass over memory,
     per line (one kernel instead).
 
     One compiled copy per ``fn``, ``static`` (hashable Python constants, baked into the graph)
-    and device type, each with its own code object (:func:`own_code`) and the tensors' sizes
-    symbolic: it compiles at its first call for tensors of any size (again where ``fn`` branches
-    on a size). While
-    traced (inside a compiled step), ``fn`` itself, which the step's graph fuses. Where inductor
-    cannot compile (``BackendCompilerFailed``: no C++ compiler, say), a warning, once, and ``fn``
-    eagerly from then on (the same numbers, op by op).
+    and device, each with its own code object (:func:`own_code`). The tensors' sizes are
+    symbolic (but for the last ``fixed_shapes`` tensors, a table say): one compile serves every
+    size, again only where ``fn`` branches on a size. While traced (inside a compiled step),
+    ``fn`` itself, which the step's graph fuses; on devices other than the CPU and CUDA (meta
+    tensors, say) ``fn`` itself too. Where inductor cannot compile (``BackendCompilerFailed``: no
+    C++ compiler, say), a warning, once per device type, and ``fn`` eagerly there from then on
+    (the same numbers, op by op). On CUDA the kernels divide exactly and keep subnormals, as
+    eager torch does.
 
     The kernel runs without autograd (``torch.no_grad``): for values that need no gradient,
     such as an optimizer's state.
 
     Args:
         fn: a function of tensors (and ``static``) that dynamo traces in one graph.
-        *tensors: its tensor arguments.
+        *tensors: its tensor arguments, on one device.
         static: its other arguments.
+        fixed_shapes: how many of the last tensors keep their shapes constant.
 
     Example::
 
         wide = run_compiled(bfloat16_uncorrected, value, correction)
     """
-    if torch.compiler.is_compiling() or _KERNEL_FAILURE:
+    device = tensors[0].device
+    if torch.compiler.is_compiling() or device.type not in COMPILED_DEVICE_TYPES or device.type in _KERNEL_FAILURES:
         return fn(*tensors, *static)
-    key = (fn, static, tensors[0].device.type)
+    key = (fn, static, str(device), fixed_shapes)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = compile_own(_with_constants(fn, static), dynamic=False, fullgraph=True)
-    # sizes symbolic (one compile for any size) and the constants constant (under dynamic=True
-    # an int is symbolic too); marked on new tensor objects (detach: the same memory, no view of
-    # a base to guard on), so that the caller's own tensors keep their own compiling
+        options = _EXACT if device.type == "cuda" else None
+        kernel = _KERNELS[key] = compile_own(
+            _with_constants(fn, static), dynamic=False, fullgraph=True, options=options
+        )
+    # sizes symbolic and the constants constant (under dynamic=True an int is symbolic too),
+    # marked on new tensor objects (detach: the same memory, no view of a base to guard on), so
+    # that the caller's own tensors keep their own compiling
     inputs = [t.detach() for t in tensors]
-    for t in inputs:
+    for t in inputs[: len(inputs) - fixed_shapes]:
         for dim in range(t.dim()):
             torch._dynamo.maybe_mark_dynamic(t, dim)
     try:
@@ -144,12 +155,13 @@ def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = ()) -> An
             return kernel(*inputs)
     except torch._dynamo.exc.BackendCompilerFailed as failed:
         cause = getattr(failed, "inner_exception", failed)
-        _KERNEL_FAILURE.append(f"{type(cause).__name__}: {cause}".strip().splitlines()[0])
+        _KERNEL_FAILURES[device.type] = f"{type(cause).__name__}: {cause}".strip().splitlines()[0]
         warnings.warn(
-            f"functional_bagua: torch.compile could not compile {fn.__name__} here ({_KERNEL_FAILURE[0]}); "
-            "computing it eagerly, op by op, from now on (the same numbers, slower)",
+            f"functional_bagua: torch.compile could not compile {fn.__name__} on {device.type} here "
+            f"({_KERNEL_FAILURES[device.type]}); computing it eagerly, op by op, from now on (the same numbers, "
+            "slower)",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return fn(*tensors, *static)
 
@@ -157,10 +169,11 @@ def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = ()) -> An
 def _with_constants(fn: Callable, static: tuple) -> Callable:
     """``fn`` with ``static`` as its last arguments, held in a closure: constants of the graph
     (a block size that is symbolic keeps inductor from vectorizing the division of an index by
-    it)."""
+    it). Named after ``fn`` (in dynamo's logs)."""
 
     def kernel(*tensors: torch.Tensor) -> Any:
         return fn(*tensors, *static)
 
+    kernel.__code__ = kernel.__code__.replace(co_name=fn.__name__)
     kernel.__name__ = kernel.__qualname__ = fn.__name__
     return kernel

@@ -50,6 +50,7 @@ for bfloat16, 3 for bfloat16 with its correction, against 4 in float32; Adam's t
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
@@ -297,6 +298,18 @@ def _bits16(index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (_shifted_right(h, 24) & 0xFFFF).to(torch.int32)
 
 
+STATE_STREAM, PARAMETER_STREAM = 1, 2  # what a stream rounds: low_precision_state's state, master_weights' parameters
+
+
+def rounding_stream(seed: int, count: torch.Tensor, purpose: int) -> torch.Tensor:
+    """The seed of the rounding bits of an update (int64, 0-dim, on ``count``'s device):
+    ``mix(mix(mix(seed) + count) + purpose)``, so that each update, and each ``purpose``
+    (:data:`STATE_STREAM`, :data:`PARAMETER_STREAM`: the state and the parameters of one step
+    draw apart, whatever their seeds), has a stream of its own."""
+    first = _mix(torch.as_tensor(seed, dtype=torch.int64, device=count.device))
+    return _mix(_mix(first + count.to(torch.int64)) + purpose)
+
+
 def random_bits16(shape: torch.Size, seed: Any, device: torch.device, start: int = 0) -> torch.Tensor:
     """16 random bits per element (int32 values in ``[0, 2^16)``), a hash of the element's index
     in the stream ``seed``: integer arithmetic, the same bits on every device, eager or compiled.
@@ -320,10 +333,10 @@ def random_bits16(shape: torch.Size, seed: Any, device: torch.device, start: int
     return _bits16(index, _mix(torch.as_tensor(seed, dtype=torch.int64, device=device))).view(shape)
 
 
-def stochastically_rounded_from(flat: torch.Tensor, start: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+def stochastically_rounded_from(flat: torch.Tensor, start: Any, seed: torch.Tensor) -> torch.Tensor:
     """The 1-D float32 ``flat`` rounded to bfloat16 stochastically with the bits of
-    :func:`random_bits16` of ``seed`` from index ``start`` (both 0-dim int64 tensors, inputs of
-    a compiled kernel, not constants): the coding kernel of ``"bf16"``."""
+    :func:`random_bits16` of ``seed`` (a 0-dim int64 tensor) from index ``start`` (an int, or a
+    0-dim int64 tensor): the coding kernel of ``"bf16"``."""
     index = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) + start
     return stochastic_round_to_bfloat16(flat, _bits16(index, _mix(seed)))
 
@@ -544,7 +557,7 @@ def encoded(
     each value's index is its place among the values coded, in the state's order; ``compiled``:
     eagerly, through compiled kernels)."""
     found, spec = _leaves_and_fields(state)
-    stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=count.device)) + count.to(torch.int64))
+    stream = rounding_stream(seed, count, STATE_STREAM)
     out = [x for x, _ in found]
     starts: dict[int, int] = {}  # each coded tensor's first index in the stream
     together: dict[tuple, list[int]] = {}  # the tensors coded in one pass: the same device and map
@@ -558,7 +571,8 @@ def encoded(
             together.setdefault((x.device, signed, alone), []).append(number)
     for (_, signed, _), numbers in together.items():
         sizes = [found[n][0].numel() for n in numbers]
-        for batch in batches_of(numbers, sizes, [starts[n] for n in numbers], compiled):
+        places = [starts[n] for n in numbers] if codec == "bf16" else None  # only bf16's bits need a run
+        for batch in batches_of(numbers, sizes, places, compiled):
             xs = [found[n][0] for n in batch]
             for n, value in zip(
                 batch, _encoded_back_to_back(xs, starts[batch[0]], stream, codec, block_size, signed, compiled)
@@ -571,29 +585,35 @@ BATCH_VALUES = 1 << 20  # the most values coded in one pass op by op: its tempor
 KERNEL_BATCH_VALUES = 1 << 24  # by a compiled kernel (no temporaries): the copy of the batch's values
 
 
-def batches_of(numbers: list[int], sizes: list[int], starts: list[int], compiled: bool = False) -> list[list[int]]:
-    """``numbers`` (of tensors of ``sizes`` values, starting at ``starts`` in their stream) cut
-    into the batches coded in one pass each: eagerly, runs of tensors that follow one another in
-    the stream, of at most :data:`BATCH_VALUES` values together (:data:`KERNEL_BATCH_VALUES`
-    when ``compiled``; a larger tensor alone): each op's call costs more than its work on small
-    tensors. One by one while traced: no copy into a batch, the graph fuses the rest."""
+def batches_of(
+    numbers: list[int], sizes: list[int], starts: Optional[list[int]] = None, compiled: bool = False
+) -> list[list[int]]:
+    """``numbers`` (of tensors of ``sizes`` values, starting at ``starts`` in their rounding
+    stream, where they have one) cut into the batches coded in one pass each: eagerly, runs of
+    tensors (that follow one another in the stream) of at most :data:`BATCH_VALUES` values
+    together (:data:`KERNEL_BATCH_VALUES` when ``compiled``; a larger tensor alone): each op's
+    call costs more than its work on small tensors. One by one while traced: no copy into a
+    batch, the graph fuses the rest."""
     if torch.compiler.is_compiling():
         return [[n] for n in numbers]
     cap = KERNEL_BATCH_VALUES if compiled else BATCH_VALUES
     batches: list[list[int]] = []
     total = end = 0
-    for n, size, start in zip(numbers, sizes, starts):
-        if not batches or total + size > cap or start != end:
+    for n, size, start in zip(numbers, sizes, starts if starts is not None else itertools.repeat(None)):
+        if not batches or total + size > cap or (start is not None and start != end):
             batches.append([])
             total = 0
         batches[-1].append(n)
-        total, end = total + size, start + size
+        total, end = total + size, (start or 0) + size
     return batches
 
 
-def _coded(fn: Any, *tensors: torch.Tensor, static: tuple = (), compiled: bool) -> Any:
-    """``fn(*tensors, *static)``, by a compiled kernel when ``compiled`` (:func:`run_compiled`)."""
-    return run_compiled(fn, *tensors, static=static) if compiled else fn(*tensors, *static)
+def _coded(fn: Any, *tensors: torch.Tensor, static: tuple = (), fixed_shapes: int = 0, compiled: bool) -> Any:
+    """``fn(*tensors, *static)``, by a compiled kernel when ``compiled`` (:func:`run_compiled`;
+    the last ``fixed_shapes`` tensors, the map, of a constant shape)."""
+    if compiled:
+        return run_compiled(fn, *tensors, static=static, fixed_shapes=fixed_shapes)
+    return fn(*tensors, *static)
 
 
 def _encoded_back_to_back(
@@ -612,16 +632,26 @@ def _encoded_back_to_back(
     flat = back_to_back(xs)
     if codec == "8bit":
         qmap = dynamic_map(signed, flat.device)
-        codes, scales = _coded(_quantized, flat, qmap, static=(block_size, signed), compiled=compiled)
+        codes, scales = _coded(_quantized, flat, qmap, static=(block_size, signed), fixed_shapes=1, compiled=compiled)
         per_scale = torch.split(scales, [-(-x.numel() // block_size) for x in xs])
         kind = Signed8bit if signed else Unsigned8bit
         return [kind(c, s) for c, s in zip(split_like(codes, xs), per_scale)]
     if codec == "bf16+8bit":
         value, correction = _coded(bfloat16_corrected, flat, compiled=compiled)
         return [Bfloat16Corrected(v, c) for v, c in zip(split_like(value, xs), split_like(correction, xs))]
-    at = torch.full((), start, dtype=torch.int64, device=flat.device)  # a fill: no copy from the host
-    rounded = _coded(stochastically_rounded_from, flat, at, stream, compiled=compiled)
+    at, seed = _index_tensor(start, flat.device), stream.to(flat.device)
+    rounded = _coded(stochastically_rounded_from, flat, at, seed, compiled=compiled)
     return [Bfloat16Stored(r) for r in split_like(rounded, xs)]
+
+
+def _index_tensor(start: int, device: torch.device) -> Any:
+    """``start`` as a 0-dim int64 tensor on ``device`` (a fill: no copy from the host), an input of
+    the eager kernel (a constant would compile it again for each start); while traced, the int
+    itself (the graph adds it to its index as a constant: a tensor there made the step 1.5x
+    slower)."""
+    if torch.compiler.is_compiling():
+        return start
+    return torch.full((), start, dtype=torch.int64, device=device)
 
 
 def back_to_back(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -669,7 +699,9 @@ def _decoded_8bit(
     """:func:`dequantize_blockwise`, by a compiled kernel when ``compiled``."""
     _check_scales(codes, scales, block_size)
     qmap = dynamic_map(signed, codes.device)
-    flat = _coded(_dequantized, codes.reshape(-1), scales, qmap, static=(block_size,), compiled=compiled)
+    flat = _coded(
+        _dequantized, codes.reshape(-1), scales, qmap, static=(block_size,), fixed_shapes=1, compiled=compiled
+    )
     return flat.view(codes.shape)
 
 
@@ -724,15 +756,14 @@ def _leaves_and_fields(state: Any) -> tuple[list[tuple[Any, Optional[str]]], Any
     innermost NamedTuple field that holds each (``"nu"`` for Adam's second moments), and the
     structure to rebuild it from new leaves."""
     leaves, spec = optree.tree_flatten(state, none_is_leaf=True)
-    fields = None if torch.compiler.is_compiling() else _FIELDS.get(spec)
-    if fields is None:
-        fields = []
-        for accessor in optree.tree_accessors(state, none_is_leaf=True):
-            names = [entry.field for entry in accessor if isinstance(entry, optree.NamedTupleEntry)]
-            fields.append(names[-1] if names else None)
-        if not torch.compiler.is_compiling():
-            _FIELDS[spec] = fields
-    return list(zip(leaves, fields)), spec
+    return list(zip(leaves, _fields_of(spec))), spec
 
 
-_FIELDS: dict[Any, list[Optional[str]]] = {}  # per structure (eagerly): its leaves' field names
+@functools.lru_cache(maxsize=256)
+def _fields_of(spec: Any) -> tuple[Optional[str], ...]:
+    """Per leaf of the structure ``spec``, the name of the innermost NamedTuple field holding it."""
+    fields = []
+    for accessor in spec.accessors():
+        names = [entry.field for entry in accessor if isinstance(entry, optree.NamedTupleEntry)]
+        fields.append(names[-1] if names else None)
+    return tuple(fields)

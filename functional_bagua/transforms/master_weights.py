@@ -56,10 +56,11 @@ from functional_bagua.flat import split_like
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
 from functional_bagua.transforms.low_precision import (
-    _mix,
+    PARAMETER_STREAM,
     back_to_back,
     batches_of,
     round_to_nearest,
+    rounding_stream,
     stochastically_rounded_from,
 )
 from functional_bagua.tree import PyTree
@@ -101,8 +102,7 @@ def _rounded(stepped: list, start: int, dtype: torch.dtype, to_nearest: bool, st
     flat = back_to_back(stepped)
     if to_nearest:
         return split_like(round_to_nearest(flat, dtype), stepped)  # float32, exact in dtype
-    at = torch.full((), start, dtype=torch.int64, device=flat.device)  # a fill: no copy from the host
-    rounded = stochastically_rounded_from(flat, at, stream)
+    rounded = stochastically_rounded_from(flat, start, stream.to(flat.device))
     return [r.to(torch.float32) for r in split_like(rounded, stepped)]
 
 
@@ -177,7 +177,7 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
         value_leaves = _values(param_leaves, master_leaves)
         inner_updates, inner_state = inner.update(inner_grads, state.inner, spec.unflatten(value_leaves))
         update_leaves = tree.leaves_matching(spec, inner_updates, "the inner transform's updates", "params")
-        stream = _mix(_mix(torch.as_tensor(seed, dtype=torch.int64, device=state.count.device)) + state.count)
+        stream = rounding_stream(seed, state.count, PARAMETER_STREAM)
         updates, masters = [], []
         for i, (p, copy) in enumerate(zip(param_leaves, master_leaves)):
             if keeps_copy and p is not None and (copy is not None) != _is_low_precision(p):
