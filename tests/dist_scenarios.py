@@ -92,9 +92,12 @@ def shard_adamw(rank, world_size):
     return params, state_bytes(state)
 
 
-LOW_PRECISION = {  # codec -> the inner transform of shard (float32 parameters; 8 bits in blocks of 32)
-    "bf16": lambda: fb.low_precision_state(fb.adamw(1e-2, weight_decay=0.1), "bf16", seed=5),
-    "8bit": lambda: fb.low_precision_state(fb.adamw(1e-2, weight_decay=0.1), "8bit", block_size=32, min_size=1),
+LOW_PRECISION = {  # codec -> the inner transform of shard (float32 parameters; 8 bits in blocks of 32); the
+    # codecs op by op: each rank would compile their kernels, whose numbers test_low_precision checks
+    "bf16": lambda: fb.low_precision_state(fb.adamw(1e-2, weight_decay=0.1), "bf16", seed=5, compile_codecs=False),
+    "8bit": lambda: fb.low_precision_state(
+        fb.adamw(1e-2, weight_decay=0.1), "8bit", block_size=32, min_size=1, compile_codecs=False
+    ),
 }
 
 

@@ -583,20 +583,16 @@ def test_the_rounding_bits_are_the_same_compiled_by_inductor():
     """The hash's 64-bit products wrap and its shifts are logical in inductor's generated code as
     eagerly: the same random bits and the same rounding, for sizes that fill whole vectors and
     sizes that leave a tail (where inductor once vectorized an index times a large constant
-    wrongly), from index 0 and from a later index of the stream."""
+    wrongly)."""
 
-    def rounded(x, seed):
-        return fb.stochastic_round_to_bfloat16(x, fb.random_bits16(x.shape, seed, x.device))
-
-    def rounded_later(x, seed):
+    def rounded(x, seed):  # from a later index of the stream
         return fb.stochastic_round_to_bfloat16(x, fb.random_bits16(x.shape, seed, x.device, start=1000))
 
     seed = torch.tensor(123456789, dtype=torch.int64)
-    for fn in (rounded, rounded_later):
-        compiled = torch.compile(fn, fullgraph=True, dynamic=True)  # one compile for the sizes
-        for size in (4096, 4099, 37):
-            x = torch.randn(size, generator=seeded(8))
-            assert torch.equal(compiled(x, seed), fn(x, seed)), (fn.__name__, size)
+    compiled = torch.compile(rounded, fullgraph=True, dynamic=True)  # one compile for the sizes
+    for size in (4096, 4099, 37):
+        x = torch.randn(size, generator=seeded(8))
+        assert torch.equal(compiled(x, seed), rounded(x, seed)), size
     x = torch.randn(4099, generator=seeded(9))  # the kernel eager steps code with, sizes symbolic
     start = torch.tensor(77, dtype=torch.int64)
     for n in (4099, 37, 4096):
