@@ -756,7 +756,8 @@ def _leaves_and_fields(state: Any) -> tuple[list[tuple[Any, Optional[str]]], Any
     innermost NamedTuple field that holds each (``"nu"`` for Adam's second moments), and the
     structure to rebuild it from new leaves."""
     leaves, spec = optree.tree_flatten(state, none_is_leaf=True)
-    return list(zip(leaves, _fields_of(spec))), spec
+    fields = _fields_of.__wrapped__(spec) if torch.compiler.is_compiling() else _fields_of(spec)  # traced: no cache
+    return list(zip(leaves, fields)), spec
 
 
 @functools.lru_cache(maxsize=256)
