@@ -557,7 +557,7 @@ def encoded(
     each value's index is its place among the values coded, in the state's order; ``compiled``:
     eagerly, through compiled kernels)."""
     found, spec = _leaves_and_fields(state)
-    stream = rounding_stream(seed, count, STATE_STREAM)
+    stream = rounding_stream(seed, count, STATE_STREAM) if codec == "bf16" else None  # only bf16 draws bits
     out = [x for x, _ in found]
     starts: dict[int, int] = {}  # each coded tensor's first index in the stream
     together: dict[tuple, list[int]] = {}  # the tensors coded in one pass: the same device and map
@@ -619,7 +619,7 @@ def _coded(fn: Any, *tensors: torch.Tensor, static: tuple = (), fixed_shapes: in
 def _encoded_back_to_back(
     xs: list[torch.Tensor],
     start: int,
-    stream: torch.Tensor,
+    stream: Optional[torch.Tensor],
     codec: str,
     block_size: int,
     signed: bool,
@@ -639,6 +639,7 @@ def _encoded_back_to_back(
     if codec == "bf16+8bit":
         value, correction = _coded(bfloat16_corrected, flat, compiled=compiled)
         return [Bfloat16Corrected(v, c) for v, c in zip(split_like(value, xs), split_like(correction, xs))]
+    assert stream is not None  # made for bf16 (encoded)
     at, seed = _index_tensor(start, flat.device), stream.to(flat.device)
     rounded = _coded(stochastically_rounded_from, flat, at, seed, compiled=compiled)
     return [Bfloat16Stored(r) for r in split_like(rounded, xs)]

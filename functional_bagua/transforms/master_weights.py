@@ -94,7 +94,7 @@ def _values(param_leaves: list, copies: list) -> list:
     return [c if c is not None else _as_float32(p) if _is_low_precision(p) else p for p, c in zip(param_leaves, copies)]
 
 
-def _rounded(stepped: list, start: int, dtype: torch.dtype, to_nearest: bool, stream: torch.Tensor) -> list:
+def _rounded(stepped: list, start: int, dtype: torch.dtype, to_nearest: bool, stream: Optional[torch.Tensor]) -> list:
     """Each of ``stepped`` (float32 parameters of ``dtype``, following one another in ``stream``
     from index ``start``) rounded to ``dtype``, as float32: to nearest, or stochastically to
     bfloat16 with the bits of their values' places in ``stream`` (module docstring); computed back
@@ -102,6 +102,7 @@ def _rounded(stepped: list, start: int, dtype: torch.dtype, to_nearest: bool, st
     flat = back_to_back(stepped)
     if to_nearest:
         return split_like(round_to_nearest(flat, dtype), stepped)  # float32, exact in dtype
+    assert stream is not None  # made where the rounding is stochastic
     rounded = stochastically_rounded_from(flat, start, stream.to(flat.device))
     return [r.to(torch.float32) for r in split_like(rounded, stepped)]
 
@@ -177,7 +178,9 @@ def master_weights(inner: GradientTransformation, mode: str = "float32", *, seed
         value_leaves = _values(param_leaves, master_leaves)
         inner_updates, inner_state = inner.update(inner_grads, state.inner, spec.unflatten(value_leaves))
         update_leaves = tree.leaves_matching(spec, inner_updates, "the inner transform's updates", "params")
-        stream = rounding_stream(seed, state.count, PARAMETER_STREAM)
+        stream = (
+            None if keeps_copy else rounding_stream(seed, state.count, PARAMETER_STREAM)
+        )  # only rounding draws bits
         updates, masters = [], []
         for i, (p, copy) in enumerate(zip(param_leaves, master_leaves)):
             if keeps_copy and p is not None and (copy is not None) != _is_low_precision(p):
