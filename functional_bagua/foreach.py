@@ -466,6 +466,14 @@ class Leaves:
                 t.addcmul_(a, b, value=value)
         return self
 
+    def addcdiv_(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
+        if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
+            torch._foreach_addcdiv_(self.items, t1.items, t2.items, value)
+        else:
+            for t, a, b in zip(self.items, _items(t1, len(self)), _items(t2, len(self))):
+                t.addcdiv_(a, b, value=value)
+        return self
+
     def neg_(self) -> "Leaves":
         torch._foreach_neg_(self.items)
         return self

@@ -9,7 +9,7 @@ it multiplies, so a float32 parameter's update stays float32.
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
@@ -214,3 +214,47 @@ def eager_number(x: Any, like: Any) -> Optional[float]:
     ):
         return x.to(dtype).item()
     return None
+
+
+def eager_numbers(values: Sequence[Any], like: Any) -> Optional[list[float]]:
+    """Each of ``values`` (numbers, 0-dim CPU tensors such as bias corrections computed from a
+    step count, or ``foreach.Leaves`` of such tensors, one per tensor of ``like``) as a Python
+    number, a tensor read as :func:`eager_number` reads it; ``None`` unless every one is a
+    number now (traced, on a device, beside other dtypes). A rule given numbers may compute in
+    its own temporaries (``x.div_(c)``: a number never promotes them, so in place and out of
+    place give the same dtype and bits) and fuse a factor into an ``alpha`` or a ``value``.
+
+    Per-tensor scalars that differ between the tensors of a group (counts of tensors stepped
+    unequally often) raise :class:`~functional_bagua.foreach.PerTensorOnly`: the rule then runs
+    one tensor at a time, each with its own numbers, so it takes the same path, and gives the
+    same bits, grouped and alone. Call it before the rule overwrites any state.
+
+    Args:
+        values: the factors.
+        like: the tensors they are applied to.
+    """
+    out = []
+    for value in values:
+        if isinstance(value, foreach.Leaves):
+            value = _the_one_value(value)
+        number = value if is_number(value) else eager_number(value, like)
+        if number is None:
+            return None
+        out.append(number)
+    return out
+
+
+def _the_one_value(scalars: "foreach.Leaves") -> Any:
+    """The first of per-tensor 0-dim CPU tensors where all hold the same bits (a PerTensorOnly
+    error where they differ); ``scalars`` as they are where they are not such tensors."""
+    items = scalars.items
+    if not items or any(t.dim() != 0 or t.device.type != "cpu" or t.dtype != items[0].dtype for t in items):
+        return scalars
+    if torch.compiler.is_compiling():
+        return scalars
+    stacked = torch.stack(items)
+    if stacked.is_floating_point():
+        stacked = stacked.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[stacked.element_size()])
+    if not bool((stacked == stacked[0]).all()):
+        raise foreach.PerTensorOnly("per-tensor scalars that differ between the tensors: one tensor at a time")
+    return items[0]

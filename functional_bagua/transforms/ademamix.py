@@ -20,7 +20,7 @@ import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.foreach import updated
-from functional_bagua.numerics import as_scalar, lerp_weight, zero_count
+from functional_bagua.numerics import as_scalar, eager_numbers, lerp_weight, zero_count
 from functional_bagua.transforms.adam import bias_correction, first_moment, second_moment
 from functional_bagua.transforms.leafwise import leafwise
 
@@ -90,11 +90,19 @@ def scale_by_ademamix(
     ) -> tuple[torch.Tensor, ScaleByAdemamixState]:
         count = s.count + 1
         t = as_scalar(count)
+        root_correction, correction = bias_correction(b2, t).sqrt(), bias_correction(b1, t)
+        weight = alpha_at(t, alpha, t_alpha_beta3)
+        numbers = eager_numbers((root_correction, correction, weight, eps), g)  # before the state is overwritten
         mu = first_moment(s.mu, g, b1)
         nu = second_moment(s.nu, g, b2)
         mu_slow = updated(s.mu_slow, "lerp", g, lerp_weight(1 - b3_at(t, b1, b3, t_alpha_beta3), s.mu_slow))
-        denom = nu.sqrt().div(bias_correction(b2, t).sqrt()).add(eps)
-        u = (mu / bias_correction(b1, t)).add(mu_slow * alpha_at(t, alpha, t_alpha_beta3)).div(denom)
+        if numbers is None:  # traced, or on a device: the factors as tensors
+            denom = nu.sqrt().div(root_correction).add(eps)
+            u = (mu / correction).add(mu_slow * weight).div(denom)
+        else:  # the same numbers, computed in the rule's own temporaries (no new tensor per operation)
+            root_now, correction_now, weight_now, eps_now = numbers
+            denom = nu.sqrt().div_(root_now).add_(eps_now)
+            u = (mu / correction_now).add_(mu_slow * weight_now).div_(denom)
         return u, ScaleByAdemamixState(count, mu, nu, mu_slow)
 
     return leafwise(ScaleByAdemamixState, init_leaf, update_leaf, name="scale_by_ademamix", fresh_updates=True)

@@ -23,7 +23,7 @@ import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.foreach import updated
-from functional_bagua.numerics import as_scalar, eager_number, is_number, lerp_weight, zero_count
+from functional_bagua.numerics import as_scalar, eager_number, eager_numbers, is_number, lerp_weight, zero_count
 from functional_bagua.transforms.leafwise import leafwise
 
 Scalar = Union[float, torch.Tensor]
@@ -85,6 +85,8 @@ def scale_by_adopt(
     ) -> tuple[torch.Tensor, ScaleByAdoptState]:
         steps_before = as_scalar(s.count)
         later = (s.count > 0).to(steps_before.dtype)  # 0 at the first step, which only initializes v
+        kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
+        numbers = eager_numbers((later, kept), g)  # before any state is overwritten
         normalized = g / s.nu.sqrt().clamp_min_(eps)  # in place on the new tensors: the same bits
         if clip is not None:  # c(0) = 0 at the first step: nothing of g / eps enters the momentum
             bound = clip(steps_before)
@@ -94,11 +96,13 @@ def scale_by_adopt(
         else:  # g / eps may overflow a low-precision dtype at the first step: never let it in
             normalized = torch.where(s.count > 0, normalized, 0.0)
         mu = updated(s.mu, "lerp", normalized, lerp_weight((1 - b1) * later, s.mu))
-        kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
-        nu = updated(s.nu, "mul", kept).add_(g * g * (1 - kept))  # s.nu * kept + g g (1 - kept)
+        if numbers is None:  # traced, or on a device: s.nu * kept + g g (1 - kept)
+            nu = updated(s.nu, "mul", kept).add_(g * g * (1 - kept))
+        else:  # eagerly on the CPU, as the reference: two passes, in the state's memory where it is given up
+            nu = updated(s.nu, "mul", numbers[1]).addcmul_(g, g, value=1 - numbers[1])
         u = mu if not decays or eager_number(weight_decay, mu) == 0 else mu + cast(torch.Tensor, p) * weight_decay
+        if numbers is not None and numbers[0] == 1:  # a later step, known eagerly: no pass multiplying by 1
+            return u, ScaleByAdoptState(s.count + 1, mu, nu)
         return u * later, ScaleByAdoptState(s.count + 1, mu, nu)
 
-    return leafwise(
-        ScaleByAdoptState, init_leaf, update_leaf, name="scale_by_adopt", needs_params=decays, fresh_updates=True
-    )
+    return leafwise(ScaleByAdoptState, init_leaf, update_leaf, name="scale_by_adopt", needs_params=decays)

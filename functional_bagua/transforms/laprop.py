@@ -25,7 +25,7 @@ import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.foreach import updated
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, lerp, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, eager_numbers, lerp, zero_count
 from functional_bagua.transforms.adam import bias_correction, second_moment
 from functional_bagua.transforms.leafwise import leafwise
 
@@ -97,17 +97,26 @@ def scale_by_laprop(
     def update_leaf(g: torch.Tensor, s: _LapropState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, _LapropState]:
         count = s.count + 1
         t = as_scalar(count)
-        nu = second_moment(s.nu, g, b2)
         lr_avg = s.lr_avg * b1 + (1 - b1) * learning_rate
         lr_now = torch.zeros_like(lr_avg) + learning_rate
         lr_bias = torch.where(lr_now != 0, lr_avg / torch.where(lr_now != 0, lr_now, 1.0), 1.0)
+        root_correction, weight = bias_correction(b2, t).sqrt(), (1 - b1) * learning_rate
+        step_size: Scalar = 1 / lr_bias
+        numbers = eager_numbers((eps_root, eps, root_correction, weight, step_size), g)  # before nu is overwritten
+        nu = second_moment(s.nu, g, b2)
         second = nu
         if centered:
             grad_avg = lerp(cast(ScaleByCenteredLapropState, s).grad_avg, g, 1 - b2)
             second = torch.where(count > steps_before_using_centered, nu - grad_avg * grad_avg, nu)
-        denom = (second + eps_root).sqrt().add(eps).div(bias_correction(b2, t).sqrt())
-        mu = updated(s.mu, "mul", b1).add_((g / denom) * ((1 - b1) * learning_rate))  # s.mu b1 + ...
-        u = mu * (1 / lr_bias)
+        if numbers is None:  # traced, or on a device: the factors as tensors
+            denom = (second + eps_root).sqrt().add(eps).div(root_correction)
+            mu = updated(s.mu, "mul", b1).add_((g / denom) * weight)  # s.mu b1 + ...
+        else:  # as the reference, with numbers: in the rule's own temporaries, one fused addcdiv
+            root_eps, eps_now, root_now, weight_now, step_now = numbers
+            denom = (second + root_eps).sqrt_().add_(eps_now).div_(root_now)
+            mu = updated(s.mu, "mul", b1).addcdiv_(g, denom, value=weight_now)
+            step_size = step_now
+        u = mu * step_size
         if centered:
             return u, ScaleByCenteredLapropState(count, mu, nu, lr_avg, grad_avg)
         return u, ScaleByLapropState(count, mu, nu, lr_avg)
