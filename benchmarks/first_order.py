@@ -12,8 +12,9 @@ and gradients:
 
 - ``reference``: the package's ``step()`` (schedulefree, prodigyopt, dadaptation, torch-adopt,
   pytorch-optimizer), with its default flags (foreach where it defaults to it);
-- ``fb.Optimizer``: ours as a torch.optim optimizer (the pure update on the parameter tree, each
-  operation one multi-tensor op per dtype and device, then a copy into the parameters);
+- ``fb.Optimizer``: ours as a torch.optim optimizer (the update on the parameter tree, each
+  operation one multi-tensor op per dtype and device, its state given up, then added into the
+  parameters, with the learning rate as ``alpha`` where the chain ends in it);
 - ``fuse_inplace eager``: the pure update over one flat buffer, copied back in place;
 - ``fuse_inplace compiled``: the same through ``torch.compile`` (inductor writes the update into
   the buffers in place); its first call (the compile, caches off) is reported apart;

@@ -226,15 +226,19 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     return spec.unflatten(new_leaves)
 
 
-def apply_updates_(params: Params, updates: Updates) -> None:
-    """``params += updates`` leaf by leaf, in place: the numbers of :func:`apply_updates` (each sum
-    formed in the wider dtype and rounded once into the parameter's), written into the
-    parameters' own tensors: one pass over them instead of a sum and a copy.
+def apply_updates_(params: Params, updates: Updates, alpha: float = 1.0) -> None:
+    """``params += alpha * updates`` leaf by leaf, in place: with ``alpha = 1`` the numbers of
+    :func:`apply_updates` (each sum formed in the wider dtype and rounded once into the
+    parameter's), written into the parameters' own tensors: one pass over them instead of a sum
+    and a copy. Another ``alpha`` is the factor of a chain's last link (a learning rate) taken
+    into the same pass, as torch.optim's ``p.add_(u, alpha=-lr)``: the product is not rounded
+    apart, so the bits may differ from adding ``updates * alpha`` by one rounding.
 
     Args:
         params: a pytree of parameter tensors, overwritten.
         updates: a pytree of the structure of ``params``, checked as :func:`apply_updates` checks
             it; a ``None`` leaf leaves its parameter as it is.
+        alpha: the factor of the updates, a number.
     """
     param_leaves, spec = tree.flatten(params)
     update_leaves = tree.leaves_matching(spec, updates, "updates", "params")
@@ -245,12 +249,14 @@ def apply_updates_(params: Params, updates: Updates) -> None:
     if scalars:
         tree.copy_into(
             [param_leaves[i] for i in scalars],
-            [_add_keeping_dtype(param_leaves[i], update_leaves[i]) for i in scalars],
+            [_add_keeping_dtype(param_leaves[i], update_leaves[i], alpha) for i in scalars],
         )
     others = [i for i in pending if param_leaves[i].dim() != 0]
-    if others:
+    if others and alpha == 1:
         torch._foreach_add_([param_leaves[i] for i in others], [update_leaves[i] for i in others])
+    elif others:
+        torch._foreach_add_([param_leaves[i] for i in others], [update_leaves[i] for i in others], alpha=alpha)
 
 
-def _add_keeping_dtype(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return torch.add(p, u).to(p.dtype)
+def _add_keeping_dtype(p: torch.Tensor, u: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    return (torch.add(p, u) if alpha == 1 else torch.add(p, u, alpha=alpha)).to(p.dtype)

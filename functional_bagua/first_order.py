@@ -31,7 +31,7 @@ from functional_bagua.transforms.laprop import scale_by_laprop
 from functional_bagua.transforms.leafwise import stateless
 from functional_bagua.transforms.learning_rate_free import scale_by_dadapt_adam, scale_by_prodigy
 from functional_bagua.transforms.mars import scale_by_mars
-from functional_bagua.transforms.scaling import ScalarOrSchedule, negate_if, scale, scale_by_learning_rate
+from functional_bagua.transforms.scaling import ScalarOrSchedule, factor_of, negate_if, scale, scale_by_learning_rate
 from functional_bagua.transforms.schedule_free import schedule_free
 from functional_bagua.transforms.weight_decay import add_decayed_weights
 from functional_bagua.transforms.wrappers import partition
@@ -264,7 +264,7 @@ def _stepped_then_decayed(
 ) -> GradientTransformation:
     """``p <- (p - u) (1 - lr wd)`` as one update: ``-(1 - lr wd) u - lr wd p``."""
     if is_number(weight_decay) and weight_decay == 0:
-        return stateless(lambda u, p: -u, name="laprop", in_place=lambda u, p: u.neg_())
+        return factor_of(stateless(lambda u, p: -u, name="laprop", in_place=lambda u, p: u.neg_()), lambda: -1.0)
 
     def stepped(u: torch.Tensor, p: Optional[torch.Tensor]) -> torch.Tensor:
         assert p is not None  # needs_params

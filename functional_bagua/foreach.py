@@ -223,7 +223,8 @@ def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
     tensor of the list's dtype whole, and one of another dtype one tensor at a time); else ``b``
     itself."""
     is_tensor = isinstance(b, torch.Tensor)
-    if is_tensor and any(t.dim() == 0 and t.dtype != b.dtype for t in a.items):
+    plain = a.plain_dtype() if a.items else None  # no 0-dim tensor, none recorded by autograd: no loop
+    if is_tensor and plain is None and any(t.dim() == 0 and t.dtype != b.dtype for t in a.items):
         return None
     as_tensor, as_tensors = foreach in _AS_TENSOR, foreach in _AS_TENSORS
     if (
@@ -234,7 +235,7 @@ def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
     ):
         return b
     dtype = a.items[0].dtype
-    if dtype not in _CONVERTED_ONCE or any(t.dtype is not dtype or t.requires_grad for t in a.items):
+    if dtype not in _CONVERTED_ONCE or plain is None and any(t.dtype is not dtype or t.requires_grad for t in a.items):
         return b
     if not _converts_scalars_per_tensor(a.items[0].device):
         return b.to(dtype) if is_tensor and foreach in _TAKES_ONE_TENSOR else b
@@ -266,10 +267,10 @@ def _cpu_number(b: Any, a: "Leaves") -> Any:
         and a.items[0].device.type == "cpu"
     ):
         return b
-    dtype = a.items[0].dtype
-    if dtype not in _CONVERTED_ONCE or any(t.dtype is not dtype or t.requires_grad for t in a.items):
+    dtype, plain = a.items[0].dtype, a.plain_dtype()
+    if dtype not in _CONVERTED_ONCE or plain is None and any(t.dtype is not dtype or t.requires_grad for t in a.items):
         return b
-    if b.dtype != dtype and any(t.dim() == 0 for t in a.items):  # two 0-dim tensors: b's dtype may win
+    if b.dtype != dtype and plain is None and any(t.dim() == 0 for t in a.items):  # two 0-dim: b's dtype may win
         return b
     return b.to(dtype).item()
 
@@ -281,11 +282,15 @@ def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leave
     if foreach in _READ_AS_NUMBER:
         b = _cpu_number(b, a)
     if isinstance(b, Leaves):
-        return Leaves(foreach(a.items, _items(b, len(a.items)), **kwargs))
+        plain = a._known_plain()  # a result of a's dtype only where b's is the same
+        return Leaves(
+            foreach(a.items, _items(b, len(a.items)), **kwargs), plain=plain if plain is b._known_plain() else None
+        )
     if _is_scalar(b) or foreach in _TENSOR_OVERLOAD and _is_shared_scalar(b, a):
         operand = _scalar_operand(foreach, a, b)
-        if operand is not None:
-            return Leaves(foreach(a.items, operand, **kwargs))
+        if operand is not None:  # a number, or a 0-dim real tensor autograd does not record: a's dtype
+            keeps = not (isinstance(b, torch.Tensor) and b.requires_grad)
+            return Leaves(foreach(a.items, operand, **kwargs), plain=a._known_plain() if keeps else None)
     return _map(fallback, (a, b), kwargs)
 
 
@@ -331,6 +336,26 @@ def _is_shared_scalar(b: Any, a: "Leaves") -> bool:
     )
 
 
+def _facts_of(items: list) -> tuple:
+    """``(dtype, device, plain dtype)`` of tensors: each ``None`` where they do not share it; the
+    plain dtype where they share a floating-point dtype and a device, none is 0-dim and none
+    requires grad."""
+    if not items:
+        return (None, None, None)
+    dtype, device = items[0].dtype, items[0].device
+    same_dtype = same_device = True
+    plain = True
+    for t in items:
+        if t.dtype is not dtype:
+            same_dtype = plain = False
+        if t.device != device:
+            same_device = False
+        if plain and (t.dim() == 0 or t.requires_grad):
+            plain = False
+    plain = plain and same_device and dtype.is_floating_point  # ops with numbers keep it (an int's would not)
+    return (dtype if same_dtype else None, device if same_device else None, dtype if plain else None)
+
+
 class Leaves:
     """Tensors of one device and dtype, operated on together (module docstring).
 
@@ -338,18 +363,40 @@ class Leaves:
         items: the tensors.
     """
 
-    __slots__ = ("items", "given")
+    __slots__ = ("items", "given", "_facts")
 
-    def __init__(self, items: Sequence[torch.Tensor], given: Optional[list] = None) -> None:
+    def __init__(
+        self, items: Sequence[torch.Tensor], given: Optional[list] = None, plain: Optional[torch.dtype] = None
+    ) -> None:
         self.items = list(items)
         self.given = given  # state its caller gave up (:func:`updated`): where its overwrites are noted
+        # (dtype, device, plain dtype): what the tensors share, read once (_facts_of); ``plain`` given
+        # by an op whose result is known to be plain as its input was
+        self._facts: Optional[tuple] = (plain, self.items[0].device, plain) if plain is not None and items else None
 
     def __len__(self) -> int:
         return len(self.items)
 
     # ---- what the tensors share ---------------------------------------------------------------
 
+    def _shared(self) -> tuple:
+        if self._facts is None:
+            self._facts = _facts_of(self.items)
+        return self._facts
+
+    def _known_plain(self) -> Optional[torch.dtype]:
+        """:meth:`plain_dtype` where it is known already (else ``None``: not worked out here)."""
+        return self._facts[2] if self._facts is not None else None
+
+    def plain_dtype(self) -> Optional[torch.dtype]:
+        """The tensors' dtype where they share it, none of them is 0-dim and autograd records none
+        (the usual group, checked once per ``Leaves``); else ``None``."""
+        return self._shared()[2]
+
     def _common(self, name: str) -> Any:
+        shared = {"dtype": 0, "device": 1}.get(name)
+        if shared is not None and self._shared()[shared] is not None:
+            return self._shared()[shared]
         values = {getattr(t, name) for t in self.items}
         if len(values) != 1:
             raise PerTensorOnly(f"the tensors differ in {name}")
@@ -524,22 +571,22 @@ class Leaves:
         return low if max is None else low.clamp_max(max)
 
     def sqrt(self) -> "Leaves":
-        return Leaves(torch._foreach_sqrt(self.items))
+        return Leaves(torch._foreach_sqrt(self.items), plain=self._known_plain())
 
     def abs(self) -> "Leaves":
         return Leaves(torch._foreach_abs(self.items))
 
     def neg(self) -> "Leaves":
-        return Leaves(torch._foreach_neg(self.items))
+        return Leaves(torch._foreach_neg(self.items), plain=self._known_plain())
 
     def sign(self) -> "Leaves":
         return Leaves(torch._foreach_sign(self.items))
 
     def exp(self) -> "Leaves":
-        return Leaves(torch._foreach_exp(self.items))
+        return Leaves(torch._foreach_exp(self.items), plain=self._known_plain())
 
     def reciprocal(self) -> "Leaves":
-        return Leaves(torch._foreach_reciprocal(self.items))
+        return Leaves(torch._foreach_reciprocal(self.items), plain=self._known_plain())
 
     def to(self, *args: Any, **kwargs: Any) -> "Leaves":
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.dtype):  # a cast: as Tensor.to,
@@ -641,7 +688,11 @@ def updated(old: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
         mu = foreach.updated(s.mu, "lerp", g, 1 - b1)      # the new first moment
     """
-    if isinstance(old, Leaves) and old.given is not None and all(t.dim() for t in old.items):
+    if (
+        isinstance(old, Leaves)
+        and old.given is not None
+        and (old.plain_dtype() is not None or all(t.dim() for t in old.items))
+    ):
         old.given.append(method)
         getattr(old, method + "_")(*args, **kwargs)
         return old

@@ -59,7 +59,13 @@ A group keeps only the new state its transform returns, so it gives the old one 
 do (Adam's moments, ``mu.lerp_(g, 1 - b1)``: the same bits as the pure update, as torch.optim's
 in-place steps), so those entries of ``optimizer.state[p]`` are stepped in place (others, such
 as step counts, are replaced). As with torch.optim, an error raised part-way through a step may
-leave such state part-stepped.
+leave such state part-stepped. Where a group's transform is a chain ending in a multiplication
+by a number (``scale_by_learning_rate(lr)``, as most aliases' chains end; a number a scheduler
+wrote in is read then), ``step`` runs the links before it and adds their updates with that
+number as ``alpha`` (``p.add_(u, alpha=-lr)``, as torch.optim's steps): one pass fewer, and
+the product is not rounded apart (the bits of torch.optim's form, not of ``u * -lr`` added;
+``torch.compile(opt.step)`` traces the whole chain, so its numbers are the eager step's to a
+rounding).
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
@@ -106,8 +112,9 @@ from functional_bagua import checkpoint, kernels, ownership, tree
 from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates_
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
-from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number
+from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number, number_now
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
+from functional_bagua.transforms.scaling import scaled_tail
 from functional_bagua.transforms.schedule_free import (
     schedule_free_eval_params,
     schedule_free_states,
@@ -145,6 +152,7 @@ class _Group:
     written: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # assigned through .state
     kernel: Optional[tuple] = None  # (the factory's numbers, the kernel they give), see _kernel_of
     numbers: Optional[_Shown] = None  # a transform built with numbers: those its group shows
+    tail: Optional[tuple] = None  # (the transform, its scaled_tail), see _applied_scaled
 
 
 @dataclasses.dataclass
@@ -447,6 +455,8 @@ class Optimizer(torch.optim.Optimizer):
                 if scale is not None:
                     grads = _unscaled(grads, scale)
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
+            if _applied_scaled(ours, grads, state, params):
+                continue
             # the group keeps only the new state: the old one is given up (ownership module), so the
             # rules that can compute their new state in its tensors, as torch.optim's steps do
             updates, ours.state = ownership.update_giving_state(ours.tx, grads, state, params)
@@ -721,6 +731,27 @@ def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Te
         merged.append(fresh if j is None or old_leaves[j] is None else old_leaves[j])
     ours.state, ours.tracked, ours.layout = layout.spec.unflatten(merged), tracked, layout
     return ours.state
+
+
+def _applied_scaled(ours: _Group, grads: dict, state: OptState, params: dict) -> bool:
+    """Eagerly, where the group's transform is a chain ending in a multiplication by a number
+    (``scale_by_learning_rate``: :func:`~functional_bagua.transforms.scaling.scaled_tail`): the
+    links before it, their state given up, and their updates added to the parameters with the
+    number as ``alpha`` in the same pass (``p.add_(u, alpha=-lr)``, as torch.optim's steps),
+    instead of a pass scaling the updates and one adding them. True when it stepped so."""
+    if ours.tail is None or ours.tail[0] is not ours.tx:
+        ours.tail = (ours.tx, scaled_tail(ours.tx))
+    tail = ours.tail[1]
+    if tail is None or torch.compiler.is_compiling() or not isinstance(state, tuple):
+        return False
+    head, factor = tail
+    alpha = number_now(factor())
+    if alpha is None or any(g is not None and g.is_sparse for g in grads.values()):
+        return False
+    updates, head_state = ownership.update_giving_state(head, grads, state[:-1], params)
+    ours.state = (*head_state, state[-1])  # the last link's state: empty, as it was
+    apply_updates_(params, updates, alpha)
+    return True
 
 
 def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:

@@ -157,7 +157,9 @@ def test_a_scheduler_on_a_group_without_lr_names_the_forms_that_show_one():
 
 
 def test_a_compiled_step_over_groups_without_numbers_is_the_eager_one():
-    """torch.compile(opt.step) traces the groups (which name what they miss) as the eager step runs them."""
+    """torch.compile(opt.step) traces the groups (which name what they miss) as the eager step runs
+    them, to a rounding: eagerly the chain's last factor is added with ``alpha`` in one pass, the
+    traced step scales the updates, then adds them."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -169,18 +171,19 @@ def test_a_compiled_step_over_groups_without_numbers_is_the_eager_one():
             loss_fn(model(x), y).backward()
             step()
         runs.append(model)
-    assert_models_equal(*runs)
+    assert_models_close(*runs)
 
 
 def test_a_compiled_step_compiles_once_more_at_the_first_change_then_reads_the_tensor():
     """The first lr change builds the transform again with a tensor lr (one new graph); the
-    later ones are written into it (no new graph), and the run is the eager one."""
+    later ones are written into it (no new graph), and the run is the eager one (to a rounding:
+    eagerly the learning rate is added with ``alpha``, the traced step scales, then adds)."""
     with default_dtype(DTYPE):  # after step 2: the step after the first change
         eager, compiled, graphs, graphs_at_the_end = eager_and_compiled_runs(
             lambda model: fb.Optimizer(model.parameters(), fb.adamw(1e-2), fused=False), STEPS, DTYPE, graphs_after=2
         )
     assert graphs_at_the_end == graphs
-    assert_models_equal(eager, compiled)
+    assert_models_close(eager, compiled)
 
 
 def test_a_checkpoint_resumes_the_scheduled_run_bit_for_bit():

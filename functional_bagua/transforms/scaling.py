@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from functional_bagua.base import EmptyState, GradientTransformation, identity
+from functional_bagua.base import EmptyState, GradientTransformation, chain, identity
 from functional_bagua.numerics import zero_count
 from functional_bagua.schedules import (
     describe,
@@ -40,7 +40,43 @@ def scale(step_size: Union[float, torch.Tensor]) -> GradientTransformation:
     Returns:
         A stateless GradientTransformation.
     """
-    return stateless(lambda u, p: u * step_size, name="scale", in_place=lambda u, p: u.mul_(step_size))
+    tx = stateless(lambda u, p: u * step_size, name="scale", in_place=lambda u, p: u.mul_(step_size))
+    return factor_of(tx, lambda: step_size)
+
+
+def factor_of(tx: GradientTransformation, factor: Callable[[], Union[float, torch.Tensor]]) -> GradientTransformation:
+    """Record on ``tx`` (a stateless transform computing ``u = c * g``) the function giving its
+    factor ``c`` now (a tensor is read at every update), so that a caller adding the updates to
+    the parameters may take ``c`` into that pass (``p.add_(u, alpha=c)``, as torch.optim adds
+    ``-lr``) instead of running ``tx``: :class:`~functional_bagua.Optimizer` does, where ``tx``
+    ends a chain (:func:`scaled_tail`).
+
+    Args:
+        tx: the transform.
+        factor: ``c``, as a function of nothing.
+
+    Returns:
+        ``tx``.
+    """
+    tx.update.factor = factor  # type: ignore[attr-defined]
+    return tx
+
+
+def scaled_tail(tx: GradientTransformation) -> Optional[tuple[GradientTransformation, Callable[[], Any]]]:
+    """``(head, factor)`` where ``tx`` is a :func:`~functional_bagua.chain` whose last link is a
+    stateless multiplication by ``factor()`` (:func:`factor_of`): ``head`` chains the links
+    before it, whose state is ``tx``'s without the last (empty) one. ``None`` otherwise.
+
+    Args:
+        tx: a transform.
+    """
+    links = getattr(tx.update, "transforms", None)
+    if not links or len(links) < 2:
+        return None
+    factor = getattr(links[-1].update, "factor", None)
+    if factor is None:
+        return None
+    return chain(*links[:-1]), factor
 
 
 def negate_if(flag: bool) -> GradientTransformation:
@@ -134,6 +170,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
             name="scale_by_learning_rate",
             in_place=lambda u, p: u.mul_(sign * learning_rate),
         )
+        factor_of(tx, lambda: sign * learning_rate)
     else:
         tx = scale(sign * learning_rate)
     # how it was built: fb.Optimizer shows the number as its group's "lr" (functional_bagua.adjustable)
