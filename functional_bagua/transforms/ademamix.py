@@ -99,10 +99,10 @@ def scale_by_ademamix(
         if numbers is None:  # traced, or on a device: the factors as tensors
             denom = nu.sqrt().div(root_correction).add(eps)
             u = (mu / correction).add(mu_slow * weight).div(denom)
-        else:  # the same numbers, computed in the rule's own temporaries (no new tensor per operation)
+        else:  # as the reference, with numbers: in the rule's own temporaries, the weight as an alpha
             root_now, correction_now, weight_now, eps_now = numbers
             denom = nu.sqrt().div_(root_now).add_(eps_now)
-            u = (mu / correction_now).add_(mu_slow * weight_now).div_(denom)
+            u = (mu / correction_now).add_(mu_slow, alpha=weight_now).div_(denom)
         return u, ScaleByAdemamixState(count, mu, nu, mu_slow)
 
     return leafwise(ScaleByAdemamixState, init_leaf, update_leaf, name="scale_by_ademamix", fresh_updates=True)
