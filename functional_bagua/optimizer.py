@@ -63,9 +63,13 @@ leave such state part-stepped. Where a group's transform is a chain ending in a 
 by a number (``scale_by_learning_rate(lr)``, as most aliases' chains end; a number a scheduler
 wrote in is read then), ``step`` runs the links before it and adds their updates with that
 number as ``alpha`` (``p.add_(u, alpha=-lr)``, as torch.optim's steps): one pass fewer, and
-the product is not rounded apart (the bits of torch.optim's form, not of ``u * -lr`` added;
-``torch.compile(opt.step)`` traces the whole chain, so its numbers are the eager step's to a
-rounding).
+the product is not rounded apart (the bits of torch.optim's form, not of ``u * -lr`` added).
+A chain ending in :func:`~functional_bagua.schedule_free`'s averaging has it step the
+parameters ``y`` and its ``z`` in place as the ``schedulefree`` package does (``y.lerp_(z,
+c)``, ``y.add_(d, alpha=...)``, ``z.add_(d, alpha=-lr)``) where its tensors allow (dense
+float32 or float64 tensors of at least one dimension; else the pure update). Either way the
+parameters are the pure update's to a rounding, and ``torch.compile(opt.step)``, which traces
+the whole chain, gives the pure update's numbers.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
@@ -110,11 +114,10 @@ import torch
 
 from functional_bagua import checkpoint, kernels, ownership, tree
 from functional_bagua.adjustable import Adjustable
-from functional_bagua.base import GradientTransformation, OptState, apply_updates_
+from functional_bagua.base import GradientTransformation, OptState, apply_updates_, chain
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
 from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number, number_now
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
-from functional_bagua.transforms.scaling import scaled_tail
 from functional_bagua.transforms.schedule_free import (
     schedule_free_eval_params,
     schedule_free_states,
@@ -152,7 +155,7 @@ class _Group:
     written: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # assigned through .state
     kernel: Optional[tuple] = None  # (the factory's numbers, the kernel they give), see _kernel_of
     numbers: Optional[_Shown] = None  # a transform built with numbers: those its group shows
-    tail: Optional[tuple] = None  # (the transform, its scaled_tail), see _applied_scaled
+    tail: Optional[tuple] = None  # (the transform, its _tail_of), see _applied_by_its_last_link
 
 
 @dataclasses.dataclass
@@ -455,7 +458,7 @@ class Optimizer(torch.optim.Optimizer):
                 if scale is not None:
                     grads = _unscaled(grads, scale)
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
-            if _applied_scaled(ours, grads, state, params):
+            if _applied_by_its_last_link(ours, grads, state, params):
                 continue
             # the group keeps only the new state: the old one is given up (ownership module), so the
             # rules that can compute their new state in its tensors, as torch.optim's steps do
@@ -733,25 +736,53 @@ def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Te
     return ours.state
 
 
-def _applied_scaled(ours: _Group, grads: dict, state: OptState, params: dict) -> bool:
-    """Eagerly, where the group's transform is a chain ending in a multiplication by a number
-    (``scale_by_learning_rate``: :func:`~functional_bagua.transforms.scaling.scaled_tail`): the
-    links before it, their state given up, and their updates added to the parameters with the
-    number as ``alpha`` in the same pass (``p.add_(u, alpha=-lr)``, as torch.optim's steps),
-    instead of a pass scaling the updates and one adding them. True when it stepped so."""
+def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params: dict) -> bool:
+    """Eagerly, where the group's transform is a chain whose last link adds itself into the
+    parameters (:func:`_tail_of`): the links before it, their state given up, then the last
+    link's step written into the parameters: the updates added with its number as ``alpha``
+    (``scale_by_learning_rate``: ``p.add_(u, alpha=-lr)``, as torch.optim's steps, instead of a
+    pass scaling the updates and one adding them), or its own ``apply_in_place`` (schedule-free's
+    ``y`` and ``z`` stepped in place, as the reference steps them), and where that declines, the
+    link as the chain runs it. True when it stepped so."""
     if ours.tail is None or ours.tail[0] is not ours.tx:
-        ours.tail = (ours.tx, scaled_tail(ours.tx))
+        ours.tail = (ours.tx, _tail_of(ours.tx))
     tail = ours.tail[1]
     if tail is None or torch.compiler.is_compiling() or not isinstance(state, tuple):
         return False
-    head, factor = tail
-    alpha = number_now(factor())
-    if alpha is None or any(g is not None and g.is_sparse for g in grads.values()):
+    if any(g is not None and g.is_sparse for g in grads.values()):
         return False
+    head, last = tail
+    factor = getattr(last.update, "factor", None)
+    alpha = number_now(factor()) if factor is not None else None
+    if factor is not None and alpha is None:
+        return False  # a rate held on a device: the chain as it is
     updates, head_state = ownership.update_giving_state(head, grads, state[:-1], params)
-    ours.state = (*head_state, state[-1])  # the last link's state: empty, as it was
-    apply_updates_(params, updates, alpha)
+    if alpha is not None:
+        apply_updates_(params, updates, alpha)
+        ours.state = (*head_state, state[-1])  # the scaling link's state: empty, as it was
+        return True
+    last_state = last.update.apply_in_place(updates, state[-1], params)
+    if last_state is None:  # declined: the link as the chain would run it, on the head's updates
+        with ownership.giving_state(last.update):
+            owned = ownership.returns_fresh_updates(head)
+            updates, last_state = ownership.update_owning(last, owned, updates, state[-1], params)
+        apply_updates_(params, updates)
+    ours.state = (*head_state, last_state)
     return True
+
+
+def _tail_of(tx: GradientTransformation) -> Optional[tuple[GradientTransformation, GradientTransformation]]:
+    """``(head, last)`` where ``tx`` is a chain whose last link adds itself into the parameters: a
+    multiplication by a number (``update.factor``:
+    :func:`~functional_bagua.transforms.scaling.factor_of`) or a link with ``update.apply_in_place``
+    (its state and the parameters given up); ``head`` chains the links before it. ``None`` otherwise."""
+    links = getattr(tx.update, "transforms", None)
+    if not links or len(links) < 2:
+        return None
+    last = links[-1]
+    if getattr(last.update, "factor", None) is None and getattr(last.update, "apply_in_place", None) is None:
+        return None
+    return chain(*links[:-1]), last
 
 
 def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:

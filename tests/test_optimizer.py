@@ -1068,3 +1068,33 @@ def test_a_chain_ending_in_its_learning_rate_adds_the_direction_with_alpha_in_on
         p.grad = g.clone()
         opt.step()
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=0)
+
+
+def test_schedule_free_steps_y_and_z_in_place_as_the_reference_writes_them():
+    """fb.Optimizer over schedule_free_sgd (no warmup, r = 0, weight_lr_power = 2) steps y (the
+    parameters) and z in place as the schedulefree package writes its step:
+    ``y.lerp_(z, c); y.add_(g, alpha=lr (b1 (1 - c) - 1)); z.add_(g, alpha=-lr)`` with
+    ``c = w_t / sum w`` (``w = lr^2``): those three operations' bits (float32, enough elements
+    that the pure update, which forms ``u = c (z - y) + ...`` and adds it, would differ)."""
+    lr, b1 = 0.5, 0.9
+    gen = seeded(5)
+    start = torch.randn(4096, generator=gen, dtype=torch.float32).to(DEVICE)
+    grads = [torch.randn(4096, generator=gen, dtype=torch.float32).to(DEVICE) for _ in range(4)]
+    p = torch.nn.Parameter(start.clone())
+    opt = fb.Optimizer([p], fb.schedule_free_sgd(lr, momentum=b1))
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    if torch.device(DEVICE).type != "cpu":
+        return  # on a device the factors stay tensors there (never read back): the pure update runs
+    y, z, weight_sum = start.clone(), start.clone(), 0.0
+    for t, g in enumerate(grads, 1):
+        weight = (float(t) ** 0.0) * lr**2.0
+        weight_sum += weight
+        c = weight / weight_sum
+        y.lerp_(z, c)
+        y.add_(g, alpha=lr * (b1 * (1 - c) - 1))
+        z.add_(g, alpha=-lr)
+    assert torch.equal(p.detach(), y)
+    opt.eval()  # x = lerp(y, z, 1 - 1/b1): z was stepped as written above
+    torch.testing.assert_close(p.detach(), torch.lerp(y, z, 1 - 1 / b1), rtol=1e-6, atol=1e-6)

@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from functional_bagua.base import EmptyState, GradientTransformation, chain, identity
+from functional_bagua.base import EmptyState, GradientTransformation, identity
 from functional_bagua.numerics import zero_count
 from functional_bagua.schedules import (
     describe,
@@ -49,7 +49,7 @@ def factor_of(tx: GradientTransformation, factor: Callable[[], Union[float, torc
     factor ``c`` now (a tensor is read at every update), so that a caller adding the updates to
     the parameters may take ``c`` into that pass (``p.add_(u, alpha=c)``, as torch.optim adds
     ``-lr``) instead of running ``tx``: :class:`~functional_bagua.Optimizer` does, where ``tx``
-    ends a chain (:func:`scaled_tail`).
+    ends a chain.
 
     Args:
         tx: the transform.
@@ -60,23 +60,6 @@ def factor_of(tx: GradientTransformation, factor: Callable[[], Union[float, torc
     """
     tx.update.factor = factor  # type: ignore[attr-defined]
     return tx
-
-
-def scaled_tail(tx: GradientTransformation) -> Optional[tuple[GradientTransformation, Callable[[], Any]]]:
-    """``(head, factor)`` where ``tx`` is a :func:`~functional_bagua.chain` whose last link is a
-    stateless multiplication by ``factor()`` (:func:`factor_of`): ``head`` chains the links
-    before it, whose state is ``tx``'s without the last (empty) one. ``None`` otherwise.
-
-    Args:
-        tx: a transform.
-    """
-    links = getattr(tx.update, "transforms", None)
-    if not links or len(links) < 2:
-        return None
-    factor = getattr(links[-1].update, "factor", None)
-    if factor is None:
-        return None
-    return chain(*links[:-1]), factor
 
 
 def negate_if(flag: bool) -> GradientTransformation:

@@ -159,25 +159,51 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         c = torch.where(weight_sum > 0, weight / torch.where(weight_sum > 0, weight_sum, 1.0), 0.0)
         along = lr_t * (b1 * (1 - c) - 1)  # the weight of d in u
         b1_now = torch.full_like(state.b1, b1) if is_number(b1) else torch.zeros_like(state.b1) + b1
-        return (count, lr_max, weight_sum, b1_now), _stepped_with(_read(c), _read(along), _read(-lr_t))
+        return (count, lr_max, weight_sum, b1_now), (_read(c), _read(along), _read(-lr_t))
 
     def update(
         d: PyTree, state: ScheduleFreeState, params: Optional[PyTree] = None
     ) -> tuple[PyTree, ScheduleFreeState]:
         if params is None:
             raise ValueError("schedule_free needs the parameters: call update(grads, state, params)")
-        (count, lr_max, weight_sum, b1_now), step = numbers(state)
+        (count, lr_max, weight_sum, b1_now), factors = numbers(state)
+        step = _stepped_with(*factors)
         with ownership.giving_state(step.update if ownership.state_given_to(update) else None):  # z
             u, iterate = step.update(d, _BaseIterate(state.z), params)
         return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
 
     def on_lists(x: LeafLists, state: ScheduleFreeState, overwrite: bool) -> tuple[list, ScheduleFreeState]:
         """The same on a chain's checked lists (:mod:`functional_bagua.leaf_lists`)."""
-        (count, lr_max, weight_sum, b1_now), step = numbers(state)
+        (count, lr_max, weight_sum, b1_now), factors = numbers(state)
+        step = _stepped_with(*factors)
         with ownership.giving_state(step.update if ownership.state_given_to(update) else None):  # z
-            u, iterate = step.update.on_lists(x, _BaseIterate(state.z), overwrite)
+            u, iterate = step.update.on_lists(x, _BaseIterate(state.z), overwrite)  # type: ignore[attr-defined]
         return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
 
+    def apply_in_place(d: PyTree, state: ScheduleFreeState, params: PyTree) -> Optional[ScheduleFreeState]:
+        """The step written into ``params`` (``y``) and the state's ``z``, both given up by the
+        caller, as the reference steps them: ``y <- lerp(y, z, c) + along d``, ``z <- z - lr_t d``
+        (three multi-tensor ops, nothing new); ``None``, nothing changed, where the factors are
+        not numbers now (traced, on a device) or the tensors with a direction are not dense
+        float32 or float64 tensors of one dtype and device, of at least one dimension
+        (``ownership`` module)."""
+        (count, lr_max, weight_sum, b1_now), (c, along, minus_lr) = numbers(state)
+        if not (is_number(c) and is_number(along) and is_number(minus_lr)):
+            return None
+        d_leaves, spec = tree.flatten(d)
+        ys = tree.leaves_matching(spec, params, "updates", "params")
+        zs = tree.leaves_matching(spec, state.z, "updates", "the state's z")
+        present = [i for i, g in enumerate(d_leaves) if g is not None]
+        tensors = [t for i in present for t in (d_leaves[i], ys[i], zs[i])]
+        if not tensors or not _steppable_in_place(tensors):
+            return None
+        picked_ys, picked_zs, picked_ds = ([column[i] for i in present] for column in (ys, zs, d_leaves))
+        torch._foreach_lerp_(picked_ys, picked_zs, c)
+        torch._foreach_add_(picked_ys, picked_ds, alpha=along)
+        torch._foreach_add_(picked_zs, picked_ds, alpha=minus_lr)
+        return ScheduleFreeState(count, lr_max, weight_sum, state.z, b1_now)
+
+    update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
     update.on_lists = on_lists  # type: ignore[attr-defined]
     update.input_name = "schedule_free"  # type: ignore[attr-defined]
     update.needs_params = True  # type: ignore[attr-defined]
@@ -202,6 +228,25 @@ def _stepped_with(c: Scalar, along: Scalar, minus_lr: Scalar) -> GradientTransfo
         return u, _BaseIterate(z)
 
     return leafwise(_BaseIterate, init_leaf, update_leaf, name="schedule_free", needs_params=True, fresh_updates=True)
+
+
+def _steppable_in_place(tensors: list) -> bool:
+    """Whether ``tensors`` are dense float32 or float64 tensors of one dtype and device, none 0-dim
+    nor recorded by autograd, none sharing memory with another (what ``apply_in_place`` steps)."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or first.dtype not in (torch.float32, torch.float64):
+        return False
+    for t in tensors:
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.dtype is first.dtype
+            and t.device == first.device
+            and t.layout is torch.strided
+            and t.dim() > 0
+            and not t.requires_grad
+        ):
+            return False
+    return len({t.data_ptr() for t in tensors}) == len(tensors)
 
 
 def _on_device_of(x: Any, like: Any) -> Any:
