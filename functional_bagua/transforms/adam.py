@@ -43,6 +43,7 @@ from functional_bagua.foreach import updated
 from functional_bagua.numerics import (
     as_scalar,
     eager_number,
+    eager_numbers,
     holds_scalar_tensors,
     is_number,
     lerp_weight,
@@ -216,8 +217,13 @@ def scale_by_bias_corrected_rms(b2: float = 0.999, eps: float = 1e-8) -> Gradien
         g: torch.Tensor, s: ScaleByBiasCorrectedRmsState, p: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, ScaleByBiasCorrectedRmsState]:
         count = s.count + 1
+        correction = bias_correction(b2, as_scalar(count))
+        numbers = eager_numbers((correction, eps), g)  # before nu is overwritten
         nu = second_moment(s.nu, g, b2)
-        denom = nu.div(bias_correction(b2, as_scalar(count))).sqrt().add(eps)
+        if numbers is None:  # traced, or on a device: the factors as tensors
+            denom = nu.div(correction).sqrt().add(eps)
+        else:  # the same numbers, in one new tensor (the reference's three passes)
+            denom = nu.div(numbers[0]).sqrt_().add_(numbers[1])
         return g / denom, ScaleByBiasCorrectedRmsState(count, nu)
 
     return leafwise(

@@ -40,7 +40,7 @@ import torch
 
 from functional_bagua import checks, foreach, layout_context, ownership, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, eager_numbers, is_number, zero_count
 from functional_bagua.tree import PyTree
 
 Scalar = Union[float, torch.Tensor]
@@ -121,6 +121,23 @@ def _decayed_plus(old: Any, decay: Scalar, added: Any) -> Any:
     """``old * decay + added`` (``decay`` in ``added``'s dtype), the new value of the state tensor
     ``old``: computed in it where its caller gave it up (:func:`~functional_bagua.foreach.updated`)."""
     return foreach.updated(old, "mul", _factor(decay, added)).add_(added)
+
+
+def _moments_with_numbers(g: Any, olds: tuple, decays: tuple, factors: tuple, squared: tuple) -> Optional[tuple]:
+    """``old * decay + factor * g`` (``g * g`` where ``squared``) for each ``old`` of ``olds``, as
+    the references write them (``mu.mul_(b1).add_(g, alpha=...)``, ``nu.mul_(b2).addcmul_(g, g,
+    value=...)``), in the old tensors where their caller gave them up, eagerly, where every
+    decay and factor is a number now (:func:`~functional_bagua.numerics.eager_numbers`, read
+    before anything is overwritten); else ``None``."""
+    numbers = eager_numbers((*decays, *factors), g)
+    if numbers is None:
+        return None
+    n = len(olds)
+    out = []
+    for old, decay, factor, square in zip(olds, numbers[:n], numbers[n:], squared):
+        kept = foreach.updated(old, "mul", decay)
+        out.append(kept.addcmul_(g, g, value=factor) if square else kept.add_(g, alpha=factor))
+    return tuple(out)
 
 
 def _leaves(spec: Any, field: PyTree) -> list[Any]:
@@ -219,6 +236,12 @@ def scale_by_prodigy(
         accumulate = (d / d0) * (d if safeguard_warmup else dlr)
 
         def moments(g: Any, mu: Any, nu: Any, s: Any) -> tuple:
+            if stepping is None:  # eagerly with numbers: the reference's fused forms
+                fused = _moments_with_numbers(
+                    g, (mu, nu, s), (b1, b2, beta3), (d * (1 - b1), d * d * (1 - b2), accumulate), (False, True, False)
+                )
+                if fused is not None:
+                    return fused
             return (
                 _kept_unless(stepping, _decayed_plus(mu, b1, g * _factor(d * (1 - b1), g)), mu),
                 _kept_unless(stepping, _decayed_plus(nu, b2, g * g * _factor(d * d * (1 - b2), g)), nu),
@@ -241,6 +264,13 @@ def scale_by_prodigy(
 
         def step(g: Any, mu: Any, nu: Any, p: Any) -> Any:
             momentum = g * _factor(new_d, g) if without_momentum else mu
+            numbers = eager_numbers((new_d * eps, weight_decay, step_size), g)
+            if numbers is not None:  # eagerly: no decay term at 0 (as the reference), an alpha else
+                eps_now, decay_now, step_now = numbers
+                direction = momentum / nu.sqrt().add_(eps_now)
+                if decay_now != 0:
+                    direction.add_(p, alpha=decay_now)
+                return direction.mul_(step_now)
             direction = momentum / nu.sqrt().add_(_factor(new_d * eps, g))  # in place on new tensors
             return direction.add_(p * _factor(weight_decay, g)).mul_(_factor(step_size, g))
 
@@ -319,6 +349,16 @@ def scale_by_dadapt_adam(
         numerator = state.numerator * sqrt_b2 + (1 - sqrt_b2) * (dlr * _total(list(dots.values()), d.device))
 
         def moments(g: Any, mu: Any, nu: Any, s: Any) -> tuple:
+            if stepping is None:  # eagerly with numbers: the reference's fused forms
+                fused = _moments_with_numbers(
+                    g,
+                    (mu, nu, s),
+                    (b1, b2, sqrt_b2),
+                    (dlr * (1 - b1), 1 - b2, dlr * (1 - sqrt_b2)),
+                    (False, True, False),
+                )
+                if fused is not None:
+                    return fused
             return (
                 _kept_unless(stepping, _decayed_plus(mu, b1, g * _factor(dlr * (1 - b1), g)), mu),
                 _kept_unless(stepping, _decayed_plus(nu, b2, g * g * _factor(1 - b2, g)), nu),
@@ -338,6 +378,13 @@ def scale_by_dadapt_adam(
         decay = dlr * weight_decay
 
         def step(g: Any, mu: Any, nu: Any, p: Any) -> Any:
+            numbers = eager_numbers((eps, decay, active.to(SCALAR_DTYPE)), g)
+            if numbers is not None:  # eagerly: no decay term at 0 (as the reference), an alpha else
+                eps_now, decay_now, active_now = numbers
+                u = mu / nu.sqrt().add_(eps_now)
+                if decay_now != 0:
+                    u.add_(p, alpha=decay_now)
+                return u if active_now == 1 else u.mul_(active_now)
             u = (mu / nu.sqrt().add_(_factor(eps, g))).add_(p * _factor(decay, g))  # in place on new tensors
             return u.mul_(_factor(active.to(SCALAR_DTYPE), g))
 
