@@ -336,6 +336,16 @@ def _is_shared_scalar(b: Any, a: "Leaves") -> bool:
     )
 
 
+LARGE_TENSOR = 1 << 16  # elements: a pass over a tensor this large costs more than a call per tensor
+
+
+def _large(items: list) -> bool:
+    """Whether ``items`` average :data:`LARGE_TENSOR` elements or more: a loop of single-tensor
+    ops that fuses two passes into one (``clamp_(min, max)``) then costs less than the second
+    multi-tensor op (torch has no multi-tensor clamp with both bounds)."""
+    return bool(items) and sum(t.numel() for t in items) >= LARGE_TENSOR * len(items)
+
+
 def _facts_of(items: list) -> tuple:
     """``(dtype, device, plain dtype)`` of tensors: each ``None`` where they do not share it; the
     plain dtype where they share a floating-point dtype and a device, none is 0-dim and none
@@ -537,6 +547,10 @@ class Leaves:
         if min is None and max is None or not all(v is None or _is_scalar(v) for v in (min, max)):
             for t, low, high in zip(self.items, _items(min, len(self)), _items(max, len(self))):
                 t.clamp_(low, high)
+            return self
+        if min is not None and max is not None and _large(self.items):  # one pass each: the calls cost less
+            for t in self.items:
+                t.clamp_(min, max)
             return self
         if min is not None:
             torch._foreach_clamp_min_(self.items, min)

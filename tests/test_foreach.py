@@ -354,3 +354,17 @@ def test_newer_first_order_aliases_give_the_same_bits_grouped_and_per_tensor(ali
     settings = NEWER_FIRST_ORDER.get(alias, dict(weight_decay=0.1))
     grouped, single = both_paths(alias(**settings), params, steps)
     assert_trees_equal(grouped, single)
+
+
+def test_clamp_in_place_with_both_bounds_gives_the_single_tensor_bits_small_or_large():
+    """Leaves.clamp_(lo, hi): two multi-tensor clamps for small tensors, one single-tensor
+    clamp_ per tensor for large ones (one pass instead of two); both the bits of t.clamp(lo, hi),
+    NaN kept."""
+    gen = seeded(4)
+    for n in (7, foreach.LARGE_TENSOR + 3):
+        tensors = [torch.randn(n, generator=gen) * 3 for _ in range(3)]
+        tensors[0][1] = float("nan")
+        expected = [t.clamp(-1.5, 1.25) for t in tensors]
+        got = foreach.Leaves([t.clone() for t in tensors]).clamp_(-1.5, 1.25).items
+        for e, g in zip(expected, got):
+            assert torch.equal(e.nan_to_num(7.0), g.nan_to_num(7.0)) and bool(g.isnan().any()) == bool(e.isnan().any())
