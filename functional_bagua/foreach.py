@@ -531,6 +531,10 @@ class Leaves:
                 t.addcdiv_(a, b, value=value)
         return self
 
+    def sqrt_(self) -> "Leaves":
+        torch._foreach_sqrt_(self.items)
+        return self
+
     def neg_(self) -> "Leaves":
         torch._foreach_neg_(self.items)
         return self
