@@ -202,18 +202,25 @@ def eager_number(x: Any, like: Any) -> Optional[float]:
         x: the hyperparameter.
         like: the tensors it is applied to.
     """
-    dtype = getattr(like, "dtype", None)
     if (
         isinstance(x, torch.Tensor)
         and x.dim() == 0
         and x.device.type == "cpu"
         and x.is_floating_point()
-        and dtype in (torch.float32, torch.float64)
+        and _reads_numbers_beside(like)
+    ):
+        return x.to(like.dtype).item()
+    return None
+
+
+def _reads_numbers_beside(like: Any) -> bool:
+    """Whether :func:`eager_number` reads a CPU tensor as a number beside ``like``: eagerly, beside
+    float32 or float64 CPU tensors."""
+    return (
+        getattr(like, "dtype", None) in (torch.float32, torch.float64)
         and like.device.type == "cpu"
         and not torch.compiler.is_compiling()
-    ):
-        return x.to(dtype).item()
-    return None
+    )
 
 
 def eager_numbers(values: Sequence[Any], like: Any) -> Optional[list[float]]:
@@ -236,6 +243,8 @@ def eager_numbers(values: Sequence[Any], like: Any) -> Optional[list[float]]:
     out = []
     for value in values:
         if isinstance(value, foreach.Leaves):
+            if not _reads_numbers_beside(like):
+                return None  # no tensor is read as a number beside these: no need to compare them
             value = _the_one_value(value)
         number = value if is_number(value) else eager_number(value, like)
         if number is None:

@@ -744,12 +744,14 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
     pass scaling the updates and one adding them), or its own ``apply_in_place`` (schedule-free's
     ``y`` and ``z`` stepped in place, as the reference steps them), and where that declines, the
     link as the chain runs it. True when it stepped so."""
+    if torch.compiler.is_compiling() or not isinstance(state, tuple):
+        return False  # traced: the whole chain (nothing built while tracing)
+    if any(g is not None and g.is_sparse for g in grads.values()):
+        return False
     if ours.tail is None or ours.tail[0] is not ours.tx:
         ours.tail = (ours.tx, _tail_of(ours.tx))
     tail = ours.tail[1]
-    if tail is None or torch.compiler.is_compiling() or not isinstance(state, tuple):
-        return False
-    if any(g is not None and g.is_sparse for g in grads.values()):
+    if tail is None:
         return False
     head, last = tail
     factor = getattr(last.update, "factor", None)
@@ -757,16 +759,21 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
     if factor is not None and alpha is None:
         return False  # a rate held on a device: the chain as it is
     updates, head_state = ownership.update_giving_state(head, grads, state[:-1], params)
+    # the new state kept before the parameters move: a raise past here leaves no stepped moment
+    # beside an old count
     if alpha is not None:
-        apply_updates_(params, updates, alpha)
         ours.state = (*head_state, state[-1])  # the scaling link's state: empty, as it was
+        apply_updates_(params, updates, alpha)
         return True
+    ours.state = (*head_state, state[-1])
     last_state = last.update.apply_in_place(updates, state[-1], params)
     if last_state is None:  # declined: the link as the chain would run it, on the head's updates
         with ownership.giving_state(last.update):
             owned = ownership.returns_fresh_updates(head)
             updates, last_state = ownership.update_owning(last, owned, updates, state[-1], params)
+        ours.state = (*head_state, last_state)
         apply_updates_(params, updates)
+        return True
     ours.state = (*head_state, last_state)
     return True
 

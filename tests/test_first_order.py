@@ -405,6 +405,22 @@ def test_compiled_updates_equal_eager_ones():
                 torch.testing.assert_close(got[k], want[k], rtol=1e-13, atol=1e-15, msg=lambda m: f"{name} {k}: {m}")
 
 
+@pytest.mark.cpu_only("the factors are read as numbers on the CPU only; a device keeps them as tensors")
+def test_adopt_s_second_moment_in_float32_is_the_reference_s_bit_for_bit():
+    """``nu.mul_(b2).addcmul_(g, g, value=1 - b2)`` as torch-adopt writes it, the weight
+    ``1 - b2`` rounded once to float32 (not ``1 - fl32(b2)``)."""
+    gen = seeded(9)
+    grads = [torch.randn(1000, generator=gen) for _ in range(3)]
+    tx, params = fb.scale_by_adopt(b2=0.9999), {"p": torch.zeros(1000)}
+    state = tx.init(params)
+    expected = torch.zeros(1000).addcmul_(grads[0], grads[0])  # the first step only takes g^2
+    for i, g in enumerate(grads):
+        _, state = tx.update({"p": g}, state, params)
+        if i > 0:
+            expected.mul_(0.9999).addcmul_(g, g, value=1 - 0.9999)
+    assert torch.equal(state.nu["p"], expected)
+
+
 def test_inductor_compiled_in_place_steps_over_flat_buffers_equal_the_eager_ones():
     """fuse_inplace(kernel="compiled"): inductor's generated code for the schedule-free averaging,
     ADOPT's first-step masking and Prodigy's global sums, writing into the buffers, against the

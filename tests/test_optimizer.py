@@ -1098,3 +1098,27 @@ def test_schedule_free_steps_y_and_z_in_place_as_the_reference_writes_them():
     assert torch.equal(p.detach(), y)
     opt.eval()  # x = lerp(y, z, 1 - 1/b1): z was stepped as written above
     torch.testing.assert_close(p.detach(), torch.lerp(y, z, 1 - 1 / b1), rtol=1e-6, atol=1e-6)
+
+
+def test_schedule_free_steps_the_pure_update_where_its_tensors_cannot_step_in_place():
+    """A group holding a 0-dim parameter (or one without a gradient this step, beside the
+    others): the averaging declines to step in place (it takes tensors of at least one
+    dimension) and the group runs the pure update, bit for bit; the parameter without a
+    gradient stays where it is."""
+    gen = seeded(6)
+    shapes = [(), (7,), (3, 4)]
+    start = [torch.randn(s, generator=gen, dtype=torch.float32).to(DEVICE) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float32).to(DEVICE) for s in shapes] for _ in range(3)]
+    grads[1][1] = None
+    tensors = [torch.nn.Parameter(v.clone()) for v in start]
+    opt = fb.Optimizer(tensors, fb.schedule_free_adamw(1e-2, warmup_steps=1))
+    tx, params = fb.schedule_free_adamw(1e-2, warmup_steps=1), {i: v.clone() for i, v in enumerate(start)}
+    state = tx.init(params)
+    for step in grads:
+        for p, g in zip(tensors, step):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+        updates, state = tx.update(dict(enumerate(step)), state, params)
+        params = fb.apply_updates(params, updates)
+    for i, p in enumerate(tensors):
+        assert torch.equal(p.detach(), params[i]), i

@@ -86,7 +86,7 @@ def scale_by_adopt(
         steps_before = as_scalar(s.count)
         later = (s.count > 0).to(steps_before.dtype)  # 0 at the first step, which only initializes v
         kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
-        numbers = eager_numbers((later, kept), g)  # before any state is overwritten
+        numbers = eager_numbers((later, kept, 1 - kept), g)  # before any state is overwritten
         normalized = g / s.nu.sqrt().clamp_min_(eps)  # in place on the new tensors: the same bits
         if clip is not None:  # c(0) = 0 at the first step: nothing of g / eps enters the momentum
             bound = clip(steps_before)
@@ -99,7 +99,7 @@ def scale_by_adopt(
         if numbers is None:  # traced, or on a device: s.nu * kept + g g (1 - kept)
             nu = updated(s.nu, "mul", kept).add_(g * g * (1 - kept))
         else:  # eagerly on the CPU, as the reference: two passes, in the state's memory where it is given up
-            nu = updated(s.nu, "mul", numbers[1]).addcmul_(g, g, value=1 - numbers[1])
+            nu = updated(s.nu, "mul", numbers[1]).addcmul_(g, g, value=numbers[2])  # 1 - b2 rounded once
         u = mu if not decays or eager_number(weight_decay, mu) == 0 else mu + cast(torch.Tensor, p) * weight_decay
         if numbers is not None and numbers[0] == 1:  # a later step, known eagerly: no pass multiplying by 1
             return u, ScaleByAdoptState(s.count + 1, mu, nu)
