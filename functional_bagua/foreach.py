@@ -324,6 +324,19 @@ def _clamp_in_place(foreach: Callable[..., Any], method: str, a: "Leaves", bound
     return a
 
 
+def _pointwise_in_place(
+    foreach: Callable[..., Any], method: str, a: "Leaves", t1: Any, t2: Any, value: Any
+) -> "Leaves":
+    """``a += value * (t1 <op> t2)`` in place (``addcmul_``, ``addcdiv_``): ``foreach`` for tensors
+    and a number ``value``, else the tensor method on each."""
+    if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
+        foreach(a.items, t1.items, t2.items, value)
+    else:
+        for t, x, y in zip(a.items, _items(t1, len(a)), _items(t2, len(a))):
+            getattr(t, method)(x, y, value=value)
+    return a
+
+
 def _is_shared_scalar(b: Any, a: "Leaves") -> bool:
     """Whether ``b`` is a 0-dim real tensor on the device of ``a``'s tensors (each op then treats
     it as the single-tensor op does: no promotion of ``a``'s dtype by a wider ``b``)."""
@@ -516,20 +529,10 @@ class Leaves:
         return _binary_in_place(torch._foreach_div_, "div_", self, other)
 
     def addcmul_(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
-        if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
-            torch._foreach_addcmul_(self.items, t1.items, t2.items, value)
-        else:
-            for t, a, b in zip(self.items, _items(t1, len(self)), _items(t2, len(self))):
-                t.addcmul_(a, b, value=value)
-        return self
+        return _pointwise_in_place(torch._foreach_addcmul_, "addcmul_", self, t1, t2, value)
 
     def addcdiv_(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
-        if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
-            torch._foreach_addcdiv_(self.items, t1.items, t2.items, value)
-        else:
-            for t, a, b in zip(self.items, _items(t1, len(self)), _items(t2, len(self))):
-                t.addcdiv_(a, b, value=value)
-        return self
+        return _pointwise_in_place(torch._foreach_addcdiv_, "addcdiv_", self, t1, t2, value)
 
     def sqrt_(self) -> "Leaves":
         torch._foreach_sqrt_(self.items)
@@ -869,13 +872,18 @@ def _shared_or_leaves(picked: list) -> Any:
         and (first.dtype == torch.float64 or not (first.is_floating_point() or first.is_complex()))
         and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype for t in picked)
     )
-    if uniform:
-        stacked = torch.stack(picked)
-        if first.is_floating_point():  # equal bits: 0.0 and -0.0 compare equal, but are not the same
-            stacked = stacked.view(torch.int64)
-        if bool((stacked == stacked[0]).all()):
-            return first
+    if uniform and same_bits(picked):
+        return first
     return Leaves(picked)
+
+
+def same_bits(scalars: Sequence[torch.Tensor]) -> bool:
+    """Whether 0-dim tensors of one dtype and device all hold the same bits (0.0 and -0.0 compare
+    equal, but are not the same), in one comparison of them stacked."""
+    stacked = torch.stack(list(scalars))
+    if stacked.is_floating_point():
+        stacked = stacked.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[stacked.element_size()])
+    return bool((stacked == stacked[0]).all())
 
 
 def _as_lists(result: Any, n: int) -> Any:

@@ -261,9 +261,6 @@ def _the_one_value(scalars: "foreach.Leaves") -> Any:
         return scalars
     if torch.compiler.is_compiling():
         return scalars
-    stacked = torch.stack(items)
-    if stacked.is_floating_point():
-        stacked = stacked.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[stacked.element_size()])
-    if not bool((stacked == stacked[0]).all()):
+    if not foreach.same_bits(items):
         raise foreach.PerTensorOnly("per-tensor scalars that differ between the tensors: one tensor at a time")
     return items[0]

@@ -760,21 +760,20 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         return False  # a rate held on a device: the chain as it is
     updates, head_state = ownership.update_giving_state(head, grads, state[:-1], params)
     # the new state kept before the parameters move: a raise past here leaves no stepped moment
-    # beside an old count
+    # beside an old count (a scaling link's own state is empty: kept as it was)
+    ours.state = (*head_state, state[-1])
     if alpha is not None:
-        ours.state = (*head_state, state[-1])  # the scaling link's state: empty, as it was
         apply_updates_(params, updates, alpha)
         return True
-    ours.state = (*head_state, state[-1])
     last_state = last.update.apply_in_place(updates, state[-1], params)
-    if last_state is None:  # declined: the link as the chain would run it, on the head's updates
+    declined = last_state is None
+    if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(last.update):
             owned = ownership.returns_fresh_updates(head)
             updates, last_state = ownership.update_owning(last, owned, updates, state[-1], params)
-        ours.state = (*head_state, last_state)
-        apply_updates_(params, updates)
-        return True
     ours.state = (*head_state, last_state)
+    if declined:
+        apply_updates_(params, updates)
     return True
 
 

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple, Optional, Union
 import optree
 import torch
 
-from functional_bagua import ownership, tree
+from functional_bagua import foreach, ownership, tree
 from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.foreach import updated
 from functional_bagua.hyperparams import accepts_schedules
@@ -232,21 +232,13 @@ def _stepped_with(c: Scalar, along: Scalar, minus_lr: Scalar) -> GradientTransfo
 
 def _steppable_in_place(tensors: list) -> bool:
     """Whether ``tensors`` are dense float32 or float64 tensors of one dtype and device, none 0-dim
-    nor recorded by autograd, none sharing memory with another (what ``apply_in_place`` steps)."""
-    first = tensors[0]
-    if not isinstance(first, torch.Tensor) or first.dtype not in (torch.float32, torch.float64):
-        return False
-    for t in tensors:
-        if not (
-            isinstance(t, torch.Tensor)
-            and t.dtype is first.dtype
-            and t.device == first.device
-            and t.layout is torch.strided
-            and t.dim() > 0
-            and not t.requires_grad
-        ):
-            return False
-    return len({t.data_ptr() for t in tensors}) == len(tensors)
+    nor recorded by autograd (``foreach.Leaves.plain_dtype``), none sharing memory with another
+    (what ``apply_in_place`` steps)."""
+    return (
+        foreach.Leaves(tensors).plain_dtype() in (torch.float32, torch.float64)
+        and all(t.layout is torch.strided for t in tensors)
+        and len({t.data_ptr() for t in tensors}) == len(tensors)
+    )
 
 
 def _on_device_of(x: Any, like: Any) -> Any:
