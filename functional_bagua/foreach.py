@@ -769,6 +769,23 @@ def run_groups(
     return ran, [i for i in indices if i not in done]
 
 
+def writable_in_place(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are dense float32 or float64 tensors of one dtype and device, none
+    0-dim nor recorded by autograd (:meth:`Leaves.plain_dtype`), none starting where another
+    does: what a step written into parameters and state in place (``apply_in_place``,
+    :mod:`functional_bagua.optimizer`) may write, one multi-tensor op per operation.
+
+    Args:
+        tensors: every tensor the step reads or writes.
+    """
+    return (
+        len(tensors) > 0
+        and Leaves(tensors).plain_dtype() in (torch.float32, torch.float64)
+        and all(t.layout is torch.strided for t in tensors)
+        and len({t.data_ptr() for t in tensors}) == len(tensors)
+    )
+
+
 def run_each(
     rule: Callable[..., Any], columns: Sequence[Sequence[Any]], indices: Sequence[int], given: Sequence[int] = ()
 ) -> dict[int, Any]:

@@ -67,9 +67,14 @@ the product is not rounded apart (the bits of torch.optim's form, not of ``u * -
 A chain ending in :func:`~functional_bagua.schedule_free`'s averaging has it step the
 parameters ``y`` and its ``z`` in place as the ``schedulefree`` package does (``y.lerp_(z,
 c)``, ``y.add_(d, alpha=...)``, ``z.add_(d, alpha=-lr)``) where its tensors allow (dense
-float32 or float64 tensors of at least one dimension; else the pure update). Either way the
-parameters are the pure update's to a rounding, and ``torch.compile(opt.step)``, which traces
-the whole chain, gives the pure update's numbers.
+float32 or float64 tensors of at least one dimension; else the pure update); so do
+:func:`~functional_bagua.prodigy`'s and :func:`~functional_bagua.dadapt_adam`'s steps, as their
+references write them (``p.addcdiv_(mu, denom, value=-dlr)``; on the CPU, where their factors
+are numbers). A link offers this as ``update.apply_in_place(updates, state, params, alpha)``:
+``p <- p + alpha u`` for its update ``u``, its state and the parameters given up, or ``None``,
+nothing changed, to decline (:func:`_tail_of`). Either way the parameters are the pure update's
+to a rounding, and ``torch.compile(opt.step)``, which traces the whole chain, gives the pure
+update's numbers.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
@@ -737,13 +742,14 @@ def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Te
 
 
 def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params: dict) -> bool:
-    """Eagerly, where the group's transform is a chain whose last link adds itself into the
-    parameters (:func:`_tail_of`): the links before it, their state given up, then the last
-    link's step written into the parameters: the updates added with its number as ``alpha``
+    """Eagerly, where the group's transform is a chain that ends in a step written into the
+    parameters (:func:`_tail_of`): the links before it, their state given up, then that step
+    written into the parameters: the updates added with the last link's number as ``alpha``
     (``scale_by_learning_rate``: ``p.add_(u, alpha=-lr)``, as torch.optim's steps, instead of a
-    pass scaling the updates and one adding them), or its own ``apply_in_place`` (schedule-free's
-    ``y`` and ``z`` stepped in place, as the reference steps them), and where that declines, the
-    link as the chain runs it. True when it stepped so."""
+    pass scaling the updates and one adding them), or a link's own ``apply_in_place``
+    (schedule-free's ``y`` and ``z`` stepped in place; Prodigy's ``p.addcdiv_(mu, denom,
+    value=-dlr)``, as the references step them), and where that declines, the link as the chain
+    runs it, its updates added with ``alpha``. True when it stepped so."""
     if torch.compiler.is_compiling() or not isinstance(state, tuple):
         return False  # traced: the whole chain (nothing built while tracing)
     if any(g is not None and g.is_sparse for g in grads.values()):
@@ -753,42 +759,54 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
     tail = ours.tail[1]
     if tail is None:
         return False
-    head, last = tail
-    factor = getattr(last.update, "factor", None)
-    alpha = number_now(factor()) if factor is not None else None
-    if factor is not None and alpha is None:
+    head, link, factor = tail
+    alpha = number_now(factor()) if factor is not None else 1.0
+    if alpha is None:
         return False  # a rate held on a device: the chain as it is
-    updates, head_state = ownership.update_giving_state(head, grads, state[:-1], params)
+    k = len(head.update.transforms)  # the links before `link`
+    updates, head_state = ownership.update_giving_state(head, grads, state[:k], params)
     # the new state kept before the parameters move: a raise past here leaves no stepped moment
     # beside an old count (a scaling link's own state is empty: kept as it was)
-    ours.state = (*head_state, state[-1])
-    if alpha is not None:
+    ours.state = (*head_state, *state[k:])
+    if link is None:
         apply_updates_(params, updates, alpha)
         return True
-    last_state = last.update.apply_in_place(updates, state[-1], params)
-    declined = last_state is None
+    link_state = link.update.apply_in_place(updates, state[k], params, alpha)
+    declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
-        with ownership.giving_state(last.update):
+        with ownership.giving_state(link.update):
             owned = ownership.returns_fresh_updates(head)
-            updates, last_state = ownership.update_owning(last, owned, updates, state[-1], params)
-    ours.state = (*head_state, last_state)
+            updates, link_state = ownership.update_owning(link, owned, updates, state[k], params)
+    ours.state = (*head_state, link_state, *state[k + 1 :])
     if declined:
-        apply_updates_(params, updates)
+        apply_updates_(params, updates, alpha)
     return True
 
 
-def _tail_of(tx: GradientTransformation) -> Optional[tuple[GradientTransformation, GradientTransformation]]:
-    """``(head, last)`` where ``tx`` is a chain whose last link adds itself into the parameters: a
-    multiplication by a number (``update.factor``:
-    :func:`~functional_bagua.transforms.scaling.factor_of`) or a link with ``update.apply_in_place``
-    (its state and the parameters given up); ``head`` chains the links before it. ``None`` otherwise."""
+def _tail_of(tx: GradientTransformation) -> Optional[tuple]:
+    """``(head, link, factor)`` where ``tx`` is a chain whose step can be written into the
+    parameters: ``link`` a link with ``update.apply_in_place`` (its state and the parameters
+    given up; it steps ``p <- p + alpha * u`` for its update ``u``), last or followed by a last
+    link that multiplies by a number; ``factor`` that link's number
+    (``update.factor``: :func:`~functional_bagua.transforms.scaling.factor_of`), ``None`` where
+    there is none (``alpha`` 1); ``link`` ``None`` where the last link multiplies and the one
+    before has no ``apply_in_place`` (the head's updates added with ``alpha``). ``head`` chains
+    the links before ``link`` (before the multiplying link where ``link`` is ``None``). ``None``
+    otherwise."""
     links = getattr(tx.update, "transforms", None)
     if not links or len(links) < 2:
         return None
-    last = links[-1]
-    if getattr(last.update, "factor", None) is None and getattr(last.update, "apply_in_place", None) is None:
-        return None
-    return chain(*links[:-1]), last
+    *before, last = links
+
+    def in_place(link: GradientTransformation) -> bool:
+        return getattr(link.update, "apply_in_place", None) is not None
+
+    factor = getattr(last.update, "factor", None)
+    if factor is None:
+        return (chain(*before), last, None) if in_place(last) else None
+    if in_place(before[-1]):
+        return chain(*before[:-1]), before[-1], factor
+    return chain(*before), None, factor
 
 
 def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:

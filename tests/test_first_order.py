@@ -211,6 +211,69 @@ def test_a_schedule_through_zero_skips_those_steps_as_the_references_skip_a_grou
     assert_trees_close(ours, {k: p.detach() for k, p in tensors.items()}, tol=1e-12)
 
 
+IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias built)
+    "prodigy-decoupled": ("prodigyopt", "Prodigy", dict(weight_decay=0.01), lambda: fb.prodigy(weight_decay=0.01)),
+    "prodigy-no-momentum": ("prodigyopt", "Prodigy", dict(betas=(0.0, 0.99)), lambda: fb.prodigy(betas=(0.0, 0.99))),
+    "dadapt-adam-decoupled": (
+        "dadaptation",
+        "DAdaptAdam",
+        dict(weight_decay=0.01, decouple=True),
+        lambda: fb.dadapt_adam(weight_decay=0.01, decouple=True),
+    ),
+}
+
+
+@pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", list(IN_PLACE))
+def test_fb_optimizer_writes_the_learning_rate_free_step_into_the_parameters_as_the_references(case):
+    """fb.Optimizer steps Prodigy and D-Adaptation Adam as the authors' packages write their
+    step: ``p.add_(p, alpha=-decay dlr)``, ``p.addcdiv_(mu, denom, value=-dlr)`` (``g`` and
+    ``-dlr d`` without momentum), their factors unrounded: the same bits as the references in
+    float32 (one tensor, so the estimate's sums are added in one order), where forming the
+    update and adding it would differ."""
+    module, name, ref_kwargs, make = IN_PLACE[case]
+    cls = reference_class(module, name, f"the authors' {module} package is the reference: an optional test dependency")
+    gen = seeded(5)
+    start, target = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
+    theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    reference, opt = cls([theirs], **ref_kwargs), fb.Optimizer([ours], make())
+    for _ in range(6):
+        for p in (theirs, ours):
+            p.grad = p.detach() - target  # |p - target|^2 / 2: the estimate d grows
+        reference.step()
+        opt.step()
+        assert torch.equal(ours.detach(), theirs.detach())
+    assert not torch.equal(ours.detach(), start)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(
+    "make", [lambda: fb.prodigy(weight_decay=0.01), lambda: fb.dadapt_adam(weight_decay=0.1, decouple=True)]
+)
+def test_a_learning_rate_free_group_that_cannot_step_in_place_runs_the_pure_update(make):
+    """A 0-dim parameter in the group: the step is not written into the parameters (it takes
+    tensors of at least one dimension) and the group runs the pure update, bit for bit (where
+    writing the step in would differ: decoupled weight decay, Prodigy's ``dlr``)."""
+    gen = seeded(14)
+    shapes = [(), (700,)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    tensors = [torch.nn.Parameter(v.clone()) for v in start]
+    opt = fb.Optimizer(tensors, make())
+    tx, params = make(), dict(enumerate(start))
+    state = tx.init(params)
+    for step in grads:
+        for p, g in zip(tensors, step):
+            p.grad = g.clone()
+        opt.step()
+        updates, state = tx.update(dict(enumerate(step)), state, params)
+        params = fb.apply_updates(params, updates)
+    for i, p in enumerate(tensors):
+        assert torch.equal(p.detach(), params[i]), i
+    assert not torch.equal(tensors[1].detach(), start[1])
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_parameters_keep_their_dtype_with_a_0_dim_one_among_them(dtype):

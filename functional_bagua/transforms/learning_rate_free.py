@@ -40,7 +40,7 @@ import torch
 
 from functional_bagua import checks, foreach, layout_context, ownership, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, eager_numbers, is_number, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, eager_numbers, is_number, number_now, zero_count
 from functional_bagua.tree import PyTree
 
 Scalar = Union[float, torch.Tensor]
@@ -140,6 +140,27 @@ def _moments_with_numbers(g: Any, olds: tuple, decays: tuple, factors: tuple, sq
     return tuple(out)
 
 
+def _writes_in_place(lr: Scalar, g_leaves: list, p_leaves: list, *fields: list) -> bool:
+    """Whether a step may be written into the parameters and the state's fields
+    (``apply_in_place``): eagerly, ``lr`` a number, and the tensors of the gradients given, of
+    their parameters and fields float32 or float64 CPU tensors that
+    :func:`~functional_bagua.foreach.writable_in_place` allows (every factor of the step then a
+    Python number, :func:`~functional_bagua.numerics.eager_numbers`)."""
+    if not is_number(lr) or torch.compiler.is_compiling():
+        return False
+    stepped = [i for i, g in enumerate(g_leaves) if g is not None]
+    tensors = [column[i] for column in (g_leaves, p_leaves, *fields) for i in stepped]
+    return foreach.writable_in_place(tensors) and tensors[0].device.type == "cpu"
+
+
+def _host_numbers(*values: Any) -> list[float]:
+    """The factors of a step written in place (:func:`_writes_in_place`: all numbers or CPU
+    scalars) as the Python numbers the references compute, unrounded."""
+    numbers = [number_now(v) for v in values]
+    assert all(n is not None for n in numbers)  # _writes_in_place
+    return numbers  # type: ignore[return-value]
+
+
 def _leaves(spec: Any, field: PyTree) -> list[Any]:
     """A per-tensor field of the state as the list of its tensors (``None`` where none)."""
     return list(spec.flatten_up_to(field))
@@ -226,6 +247,25 @@ def scale_by_prodigy(
     def update(grads: PyTree, state: ProdigyState, params: Optional[PyTree] = None) -> tuple[PyTree, ProdigyState]:
         spec = tree.flatten(state.p0)[1]
         g_leaves, p_leaves = _check_inputs("scale_by_prodigy", grads, params, spec)
+        updates, new_state = run(g_leaves, p_leaves, spec, state, None)
+        return spec.unflatten(updates), new_state
+
+    def apply_in_place(grads: PyTree, state: ProdigyState, params: PyTree, alpha: float) -> Optional[ProdigyState]:
+        """``p <- p + alpha u`` for this step's update ``u``, written into ``params`` and the
+        state's moments (both given up by the caller) as the reference writes them
+        (``p.addcdiv_(mu, denom, value=-dlr)``); ``None``, nothing changed, where
+        :func:`_writes_in_place` says no."""
+        spec = tree.flatten(state.p0)[1]
+        g_leaves, p_leaves = _check_inputs("scale_by_prodigy", grads, params, spec)
+        moments = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
+        if not _writes_in_place(lr, g_leaves, p_leaves, *moments):
+            return None
+        with ownership.giving_state(update):
+            return run(g_leaves, p_leaves, spec, state, alpha)[1]
+
+    def run(g_leaves: list, p_leaves: list, spec: Any, state: ProdigyState, alpha: Optional[float]) -> tuple:
+        """The updates (a list) and the new state; with ``alpha``, ``p <- p + alpha u`` written
+        into the parameters instead (:func:`apply_in_place`), and no updates."""
         mus, nus, ss, p0s = (_leaves(spec, x) for x in (state.mu, state.nu, state.s, state.p0))
         d = state.d
         stepping = _stepping(lr)
@@ -274,8 +314,20 @@ def scale_by_prodigy(
             direction = momentum / nu.sqrt().add_(_factor(new_d * eps, g))  # in place on new tensors
             return direction.add_(p * _factor(weight_decay, g)).mul_(_factor(step_size, g))
 
+        def step_into(g: Any, mu: Any, nu: Any, p: Any) -> None:  # as the reference steps p
+            eps_now, decay_now, step_now, d_now = _host_numbers(new_d * eps, weight_decay, step_size, new_d)
+            assert alpha is not None
+            denom = nu.sqrt().add_(eps_now)
+            if decay_now != 0:
+                p.add_(p, alpha=alpha * step_now * decay_now)
+            if without_momentum:
+                p.addcdiv_(g, denom, value=alpha * step_now * d_now)
+            else:
+                p.addcdiv_(mu, denom, value=alpha * step_now)
+
         updates: list = [None] * len(g_leaves)
-        for i, u in foreach.run_each(step, [g_leaves, new_mu, new_nu, p_leaves], stepped).items():
+        stepped_columns = [g_leaves, new_mu, new_nu, p_leaves]
+        for i, u in foreach.run_each(step if alpha is None else step_into, stepped_columns, stepped).items():
             updates[i] = u
         new_state = ProdigyState(
             torch.where(active, state.count + 1, state.count),
@@ -287,8 +339,9 @@ def scale_by_prodigy(
             spec.unflatten(new_s),
             state.p0,
         )
-        return spec.unflatten(updates), new_state
+        return updates, new_state
 
+    update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
     update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
     update.takes_a_step = "scale_by_prodigy"  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
     return GradientTransformation(init, update)
@@ -336,6 +389,27 @@ def scale_by_dadapt_adam(
     ) -> tuple[PyTree, DadaptAdamState]:
         spec = tree.flatten(state.s)[1]
         g_leaves, p_leaves = _check_inputs("scale_by_dadapt_adam", grads, params, spec)
+        updates, new_state = run(g_leaves, p_leaves, spec, state, None)
+        return spec.unflatten(updates), new_state
+
+    def apply_in_place(
+        grads: PyTree, state: DadaptAdamState, params: PyTree, alpha: float
+    ) -> Optional[DadaptAdamState]:
+        """``p <- p + alpha u`` for this step's update ``u``, written into ``params`` and the
+        state's moments (both given up by the caller) as the reference writes them
+        (``p.addcdiv_(mu, denom, value=-1)``); ``None``, nothing changed, where
+        :func:`_writes_in_place` says no."""
+        spec = tree.flatten(state.s)[1]
+        g_leaves, p_leaves = _check_inputs("scale_by_dadapt_adam", grads, params, spec)
+        moments = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
+        if not _writes_in_place(lr, g_leaves, p_leaves, *moments):
+            return None
+        with ownership.giving_state(update):
+            return run(g_leaves, p_leaves, spec, state, alpha)[1]
+
+    def run(g_leaves: list, p_leaves: list, spec: Any, state: DadaptAdamState, alpha: Optional[float]) -> tuple:
+        """The updates (a list) and the new state; with ``alpha``, ``p <- p + alpha u`` written
+        into the parameters instead (:func:`apply_in_place`), and no updates."""
         mus, nus, ss = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
         d = state.d
         stepping = _stepping(lr)
@@ -388,8 +462,20 @@ def scale_by_dadapt_adam(
             u = (mu / nu.sqrt().add_(_factor(eps, g))).add_(p * _factor(decay, g))  # in place on new tensors
             return u.mul_(_factor(active.to(SCALAR_DTYPE), g))
 
+        def step_into(g: Any, mu: Any, nu: Any, p: Any) -> None:  # as the reference steps p
+            eps_now, decay_now, active_now = _host_numbers(eps, decay, active.to(SCALAR_DTYPE))
+            assert alpha is not None
+            if active_now != 1:  # the reference returns before: the update, 0 (or NaN where not finite)
+                p.add_(step(g, mu, nu, p), alpha=alpha)
+                return
+            denom = nu.sqrt().add_(eps_now)
+            if decay_now != 0:
+                p.add_(p, alpha=alpha * decay_now)
+            p.addcdiv_(mu, denom, value=alpha)
+
         updates: list = [None] * len(g_leaves)
-        for i, u in foreach.run_each(step, [g_leaves, new_mu, new_nu, p_leaves], stepped).items():
+        stepped_columns = [g_leaves, new_mu, new_nu, p_leaves]
+        for i, u in foreach.run_each(step if alpha is None else step_into, stepped_columns, stepped).items():
             updates[i] = u
         new_state = DadaptAdamState(
             torch.where(active, state.count + 1, state.count),
@@ -399,8 +485,9 @@ def scale_by_dadapt_adam(
             spec.unflatten(new_nu),
             spec.unflatten(new_s),
         )
-        return spec.unflatten(updates), new_state
+        return updates, new_state
 
+    update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
     update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
     update.takes_a_step = "scale_by_dadapt_adam"  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
     return GradientTransformation(init, update)

@@ -180,13 +180,17 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
             u, iterate = step.update.on_lists(x, _BaseIterate(state.z), overwrite)  # type: ignore[attr-defined]
         return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
 
-    def apply_in_place(d: PyTree, state: ScheduleFreeState, params: PyTree) -> Optional[ScheduleFreeState]:
+    def apply_in_place(
+        d: PyTree, state: ScheduleFreeState, params: PyTree, alpha: float = 1.0
+    ) -> Optional[ScheduleFreeState]:
         """The step written into ``params`` (``y``) and the state's ``z``, both given up by the
         caller, as the reference steps them: ``y <- lerp(y, z, c) + along d``, ``z <- z - lr_t d``
-        (three multi-tensor ops, nothing new); ``None``, nothing changed, where the factors are
-        not numbers now (traced, on a device) or the tensors with a direction are not dense
-        float32 or float64 tensors of one dtype and device, of at least one dimension
-        (``ownership`` module)."""
+        (three multi-tensor ops, nothing new); ``None``, nothing changed, where the update is
+        scaled (``alpha`` not 1), the factors are not numbers now (traced, on a device) or the
+        tensors with a direction are not dense float32 or float64 tensors of one dtype and
+        device, of at least one dimension (``ownership`` module)."""
+        if alpha != 1:
+            return None
         (count, lr_max, weight_sum, b1_now), (c, along, minus_lr) = numbers(state)
         if not (is_number(c) and is_number(along) and is_number(minus_lr)):
             return None
@@ -195,7 +199,7 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         zs = tree.leaves_matching(spec, state.z, "updates", "the state's z")
         present = [i for i, g in enumerate(d_leaves) if g is not None]
         tensors = [t for i in present for t in (d_leaves[i], ys[i], zs[i])]
-        if not tensors or not _steppable_in_place(tensors):
+        if not foreach.writable_in_place(tensors):
             return None
         picked_ys, picked_zs, picked_ds = ([column[i] for i in present] for column in (ys, zs, d_leaves))
         torch._foreach_lerp_(picked_ys, picked_zs, c)
@@ -228,17 +232,6 @@ def _stepped_with(c: Scalar, along: Scalar, minus_lr: Scalar) -> GradientTransfo
         return u, _BaseIterate(z)
 
     return leafwise(_BaseIterate, init_leaf, update_leaf, name="schedule_free", needs_params=True, fresh_updates=True)
-
-
-def _steppable_in_place(tensors: list) -> bool:
-    """Whether ``tensors`` are dense float32 or float64 tensors of one dtype and device, none 0-dim
-    nor recorded by autograd (``foreach.Leaves.plain_dtype``), none sharing memory with another
-    (what ``apply_in_place`` steps)."""
-    return (
-        foreach.Leaves(tensors).plain_dtype() in (torch.float32, torch.float64)
-        and all(t.layout is torch.strided for t in tensors)
-        and len({t.data_ptr() for t in tensors}) == len(tensors)
-    )
 
 
 def _on_device_of(x: Any, like: Any) -> Any:
