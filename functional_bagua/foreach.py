@@ -818,6 +818,7 @@ def run_grouped(
     columns: Sequence[Sequence[Any]],
     indices: Sequence[int],
     given: Sequence[int] = (),
+    one_values: bool = False,
 ) -> Optional[Any]:
     """``rule`` once over the tensors at ``indices`` of each column, as :class:`Leaves`: its result
     with each ``Leaves`` replaced by its list of tensors (one per index; a value the rule shares
@@ -831,6 +832,9 @@ def run_grouped(
         indices: which tensors form the group.
         given: the columns of state its caller gave up (:func:`updated` may overwrite them), as
             far as each holds tensors that no other column of the group shares.
+        one_values: a tensor the rule shares between the tensors (a step count computed once
+            for the group) as :class:`OneValue` (its caller places the copies) instead of a
+            list of copies.
     """
     args: list[Any] = []
     for column in columns:
@@ -855,7 +859,7 @@ def run_grouped(
                 "it cannot run again one tensor at a time: the state given up is part-stepped"
             ) from error
         return None
-    return _as_lists(result, len(indices))
+    return _as_lists(result, len(indices), one_values)
 
 
 def _unshared(args: list, given: Sequence[int]) -> list[int]:
@@ -903,12 +907,52 @@ def same_bits(scalars: Sequence[torch.Tensor]) -> bool:
     return bool((stacked == stacked[0]).all())
 
 
-def _as_lists(result: Any, n: int) -> Any:
+class OneValue:
+    """A tensor a grouped rule computed once for the ``n`` tensors of its group (a step count
+    from their shared count): each tensor's value is a copy of it (:func:`run_grouped`).
+
+    Args:
+        value: the tensor.
+        n: the number of tensors in the group.
+    """
+
+    __slots__ = ("value", "n")
+
+    def __init__(self, value: torch.Tensor, n: int) -> None:
+        self.value, self.n = value, n
+
+    def copies(self) -> list:
+        """``n`` new tensors holding the value: none aliases another's (in-place kernels step
+        counts one by one)."""
+        return [self.value.clone() for _ in range(self.n)]
+
+    def copied_into(self, olds: list) -> list:
+        """The value copied into ``olds``, state tensors their caller gave up (one multi-tensor
+        copy instead of ``n`` new tensors), where each is a tensor of the value's shape, dtype
+        and device that autograd does not record; else :meth:`copies`. ``olds`` may share
+        tensors: each receives the same value."""
+        value = self.value
+        fits = len(olds) == self.n and all(
+            isinstance(o, torch.Tensor)
+            and o.shape == value.shape
+            and o.dtype == value.dtype
+            and o.device == value.device
+            and not o.requires_grad
+            for o in olds
+        )
+        if not fits:
+            return self.copies()
+        torch._foreach_copy_(olds, [value] * self.n)
+        return list(olds)
+
+
+def _as_lists(result: Any, n: int, one_values: bool = False) -> Any:
     if isinstance(result, Leaves):
         return result.items
     if isinstance(result, tuple):
-        parts = [_as_lists(r, n) for r in result]
+        parts = [_as_lists(r, n, one_values) for r in result]
         return type(result)(*parts) if hasattr(type(result), "_fields") else tuple(parts)
-    if isinstance(result, torch.Tensor):  # one copy per tensor: none aliases another's (in-place
-        return [result.clone() for _ in range(n)]  # kernels step counts one by one)
+    if isinstance(result, torch.Tensor):
+        one = OneValue(result, n)
+        return one if one_values else one.copies()
     return [result] * n  # a value the rule shares between the tensors (a None, a constant)

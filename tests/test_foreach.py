@@ -111,9 +111,9 @@ def test_builtin_rules_run_grouped(alias, monkeypatch):
     calls = []
     original = foreach.run_grouped
 
-    def counting(rule, columns, indices, *given):
+    def counting(rule, columns, indices, *given, **options):
         calls.append(len(indices))
-        return original(rule, columns, indices, *given)
+        return original(rule, columns, indices, *given, **options)
 
     monkeypatch.setattr(foreach, "run_grouped", counting)
     params, steps = mixed_problem(alias)
@@ -368,3 +368,46 @@ def test_clamp_in_place_with_both_bounds_gives_the_single_tensor_bits_small_or_l
         got = foreach.Leaves([t.clone() for t in tensors]).clamp_(-1.5, 1.25).items
         for e, g in zip(expected, got):
             assert torch.equal(e.nan_to_num(7.0), g.nan_to_num(7.0)) and bool(g.isnan().any()) == bool(e.isnan().any())
+
+
+def test_a_count_computed_once_for_a_group_is_copied_into_each_tensors_own_count():
+    """fb.Optimizer (its state given up) writes a group's step count, computed once from the
+    shared count, into each tensor's count: every count holds the number of steps, none aliases
+    another's (one stepped in place leaves the others, and that tensor then steps alone), as
+    torch.optim's per-parameter step tensors."""
+    gen = seeded(15)
+    tensors = [torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(3)]
+    opt = fb.Optimizer(tensors, fb.adopt(1e-2))
+
+    def counts():
+        return [next(v for k, v in opt.state[p].items() if k.endswith("count")) for p in tensors]
+
+    for _ in range(3):
+        for p in tensors:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    assert [int(c) for c in counts()] == [3, 3, 3]
+    assert len({c.data_ptr() for c in counts()}) == 3
+    counts()[0].add_(10)  # as a kernel stepping counts one by one would
+    assert [int(c) for c in counts()] == [13, 3, 3]
+    for p in tensors:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    assert [int(c) for c in counts()] == [14, 4, 4]
+
+
+def test_one_value_is_copied_only_into_tensors_of_its_shape_dtype_and_device():
+    """OneValue.copied_into writes the value into old tensors that fit it exactly; an old tensor
+    of another shape (which a copy would broadcast into) or dtype gets new copies instead, the
+    old ones untouched."""
+    value = torch.tensor(7, dtype=torch.int64)
+    olds = [torch.tensor(1, dtype=torch.int64), torch.tensor(2, dtype=torch.int64)]
+    placed = foreach.OneValue(value, 2).copied_into(olds)
+    assert all(p is o for p, o in zip(placed, olds)) and [int(o) for o in olds] == [7, 7]
+    for misfit in (torch.tensor([1], dtype=torch.int64), torch.tensor(1.0)):
+        olds = [torch.tensor(1, dtype=torch.int64), misfit]
+        kept = misfit.clone()
+        placed = foreach.OneValue(value, 2).copied_into(olds)
+        assert all(p is not o for p, o in zip(placed, olds)) and [int(p) for p in placed] == [7, 7]
+        assert torch.equal(olds[1], kept) and int(olds[0]) == 1
+        assert len({p.data_ptr() for p in placed}) == 2

@@ -144,13 +144,16 @@ def leafwise(
         singles = list(x.singles)
         columns = [x.updates, x.params, *state_leaves]
         for members in x.groups:
-            result = foreach.run_grouped(rule_of_fields, columns, members, given)
+            result = foreach.run_grouped(rule_of_fields, columns, members, given, one_values=True)
             if result is None:  # the rule needs single tensors
                 singles.extend(members)
                 continue
             us, new_s = result
+            us = us.copies() if isinstance(us, foreach.OneValue) else us
             _place(us, members, updates, x.updates, updates_of=name)  # each in its gradient's dtype
             for column, old_column, new_column in zip(new_s, state_leaves, new_fields):
+                if isinstance(column, foreach.OneValue):  # a count: into the old counts where given up
+                    column = column.copied_into([old_column[i] for i in members]) if given else column.copies()
                 _place(column, members, new_column, old_column)  # each state tensor in its old one's
         for i in sorted(singles):
             g, p, s = x.updates[i], x.params[i], state_type(*(leaves[i] for leaves in state_leaves))
