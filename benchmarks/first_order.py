@@ -14,7 +14,11 @@ and gradients:
   pytorch-optimizer), with its default flags (foreach where it defaults to it);
 - ``fb.Optimizer``: ours as a torch.optim optimizer (the update on the parameter tree, each
   operation one multi-tensor op per dtype and device, its state given up, then added into the
-  parameters, with the learning rate as ``alpha`` where the chain ends in it);
+  parameters, with the learning rate as ``alpha`` where the chain ends in it, or written into
+  them as the reference writes it: schedule-free, Prodigy, D-Adaptation);
+- ``fb.Optimizer factory``: the same in torch.optim's form, ``fb.Optimizer(params, fb.prodigy,
+  weight_decay=0.01)``: its hyperparameters held as tensors (for torch's schedulers), read as
+  numbers each step;
 - ``fuse_inplace eager``: the pure update over one flat buffer, copied back in place;
 - ``fuse_inplace compiled``: the same through ``torch.compile`` (inductor writes the update into
   the buffers in place); its first call (the compile, caches off) is reported apart;
@@ -61,21 +65,24 @@ def reference(module: str, name: str, **kwargs: Any) -> Callable[[list], Any]:
     return make
 
 
-OPTIMIZERS: dict[str, tuple[Callable[[list], Any], Callable[[], fb.GradientTransformation]]] = {
-    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), lambda: fb.adamw(1e-3)),
+# name: (the reference's maker, our alias, its keyword arguments)
+OPTIMIZERS: dict[str, tuple[Callable[[list], Any], Callable[..., fb.GradientTransformation], dict]] = {
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), fb.adamw, dict(lr=1e-3)),
     "schedule_free_adamw": (
         reference("schedulefree", "AdamWScheduleFree", lr=2.5e-3, warmup_steps=10),
-        lambda: fb.schedule_free_adamw(2.5e-3, warmup_steps=10),
+        fb.schedule_free_adamw,
+        dict(lr=2.5e-3, warmup_steps=10),
     ),
     "schedule_free_sgd": (
         reference("schedulefree", "SGDScheduleFree", lr=1.0, warmup_steps=10),
-        lambda: fb.schedule_free_sgd(1.0, warmup_steps=10),
+        fb.schedule_free_sgd,
+        dict(lr=1.0, warmup_steps=10),
     ),
-    "prodigy": (reference("prodigyopt", "Prodigy", weight_decay=0.01), lambda: fb.prodigy(weight_decay=0.01)),
-    "dadapt_adam": (reference("dadaptation", "DAdaptAdam"), lambda: fb.dadapt_adam()),
-    "adopt": (reference("adopt", "ADOPT", lr=1e-3), lambda: fb.adopt(1e-3)),
-    "ademamix": (reference("pytorch_optimizer", "AdEMAMix", lr=1e-3), lambda: fb.ademamix(1e-3)),
-    "laprop": (reference("pytorch_optimizer", "LaProp", lr=4e-4), lambda: fb.laprop(4e-4)),
+    "prodigy": (reference("prodigyopt", "Prodigy", weight_decay=0.01), fb.prodigy, dict(weight_decay=0.01)),
+    "dadapt_adam": (reference("dadaptation", "DAdaptAdam"), fb.dadapt_adam, {}),
+    "adopt": (reference("adopt", "ADOPT", lr=1e-3), fb.adopt, dict(lr=1e-3)),
+    "ademamix": (reference("pytorch_optimizer", "AdEMAMix", lr=1e-3), fb.ademamix, dict(lr=1e-3)),
+    "laprop": (reference("pytorch_optimizer", "LaProp", lr=4e-4), fb.laprop, dict(lr=4e-4)),
 }
 
 
@@ -127,7 +134,11 @@ def out_of_place_minimum(name: str, params: dict, grads: dict) -> Callable[[], o
 
 def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], object]]:
     """Each variant's step (module docstring), made on its own copy of the parameters."""
-    make_reference, make_tx = OPTIMIZERS[name]
+    make_reference, alias, kwargs = OPTIMIZERS[name]
+
+    def make_tx() -> fb.GradientTransformation:
+        return alias(**kwargs)
+
     out: dict[str, Callable[[], object]] = {}
     try:
         tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
@@ -139,10 +150,12 @@ def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], obj
         out["reference"] = ref.step
     except ImportError as missing:
         print(f"# {name}: reference not installed ({missing.name}); ours only", file=sys.stderr)
-    ours = [torch.nn.Parameter(p.clone()) for p in params.values()]
-    for t, g in zip(ours, grads.values()):
-        t.grad = g.clone()
-    out["fb.Optimizer"] = fb.Optimizer(ours, make_tx()).step
+    for form in ("fb.Optimizer", "fb.Optimizer factory"):
+        ours = [torch.nn.Parameter(p.clone()) for p in params.values()]
+        for t, g in zip(ours, grads.values()):
+            t.grad = g.clone()
+        opt = fb.Optimizer(ours, make_tx()) if form == "fb.Optimizer" else fb.Optimizer(ours, alias, **kwargs)
+        out[form] = opt.step
     layout = fb.FlatLayout.of(params)
     for kernel in ("eager", "compiled"):
         flat, flat_grads = layout.flatten({k: v.clone() for k, v in params.items()}), layout.flatten(grads)

@@ -13,6 +13,14 @@ Because the values are tensors, a compiled step neither bakes them in nor recomp
 change. A schedule is evaluated from the wrapper's count (the number of updates done: 0, 1, ...,
 the step of torch's LR schedulers), and its value is written into ``state.hyperparams``.
 
+Eagerly, where the values are held on the host, each update builds the factory with them read as
+Python numbers: the transform the alias built with those numbers is, its steps the same bits
+(fused factors, no term for a weight decay of 0). The transform so built is kept while the
+values stay the same. Where the factory builds a state of another structure for the numbers (a
+momentum of 0 keeps no buffer), the values stay tensors; this is checked once per set of values
+read and of those at 0, on meta tensors. Under torch.compile, and for values held on a device
+(reading one would wait for it), the factory gets the tensors.
+
 Change a value in place, ``state.hyperparams["lr"].fill_(1e-4)``. A scheduled hyperparameter
 set so by hand takes effect too, and holds that value while the schedule's values differ from it:
 an update tells a hand-set value by comparing the held one with what the schedule gave the last
@@ -270,19 +278,115 @@ def inject_hyperparams(
         def update(
             updates: PyTree, state: InjectHyperparamsState, params: Optional[PyTree] = None
         ) -> tuple[PyTree, InjectHyperparamsState]:
-            hyperparams = tensors_at(state.count, state.hyperparams)
-            inner = rebuilt(hyperparams)
+            inner, wrapped = step_parts(state, updates if params is None else params)
             with ownership.giving_state(inner.update if ownership.state_given_to(update) else None):
                 updates, inner_state = inner.update(updates, state.inner_state, params)
-            return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
+            return updates, wrapped(inner_state)
+
+        keeps_structure: dict[tuple, bool] = {}  # per set of values read as numbers (_numbers_now)
+        last_built: dict[str, tuple] = {}  # the transform built with the last numbers, and those
+
+        def built_with_numbers(numbers: dict) -> GradientTransformation:
+            """The factory built with ``numbers``: the transform built last when they are the
+            same (hyperparameters no scheduler changed), else anew."""
+            if any(holds_tensor(v) for v in numbers.values()):  # it reads tensors when built: anew
+                return rebuilt(numbers)
+            key = tuple((k, _exactly(v)) for k, v in numbers.items())
+            previous = last_built.get("numbers")
+            if previous is not None and previous[0] == key:
+                return previous[1]
+            inner = rebuilt(numbers)
+            last_built["numbers"] = (key, inner)
+            return inner
+
+        def step_parts(
+            state: InjectHyperparamsState, like: PyTree
+        ) -> tuple[GradientTransformation, Callable[[Any], InjectHyperparamsState]]:
+            """What ``update`` runs: the transform built with this step's hyperparameters (to
+            update ``state.inner_state``, made for the tensors of ``like``, the parameters or the
+            updates), and the function that makes its new state this transform's. A caller may
+            run the transform itself (``fb.Optimizer`` writes its chain's last link into the
+            parameters).
+
+            Eagerly, the values held on the host are given to the factory as Python numbers
+            (:func:`_numbers_now`), as the alias built with them gets them: its rules then take
+            their numbers' paths (fused factors, no terms at 0), to the alias's bits; where the
+            transform so built makes a state of another structure than the one built with
+            tensors (a factory may build none for the number 0, say no momentum buffer), the
+            tensors. That is checked once per set of values read and of those at 0, on meta
+            tensors."""
+            hyperparams = tensors_at(state.count, state.hyperparams)
+            numbers, read = _numbers_now(hyperparams)
+            if read and keeps_structure.get(read):
+                inner = built_with_numbers(numbers)
+            else:
+                inner = rebuilt(hyperparams)
+                if read and read not in keeps_structure:
+                    with_numbers = rebuilt(numbers)
+                    keeps_structure[read] = _same_state_structure(with_numbers, inner, like)
+                    inner = with_numbers if keeps_structure[read] else inner
+            return inner, lambda inner_state: InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
         # the hyperparameters whose value the state holds and no schedule drives (fb.Optimizer
         # shows them in its param groups, for torch's schedulers to write)
         update.adjustable = {k: v for k, v in dynamic.items() if not _holds_schedule(v)}  # type: ignore[attr-defined]
+        update.step_parts = step_parts  # type: ignore[attr-defined]
         return GradientTransformation(init, update)
 
     build.static_args = static_args  # type: ignore[attr-defined]  # for a factory wrapped again
     return build
+
+
+def _numbers_now(hyperparams: dict) -> tuple[dict, tuple]:
+    """``hyperparams`` with each value held in a 0-dim CPU float tensor as a Python number,
+    eagerly (none while traced); and ``(name, position, is zero)`` of each value so read."""
+    if torch.compiler.is_compiling():
+        return hyperparams, ()
+    read: list = []
+
+    def now(name: str, position: int, value: Any) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu"):
+            return value
+        if not value.is_floating_point():
+            return value
+        number = value.item()
+        read.append((name, position, number == 0))
+        return number
+
+    out = {
+        name: tuple(now(name, i, v) for i, v in enumerate(value)) if isinstance(value, tuple) else now(name, -1, value)
+        for name, value in hyperparams.items()
+    }
+    return out, tuple(read)
+
+
+def _exactly(value: Any) -> Any:
+    """``value`` compared by its bits: a float as its hex (``-0.0`` is not ``0.0``, a NaN is
+    itself), inside tuples too."""
+    if isinstance(value, float):
+        return value.hex()
+    if isinstance(value, tuple):
+        return tuple(_exactly(v) for v in value)
+    return value
+
+
+def _same_state_structure(a: GradientTransformation, b: GradientTransformation, like: PyTree) -> bool:
+    """Whether ``a`` and ``b`` make states of one structure, leaf shapes and dtypes for tensors
+    like ``like``'s (made on the meta device: no memory); ``False`` where either cannot."""
+
+    def meta(x: Any) -> Any:
+        return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+    def described(state: Any) -> tuple:
+        leaves, spec = tree.flatten(state)
+        kinds = [(leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        return spec, kinds
+
+    try:
+        on_meta = tree.tree_map(meta, like)
+        return described(a.init(on_meta)) == described(b.init(on_meta))
+    except Exception:  # an init that reads values: keep the tensors
+        return False
 
 
 def _names(static_args: Union[str, Sequence[str]]) -> tuple[str, ...]:

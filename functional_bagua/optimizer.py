@@ -743,22 +743,43 @@ def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Te
 
 def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params: dict) -> bool:
     """Eagerly, where the group's transform is a chain that ends in a step written into the
-    parameters (:func:`_tail_of`): the links before it, their state given up, then that step
-    written into the parameters: the updates added with the last link's number as ``alpha``
-    (``scale_by_learning_rate``: ``p.add_(u, alpha=-lr)``, as torch.optim's steps, instead of a
-    pass scaling the updates and one adding them), or a link's own ``apply_in_place``
-    (schedule-free's ``y`` and ``z`` stepped in place; Prodigy's ``p.addcdiv_(mu, denom,
-    value=-dlr)``, as the references step them), and where that declines, the link as the chain
-    runs it, its updates added with ``alpha``. True when it stepped so."""
-    if torch.compiler.is_compiling() or not isinstance(state, tuple):
+    parameters (:func:`_tail_of`), also inside :func:`~functional_bagua.inject_hyperparams`
+    (the factory form: the chain built with this step's hyperparameters, its ``step_parts``):
+    the links before it, their state given up, then that step written into the parameters: the
+    updates added with the last link's number as ``alpha`` (``scale_by_learning_rate``:
+    ``p.add_(u, alpha=-lr)``, as torch.optim's steps, instead of a pass scaling the updates and
+    one adding them), or a link's own ``apply_in_place`` (schedule-free's ``y`` and ``z``
+    stepped in place; Prodigy's ``p.addcdiv_(mu, denom, value=-dlr)``, as the references step
+    them), and where that declines, the link as the chain runs it, its updates added with
+    ``alpha``. True when it stepped so."""
+    if torch.compiler.is_compiling() or any(g is not None and g.is_sparse for g in grads.values()):
         return False  # traced: the whole chain (nothing built while tracing)
-    if any(g is not None and g.is_sparse for g in grads.values()):
+    step_parts = getattr(ours.tx.update, "step_parts", None)
+    if step_parts is not None and isinstance(state, InjectHyperparamsState):
+        tx, wrapped = step_parts(state, params)  # the chain built for this step (or kept)
+        if ours.tail is None or ours.tail[0] is not tx:
+            ours.tail = (tx, _tail_of(tx))
+        tail = ours.tail[1]
+        if tail is None:  # the built transform as inject_hyperparams runs it
+            updates, inner_state = ownership.update_giving_state(tx, grads, state.inner_state, params)
+            ours.state = wrapped(inner_state)
+            apply_updates_(params, updates)
+            return True
+        return _step_into(ours, tail, grads, state.inner_state, params, wrapped)
+    if not isinstance(state, tuple):
         return False
     if ours.tail is None or ours.tail[0] is not ours.tx:
         ours.tail = (ours.tx, _tail_of(ours.tx))
     tail = ours.tail[1]
-    if tail is None:
-        return False
+    return tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new)
+
+
+def _step_into(
+    ours: _Group, tail: tuple, grads: dict, state: tuple, params: dict, wrapped: Callable[[Any], OptState]
+) -> bool:
+    """The step of a chain's ``tail`` (:func:`_tail_of`) written into ``params``, the chain's
+    new state (``wrapped``: as the group keeps it) set; False, nothing done, where the last
+    link's number is not one now."""
     head, link, factor = tail
     alpha = number_now(factor()) if factor is not None else 1.0
     if alpha is None:
@@ -767,7 +788,7 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
     updates, head_state = ownership.update_giving_state(head, grads, state[:k], params)
     # the new state kept before the parameters move: a raise past here leaves no stepped moment
     # beside an old count (a scaling link's own state is empty: kept as it was)
-    ours.state = (*head_state, *state[k:])
+    ours.state = wrapped((*head_state, *state[k:]))
     if link is None:
         apply_updates_(params, updates, alpha)
         return True
@@ -777,7 +798,7 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         with ownership.giving_state(link.update):
             owned = ownership.returns_fresh_updates(head)
             updates, link_state = ownership.update_owning(link, owned, updates, state[k], params)
-    ours.state = (*head_state, link_state, *state[k + 1 :])
+    ours.state = wrapped((*head_state, link_state, *state[k + 1 :]))
     if declined:
         apply_updates_(params, updates, alpha)
     return True

@@ -150,6 +150,26 @@ def test_injected_hyperparameters_are_readable_and_writable():
     torch.testing.assert_close(updates["w"], torch.full((4,), -0.25, dtype=torch.float64))
 
 
+def test_held_values_are_read_as_numbers_only_where_the_state_keeps_its_structure():
+    """Eagerly, inject_hyperparams builds its factory with the values it holds read as Python
+    numbers, except where the transform so built makes a state of another structure: SGD at
+    the number momentum 0 keeps no momentum buffer, so a held 0 stays a tensor and the buffer
+    is kept; set to 0.9 later, the steps use it: ``b = 0.9 b + g``, ``u = -lr b``, written out."""
+    gen = seeded(16)
+    params = {"w": torch.zeros(3, dtype=torch.float64)}
+    grads = [torch.randn(3, generator=gen, dtype=torch.float64) for _ in range(5)]
+    tx = fb.inject_hyperparams(fb.sgd)(lr=0.1, momentum=0.0)
+    state = tx.init(params)
+    buffer = torch.zeros(3, dtype=torch.float64)
+    for t, g in enumerate(grads):
+        momentum = 0.9 if t >= 2 else 0.0
+        state.hyperparams["momentum"].fill_(momentum)
+        updates, state = tx.update({"w": g}, state, params)
+        buffer = momentum * buffer + g
+        torch.testing.assert_close(updates["w"], -0.1 * buffer, rtol=1e-15, atol=0)
+    assert not torch.equal(buffer, grads[-1])  # the buffer carried the earlier gradients
+
+
 def test_inject_hyperparams_validates_initial_values():
     with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
         fb.inject_hyperparams(fb.adam)(lr=-1.0)

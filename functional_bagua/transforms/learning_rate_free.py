@@ -99,8 +99,10 @@ def _factor(x: Union[float, torch.Tensor], like: torch.Tensor) -> Union[float, t
 
 def _stepping(lr: Scalar) -> Optional[torch.Tensor]:
     """Whether a step with this ``lr`` moves anything (the references skip a step at lr 0), as a
-    0-dim bool tensor; ``None`` for a Python number, checked > 0 when the transform was built."""
-    return None if not isinstance(lr, torch.Tensor) else lr > 0
+    0-dim bool tensor; ``None`` for a Python number above 0 (it does)."""
+    if isinstance(lr, torch.Tensor):
+        return lr > 0
+    return None if lr > 0 else torch.tensor(False)
 
 
 def _kept_unless(stepping: Optional[torch.Tensor], new: Any, old: Any) -> Any:
@@ -146,7 +148,7 @@ def _writes_in_place(lr: Scalar, g_leaves: list, p_leaves: list, *fields: list) 
     their parameters and fields float32 or float64 CPU tensors that
     :func:`~functional_bagua.foreach.writable_in_place` allows (every factor of the step then a
     Python number, :func:`~functional_bagua.numerics.eager_numbers`)."""
-    if not is_number(lr) or torch.compiler.is_compiling():
+    if not (is_number(lr) and lr > 0) or torch.compiler.is_compiling():
         return False
     stepped = [i for i, g in enumerate(g_leaves) if g is not None]
     tensors = [column[i] for column in (g_leaves, p_leaves, *fields) for i in stepped]
