@@ -42,6 +42,7 @@ import torch
 
 __all__ = [
     "Leaves",
+    "OneValue",
     "PerTensorOnly",
     "grouped_enabled",
     "groups",
@@ -51,6 +52,7 @@ __all__ = [
     "run_groups",
     "strict",
     "updated",
+    "writable_in_place",
 ]
 
 
@@ -772,8 +774,8 @@ def run_groups(
 def writable_in_place(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether ``tensors`` are dense float32 or float64 tensors of one dtype and device, none
     0-dim nor recorded by autograd (:meth:`Leaves.plain_dtype`), none starting where another
-    does: what a step written into parameters and state in place (``apply_in_place``,
-    :mod:`functional_bagua.optimizer`) may write, one multi-tensor op per operation.
+    does: what a step written into parameters and state in place (a link's ``apply_in_place``,
+    which ``fb.Optimizer`` calls) may write, one multi-tensor op per operation.
 
     Args:
         tensors: every tensor the step reads or writes.

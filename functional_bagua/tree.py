@@ -113,12 +113,17 @@ def leaves_matching(spec: optree.PyTreeSpec, tree: PyTree, name: str, reference:
         except (ValueError, TypeError):
             pass
         else:
-            if all(leaf is None or isinstance(leaf, torch.Tensor) for leaf in leaves):
+            if tensors_or_none(leaves):
                 return leaves
     leaves, tree_spec = flatten(tree)
     if tree_spec != spec:
         raise ValueError(describe_mismatch(spec, tree_spec, name, reference))
     return leaves
+
+
+def tensors_or_none(leaves: list) -> bool:
+    """Whether every leaf is a tensor or ``None`` (one check per distinct type, not per leaf)."""
+    return all(kind is type(None) or issubclass(kind, torch.Tensor) for kind in set(map(type, leaves)))
 
 
 def leaves_up_to(spec: optree.PyTreeSpec, tree: PyTree, name: str, reference: str) -> list:
