@@ -265,6 +265,7 @@ def _cpu_number(b: Any, a: "Leaves") -> Any:
         and b.device.type == "cpu"
         and b.is_floating_point()
         and not b.requires_grad
+        and not torch._C._functorch.is_functorch_wrapped_tensor(b)
         and a.items
         and a.items[0].device.type == "cpu"
     ):
@@ -775,7 +776,7 @@ def writable_in_place(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether ``tensors`` are dense float32 or float64 tensors of one dtype and device, none
     0-dim nor recorded by autograd (:meth:`Leaves.plain_dtype`), none starting where another
     does: what a step written into parameters and state in place (a link's ``apply_in_place``,
-    which ``fb.Optimizer`` calls) may write, one multi-tensor op per operation.
+    which ``fb.Optimizer`` calls) may write.
 
     Args:
         tensors: every tensor the step reads or writes.
@@ -836,10 +837,13 @@ def run_grouped(
             far as each holds tensors that no other column of the group shares.
         one_values: a tensor the rule shares between the tensors (a step count computed once
             for the group) as :class:`OneValue` (its caller places the copies) instead of a
-            list of copies.
+            list of copies; the result is then ``(result, writable)``, ``writable`` the
+            ``given`` columns whose equal scalars the rule got as one (:func:`_shared_or_leaves`)
+            and that no other tensor of the group shares: their tensors may take the copies.
     """
     args: list[Any] = []
-    for column in columns:
+    scalars: dict[int, list] = {}  # given columns passed as their one shared scalar: their tensors
+    for c, column in enumerate(columns):
         picked = [column[i] for i in indices]
         if picked[0] is None and all(v is None for v in picked):
             args.append(None)
@@ -847,9 +851,13 @@ def run_grouped(
             return None
         else:
             args.append(_shared_or_leaves(picked))
+            if c in given and not isinstance(args[-1], Leaves):
+                scalars[c] = picked
     overwrites: list = []  # what updated() overwrote: then no falling back to one tensor at a time
-    for c in _unshared(args, given):
-        args[c] = Leaves(args[c].items, given=overwrites)
+    writable = _unshared(args, given, scalars)
+    for c in writable:
+        if c not in scalars:
+            args[c] = Leaves(args[c].items, given=overwrites)
     try:
         result = rule(*args)
     except Exception as error:  # anything a rule cannot do grouped (PerTensorOnly, ...): it runs per
@@ -861,24 +869,28 @@ def run_grouped(
                 "it cannot run again one tensor at a time: the state given up is part-stepped"
             ) from error
         return None
-    return _as_lists(result, len(indices), one_values)
+    lists = _as_lists(result, len(indices), one_values)
+    return (lists, frozenset(c for c in writable if c in scalars)) if one_values else lists
 
 
-def _unshared(args: list, given: Sequence[int]) -> list[int]:
-    """The ``given`` columns among ``args`` that are :class:`Leaves` of tensors whose memory no
-    other tensor in ``args`` starts at (a state tensor that is a parameter, or shares one tensor
-    with another field, is computed as new tensors, not overwritten)."""
-    candidates = [c for c in given if isinstance(args[c], Leaves)]
-    if not candidates:
+def _unshared(args: list, given: Sequence[int], scalars: Optional[dict] = None) -> list[int]:
+    """The ``given`` columns among ``args`` that are :class:`Leaves` (or, in ``scalars``, one
+    shared scalar standing for the tensors listed there) of tensors whose memory no other tensor
+    in ``args`` starts at (a state tensor that is a parameter, or shares one tensor with another
+    field or tensor, is computed as new tensors, not overwritten)."""
+    scalars = scalars or {}
+    tensors_of = {c: args[c].items for c in given if isinstance(args[c], Leaves)}
+    tensors_of.update(scalars)
+    if not tensors_of:
         return []
     others: set = set()
     for c, a in enumerate(args):
-        if c not in candidates:
+        if c not in tensors_of:
             tensors = a.items if isinstance(a, Leaves) else [a] if isinstance(a, torch.Tensor) else []
             others.update(t.data_ptr() for t in tensors)
-    addresses = {c: [t.data_ptr() for t in args[c].items] for c in candidates}  # empty ones: 0, shared
+    addresses = {c: [t.data_ptr() for t in column] for c, column in tensors_of.items()}  # empty ones: 0, shared
     counts = collections.Counter(address for column in addresses.values() for address in column)
-    return [c for c in candidates if not any(counts[a] > 1 or a in others for a in addresses[c])]
+    return [c for c in tensors_of if not any(counts[a] > 1 or a in others for a in addresses[c])]
 
 
 def _shared_or_leaves(picked: list) -> Any:
@@ -929,10 +941,10 @@ class OneValue:
         return [self.value.clone() for _ in range(self.n)]
 
     def copied_into(self, olds: list) -> list:
-        """The value copied into ``olds``, state tensors their caller gave up (one multi-tensor
-        copy instead of ``n`` new tensors), where each is a tensor of the value's shape, dtype
-        and device that autograd does not record; else :meth:`copies`. ``olds`` may share
-        tensors: each receives the same value."""
+        """The value copied into ``olds``, state tensors their caller gave up and no other
+        tensor shares (``writable`` of :func:`run_grouped`): one multi-tensor copy instead of
+        ``n`` new tensors, where each is a tensor of the value's shape, dtype and device that
+        autograd does not record; else :meth:`copies`."""
         value = self.value
         fits = len(olds) == self.n and all(
             isinstance(o, torch.Tensor)

@@ -18,8 +18,9 @@ Python numbers: the transform the alias built with those numbers is, its steps t
 (fused factors, no term for a weight decay of 0). The transform so built is kept while the
 values stay the same. Where the factory builds a state of another structure for the numbers (a
 momentum of 0 keeps no buffer), the values stay tensors; this is checked once per set of values
-read and of those at 0, on meta tensors. Under torch.compile, and for values held on a device
-(reading one would wait for it), the factory gets the tensors.
+read and of their kinds (0, the sign, infinite, 1 or more), on meta tensors. Under
+torch.compile, for values held on a device (reading one would wait for it) and for values
+differentiated through (autograd, ``torch.func``), the factory gets the tensors.
 
 Change a value in place, ``state.hyperparams["lr"].fill_(1e-4)``. A scheduled hyperparameter
 set so by hand takes effect too, and holds that value while the schedule's values differ from it:
@@ -47,13 +48,14 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, overload
 
 import torch
 
 from functional_bagua import ownership, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number
+from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number, readable_now
 from functional_bagua.schedules import (
     describe,
     reads_count_as_number,
@@ -313,8 +315,9 @@ def inject_hyperparams(
             their numbers' paths (fused factors, no terms at 0), to the alias's bits; where the
             transform so built makes a state of another structure than the one built with
             tensors (a factory may build none for the number 0, say no momentum buffer), the
-            tensors. That is checked once per set of values read and of those at 0, on meta
-            tensors."""
+            tensors. That is checked once per set of values read and of their kinds (0, the
+            sign, infinite, 1 or more: :func:`_kind`), on meta tensors: a factory whose
+            state's structure depends on a value otherwise is assumed not to exist."""
             hyperparams = tensors_at(state.count, state.hyperparams)
             numbers, read = _numbers_now(hyperparams)
             if read and keeps_structure.get(read):
@@ -338,19 +341,21 @@ def inject_hyperparams(
 
 
 def _numbers_now(hyperparams: dict) -> tuple[dict, tuple]:
-    """``hyperparams`` with each value held in a 0-dim CPU float tensor as a Python number,
-    eagerly (none while traced); and ``(name, position, is zero)`` of each value so read."""
+    """``hyperparams`` with each value held in a 0-dim float tensor that can be read now
+    (:func:`~functional_bagua.numerics.readable_now`: on the CPU, eagerly, not differentiated
+    through) as a Python number; and, for each value so read, its name, position and
+    :func:`_kind` (what a factory may build another structure for)."""
     if torch.compiler.is_compiling():
         return hyperparams, ()
     read: list = []
 
     def now(name: str, position: int, value: Any) -> Any:
-        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu"):
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
             return value
-        if not value.is_floating_point():
+        if not readable_now(value):
             return value
         number = value.item()
-        read.append((name, position, number == 0))
+        read.append((name, position, _kind(number)))
         return number
 
     out = {
@@ -358,6 +363,12 @@ def _numbers_now(hyperparams: dict) -> tuple[dict, tuple]:
         for name, value in hyperparams.items()
     }
     return out, tuple(read)
+
+
+def _kind(number: float) -> tuple:
+    """What a factory may build another state structure for: a value of 0, its sign, an
+    infinite one, one of 1 or more (the structure check holds for every value of one kind)."""
+    return (number == 0, number > 0, math.isinf(number), abs(number) >= 1)
 
 
 def _exactly(value: Any) -> Any:

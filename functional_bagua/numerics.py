@@ -164,6 +164,26 @@ def filled_like(p: torch.Tensor, value: Union[float, complex, torch.Tensor]) -> 
     return torch.full_like(p, value) if is_number(value) else torch.zeros_like(p).add_(value)
 
 
+def readable_now(value: Any) -> bool:
+    """Whether the one-element tensor ``value`` may be read as a Python number now: on the CPU
+    (reading waits for no device), eagerly (not traced by torch.compile or torch.jit), and
+    outside any differentiation through it (autograd records it, or a torch.func transform
+    such as ``grad`` or ``vmap`` wraps it): there the number would cut the derivative, so the
+    tensor is used as it is.
+
+    Args:
+        value: a tensor.
+    """
+    return (
+        value.numel() == 1
+        and value.device.type == "cpu"
+        and not value.requires_grad
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._functorch.is_functorch_wrapped_tensor(value)
+    )
+
+
 def number_now(value: Any) -> Optional[float]:
     """``value`` as a Python number where reading it waits for no device: a number as it is, and
     eagerly a one-element CPU tensor (``fb.Optimizer``'s factory form holds its hyperparameters
@@ -177,12 +197,7 @@ def number_now(value: Any) -> Optional[float]:
     """
     if is_number(value):
         return value
-    if (
-        isinstance(value, torch.Tensor)
-        and value.numel() == 1
-        and value.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    ):
+    if isinstance(value, torch.Tensor) and readable_now(value):
         return value.item()
     return None
 
@@ -205,8 +220,8 @@ def eager_number(x: Any, like: Any) -> Optional[float]:
     if (
         isinstance(x, torch.Tensor)
         and x.dim() == 0
-        and x.device.type == "cpu"
         and x.is_floating_point()
+        and readable_now(x)
         and _reads_numbers_beside(like)
     ):
         return x.to(like.dtype).item()

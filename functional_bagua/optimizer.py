@@ -760,12 +760,13 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         if ours.tail is None or ours.tail[0] is not tx:
             ours.tail = (tx, _tail_of(tx))
         tail = ours.tail[1]
-        if tail is None:  # the built transform as inject_hyperparams runs it
-            updates, inner_state = ownership.update_giving_state(tx, grads, state.inner_state, params)
-            ours.state = wrapped(inner_state)
-            apply_updates_(params, updates)
+        if tail is not None and _step_into(ours, tail, grads, state.inner_state, params, wrapped):
             return True
-        return _step_into(ours, tail, grads, state.inner_state, params, wrapped)
+        # the built transform as inject_hyperparams runs it (not built again)
+        updates, inner_state = ownership.update_giving_state(tx, grads, state.inner_state, params)
+        ours.state = wrapped(inner_state)
+        apply_updates_(params, updates)
+        return True
     if not isinstance(state, tuple):
         return False
     if ours.tail is None or ours.tail[0] is not ours.tx:

@@ -374,7 +374,7 @@ def test_a_count_computed_once_for_a_group_is_copied_into_each_tensors_own_count
     """fb.Optimizer (its state given up) writes a group's step count, computed once from the
     shared count, into each tensor's count: every count holds the number of steps, none aliases
     another's (one stepped in place leaves the others, and that tensor then steps alone), as
-    torch.optim's per-parameter step tensors."""
+    torch.optim's per-parameter step tensors; counts that share one tensor get new ones."""
     gen = seeded(15)
     tensors = [torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(3)]
     opt = fb.Optimizer(tensors, fb.adopt(1e-2))
@@ -394,6 +394,17 @@ def test_a_count_computed_once_for_a_group_is_copied_into_each_tensors_own_count
         p.grad = torch.randn(p.shape, generator=gen)
     opt.step()
     assert [int(c) for c in counts()] == [14, 4, 4]
+    # one count tensor shared by every parameter's state (a state edited by hand): the step
+    # gives each its own again, none written through another
+    shared = torch.tensor(4)
+    for p in tensors:
+        key = next(k for k in opt.state[p] if k.endswith("count"))
+        opt.state[p][key] = shared
+    for p in tensors:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    assert [int(c) for c in counts()] == [5, 5, 5] and int(shared) == 4
+    assert len({c.data_ptr() for c in counts()}) == 3
 
 
 def test_one_value_is_copied_only_into_tensors_of_its_shape_dtype_and_device():

@@ -170,6 +170,47 @@ def test_held_values_are_read_as_numbers_only_where_the_state_keeps_its_structur
     assert not torch.equal(buffer, grads[-1])  # the buffer carried the earlier gradients
 
 
+def _sgd_with_held_lr():
+    gen = seeded(17)
+    params = {"w": torch.randn(4, generator=gen, dtype=torch.float64)}
+    grads = {"w": torch.randn(4, generator=gen, dtype=torch.float64)}
+    tx = fb.inject_hyperparams(fb.sgd)(lr=0.1)
+    return tx, tx.init(params), params, grads
+
+
+def test_a_held_hyperparameter_differentiated_through_is_not_read_as_a_number():
+    """Eagerly a held value is read as a Python number, but not where it is differentiated
+    through: autograd recording it, torch.func's grad and vmap over it. There the update keeps
+    it as a tensor: ``d/dlr sum(-lr g) = -sum(g)``, and vmap's updates ``-lr_i g``."""
+    tx, state, params, grads = _sgd_with_held_lr()
+    expected = -grads["w"].sum()
+
+    lr = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    updates, _ = tx.update(grads, state._replace(hyperparams={"lr": lr}), params)
+    updates["w"].sum().backward()
+    torch.testing.assert_close(lr.grad, expected, rtol=1e-15, atol=0)
+
+    def total(rate):
+        return tx.update(grads, state._replace(hyperparams={"lr": rate}), params)[0]["w"].sum()
+
+    got = torch.func.grad(total)(torch.tensor(0.1, dtype=torch.float64))
+    torch.testing.assert_close(got, expected, rtol=1e-15, atol=0)
+
+    rates = torch.tensor([0.1, 0.5], dtype=torch.float64)
+    batched = torch.vmap(lambda rate: tx.update(grads, state._replace(hyperparams={"lr": rate}), params)[0]["w"])(rates)
+    torch.testing.assert_close(batched, -rates[:, None] * grads["w"], rtol=1e-15, atol=0)
+
+
+def test_a_held_value_changed_reaches_the_transform_built_with_numbers():
+    """The transform built with the held numbers is kept while they stay the same; a value
+    written in place (as a scheduler does) builds it anew: ``u = -lr g`` with each new lr."""
+    tx, state, params, grads = _sgd_with_held_lr()
+    for lr in (0.1, 0.1, 0.5, 0.25, 0.25):
+        state.hyperparams["lr"].fill_(lr)
+        updates, state = tx.update(grads, state, params)
+        torch.testing.assert_close(updates["w"], -lr * grads["w"], rtol=1e-15, atol=0)
+
+
 def test_inject_hyperparams_validates_initial_values():
     with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
         fb.inject_hyperparams(fb.adam)(lr=-1.0)

@@ -148,12 +148,13 @@ def leafwise(
             if result is None:  # the rule needs single tensors
                 singles.extend(members)
                 continue
-            us, new_s = result
+            (us, new_s), writable = result
             us = us.copies() if isinstance(us, foreach.OneValue) else us
             _place(us, members, updates, x.updates, updates_of=name)  # each in its gradient's dtype
-            for column, old_column, new_column in zip(new_s, state_leaves, new_fields):
+            for f, (column, old_column, new_column) in enumerate(zip(new_s, state_leaves, new_fields)):
                 if isinstance(column, foreach.OneValue):  # a count: into the old counts where given up
-                    column = column.copied_into([old_column[i] for i in members]) if given else column.copies()
+                    olds = [old_column[i] for i in members]
+                    column = column.copied_into(olds) if 2 + f in writable else column.copies()
                 _place(column, members, new_column, old_column)  # each state tensor in its old one's
         for i in sorted(singles):
             g, p, s = x.updates[i], x.params[i], state_type(*(leaves[i] for leaves in state_leaves))

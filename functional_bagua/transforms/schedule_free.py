@@ -48,7 +48,7 @@ from functional_bagua.base import GradientTransformation, chain
 from functional_bagua.foreach import updated
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, readable_now, zero_count
 from functional_bagua.transforms.direction import refuse_a_step
 from functional_bagua.transforms.leafwise import leafwise
 from functional_bagua.tree import PyTree
@@ -245,8 +245,8 @@ def _on_device_of(x: Any, like: Any) -> Any:
 def _read(x: Any) -> Any:
     """A 0-dim CPU tensor as a Python number, eagerly (no device sync: it is on the host), so that
     the multi-tensor ops take it as a scalar (one fused multiply-add instead of two ops); else as
-    it is (traced, or on a GPU: one 0-dim tensor that each multi-tensor op takes whole)."""
-    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+    it is (traced, on a GPU, or differentiated through: :func:`~functional_bagua.numerics.readable_now`)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and readable_now(x):
         return x.item()
     return x
 
