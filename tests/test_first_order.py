@@ -239,20 +239,28 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
         dict(weight_decay=0.01, decouple=True),
         lambda: fb.dadapt_adam(weight_decay=0.01, decouple=True),
     ),
+    "ademamix": ("pytorch_optimizer", "AdEMAMix", dict(lr=1e-2, foreach=False), lambda: fb.ademamix(1e-2)),
+    "ademamix-warmup": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, t_alpha_beta3=4, foreach=False),
+        lambda: fb.ademamix(1e-2, t_alpha_beta3=4),
+    ),
 }
 
 
 @pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("case", list(IN_PLACE))
-def test_fb_optimizer_writes_the_learning_rate_free_step_into_the_parameters_as_the_references(case):
+def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case):
     """fb.Optimizer steps Prodigy and D-Adaptation Adam as the authors' packages write their
     step: ``p.add_(p, alpha=-decay dlr)``, ``p.addcdiv_(mu, denom, value=-dlr)`` (``g`` and
-    ``-dlr d`` without momentum), their factors unrounded: the same bits as the references in
+    ``-dlr d`` without momentum), their factors unrounded; and AdEMAMix as pytorch-optimizer's
+    ``p.addcdiv_(m1 / c1 + alpha m2, denom, value=-lr)``: the same bits as the references in
     float32 (one tensor, so the estimate's sums are added in one order), where forming the
     update and adding it would differ."""
     module, name, ref_kwargs, make = IN_PLACE[case]
-    cls = reference_class(module, name, f"the authors' {module} package is the reference: an optional test dependency")
+    cls = reference_class(module, name, f"{module} is the reference: an optional test dependency")
     gen = seeded(5)
     start, target = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
     theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
@@ -270,7 +278,7 @@ def test_fb_optimizer_writes_the_learning_rate_free_step_into_the_parameters_as_
 @pytest.mark.parametrize(
     "make", [lambda: fb.prodigy(weight_decay=0.01), lambda: fb.dadapt_adam(weight_decay=0.1, decouple=True)]
 )
-def test_a_learning_rate_free_group_that_cannot_step_in_place_runs_the_pure_update(make):
+def test_a_group_that_cannot_take_the_step_written_in_place_runs_the_pure_update(make):
     """A 0-dim parameter in the group: the step is not written into the parameters (it takes
     tensors of at least one dimension) and the group runs the pure update, bit for bit (where
     writing the step in would differ: decoupled weight decay, Prodigy's ``dlr``)."""
@@ -291,6 +299,29 @@ def test_a_learning_rate_free_group_that_cannot_step_in_place_runs_the_pure_upda
     for i, p in enumerate(tensors):
         assert torch.equal(p.detach(), params[i]), i
     assert not torch.equal(tensors[1].detach(), start[1])
+
+
+def test_ademamix_in_a_group_that_cannot_take_the_step_written_in_place_adds_its_update():
+    """AdEMAMix with a 0-dim parameter in the group: its step is not written into the
+    parameters (``p.addcdiv_``); the direction is formed and added with the learning rate as
+    ``alpha``, ``p.add_(u, alpha=-lr)``, bit for bit."""
+    gen = seeded(18)
+    shapes = [(), (700,)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    tensors = [torch.nn.Parameter(v.clone()) for v in start]
+    opt = fb.Optimizer(tensors, fb.ademamix(1e-2))
+    direction, expected = fb.scale_by_ademamix(), [v.clone() for v in start]
+    state = direction.init(dict(enumerate(expected)))
+    for step in grads:
+        for p, g in zip(tensors, step):
+            p.grad = g.clone()
+        opt.step()
+        updates, state = direction.update(dict(enumerate(step)), state, dict(enumerate(expected)))
+        for i, v in enumerate(expected):
+            v.add_(updates[i], alpha=-1e-2)
+    for i, p in enumerate(tensors):
+        assert torch.equal(p.detach(), expected[i]), i
 
 
 @pytest.mark.filterwarnings("ignore")

@@ -14,7 +14,7 @@ by ``alpha``; both may warm up over ``T = t_alpha_beta3`` steps::
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -85,24 +85,55 @@ def scale_by_ademamix(
     def init_leaf(p: torch.Tensor) -> ScaleByAdemamixState:
         return ScaleByAdemamixState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(
-        g: torch.Tensor, s: ScaleByAdemamixState, p: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, ScaleByAdemamixState]:
+    def moments(g: Any, s: ScaleByAdemamixState) -> tuple:
+        """The new state and this step's factors: as numbers (read before the state is
+        overwritten) where they are numbers now, else ``None`` beside them as tensors."""
         count = s.count + 1
         t = as_scalar(count)
         root_correction, correction = bias_correction(b2, t).sqrt(), bias_correction(b1, t)
         weight = alpha_at(t, alpha, t_alpha_beta3)
-        numbers = eager_numbers((root_correction, correction, weight, eps), g)  # before the state is overwritten
+        numbers = eager_numbers((root_correction, correction, weight, eps), g)
         mu = first_moment(s.mu, g, b1)
         nu = second_moment(s.nu, g, b2)
         mu_slow = updated(s.mu_slow, "lerp", g, lerp_weight(1 - b3_at(t, b1, b3, t_alpha_beta3), s.mu_slow))
-        if numbers is None:  # traced, or on a device: the factors as tensors
-            denom = nu.sqrt().div(root_correction).add(eps)
-            u = (mu / correction).add(mu_slow * weight).div(denom)
-        else:  # as the reference, with numbers: in the rule's own temporaries, the weight as an alpha
-            root_now, correction_now, weight_now, eps_now = numbers
-            denom = nu.sqrt().div_(root_now).add_(eps_now)
-            u = (mu / correction_now).add_(mu_slow, alpha=weight_now).div_(denom)
-        return u, ScaleByAdemamixState(count, mu, nu, mu_slow)
+        return ScaleByAdemamixState(count, mu, nu, mu_slow), numbers, (root_correction, correction, weight)
 
-    return leafwise(ScaleByAdemamixState, init_leaf, update_leaf, name="scale_by_ademamix", fresh_updates=True)
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByAdemamixState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByAdemamixState]:
+        new, numbers, factors = moments(g, s)
+        if numbers is None:  # traced, or on a device: the factors as tensors
+            return with_tensors(new, factors), new
+        numerator, denom = quotient(new, numbers)  # as the reference: in the rule's own temporaries
+        return numerator.div_(denom), new
+
+    def write_leaf(g: Any, s: ScaleByAdemamixState, p: Any, step: float) -> ScaleByAdemamixState:
+        """``p <- p + step u`` as the reference writes it: ``p.addcdiv_(m1 / c1 + alpha m2,
+        denom, value=step)`` (``fb.Optimizer``, eagerly)."""
+        new, numbers, factors = moments(g, s)
+        if numbers is None:  # factors that are not numbers now: the update, then added
+            p.add_(with_tensors(new, factors), alpha=step)
+        else:
+            p.addcdiv_(*quotient(new, numbers), value=step)
+        return new
+
+    def quotient(new: ScaleByAdemamixState, numbers: list) -> tuple:
+        """``m1 / c1 + alpha m2`` and ``sqrt(v) / sqrt(c2) + eps``, new tensors, the factors
+        numbers (the weight an ``alpha``)."""
+        root_now, correction_now, weight_now, eps_now = numbers
+        denom = new.nu.sqrt().div_(root_now).add_(eps_now)
+        return (new.mu / correction_now).add_(new.mu_slow, alpha=weight_now), denom
+
+    def with_tensors(new: ScaleByAdemamixState, factors: tuple) -> Any:
+        root_correction, correction, weight = factors
+        denom = new.nu.sqrt().div(root_correction).add(eps)
+        return (new.mu / correction).add(new.mu_slow * weight).div(denom)
+
+    return leafwise(
+        ScaleByAdemamixState,
+        init_leaf,
+        update_leaf,
+        name="scale_by_ademamix",
+        fresh_updates=True,
+        write_leaf=write_leaf,
+    )

@@ -44,6 +44,7 @@ def leafwise(
     per_tensor: bool = False,
     sparse_gradients: bool = False,
     fresh_updates: bool = False,
+    write_leaf: Optional[Callable[[Any, Any, Any, float], Any]] = None,
 ) -> GradientTransformation:
     """A transform applying ``update_leaf(g, state_leaf, p) -> (u, new_state_leaf)`` per tensor.
 
@@ -77,6 +78,13 @@ def leafwise(
         fresh_updates: ``True`` declares that ``u`` is always a new tensor that nothing else
             holds (not ``g``, ``p``, nor a state tensor, old or new), so that the next link of a
             chain may overwrite it (``functional_bagua.ownership``).
+        write_leaf: ``write_leaf(g, state_leaf, p, alpha) -> new_state_leaf``, the rule's step
+            written into ``p`` as its reference writes it, ``p <- p + alpha u`` for the ``u`` of
+            ``update_leaf`` (``p.addcdiv_(m, denom, value=alpha)``), its state computed in the
+            old one (given up): ``fb.Optimizer`` calls it (``update.apply_in_place``) eagerly,
+            on dense float32 or float64 CPU tensors of at least one dimension
+            (:func:`~functional_bagua.foreach.writable_in_place`), where every factor of the
+            rule is a Python number.
 
     Returns:
         A GradientTransformation whose state is a ``state_type`` with one tree per field.
@@ -127,7 +135,31 @@ def leafwise(
         writes in its input updates, so ``overwrite`` is unused; it may compute its new state in
         the old one's tensors where its caller gave that up (:func:`~functional_bagua.foreach.updated`)."""
         del overwrite
-        given = range(2, 2 + len(fields)) if ownership.state_given_to(update) else ()
+        given = ownership.state_given_to(update)
+        return stepped(x, state, given, None)
+
+    def apply_in_place(updates: PyTree, state: NamedTuple, params: PyTree, alpha: float) -> Optional[NamedTuple]:
+        """``p <- p + alpha u`` written into ``params`` by ``write_leaf``, the state and the
+        parameters given up by the caller; ``None``, nothing changed, where it cannot be
+        (traced, a fused or segmented layout, a tensor that
+        :func:`~functional_bagua.foreach.writable_in_place` refuses or not on the CPU)."""
+        if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
+            return None
+        x = LeafLists.of(updates, params, who=name, complex_ok=complex_ok, layout=layout)
+        if _segmented_keys(x.spec, per_tensor) is not None or not isinstance(state, state_type):
+            return None
+        present = [i for i, g in enumerate(x.updates) if g is not None]
+        state_leaves = [_field_leaves(x.spec, state, f, name, segmented=False) for f in fields]
+        tensors = [column[i] for column in (x.updates, x.params) for i in present]
+        tensors += [t for leaves in state_leaves for t in (leaves[i] for i in present) if _has_dims(t)]
+        if not foreach.writable_in_place(tensors) or tensors[0].device.type != "cpu":
+            return None
+        return stepped(x, state, True, alpha)[1]
+
+    def stepped(x: LeafLists, state: NamedTuple, given_up: bool, alpha: Optional[float]) -> tuple:
+        """The updates (a list) and the new state; with ``alpha``, ``write_leaf``'s step written
+        into the parameters instead, and no updates."""
+        given = range(2, 2 + len(fields)) if given_up else ()
         if not isinstance(state, state_type):
             raise ValueError(
                 f"{name}: got a state of type {type(state).__name__}, expected {state_type.__name__}; pass the "
@@ -143,14 +175,16 @@ def leafwise(
         new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state
         singles = list(x.singles)
         columns = [x.updates, x.params, *state_leaves]
+        grouped_rule = rule_of_fields if alpha is None else functools.partial(written_with_fields, alpha)
         for members in x.groups:
-            result = foreach.run_grouped(rule_of_fields, columns, members, given, one_values=True)
+            result = foreach.run_grouped(grouped_rule, columns, members, given, one_values=True)
             if result is None:  # the rule needs single tensors
                 singles.extend(members)
                 continue
             (us, new_s), writable = result
-            us = us.copies() if isinstance(us, foreach.OneValue) else us
-            _place(us, members, updates, x.updates, updates_of=name)  # each in its gradient's dtype
+            if alpha is None:
+                us = us.copies() if isinstance(us, foreach.OneValue) else us
+                _place(us, members, updates, x.updates, updates_of=name)  # each in its gradient's dtype
             for f, (column, old_column, new_column) in enumerate(zip(new_s, state_leaves, new_fields)):
                 if isinstance(column, foreach.OneValue):  # a count: into the old counts where given up
                     olds = [old_column[i] for i in members]
@@ -158,11 +192,14 @@ def leafwise(
                 _place(column, members, new_column, old_column)  # each state tensor in its old one's
         for i in sorted(singles):
             g, p, s = x.updates[i], x.params[i], state_type(*(leaves[i] for leaves in state_leaves))
-            if keys is None:
+            if alpha is not None:
+                assert write_leaf is not None  # apply_in_place
+                u, new_s = None, write_leaf(g, s, p, alpha)
+            elif keys is None:
                 u, new_s = rule(g, s, p)
             else:
                 u, new_s = _update_segments(update_leaf, state_type, g, s, p, _segments_of(keys[i]))
-            updates[i] = _update_in(u, g.dtype, name)
+            updates[i] = None if u is None else _update_in(u, g.dtype, name)
             for f, value in enumerate(_with_dtypes_of(new_s, s)):
                 new_fields[f][i] = value
         return updates, state_type(*(x.unflatten(column) for column in new_fields))
@@ -170,11 +207,17 @@ def leafwise(
     def rule_of_fields(g: Any, p: Any, *fields: Any) -> Any:
         return update_leaf(g, state_type(*fields), p)
 
+    def written_with_fields(alpha: float, g: Any, p: Any, *fields: Any) -> Any:
+        assert write_leaf is not None  # apply_in_place
+        return None, write_leaf(g, state_type(*fields), p, alpha)
+
     update.fresh_updates = fresh_updates  # type: ignore[attr-defined]
     if not (per_tensor or sparse_gradients):  # a chain may run it on its checked lists (leaf_lists)
         update.on_lists = on_lists  # type: ignore[attr-defined]
         update.input_name = name  # type: ignore[attr-defined]
         update.needs_params = needs_params  # type: ignore[attr-defined]
+        if write_leaf is not None:
+            update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 
@@ -442,6 +485,11 @@ def _field_leaves(spec: optree.PyTreeSpec, state: NamedTuple, field: str, name: 
         return tree.leaves_matching(spec, field_tree, "grads", "the params the state was made for")
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
+
+
+def _has_dims(x: Any) -> bool:
+    """Whether ``x`` is a tensor of at least one dimension (a state field beside a step count)."""
+    return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
 def _with_dtypes_of(new: Any, old: Any) -> Any:
