@@ -25,7 +25,10 @@ and gradients:
 - ``out-of-place minimum`` (schedule-free AdamW and SGD): the ceiling of any pure eager step, the
   fewest multi-tensor ops that compute the new state and parameters as new tensors (Python
   numbers for every factor), then copy the parameters back: what a functional update cannot
-  avoid beside the references' in-place ops.
+  avoid beside the references' in-place ops;
+- ``grouped minimum`` (ADOPT): the reference's own in-place operations, each one multi-tensor
+  op over every tensor, and nothing else (no checks, Python numbers for every factor): the
+  ceiling of any grouped eager step.
 
 The median of ``--steps`` calls after 3 untimed ones, with its range, and its ratio to the
 reference's median in the same run.
@@ -132,6 +135,29 @@ def out_of_place_minimum(name: str, params: dict, grads: dict) -> Callable[[], o
     return sgd if name == "schedule_free_sgd" else adamw
 
 
+def grouped_minimum(params: dict, grads: dict) -> Callable[[], object]:
+    """torch-adopt's step past the first, its own operations each one multi-tensor op over
+    every tensor and nothing else (no checks, Python numbers for every factor): the ceiling of
+    any grouped eager ADOPT step (module docstring)."""
+    ps, gs = [p.clone() for p in params.values()], list(grads.values())
+    mus, nus = [torch.zeros_like(p) for p in ps], [torch.addcmul(torch.zeros_like(g), g, g) for g in gs]
+    lr, b1, b2, eps, clip = 1e-3, 0.9, 0.9999, 1e-6, 2.0**0.25
+
+    def adopt() -> object:
+        denom = torch._foreach_sqrt(nus)
+        torch._foreach_clamp_min_(denom, eps)
+        normalized = torch._foreach_div(gs, denom)
+        torch._foreach_clamp_min_(normalized, -clip)
+        torch._foreach_clamp_max_(normalized, clip)
+        torch._foreach_lerp_(mus, normalized, 1 - b1)
+        torch._foreach_add_(ps, mus, alpha=-lr)
+        torch._foreach_mul_(nus, b2)
+        torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
+        return ps
+
+    return adopt
+
+
 def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], object]]:
     """Each variant's step (module docstring), made on its own copy of the parameters."""
     make_reference, alias, kwargs = OPTIMIZERS[name]
@@ -164,6 +190,8 @@ def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], obj
         out[f"fuse_inplace {kernel}"] = (lambda s_, st, fl, fg: lambda: s_(fg, st, fl))(step_, state, flat, flat_grads)
     if name.startswith("schedule_free"):
         out["out-of-place minimum"] = out_of_place_minimum(name, params, grads)
+    if name == "adopt":
+        out["grouped minimum"] = grouped_minimum(params, grads)
     return out
 
 
