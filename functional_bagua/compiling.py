@@ -12,6 +12,7 @@ raised while tracing (:func:`raised_while_tracing`), not dynamo's wrapper of the
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import itertools
 import re
@@ -118,7 +119,8 @@ def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = (), fixed
     tensors, say) ``fn`` itself too. Where inductor cannot compile (``BackendCompilerFailed``: no
     C++ compiler, say), a warning, once per device type, and ``fn`` eagerly there from then on
     (the same numbers, op by op). On CUDA the kernels divide exactly and keep subnormals, as
-    eager torch does.
+    eager torch does. A caller's ``set_stance("fail_on_recompile")`` does not make a kernel of
+    the library's raise: one that would compile again computes ``fn`` eagerly.
 
     The kernel runs without autograd (``torch.no_grad``): for values that need no gradient,
     such as an optimizer's state.
@@ -151,7 +153,7 @@ def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = (), fixed
         for dim in range(t.dim()):
             torch._dynamo.maybe_mark_dynamic(t, dim)
     try:
-        with torch.no_grad():  # one graph whatever the caller's grad mode
+        with torch.no_grad(), _own_stance():  # one graph whatever the caller's grad mode
             return kernel(*inputs)
     except torch._dynamo.exc.BackendCompilerFailed as failed:
         cause = getattr(failed, "inner_exception", failed)
@@ -164,6 +166,19 @@ def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = (), fixed
             stacklevel=3,
         )
         return fn(*tensors, *static)
+
+
+def _own_stance() -> contextlib.AbstractContextManager:
+    """Where the caller forbids recompiling (``torch.compiler.set_stance("fail_on_recompile")``,
+    for its own compiled step), the library's kernels run with ``"eager_on_recompile"``: a
+    kernel compiled for these tensors' shape class runs, another computes ``fn`` eagerly (the
+    same numbers) instead of raising in the caller's optimizer step. Else the caller's stance."""
+    stance = getattr(
+        getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default"
+    )  # torch keeps it privately
+    if stance == "fail_on_recompile":
+        return torch.compiler.set_stance("eager_on_recompile")
+    return contextlib.nullcontext()
 
 
 def _with_constants(fn: Callable, static: tuple) -> Callable:

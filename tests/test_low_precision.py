@@ -600,6 +600,43 @@ def test_the_rounding_bits_are_the_same_compiled_by_inductor():
         assert torch.equal(compiling.run_compiled(lp.stochastically_rounded_from, x[:n], start, seed), want), n
 
 
+def test_a_callers_fail_on_recompile_stance_does_not_fail_the_codecs_kernels():
+    """A training loop that sets ``torch.compiler.set_stance("fail_on_recompile")`` for its own
+    compiled step: an optimizer step whose codec kernel meets a new shape class (a 2-D tensor
+    after 1-D ones) computes it eagerly instead of raising, the same bits as without the
+    stance; the caller's stance still holds for its own functions afterwards."""
+
+    def run(params, stance):
+        opt = fb.Optimizer(params, fb.low_precision_state(fb.adamw(1e-2), "bf16"))
+        for p in params:
+            p.grad = torch.ones_like(p)
+        with torch.compiler.set_stance(stance):
+            opt.step()
+        return [p.detach() for p in params]
+
+    run([torch.nn.Parameter(torch.randn(300, generator=seeded(11)))], "default")  # 1-D kernels compiled
+    start = torch.randn(7, 50, generator=seeded(12))
+    want = run([torch.nn.Parameter(start.clone())], "force_eager")
+    got = run([torch.nn.Parameter(start.clone())], "fail_on_recompile")
+    assert torch.equal(got[0], want[0])
+
+    def doubled(x):
+        return x * 2
+
+    own = torch.compile(doubled)
+    own(torch.ones(3))
+    compiling.run_compiled(_twice_plus, torch.ones(3), torch.ones(3))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        x, y = torch.randn(4, 5, generator=seeded(13)), torch.randn(4, 5, generator=seeded(14))
+        assert torch.equal(compiling.run_compiled(_twice_plus, x, y), _twice_plus(x, y))  # a new shape class
+        with pytest.raises(RuntimeError, match="fail_on_recompile"):
+            own(torch.ones(2, 2, dtype=torch.float64))  # the caller's own recompile still fails
+
+
+def _twice_plus(x, y):
+    return x * 2 + y
+
+
 @pytest.mark.parametrize("alias", ALL_ALIASES, ids=lambda a: a.__name__)
 def test_each_aliass_state_decodes_close_to_what_was_encoded(alias):
     """After some steps, every encoded tensor decodes within the codec's precision of the float32
