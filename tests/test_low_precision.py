@@ -690,7 +690,8 @@ def test_bfloat16_with_its_correction_is_the_nearest_bfloat16_plus_its_error_in_
 def test_rounding_to_nearest_on_the_bits_is_torchs_conversion_eager_and_compiled(dtype):
     """``round_to_nearest(x, dtype)`` against torch's ``x.to(dtype).to(float32)`` (eager) on
     values of every magnitude, random bit patterns (NaNs among them), ties, subnormals and the
-    overflow boundary; compiled by inductor (which folds the plain conversion away) the same."""
+    overflow boundary; compiled by inductor (which folds the plain conversion away: the kernel
+    ``master_weights`` runs eagerly, ``run_compiled``) the same."""
     gen = seeded(14)
     scaled = torch.randn(50000, generator=gen) * 10.0 ** torch.randint(-12, 6, (50000,), generator=gen)
     raw = torch.randint(-(2**31), 2**31 - 1, (50000,), generator=gen, dtype=torch.int32).view(torch.float32)
@@ -703,7 +704,7 @@ def test_rounding_to_nearest_on_the_bits_is_torchs_conversion_eager_and_compiled
         return bool(((a.view(torch.int32) == want.view(torch.int32)) | (a.isnan() & want.isnan())).all())
 
     assert same(lp.round_to_nearest(x, dtype))
-    assert same(torch.compile(lambda v: lp.round_to_nearest(v, dtype), fullgraph=True)(x))
+    assert same(compiling.run_compiled(lp.round_to_nearest, x, static=(dtype,)))
 
 
 def test_the_correction_is_the_same_compiled_by_inductor():

@@ -52,6 +52,7 @@ import torch
 
 from functional_bagua import tree
 from functional_bagua.base import GradientTransformation
+from functional_bagua.compiling import run_compiled
 from functional_bagua.flat import split_like
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.numerics import zero_count
@@ -98,12 +99,14 @@ def _rounded(stepped: list, start: int, dtype: torch.dtype, to_nearest: bool, st
     """Each of ``stepped`` (float32 parameters of ``dtype``, following one another in ``stream``
     from index ``start``) rounded to ``dtype``, as float32: to nearest, or stochastically to
     bfloat16 with the bits of their values' places in ``stream`` (module docstring); computed back
-    to back in one pass."""
+    to back in one pass, eagerly by a compiled kernel (the same bits as op by op:
+    :func:`~functional_bagua.compiling.run_compiled`)."""
     flat = back_to_back(stepped)
     if to_nearest:
-        return split_like(round_to_nearest(flat, dtype), stepped)  # float32, exact in dtype
+        return split_like(run_compiled(round_to_nearest, flat, static=(dtype,)), stepped)  # float32, exact in dtype
     assert stream is not None  # made where the rounding is stochastic
-    rounded = stochastically_rounded_from(flat, start, stream.to(flat.device))
+    at = torch.full((), start, dtype=torch.int64, device=flat.device)  # an input: no compile per start
+    rounded = run_compiled(stochastically_rounded_from, flat, at, stream.to(flat.device))
     return [r.to(torch.float32) for r in split_like(rounded, stepped)]
 
 
