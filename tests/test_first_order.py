@@ -240,6 +240,7 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
         lambda: fb.dadapt_adam(weight_decay=0.01, decouple=True),
     ),
     "ademamix": ("pytorch_optimizer", "AdEMAMix", dict(lr=1e-2, foreach=False), lambda: fb.ademamix(1e-2)),
+    "laprop": ("pytorch_optimizer", "LaProp", dict(lr=1e-2, foreach=False), lambda: fb.laprop(1e-2)),
     "ademamix-warmup": (
         "pytorch_optimizer",
         "AdEMAMix",
@@ -255,8 +256,9 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
 def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case):
     """fb.Optimizer steps Prodigy and D-Adaptation Adam as the authors' packages write their
     step: ``p.add_(p, alpha=-decay dlr)``, ``p.addcdiv_(mu, denom, value=-dlr)`` (``g`` and
-    ``-dlr d`` without momentum), their factors unrounded; and AdEMAMix as pytorch-optimizer's
-    ``p.addcdiv_(m1 / c1 + alpha m2, denom, value=-lr)``: the same bits as the references in
+    ``-dlr d`` without momentum), their factors unrounded; AdEMAMix as pytorch-optimizer's
+    ``p.addcdiv_(m1 / c1 + alpha m2, denom, value=-lr)``, LaProp its momentum added with its
+    step size (one pass): the same bits as the references in
     float32 (one tensor, so the estimate's sums are added in one order), where forming the
     update and adding it would differ."""
     module, name, ref_kwargs, make = IN_PLACE[case]

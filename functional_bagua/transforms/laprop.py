@@ -19,13 +19,13 @@ learning rate.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union, cast
+from typing import Any, NamedTuple, Optional, Union, cast
 
 import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.foreach import updated
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, eager_numbers, lerp, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, eager_numbers, is_number, lerp, zero_count
 from functional_bagua.transforms.adam import bias_correction, second_moment
 from functional_bagua.transforms.leafwise import leafwise
 
@@ -95,6 +95,22 @@ def scale_by_laprop(
         return ScaleByLapropState(*moments, lr_avg)
 
     def update_leaf(g: torch.Tensor, s: _LapropState, p: Optional[torch.Tensor]) -> tuple[torch.Tensor, _LapropState]:
+        new, step_size = stepped(g, s)
+        return new.mu * step_size, new
+
+    def write_leaf(g: Any, s: _LapropState, p: Any, alpha: float) -> _LapropState:
+        """``p <- p + alpha u`` with ``u = mu step_size`` in one pass, ``p.add_(mu, alpha=alpha
+        step_size)`` (the bits of ``u`` formed and added: ``alpha`` is the sign's -1), as the
+        reference adds its momentum (``fb.Optimizer``, eagerly)."""
+        new, step_size = stepped(g, s)
+        if is_number(step_size):
+            p.add_(new.mu, alpha=alpha * step_size)
+        else:
+            p.add_(new.mu * step_size, alpha=alpha)
+        return new
+
+    def stepped(g: Any, s: _LapropState) -> tuple[_LapropState, Scalar]:
+        """The new state and the step size ``u = mu step_size`` takes (a number eagerly)."""
         count = s.count + 1
         t = as_scalar(count)
         lr_avg = s.lr_avg * b1 + (1 - b1) * learning_rate
@@ -116,11 +132,10 @@ def scale_by_laprop(
             denom = (second + root_eps).sqrt_().add_(eps_now).div_(root_now)
             mu = updated(s.mu, "mul", b1).addcdiv_(g, denom, value=weight_now)
             step_size = step_now
-        u = mu * step_size
         if centered:
-            return u, ScaleByCenteredLapropState(count, mu, nu, lr_avg, grad_avg)
-        return u, ScaleByLapropState(count, mu, nu, lr_avg)
+            return ScaleByCenteredLapropState(count, mu, nu, lr_avg, grad_avg), step_size
+        return ScaleByLapropState(count, mu, nu, lr_avg), step_size
 
-    tx = leafwise(state_type, init_leaf, update_leaf, name="scale_by_laprop", fresh_updates=True)
+    tx = leafwise(state_type, init_leaf, update_leaf, name="scale_by_laprop", fresh_updates=True, write_leaf=write_leaf)
     tx.update.takes_a_step = "scale_by_laprop"  # type: ignore[attr-defined]  # its updates hold the learning rate (direction.py)
     return tx
