@@ -100,8 +100,9 @@ def scale_by_laprop(
 
     def write_leaf(g: Any, s: _LapropState, p: Any, alpha: float) -> _LapropState:
         """``p <- p + alpha u`` with ``u = mu step_size`` in one pass, ``p.add_(mu, alpha=alpha
-        step_size)`` (the bits of ``u`` formed and added: ``alpha`` is the sign's -1), as the
-        reference adds its momentum (``fb.Optimizer``, eagerly)."""
+        step_size)``, as the reference adds its momentum (``fb.Optimizer``, eagerly): one
+        rounding fewer than forming ``u`` and adding it (the reference's bits, not the pure
+        update's)."""
         new, step_size = stepped(g, s)
         if is_number(step_size):
             p.add_(new.mu, alpha=alpha * step_size)

@@ -84,7 +84,8 @@ def leafwise(
             old one (given up): ``fb.Optimizer`` calls it (``update.apply_in_place``) eagerly,
             on dense float32 or float64 CPU tensors of at least one dimension
             (:func:`~functional_bagua.foreach.writable_in_place`), where every factor of the
-            rule is a Python number.
+            rule is a Python number. Its write into ``p`` must be its last operation: a rule
+            that raises before it runs again one tensor at a time.
 
     Returns:
         A GradientTransformation whose state is a ``state_type`` with one tree per field.
@@ -145,7 +146,9 @@ def leafwise(
         :func:`~functional_bagua.foreach.writable_in_place` refuses or not on the CPU)."""
         if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
             return None
-        x = LeafLists.of(updates, params, who=name, complex_ok=complex_ok, layout=layout)
+        x = LeafLists.of(
+            updates, params, who=name, complex_ok=complex_ok, layout=layout, grouped=foreach.grouped_enabled()
+        )
         if _segmented_keys(x.spec, per_tensor) is not None or not isinstance(state, state_type):
             return None
         present = [i for i, g in enumerate(x.updates) if g is not None]
