@@ -838,7 +838,7 @@ def run_grouped(
         one_values: a tensor the rule shares between the tensors (a step count computed once
             for the group) as :class:`OneValue` (its caller places the copies) instead of a
             list of copies; the result is then ``(result, writable)``, ``writable`` the
-            ``given`` columns whose equal scalars the rule got as one (:func:`_shared_or_leaves`)
+            ``given`` columns whose equal scalars the rule got as one (a step count per tensor)
             and that no other tensor of the group shares: their tensors may take the copies.
     """
     args: list[Any] = []

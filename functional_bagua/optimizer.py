@@ -68,9 +68,10 @@ A chain ending in :func:`~functional_bagua.schedule_free`'s averaging has it ste
 parameters ``y`` and its ``z`` in place as the ``schedulefree`` package does (``y.lerp_(z,
 c)``, ``y.add_(d, alpha=...)``, ``z.add_(d, alpha=-lr)``) where its tensors allow (dense
 float32 or float64 tensors of at least one dimension; else the pure update); so do
-:func:`~functional_bagua.prodigy`'s and :func:`~functional_bagua.dadapt_adam`'s steps, as their
+:func:`~functional_bagua.prodigy`'s, :func:`~functional_bagua.dadapt_adam`'s,
+:func:`~functional_bagua.ademamix`'s and :func:`~functional_bagua.laprop`'s steps, as their
 references write them (``p.addcdiv_(mu, denom, value=-dlr)``; on the CPU, where their factors
-are numbers). A link offers this as ``update.apply_in_place(updates, state, params, alpha)``:
+are numbers; a :func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as ``update.apply_in_place(updates, state, params, alpha)``:
 ``p <- p + alpha u`` for its update ``u``, its state and the parameters given up, or ``None``,
 nothing changed, to decline (:func:`_tail_of`). Either way the parameters are the pure update's
 to a rounding, and ``torch.compile(opt.step)``, which traces the whole chain, gives the pure
