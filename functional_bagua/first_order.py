@@ -273,7 +273,10 @@ def _stepped_then_decayed(
         decay = lr * weight_decay
         return u * -(1 - decay) - p * decay
 
-    return stateless(stepped, name="laprop", needs_params=True)
+    tx = stateless(stepped, name="laprop", needs_params=True)
+    # p <- (p - u) (1 - wd lr): fb.Optimizer writes the direction's step, then multiplies, as the reference
+    tx.update.scaled_after = lambda: (-1.0, 1.0 - weight_decay * lr)  # type: ignore[attr-defined]
+    return tx
 
 
 @accepts_schedules(static_args=("optimize_1d",))

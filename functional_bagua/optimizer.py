@@ -70,8 +70,9 @@ c)``, ``y.add_(d, alpha=...)``, ``z.add_(d, alpha=-lr)``) where its tensors allo
 float32 or float64 tensors of at least one dimension; else the pure update); so do
 :func:`~functional_bagua.prodigy`'s, :func:`~functional_bagua.dadapt_adam`'s,
 :func:`~functional_bagua.ademamix`'s and :func:`~functional_bagua.laprop`'s steps, as their
-references write them (``p.addcdiv_(mu, denom, value=-dlr)``; on the CPU, where their factors
-are numbers; a :func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as ``update.apply_in_place(updates, state, params, alpha)``:
+references write them (``p.addcdiv_(mu, denom, value=-dlr)``; LaProp's decoupled decay then
+``p.mul_(1 - wd lr)``; on the CPU, where their factors are numbers; a
+:func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as ``update.apply_in_place(updates, state, params, alpha)``:
 ``p <- p + alpha u`` for its update ``u``, its state and the parameters given up, or ``None``,
 nothing changed, to decline (:func:`_tail_of`). Either way the parameters are the pure update's
 to a rounding, and ``torch.compile(opt.step)``, which traces the whole chain, gives the pure
@@ -781,9 +782,15 @@ def _step_into(
 ) -> bool:
     """The step of a chain's ``tail`` (:func:`_tail_of`) written into ``params``, the chain's
     new state (``wrapped``: as the group keeps it) set; False, nothing done, where the last
-    link's number is not one now."""
-    head, link, factor = tail
-    alpha = number_now(factor()) if factor is not None else 1.0
+    link's numbers are not numbers now."""
+    head, link, factor, after = tail
+    multiplier = None
+    if after is not None:  # p <- (p + alpha u) * multiplier
+        alpha, multiplier = (number_now(v) for v in after.update.scaled_after())
+        if multiplier is None:
+            return False
+    else:
+        alpha = number_now(factor()) if factor is not None else 1.0
     if alpha is None:
         return False  # a rate held on a device: the chain as it is
     k = len(head.update.transforms)  # the links before `link`
@@ -794,27 +801,40 @@ def _step_into(
     if link is None:
         apply_updates_(params, updates, alpha)
         return True
+    stepped: list = []  # with ``after``: the parameters the link steps (an update each), multiplied after
+    if after is not None:
+        param_leaves, spec = tree.flatten(params)
+        update_leaves = tree.leaves_matching(spec, updates, "the updates", "the parameters")
+        stepped = [p for p, u in zip(param_leaves, update_leaves) if u is not None]
     link_state = link.update.apply_in_place(updates, state[k], params, alpha)
     declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(link.update):
             owned = ownership.returns_fresh_updates(head)
             updates, link_state = ownership.update_owning(link, owned, updates, state[k], params)
+        if after is not None:  # and the last link, whose update is then added whole
+            updates, _ = after.update(updates, state[k + 1], params)
+            alpha = 1.0
     ours.state = wrapped((*head_state, link_state, *state[k + 1 :]))
     if declined:
         apply_updates_(params, updates, alpha)
+    elif stepped and multiplier is not None:
+        torch._foreach_mul_(stepped, multiplier)
     return True
 
 
 def _tail_of(tx: GradientTransformation) -> Optional[tuple]:
-    """``(head, link, factor)`` where ``tx`` is a chain whose step can be written into the
-    parameters: ``link`` a link with ``update.apply_in_place`` (its state and the parameters
+    """``(head, link, factor, after)`` where ``tx`` is a chain whose step can be written into
+    the parameters: ``link`` a link with ``update.apply_in_place`` (its state and the parameters
     given up; it steps ``p <- p + alpha * u`` for its update ``u``), last or followed by a last
     link that multiplies by a number; ``factor`` that link's number
     (``update.factor``: :func:`~functional_bagua.transforms.scaling.factor_of`), ``None`` where
     there is none (``alpha`` 1); ``link`` ``None`` where the last link multiplies and the one
-    before has no ``apply_in_place`` (the head's updates added with ``alpha``). ``head`` chains
-    the links before ``link`` (before the multiplying link where ``link`` is ``None``). ``None``
+    before has no ``apply_in_place`` (the head's updates added with ``alpha``). ``after``: a
+    last link whose step is ``p <- (p + alpha u) m`` (``update.scaled_after() -> (alpha, m)``,
+    LaProp's decoupled decay), after a link with ``apply_in_place``: that link writes with
+    ``alpha``, then the parameters it stepped are multiplied by ``m``. ``head`` chains the links
+    before ``link`` (before the multiplying link where ``link`` is ``None``). ``None``
     otherwise."""
     links = getattr(tx.update, "transforms", None)
     if not links or len(links) < 2:
@@ -824,12 +844,14 @@ def _tail_of(tx: GradientTransformation) -> Optional[tuple]:
     def in_place(link: GradientTransformation) -> bool:
         return getattr(link.update, "apply_in_place", None) is not None
 
+    if getattr(last.update, "scaled_after", None) is not None and in_place(before[-1]):
+        return chain(*before[:-1]), before[-1], None, last
     factor = getattr(last.update, "factor", None)
     if factor is None:
-        return (chain(*before), last, None) if in_place(last) else None
+        return (chain(*before), last, None, None) if in_place(last) else None
     if in_place(before[-1]):
-        return chain(*before[:-1]), before[-1], factor
-    return chain(*before), None, factor
+        return chain(*before[:-1]), before[-1], factor, None
+    return chain(*before), None, factor, None
 
 
 def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:

@@ -241,6 +241,12 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
     ),
     "ademamix": ("pytorch_optimizer", "AdEMAMix", dict(lr=1e-2, foreach=False), lambda: fb.ademamix(1e-2)),
     "laprop": ("pytorch_optimizer", "LaProp", dict(lr=1e-2, foreach=False), lambda: fb.laprop(1e-2)),
+    "laprop-decayed": (
+        "pytorch_optimizer",
+        "LaProp",
+        dict(lr=1e-2, weight_decay=0.1, foreach=False),
+        lambda: fb.laprop(1e-2, weight_decay=0.1),
+    ),
     "ademamix-warmup": (
         "pytorch_optimizer",
         "AdEMAMix",
@@ -258,7 +264,8 @@ def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case
     step: ``p.add_(p, alpha=-decay dlr)``, ``p.addcdiv_(mu, denom, value=-dlr)`` (``g`` and
     ``-dlr d`` without momentum), their factors unrounded; AdEMAMix as pytorch-optimizer's
     ``p.addcdiv_(m1 / c1 + alpha m2, denom, value=-lr)``, LaProp its momentum added with its
-    step size (one pass): the same bits as the references in
+    step size (one pass), then its decoupled decay ``p.mul_(1 - wd lr)``: the same bits as the
+    references in
     float32 (one tensor, so the estimate's sums are added in one order), where forming the
     update and adding it would differ."""
     module, name, ref_kwargs, make = IN_PLACE[case]
@@ -278,7 +285,13 @@ def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize(
-    "make", [lambda: fb.prodigy(weight_decay=0.01), lambda: fb.dadapt_adam(weight_decay=0.1, decouple=True)]
+    "make",
+    [
+        lambda: fb.prodigy(weight_decay=0.01),
+        lambda: fb.dadapt_adam(weight_decay=0.1, decouple=True),
+        lambda: fb.laprop(1e-2, weight_decay=0.1),
+    ],
+    ids=["prodigy", "dadapt_adam", "laprop-decayed"],
 )
 def test_a_group_that_cannot_take_the_step_written_in_place_runs_the_pure_update(make):
     """A 0-dim parameter in the group: the step is not written into the parameters (it takes
