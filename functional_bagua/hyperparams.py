@@ -286,20 +286,18 @@ def inject_hyperparams(
             return updates, wrapped(inner_state)
 
         keeps_structure: dict[tuple, bool] = {}  # per set of values read as numbers (_numbers_now)
-        last_built: dict[str, tuple] = {}  # the transform built with the last numbers, and those
+        last_built: Optional[tuple] = None  # the last numbers built with, and the transform
 
         def built_with_numbers(numbers: dict) -> GradientTransformation:
             """The factory built with ``numbers``: the transform built last when they are the
             same (hyperparameters no scheduler changed), else anew."""
+            nonlocal last_built
             if any(holds_tensor(v) for v in numbers.values()):  # it reads tensors when built: anew
                 return rebuilt(numbers)
             key = tuple((k, _exactly(v)) for k, v in numbers.items())
-            previous = last_built.get("numbers")
-            if previous is not None and previous[0] == key:
-                return previous[1]
-            inner = rebuilt(numbers)
-            last_built["numbers"] = (key, inner)
-            return inner
+            if last_built is None or last_built[0] != key:
+                last_built = (key, rebuilt(numbers))
+            return last_built[1]
 
         def step_parts(
             state: InjectHyperparamsState, like: PyTree
@@ -325,7 +323,7 @@ def inject_hyperparams(
             else:
                 inner = rebuilt(hyperparams)
                 if read and read not in keeps_structure:
-                    with_numbers = rebuilt(numbers)
+                    with_numbers = built_with_numbers(numbers)
                     keeps_structure[read] = _same_state_structure(with_numbers, inner, like)
                     inner = with_numbers if keeps_structure[read] else inner
             return inner, lambda inner_state: InjectHyperparamsState(state.count + 1, hyperparams, inner_state)

@@ -72,11 +72,11 @@ float32 or float64 tensors of at least one dimension; else the pure update); so 
 :func:`~functional_bagua.ademamix`'s and :func:`~functional_bagua.laprop`'s steps, as their
 references write them (``p.addcdiv_(mu, denom, value=-dlr)``; LaProp's decoupled decay then
 ``p.mul_(1 - wd lr)``; on the CPU, where their factors are numbers; a
-:func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as ``update.apply_in_place(updates, state, params, alpha)``:
-``p <- p + alpha u`` for its update ``u``, its state and the parameters given up, or ``None``,
-nothing changed, to decline (:func:`_tail_of`). Either way the parameters are the pure update's
-to a rounding, and ``torch.compile(opt.step)``, which traces the whole chain, gives the pure
-update's numbers.
+:func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as
+``update.apply_in_place(updates, state, params, alpha)``: ``p <- p + alpha u`` for its update
+``u``, its state and the parameters given up, or ``None``, nothing changed, to decline
+(:func:`_tail_of`). Either way the parameters are the pure update's to a rounding, and
+``torch.compile(opt.step)``, which traces the whole chain, gives the pure update's numbers.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
@@ -759,9 +759,7 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
     step_parts = getattr(ours.tx.update, "step_parts", None)
     if step_parts is not None and isinstance(state, InjectHyperparamsState):
         tx, wrapped = step_parts(state, params)  # the chain built for this step (or kept)
-        if ours.tail is None or ours.tail[0] is not tx:
-            ours.tail = (tx, _tail_of(tx))
-        tail = ours.tail[1]
+        tail = _cached_tail(ours, tx)
         if tail is not None and _step_into(ours, tail, grads, state.inner_state, params, wrapped):
             return True
         # the built transform as inject_hyperparams runs it (not built again)
@@ -771,10 +769,15 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         return True
     if not isinstance(state, tuple):
         return False
-    if ours.tail is None or ours.tail[0] is not ours.tx:
-        ours.tail = (ours.tx, _tail_of(ours.tx))
-    tail = ours.tail[1]
+    tail = _cached_tail(ours, ours.tx)
     return tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new)
+
+
+def _cached_tail(ours: _Group, tx: GradientTransformation) -> Optional[tuple]:
+    """:func:`_tail_of` ``tx``, kept in the group while its transform is ``tx``."""
+    if ours.tail is None or ours.tail[0] is not tx:
+        ours.tail = (tx, _tail_of(tx))
+    return ours.tail[1]
 
 
 def _step_into(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -163,6 +163,37 @@ def _host_numbers(*values: Any) -> list[float]:
     return numbers  # type: ignore[return-value]
 
 
+def _update_of(name: str, shaped: Callable[[Any], PyTree], lr: Scalar, run: Callable[..., tuple]) -> Callable:
+    """The ``update`` of a learning-rate-free transform (its state's fields ``mu``, ``nu`` and
+    ``s``, its structure that of ``shaped(state)``) from ``run(g_leaves, p_leaves, spec, state,
+    alpha) -> (updates, new state)``, with ``update.apply_in_place(grads, state, params,
+    alpha)``: ``p <- p + alpha u`` written into ``params`` and the state's moments (both given
+    up by the caller) as the reference writes them (``p.addcdiv_(mu, denom, value=-dlr)``), or
+    ``None``, nothing changed, where :func:`_writes_in_place` says no."""
+
+    def checked(grads: PyTree, state: Any, params: Optional[PyTree]) -> tuple:
+        spec = tree.flatten(shaped(state))[1]
+        return (*_check_inputs(name, grads, params, spec), spec)
+
+    def update(grads: PyTree, state: Any, params: Optional[PyTree] = None) -> tuple[PyTree, Any]:
+        g_leaves, p_leaves, spec = checked(grads, state, params)
+        updates, new_state = run(g_leaves, p_leaves, spec, state, None)
+        return spec.unflatten(updates), new_state
+
+    def apply_in_place(grads: PyTree, state: Any, params: PyTree, alpha: float) -> Optional[Any]:
+        g_leaves, p_leaves, spec = checked(grads, state, params)
+        moments = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
+        if not _writes_in_place(lr, g_leaves, p_leaves, *moments):
+            return None
+        with ownership.giving_state(update):
+            return run(g_leaves, p_leaves, spec, state, alpha)[1]
+
+    update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
+    update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
+    update.takes_a_step = name  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
+    return update
+
+
 def _leaves(spec: Any, field: PyTree) -> list[Any]:
     """A per-tensor field of the state as the list of its tensors (``None`` where none)."""
     return list(spec.flatten_up_to(field))
@@ -246,28 +277,9 @@ def scale_by_prodigy(
             zero_count(params), _scalar(d0, params), _scalar(d0, params), _scalar(0.0, params), mu, nu, s, p0
         )
 
-    def update(grads: PyTree, state: ProdigyState, params: Optional[PyTree] = None) -> tuple[PyTree, ProdigyState]:
-        spec = tree.flatten(state.p0)[1]
-        g_leaves, p_leaves = _check_inputs("scale_by_prodigy", grads, params, spec)
-        updates, new_state = run(g_leaves, p_leaves, spec, state, None)
-        return spec.unflatten(updates), new_state
-
-    def apply_in_place(grads: PyTree, state: ProdigyState, params: PyTree, alpha: float) -> Optional[ProdigyState]:
-        """``p <- p + alpha u`` for this step's update ``u``, written into ``params`` and the
-        state's moments (both given up by the caller) as the reference writes them
-        (``p.addcdiv_(mu, denom, value=-dlr)``); ``None``, nothing changed, where
-        :func:`_writes_in_place` says no."""
-        spec = tree.flatten(state.p0)[1]
-        g_leaves, p_leaves = _check_inputs("scale_by_prodigy", grads, params, spec)
-        moments = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
-        if not _writes_in_place(lr, g_leaves, p_leaves, *moments):
-            return None
-        with ownership.giving_state(update):
-            return run(g_leaves, p_leaves, spec, state, alpha)[1]
-
     def run(g_leaves: list, p_leaves: list, spec: Any, state: ProdigyState, alpha: Optional[float]) -> tuple:
         """The updates (a list) and the new state; with ``alpha``, ``p <- p + alpha u`` written
-        into the parameters instead (:func:`apply_in_place`), and no updates."""
+        into the parameters instead (:func:`_update_of`), and no updates."""
         mus, nus, ss, p0s = (_leaves(spec, x) for x in (state.mu, state.nu, state.s, state.p0))
         d = state.d
         stepping = _stepping(lr)
@@ -343,9 +355,7 @@ def scale_by_prodigy(
         )
         return updates, new_state
 
-    update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
-    update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
-    update.takes_a_step = "scale_by_prodigy"  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
+    update = _update_of("scale_by_prodigy", lambda state: state.p0, lr, run)
     return GradientTransformation(init, update)
 
 
@@ -386,32 +396,9 @@ def scale_by_dadapt_adam(
         mu, nu, s = (spec.unflatten(_zeros_or_none(leaves)) for _ in range(3))  # three tensors each, none shared
         return DadaptAdamState(zero_count(params), _scalar(d0, params), _scalar(0.0, params), mu, nu, s)
 
-    def update(
-        grads: PyTree, state: DadaptAdamState, params: Optional[PyTree] = None
-    ) -> tuple[PyTree, DadaptAdamState]:
-        spec = tree.flatten(state.s)[1]
-        g_leaves, p_leaves = _check_inputs("scale_by_dadapt_adam", grads, params, spec)
-        updates, new_state = run(g_leaves, p_leaves, spec, state, None)
-        return spec.unflatten(updates), new_state
-
-    def apply_in_place(
-        grads: PyTree, state: DadaptAdamState, params: PyTree, alpha: float
-    ) -> Optional[DadaptAdamState]:
-        """``p <- p + alpha u`` for this step's update ``u``, written into ``params`` and the
-        state's moments (both given up by the caller) as the reference writes them
-        (``p.addcdiv_(mu, denom, value=-1)``); ``None``, nothing changed, where
-        :func:`_writes_in_place` says no."""
-        spec = tree.flatten(state.s)[1]
-        g_leaves, p_leaves = _check_inputs("scale_by_dadapt_adam", grads, params, spec)
-        moments = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
-        if not _writes_in_place(lr, g_leaves, p_leaves, *moments):
-            return None
-        with ownership.giving_state(update):
-            return run(g_leaves, p_leaves, spec, state, alpha)[1]
-
     def run(g_leaves: list, p_leaves: list, spec: Any, state: DadaptAdamState, alpha: Optional[float]) -> tuple:
         """The updates (a list) and the new state; with ``alpha``, ``p <- p + alpha u`` written
-        into the parameters instead (:func:`apply_in_place`), and no updates."""
+        into the parameters instead (:func:`_update_of`), and no updates."""
         mus, nus, ss = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
         d = state.d
         stepping = _stepping(lr)
@@ -489,7 +476,5 @@ def scale_by_dadapt_adam(
         )
         return updates, new_state
 
-    update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
-    update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
-    update.takes_a_step = "scale_by_dadapt_adam"  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
+    update = _update_of("scale_by_dadapt_adam", lambda state: state.s, lr, run)
     return GradientTransformation(init, update)
