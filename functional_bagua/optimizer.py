@@ -71,11 +71,12 @@ float32 or float64 tensors of at least one dimension; else the pure update); so 
 :func:`~functional_bagua.prodigy`'s, :func:`~functional_bagua.dadapt_adam`'s,
 :func:`~functional_bagua.ademamix`'s and :func:`~functional_bagua.laprop`'s steps, as their
 references write them (``p.addcdiv_(mu, denom, value=-dlr)``; LaProp's decoupled decay then
-``p.mul_(1 - wd lr)``; on the CPU, where their factors are numbers; a
+``p.mul_(1 - wd lr)``; AdEMAMix's, :func:`~functional_bagua.add_decayed_weights` between it and
+the learning rate, first; on the CPU, where their factors are numbers; a
 :func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as
-``update.apply_in_place(updates, state, params, alpha)``: ``p <- p + alpha u`` for its update
-``u``, its state and the parameters given up, or ``None``, nothing changed, to decline
-(:func:`_tail_of`). Either way the parameters are the pure update's to a rounding, and
+``update.apply_in_place(updates, state, params, alpha, scaled_by=None)``: ``p <- p * scaled_by
++ alpha u`` for its update ``u`` (``scaled_by`` 1 where ``None``), its state and the parameters
+given up, or ``None``, nothing changed, to decline (:func:`_tail_of`). Either way the parameters are the pure update's to a rounding, and
 ``torch.compile(opt.step)``, which traces the whole chain, gives the pure update's numbers.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
@@ -786,8 +787,8 @@ def _step_into(
     """The step of a chain's ``tail`` (:func:`_tail_of`) written into ``params``, the chain's
     new state (``wrapped``: as the group keeps it) set; False, nothing done, where the last
     link's numbers are not numbers now."""
-    head, link, factor, after = tail
-    multiplier = None
+    head, link, factor, after, decayed = tail
+    multiplier = scaled_by = None
     if after is not None:  # p <- (p + alpha u) * multiplier
         alpha, multiplier = (number_now(v) for v in after.update.scaled_after())
         if multiplier is None:
@@ -796,6 +797,11 @@ def _step_into(
         alpha = number_now(factor()) if factor is not None else 1.0
     if alpha is None:
         return False  # a rate held on a device: the chain as it is
+    if decayed is not None:  # p <- p * scaled_by + alpha u, scaled_by = 1 - lr wd (alpha = -lr)
+        decay = number_now(decayed.update.decay())
+        if decay is None:
+            return False
+        scaled_by = 1.0 + alpha * decay if decay != 0 else None
     k = len(head.update.transforms)  # the links before `link`
     updates, head_state = ownership.update_giving_state(head, grads, state[:k], params)
     # the new state kept before the parameters move: a raise past here leaves no stepped moment
@@ -809,7 +815,7 @@ def _step_into(
         param_leaves, spec = tree.flatten(params)
         update_leaves = tree.leaves_matching(spec, updates, "the updates", "the parameters")
         stepped = [p for p, u in zip(param_leaves, update_leaves) if u is not None]
-    link_state = link.update.apply_in_place(updates, state[k], params, alpha)
+    link_state = link.update.apply_in_place(updates, state[k], params, alpha, scaled_by)
     declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(link.update):
@@ -818,6 +824,8 @@ def _step_into(
         if after is not None:  # and the last link, whose update is then added whole
             updates, _ = after.update(updates, state[k + 1], params)
             alpha = 1.0
+        if decayed is not None:  # and the decay (stateless), the sum then added with alpha
+            updates, _ = decayed.update(updates, state[k + 1], params)
     ours.state = wrapped((*head_state, link_state, *state[k + 1 :]))
     if declined:
         apply_updates_(params, updates, alpha)
@@ -827,18 +835,22 @@ def _step_into(
 
 
 def _tail_of(tx: GradientTransformation) -> Optional[tuple]:
-    """``(head, link, factor, after)`` where ``tx`` is a chain whose step can be written into
-    the parameters: ``link`` a link with ``update.apply_in_place`` (its state and the parameters
-    given up; it steps ``p <- p + alpha * u`` for its update ``u``), last or followed by a last
+    """``(head, link, factor, after, decayed)`` where ``tx`` is a chain whose step can be written
+    into the parameters: ``link`` a link with ``update.apply_in_place`` (its state and the
+    parameters given up; it steps ``p <- p * scaled_by + alpha * u`` for its update ``u``,
+    ``scaled_by`` 1 where not given), last or followed by a last
     link that multiplies by a number; ``factor`` that link's number
     (``update.factor``: :func:`~functional_bagua.transforms.scaling.factor_of`), ``None`` where
     there is none (``alpha`` 1); ``link`` ``None`` where the last link multiplies and the one
     before has no ``apply_in_place`` (the head's updates added with ``alpha``). ``after``: a
     last link whose step is ``p <- (p + alpha u) m`` (``update.scaled_after() -> (alpha, m)``,
     LaProp's decoupled decay), after a link with ``apply_in_place``: that link writes with
-    ``alpha``, then the parameters it stepped are multiplied by ``m``. ``head`` chains the links
-    before ``link`` (before the multiplying link where ``link`` is ``None``). ``None``
-    otherwise."""
+    ``alpha``, then the parameters it stepped are multiplied by ``m``. ``decayed``: a weight
+    decay between ``link`` and the multiplying link (``update.decay() -> wd``:
+    :func:`~functional_bagua.add_decayed_weights`, ``u + wd p``), which ``link`` then writes
+    as ``scaled_by = 1 + alpha wd`` (``p.mul_(1 - lr wd)`` before its step, as AdamW-like
+    references decay); else ``None``. ``head`` chains the links before ``link`` (before the
+    multiplying link where ``link`` is ``None``). ``None`` otherwise."""
     links = getattr(tx.update, "transforms", None)
     if not links or len(links) < 2:
         return None
@@ -848,13 +860,15 @@ def _tail_of(tx: GradientTransformation) -> Optional[tuple]:
         return getattr(link.update, "apply_in_place", None) is not None
 
     if getattr(last.update, "scaled_after", None) is not None and in_place(before[-1]):
-        return chain(*before[:-1]), before[-1], None, last
+        return chain(*before[:-1]), before[-1], None, last, None
     factor = getattr(last.update, "factor", None)
     if factor is None:
-        return (chain(*before), last, None, None) if in_place(last) else None
+        return (chain(*before), last, None, None, None) if in_place(last) else None
     if in_place(before[-1]):
-        return chain(*before[:-1]), before[-1], factor, None
-    return chain(*before), None, factor, None
+        return chain(*before[:-1]), before[-1], factor, None, None
+    if len(before) >= 2 and getattr(before[-1].update, "decay", None) is not None and in_place(before[-2]):
+        return chain(*before[:-2]), before[-2], factor, None, before[-1]
+    return chain(*before), None, factor, None, None
 
 
 def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:

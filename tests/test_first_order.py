@@ -253,6 +253,24 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
         dict(lr=1e-2, t_alpha_beta3=4, foreach=False),
         lambda: fb.ademamix(1e-2, t_alpha_beta3=4),
     ),
+    "ademamix-decoupled": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
+        lambda: fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True),
+    ),
+    "ademamix-decoupled-0": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, weight_decay=0.0, weight_decouple=True, foreach=False),
+        lambda: fb.ademamix(1e-2, weight_decay=0.0, weight_decouple=True),
+    ),
+    "ademamix-decoupled-factory": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
+        lambda: (fb.ademamix, dict(lr=1e-2, weight_decay=0.1, weight_decouple=True)),
+    ),
 }
 
 
@@ -263,7 +281,8 @@ def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case
     """fb.Optimizer steps Prodigy and D-Adaptation Adam as the authors' packages write their
     step: ``p.add_(p, alpha=-decay dlr)``, ``p.addcdiv_(mu, denom, value=-dlr)`` (``g`` and
     ``-dlr d`` without momentum), their factors unrounded; AdEMAMix as pytorch-optimizer's
-    ``p.addcdiv_(m1 / c1 + alpha m2, denom, value=-lr)``, LaProp its momentum added with its
+    ``p.addcdiv_(m1 / c1 + alpha m2, denom, value=-lr)`` (with a decoupled decay
+    ``p.mul_(1 - lr wd)`` first, also in the factory form), LaProp its momentum added with its
     step size (one pass), then its decoupled decay ``p.mul_(1 - wd lr)``: the same bits as the
     references in
     float32 (one tensor, so the estimate's sums are added in one order), where forming the
@@ -273,7 +292,13 @@ def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case
     gen = seeded(5)
     start, target = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
     theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    reference, opt = cls([theirs], **ref_kwargs), fb.Optimizer([ours], make())
+    built = make()  # an alias built, or a factory and its keyword arguments (fb.Optimizer builds it)
+    reference = cls([theirs], **ref_kwargs)
+    opt = (
+        fb.Optimizer([ours], built)
+        if isinstance(built, fb.GradientTransformation)
+        else fb.Optimizer([ours], built[0], **built[1])
+    )
     for _ in range(6):
         for p in (theirs, ours):
             p.grad = p.detach() - target  # |p - target|^2 / 2: the estimate d grows
@@ -316,16 +341,18 @@ def test_a_group_that_cannot_take_the_step_written_in_place_runs_the_pure_update
     assert not torch.equal(tensors[1].detach(), start[1])
 
 
-def test_ademamix_in_a_group_that_cannot_take_the_step_written_in_place_adds_its_update():
+@pytest.mark.parametrize("decay", [0.0, 0.1], ids=["no-decay", "decoupled-decay"])
+def test_ademamix_in_a_group_that_cannot_take_the_step_written_in_place_adds_its_update(decay):
     """AdEMAMix with a 0-dim parameter in the group: its step is not written into the
-    parameters (``p.addcdiv_``); the direction is formed and added with the learning rate as
-    ``alpha``, ``p.add_(u, alpha=-lr)``, bit for bit."""
+    parameters (``p.addcdiv_``, after ``p.mul_(1 - lr wd)`` with a decoupled decay); the
+    direction is formed, the decay added (``u + wd p``) and the sum added with the learning rate
+    as ``alpha``, ``p.add_(u + wd p, alpha=-lr)``, bit for bit."""
     gen = seeded(18)
     shapes = [(), (700,)]
     start = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
     tensors = [torch.nn.Parameter(v.clone()) for v in start]
-    opt = fb.Optimizer(tensors, fb.ademamix(1e-2))
+    opt = fb.Optimizer(tensors, fb.ademamix(1e-2, weight_decay=decay, weight_decouple=True))
     direction, expected = fb.scale_by_ademamix(), [v.clone() for v in start]
     state = direction.init(dict(enumerate(expected)))
     for step in grads:
@@ -334,7 +361,7 @@ def test_ademamix_in_a_group_that_cannot_take_the_step_written_in_place_adds_its
         opt.step()
         updates, state = direction.update(dict(enumerate(step)), state, dict(enumerate(expected)))
         for i, v in enumerate(expected):
-            v.add_(updates[i], alpha=-1e-2)
+            v.add_(updates[i].add(v, alpha=decay) if decay else updates[i], alpha=-1e-2)
     for i, p in enumerate(tensors):
         assert torch.equal(p.detach(), expected[i]), i
 

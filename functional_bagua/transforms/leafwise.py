@@ -139,12 +139,18 @@ def leafwise(
         given = ownership.state_given_to(update)
         return stepped(x, state, given, None)
 
-    def apply_in_place(updates: PyTree, state: NamedTuple, params: PyTree, alpha: float) -> Optional[NamedTuple]:
-        """``p <- p + alpha u`` written into ``params`` by ``write_leaf``, the state and the
-        parameters given up by the caller; ``None``, nothing changed, where it cannot be
+    def apply_in_place(
+        updates: PyTree, state: NamedTuple, params: PyTree, alpha: float, scaled_by: Optional[float] = None
+    ) -> Optional[NamedTuple]:
+        """``p <- p * scaled_by + alpha u`` written into ``params``: ``p.mul_(scaled_by)`` where
+        given (a decoupled weight decay, first as the references decay), then ``write_leaf``, the
+        state and the parameters given up by the caller; ``None``, nothing changed, where it cannot be
         (traced, a fused or segmented layout, a tensor that
-        :func:`~functional_bagua.foreach.writable_in_place` refuses or not on the CPU)."""
+        :func:`~functional_bagua.foreach.writable_in_place` refuses or not on the CPU, or
+        ``scaled_by`` given to a rule that reads the parameters: it would read them scaled)."""
         if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
+            return None
+        if scaled_by is not None and needs_params:
             return None
         x = LeafLists.of(
             updates, params, who=name, complex_ok=complex_ok, layout=layout, grouped=foreach.grouped_enabled()
@@ -157,11 +163,14 @@ def leafwise(
         tensors += [t for leaves in state_leaves for t in (leaves[i] for i in present) if _has_dims(t)]
         if not foreach.writable_in_place(tensors) or tensors[0].device.type != "cpu":
             return None
-        return stepped(x, state, True, alpha)[1]
+        return stepped(x, state, True, alpha, scaled_by)[1]
 
-    def stepped(x: LeafLists, state: NamedTuple, given_up: bool, alpha: Optional[float]) -> tuple:
+    def stepped(
+        x: LeafLists, state: NamedTuple, given_up: bool, alpha: Optional[float], scaled_by: Optional[float] = None
+    ) -> tuple:
         """The updates (a list) and the new state; with ``alpha``, ``write_leaf``'s step written
-        into the parameters instead, and no updates."""
+        into the parameters instead (those with an update first multiplied by ``scaled_by``,
+        where given, once the state is checked), and no updates."""
         given = range(2, 2 + len(fields)) if given_up else ()
         if not isinstance(state, state_type):
             raise ValueError(
@@ -173,6 +182,8 @@ def leafwise(
         if keys is None and not torch.compiler.is_compiling():
             kinds = [None] * len(x.kinds) if sparse_gradients else x.kinds
             _check_state_shapes(x.updates, state_leaves, x.spec, expected_shapes, kinds)
+        if scaled_by is not None:
+            torch._foreach_mul_([p for p, u in zip(x.params, x.updates) if u is not None], scaled_by)
 
         updates: list[Optional[torch.Tensor]] = [None] * len(x.updates)
         new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state

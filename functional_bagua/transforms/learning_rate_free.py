@@ -180,7 +180,11 @@ def _update_of(name: str, shaped: Callable[[Any], PyTree], lr: Scalar, run: Call
         updates, new_state = run(g_leaves, p_leaves, spec, state, None)
         return spec.unflatten(updates), new_state
 
-    def apply_in_place(grads: PyTree, state: Any, params: PyTree, alpha: float) -> Optional[Any]:
+    def apply_in_place(
+        grads: PyTree, state: Any, params: PyTree, alpha: float, scaled_by: Optional[float] = None
+    ) -> Optional[Any]:
+        if scaled_by is not None:
+            return None  # its own decay only
         g_leaves, p_leaves, spec = checked(grads, state, params)
         moments = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
         if not _writes_in_place(lr, g_leaves, p_leaves, *moments):

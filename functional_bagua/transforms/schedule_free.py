@@ -181,15 +181,15 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         return u, ScheduleFreeState(count, lr_max, weight_sum, iterate.z, b1_now)
 
     def apply_in_place(
-        d: PyTree, state: ScheduleFreeState, params: PyTree, alpha: float = 1.0
+        d: PyTree, state: ScheduleFreeState, params: PyTree, alpha: float = 1.0, scaled_by: Optional[float] = None
     ) -> Optional[ScheduleFreeState]:
         """The step written into ``params`` (``y``) and the state's ``z``, both given up by the
         caller, as the reference steps them: ``y <- lerp(y, z, c) + along d``, ``z <- z - lr_t d``
         (three multi-tensor ops, nothing new); ``None``, nothing changed, where the update is
-        scaled (``alpha`` not 1), the factors are not numbers now (traced, on a device) or the
+        scaled (``alpha`` not 1) or the parameters are (``scaled_by`` given), the factors are not numbers now (traced, on a device) or the
         tensors with a direction are not dense float32 or float64 tensors of one dtype and
         device, of at least one dimension (``ownership`` module)."""
-        if alpha != 1:
+        if alpha != 1 or scaled_by is not None:
             return None
         (count, lr_max, weight_sum, b1_now), (c, along, minus_lr) = numbers(state)
         if not (is_number(c) and is_number(along) and is_number(minus_lr)):

@@ -37,7 +37,7 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
     """
     if isinstance(weight_decay, (int, float)):
         if weight_decay == 0:
-            return identity()
+            return _decaying(identity(), weight_decay)
         rule = lambda u, p: u.add(p, alpha=weight_decay)  # noqa: E731  (one fused kernel for a number)
         in_place = lambda u, p: u.add_(p, alpha=weight_decay)  # noqa: E731
     else:
@@ -55,4 +55,13 @@ def add_decayed_weights(weight_decay: Union[float, torch.Tensor] = 0.0) -> Gradi
                 return u.add_(weight_decay * p)
             return u if wd == 0 else u.add_(p, alpha=wd)
 
-    return stateless(rule, name="add_decayed_weights", needs_params=True, in_place=in_place)
+    return _decaying(stateless(rule, name="add_decayed_weights", needs_params=True, in_place=in_place), weight_decay)
+
+
+def _decaying(tx: GradientTransformation, weight_decay: Union[float, torch.Tensor]) -> GradientTransformation:
+    """Record on ``tx`` its ``weight_decay`` (``update.decay()``, a tensor read at each call), so
+    that a caller writing the step into the parameters may take it as the reference optimizers
+    do: ``p.mul_(1 - lr wd)`` before the step's own write (:class:`~functional_bagua.Optimizer`,
+    where it sits between a link that writes in place and the learning rate)."""
+    tx.update.decay = lambda: weight_decay  # type: ignore[attr-defined]
+    return tx
