@@ -314,14 +314,14 @@ def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case
     [
         lambda: fb.prodigy(weight_decay=0.01),
         lambda: fb.dadapt_adam(weight_decay=0.1, decouple=True),
-        lambda: fb.laprop(1e-2, weight_decay=0.1),
     ],
-    ids=["prodigy", "dadapt_adam", "laprop-decayed"],
+    ids=["prodigy", "dadapt_adam"],
 )
 def test_a_group_that_cannot_take_the_step_written_in_place_runs_the_pure_update(make):
-    """A 0-dim parameter in the group: the step is not written into the parameters (it takes
-    tensors of at least one dimension) and the group runs the pure update, bit for bit (where
-    writing the step in would differ: decoupled weight decay, Prodigy's ``dlr``)."""
+    """A 0-dim parameter in the group of a learning-rate-free rule (its estimate ``d`` sums over
+    every tensor): the step is not written into the parameters (it takes tensors of at least one
+    dimension) and the group runs the pure update, bit for bit (where writing the step in would
+    differ: decoupled weight decay, Prodigy's ``dlr``)."""
     gen = seeded(14)
     shapes = [(), (700,)]
     start = [torch.randn(s, generator=gen) for s in shapes]
@@ -341,29 +341,69 @@ def test_a_group_that_cannot_take_the_step_written_in_place_runs_the_pure_update
     assert not torch.equal(tensors[1].detach(), start[1])
 
 
-@pytest.mark.parametrize("decay", [0.0, 0.1], ids=["no-decay", "decoupled-decay"])
-def test_ademamix_in_a_group_that_cannot_take_the_step_written_in_place_adds_its_update(decay):
-    """AdEMAMix with a 0-dim parameter in the group: its step is not written into the
-    parameters (``p.addcdiv_``, after ``p.mul_(1 - lr wd)`` with a decoupled decay); the
-    direction is formed, the decay added (``u + wd p``) and the sum added with the learning rate
-    as ``alpha``, ``p.add_(u + wd p, alpha=-lr)``, bit for bit."""
-    gen = seeded(18)
-    shapes = [(), (700,)]
-    start = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
-    tensors = [torch.nn.Parameter(v.clone()) for v in start]
-    opt = fb.Optimizer(tensors, fb.ademamix(1e-2, weight_decay=decay, weight_decouple=True))
-    direction, expected = fb.scale_by_ademamix(), [v.clone() for v in start]
-    state = direction.init(dict(enumerate(expected)))
-    for step in grads:
-        for p, g in zip(tensors, step):
-            p.grad = g.clone()
+PARTLY_WRITTEN = {  # id: (pytorch-optimizer's class, its keyword arguments, our alias built)
+    "ademamix": ("AdEMAMix", dict(lr=1e-2, foreach=False), lambda: fb.ademamix(1e-2)),
+    "ademamix-decoupled": (
+        "AdEMAMix",
+        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
+        lambda: fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True),
+    ),
+    "laprop": ("LaProp", dict(lr=1e-2, foreach=False), lambda: fb.laprop(1e-2)),
+    "laprop-decayed": (
+        "LaProp",
+        dict(lr=1e-2, weight_decay=0.1, foreach=False),
+        lambda: fb.laprop(1e-2, weight_decay=0.1),
+    ),
+}
+
+
+@pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", list(PARTLY_WRITTEN))
+def test_beside_a_0_dim_parameter_the_others_are_written_as_the_reference_writes_them(case):
+    """A 0-dim parameter (a learned scale) in the group of a per-tensor rule: it takes its pure
+    update (to a rounding of the reference's 0-dim arithmetic) and the vector beside it is still
+    written into as the reference writes it, bit for bit (the whole group's pure update would
+    differ)."""
+    name, ref_kwargs, make = PARTLY_WRITTEN[case]
+    cls = reference_class("pytorch_optimizer", name, "pytorch-optimizer is the reference: an optional test dependency")
+    gen = seeded(21)
+    start, target = [torch.randn((), generator=gen), torch.randn(700, generator=gen)], torch.randn(700, generator=gen)
+    theirs = [torch.nn.Parameter(v.clone()) for v in start]
+    ours = [torch.nn.Parameter(v.clone()) for v in start]
+    reference, opt = cls(theirs, **ref_kwargs), fb.Optimizer(ours, make())
+    for _ in range(6):
+        for scale, vector in (theirs, ours):
+            scale.grad = scale.detach() - 0.5
+            vector.grad = vector.detach() - target
+        reference.step()
         opt.step()
-        updates, state = direction.update(dict(enumerate(step)), state, dict(enumerate(expected)))
-        for i, v in enumerate(expected):
-            v.add_(updates[i].add(v, alpha=decay) if decay else updates[i], alpha=-1e-2)
-    for i, p in enumerate(tensors):
-        assert torch.equal(p.detach(), expected[i]), i
+        assert torch.equal(ours[1].detach(), theirs[1].detach())
+        torch.testing.assert_close(ours[0].detach(), theirs[0].detach(), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ours[1].detach(), start[1]) and not torch.equal(ours[0].detach(), start[0])
+
+
+def test_an_ademamix_step_that_cannot_be_written_in_place_adds_its_update():
+    """AdEMAMix on 0-dim parameters only (none can be written into as the reference writes,
+    ``p.addcdiv_``): the direction is formed and added with the learning rate as ``alpha``,
+    ``p.add_(u, alpha=-lr)``, bit for bit; with a decoupled decay, ``u + wd p`` added so."""
+    gen = seeded(18)
+    start = [torch.randn((), generator=gen) for _ in range(2)]
+    grads = [[torch.randn((), generator=gen) for _ in range(2)] for _ in range(4)]
+    for decay in (0.0, 0.1):
+        tensors = [torch.nn.Parameter(v.clone()) for v in start]
+        opt = fb.Optimizer(tensors, fb.ademamix(1e-2, weight_decay=decay, weight_decouple=True))
+        direction, expected = fb.scale_by_ademamix(), [v.clone() for v in start]
+        state = direction.init(dict(enumerate(expected)))
+        for step in grads:
+            for p, g in zip(tensors, step):
+                p.grad = g.clone()
+            opt.step()
+            updates, state = direction.update(dict(enumerate(step)), state, dict(enumerate(expected)))
+            for i, v in enumerate(expected):
+                v.add_(updates[i].add(v, alpha=decay) if decay else updates[i], alpha=-1e-2)
+        for i, p in enumerate(tensors):
+            assert torch.equal(p.detach(), expected[i]), (decay, i)
 
 
 @pytest.mark.filterwarnings("ignore")

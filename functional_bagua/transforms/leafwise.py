@@ -28,7 +28,7 @@ import optree
 import torch
 
 from functional_bagua import checks, foreach, layout_context, ownership, tree
-from functional_bagua.base import EmptyState, GradientTransformation
+from functional_bagua.base import EmptyState, GradientTransformation, apply_updates_
 from functional_bagua.flat import Segment
 from functional_bagua.leaf_lists import LeafLists
 from functional_bagua.tree import PyTree
@@ -144,10 +144,12 @@ def leafwise(
     ) -> Optional[NamedTuple]:
         """``p <- p * scaled_by + alpha u`` written into ``params``: ``p.mul_(scaled_by)`` where
         given (a decoupled weight decay, first as the references decay), then ``write_leaf``, the
-        state and the parameters given up by the caller; ``None``, nothing changed, where it cannot be
-        (traced, a fused or segmented layout, a tensor that
-        :func:`~functional_bagua.foreach.writable_in_place` refuses or not on the CPU, or
-        ``scaled_by`` given to a rule that reads the parameters: it would read them scaled)."""
+        state and the parameters given up by the caller. Where some tensors cannot be written so
+        (:func:`~functional_bagua.foreach.writable_in_place`: a 0-dim parameter, another dtype
+        than the others'), those take their pure update, added with ``alpha`` (after the
+        multiplication), and the rest are written. ``None``, nothing changed, where none can be
+        (traced, a fused or segmented layout, not on the CPU), or for ``scaled_by`` given to a
+        rule that reads the parameters (it would read them scaled)."""
         if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
             return None
         if scaled_by is not None and needs_params:
@@ -159,11 +161,37 @@ def leafwise(
             return None
         present = [i for i, g in enumerate(x.updates) if g is not None]
         state_leaves = [_field_leaves(x.spec, state, f, name, segmented=False) for f in fields]
-        tensors = [column[i] for column in (x.updates, x.params) for i in present]
-        tensors += [t for leaves in state_leaves for t in (leaves[i] for i in present) if _has_dims(t)]
-        if not foreach.writable_in_place(tensors) or tensors[0].device.type != "cpu":
+
+        def writable(indices: list) -> bool:
+            """Whether the tensors at ``indices`` (updates, parameters, state fields but counts)
+            may all be written in place together, on the CPU."""
+            tensors = [column[i] for column in (x.updates, x.params) for i in indices]
+            tensors += [t for leaves in state_leaves for t in (leaves[i] for i in indices) if _has_dims(t)]
+            return foreach.writable_in_place(tensors) and tensors[0].device.type == "cpu"
+
+        if writable(present):  # the usual case: every tensor
+            return stepped(x, state, True, alpha, scaled_by)[1]
+        alone = [i for i in present if writable([i])]
+        written = [i for i in alone if x.params[i].dtype == x.params[alone[0]].dtype]
+        if not written or not writable(written):
             return None
-        return stepped(x, state, True, alpha, scaled_by)[1]
+
+        def only(keep: Callable[[int], bool]) -> LeafLists:
+            """The updates at the indices ``keep`` takes, ``None`` (no step, the state kept) elsewhere."""
+            kept = x.unflatten([g if keep(i) else None for i, g in enumerate(x.updates)])
+            return LeafLists.of(
+                kept, params, who=name, complex_ok=complex_ok, layout=layout, grouped=foreach.grouped_enabled()
+            )
+
+        chosen = set(written)
+        others, state = stepped(only(lambda i: i not in chosen), state, True, None)
+        state = stepped(only(lambda i: i in chosen), state, True, alpha, scaled_by)[1]
+        if scaled_by is not None:
+            for i, u in enumerate(others):
+                if u is not None:
+                    x.params[i].mul_(scaled_by)
+        apply_updates_(params, x.unflatten(others), alpha)
+        return state
 
     def stepped(
         x: LeafLists, state: NamedTuple, given_up: bool, alpha: Optional[float], scaled_by: Optional[float] = None
