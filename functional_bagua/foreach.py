@@ -53,6 +53,7 @@ __all__ = [
     "strict",
     "updated",
     "writable_in_place",
+    "writable_part",
 ]
 
 
@@ -787,6 +788,32 @@ def writable_in_place(tensors: Sequence[torch.Tensor]) -> bool:
         and all(t.layout is torch.strided for t in tensors)
         and len({t.data_ptr() for t in tensors}) == len(tensors)
     )
+
+
+def writable_part(indices: list[int], tensors_of: Callable[[list[int]], list[torch.Tensor]]) -> list[int]:
+    """The ``indices`` whose tensors (``tensors_of(indices)``: every tensor the step of those
+    indices reads or writes) a step may write into in place, on the CPU
+    (:func:`writable_in_place`): all of them where they may be together, else those that may be
+    alone and share the first such one's dtype, where those may be together; ``[]`` for none.
+    The others then take another path (a pure update, added).
+
+    Args:
+        indices: the tensors' indices, in order.
+        tensors_of: the tensors of some of the indices.
+    """
+
+    def writable(chosen: list[int]) -> bool:
+        tensors = tensors_of(chosen)
+        return writable_in_place(tensors) and tensors[0].device.type == "cpu"
+
+    if not indices or writable(indices):
+        return list(indices)
+    alone = [i for i in indices if writable([i])]
+    if not alone:
+        return []
+    dtype = tensors_of(alone[:1])[0].dtype
+    part = [i for i in alone if tensors_of([i])[0].dtype == dtype]
+    return part if writable(part) else []
 
 
 def run_each(

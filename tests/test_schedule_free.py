@@ -70,6 +70,32 @@ def test_aliases_step_and_evaluate_as_the_schedulefree_package(case, foreach):
     assert_trees_close(fb.schedule_free_train_params(state, x), y)
 
 
+@pytest.mark.cpu_only("fb.Optimizer steps y and z in place with Python numbers on the CPU only")
+@pytest.mark.parametrize("case", list(CASES))
+def test_beside_a_0_dim_parameter_fb_optimizer_steps_the_others_in_place_as_alone(case):
+    """A 0-dim parameter (a learned scale) in the group: it takes the pure step, its update
+    added, and the vector beside it is stepped in place (``y.lerp_(z, c)``, ...) bit for bit
+    as in a group of its own (float32: the whole group's pure update would round otherwise);
+    both as the package's optimizer to float32 rounding."""
+    make, cls_name, kwargs = CASES[case]
+    gen = seeded(7)
+    scale, vector = torch.randn((), generator=gen), torch.randn(300, generator=gen)
+    grads = [(torch.randn((), generator=gen), torch.randn(300, generator=gen)) for _ in range(STEPS)]
+    both, theirs = ([torch.nn.Parameter(scale.clone()), torch.nn.Parameter(vector.clone())] for _ in range(2))
+    alone = torch.nn.Parameter(vector.clone())
+    reference = getattr(schedulefree, cls_name)(theirs, **kwargs)
+    reference.train()
+    optimizers = [fb.Optimizer(both, make(**kwargs)), fb.Optimizer([alone], make(**kwargs)), reference]
+    for g_scale, g_vector in grads:
+        for p, g in zip((*both, *theirs, alone), (g_scale, g_vector, g_scale, g_vector, g_vector)):
+            p.grad = g.clone()
+        for opt in optimizers:
+            opt.step()
+        assert torch.equal(both[1].detach(), alone.detach())
+    for ours, want in zip(both, theirs):
+        torch.testing.assert_close(ours.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_learning_rate_schedule_is_the_reference_with_its_lr_set_before_each_step():
     """The averaging weights follow the largest scheduled rate so far (lr_max), as the reference
     reads its group's lr at each step."""

@@ -162,19 +162,16 @@ def leafwise(
         present = [i for i, g in enumerate(x.updates) if g is not None]
         state_leaves = [_field_leaves(x.spec, state, f, name, segmented=False) for f in fields]
 
-        def writable(indices: list) -> bool:
-            """Whether the tensors at ``indices`` (updates, parameters, state fields but counts)
-            may all be written in place together, on the CPU."""
-            tensors = [column[i] for column in (x.updates, x.params) for i in indices]
-            tensors += [t for leaves in state_leaves for t in (leaves[i] for i in indices) if _has_dims(t)]
-            return foreach.writable_in_place(tensors) and tensors[0].device.type == "cpu"
+        def tensors_of(indices: list) -> list:
+            """The tensors at ``indices``: parameters, updates, state fields but counts."""
+            tensors = [column[i] for column in (x.params, x.updates) for i in indices]
+            return tensors + [t for leaves in state_leaves for t in (leaves[i] for i in indices) if _has_dims(t)]
 
-        if writable(present):  # the usual case: every tensor
-            return stepped(x, state, True, alpha, scaled_by)[1]
-        alone = [i for i in present if writable([i])]
-        written = [i for i in alone if x.params[i].dtype == x.params[alone[0]].dtype]
-        if not written or not writable(written):
+        written = foreach.writable_part(present, tensors_of)
+        if not written:
             return None
+        if len(written) == len(present):  # the usual case: every tensor
+            return stepped(x, state, True, alpha, scaled_by)[1]
 
         def only(keep: Callable[[int], bool]) -> LeafLists:
             """The updates at the indices ``keep`` takes, ``None`` (no step, the state kept) elsewhere."""

@@ -44,7 +44,7 @@ import optree
 import torch
 
 from functional_bagua import foreach, ownership, tree
-from functional_bagua.base import GradientTransformation, chain
+from functional_bagua.base import GradientTransformation, apply_updates_, chain
 from functional_bagua.foreach import updated
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.leaf_lists import LeafLists
@@ -185,10 +185,11 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
     ) -> Optional[ScheduleFreeState]:
         """The step written into ``params`` (``y``) and the state's ``z``, both given up by the
         caller, as the reference steps them: ``y <- lerp(y, z, c) + along d``, ``z <- z - lr_t d``
-        (three multi-tensor ops, nothing new); ``None``, nothing changed, where the update is
-        scaled (``alpha`` not 1) or the parameters are (``scaled_by`` given), the factors are not numbers now (traced, on a device) or the
-        tensors with a direction are not dense float32 or float64 tensors of one dtype and
-        device, of at least one dimension (``ownership`` module)."""
+        (three multi-tensor ops, nothing new). Tensors that cannot be written so
+        (:func:`~functional_bagua.foreach.writable_part`: a 0-dim parameter, another dtype than
+        the others') take the pure step, their update added. ``None``, nothing changed, where
+        the update is scaled (``alpha`` not 1) or the parameters are (``scaled_by`` given), the
+        factors are not numbers now (traced, on a device) or no tensor can be written so."""
         if alpha != 1 or scaled_by is not None:
             return None
         (count, lr_max, weight_sum, b1_now), (c, along, minus_lr) = numbers(state)
@@ -198,14 +199,26 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         ys = tree.leaves_matching(spec, params, "updates", "params")
         zs = tree.leaves_matching(spec, state.z, "updates", "the state's z")
         present = [i for i, g in enumerate(d_leaves) if g is not None]
-        tensors = [t for i in present for t in (d_leaves[i], ys[i], zs[i])]
-        if not foreach.writable_in_place(tensors):
+        written = foreach.writable_part(
+            present, lambda chosen: [t for i in chosen for t in (ys[i], d_leaves[i], zs[i])]
+        )
+        if not written:
             return None
-        picked_ys, picked_zs, picked_ds = ([column[i] for i in present] for column in (ys, zs, d_leaves))
+        z = state.z
+        if len(written) < len(present):  # the others' pure step first (their z given up), its update added
+            chosen = set(written)
+            others = spec.unflatten([g if i not in chosen else None for i, g in enumerate(d_leaves)])
+            step = _stepped_with(c, along, minus_lr)
+            with ownership.giving_state(step.update):
+                u, iterate = step.update(others, _BaseIterate(z), params)
+            apply_updates_(params, u)
+            z = iterate.z  # the written ones' z the same tensors, stepped below
+            zs = tree.leaves_matching(spec, z, "updates", "the state's z")
+        picked_ys, picked_zs, picked_ds = ([column[i] for i in written] for column in (ys, zs, d_leaves))
         torch._foreach_lerp_(picked_ys, picked_zs, c)
         torch._foreach_add_(picked_ys, picked_ds, alpha=along)
         torch._foreach_add_(picked_zs, picked_ds, alpha=minus_lr)
-        return ScheduleFreeState(count, lr_max, weight_sum, state.z, b1_now)
+        return ScheduleFreeState(count, lr_max, weight_sum, z, b1_now)
 
     update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
     update.on_lists = on_lists  # type: ignore[attr-defined]
