@@ -792,28 +792,37 @@ def writable_in_place(tensors: Sequence[torch.Tensor]) -> bool:
 
 def writable_part(indices: list[int], tensors_of: Callable[[list[int]], list[torch.Tensor]]) -> list[int]:
     """The ``indices`` whose tensors (``tensors_of(indices)``: every tensor the step of those
-    indices reads or writes) a step may write into in place, on the CPU
-    (:func:`writable_in_place`): all of them where they may be together, else those that may be
-    alone and share the first such one's dtype, where those may be together; ``[]`` for none.
-    The others then take another path (a pure update, added).
+    indices reads or writes) a step may write into in place, on the CPU: all of them where they
+    may be together (:func:`writable_in_place`, the usual case: one dtype); else those whose own
+    tensors each may be (float32 or float64, not 0-dim, dense, not recorded by autograd), of
+    either dtype, where none of them starts where another does (else ``[]``). The others then
+    take another path (a pure update, added).
 
     Args:
         indices: the tensors' indices, in order.
         tensors_of: the tensors of some of the indices.
     """
-
-    def writable(chosen: list[int]) -> bool:
-        tensors = tensors_of(chosen)
-        return writable_in_place(tensors) and tensors[0].device.type == "cpu"
-
-    if not indices or writable(indices):
-        return list(indices)
-    alone = [i for i in indices if writable([i])]
-    if not alone:
+    if not indices:
         return []
-    dtype = tensors_of(alone[:1])[0].dtype
-    part = [i for i in alone if tensors_of([i])[0].dtype == dtype]
-    return part if writable(part) else []
+    tensors = tensors_of(indices)
+    if writable_in_place(tensors) and tensors[0].device.type == "cpu":
+        return list(indices)
+    alone = [i for i in indices if all(_writable_alone(t) for t in tensors_of([i]))]
+    chosen = tensors_of(alone) if alone else []
+    return alone if len({t.data_ptr() for t in chosen}) == len(chosen) else []
+
+
+def _writable_alone(t: Any) -> bool:
+    """Whether ``t`` alone may be written in place (:func:`writable_in_place` of one tensor, on
+    the CPU), checked directly."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype in (torch.float32, torch.float64)
+        and t.dim() > 0
+        and t.layout is torch.strided
+        and not t.requires_grad
+        and t.device.type == "cpu"
+    )
 
 
 def run_each(

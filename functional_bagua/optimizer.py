@@ -67,16 +67,18 @@ the product is not rounded apart (the bits of torch.optim's form, not of ``u * -
 A chain ending in :func:`~functional_bagua.schedule_free`'s averaging has it step the
 parameters ``y`` and its ``z`` in place as the ``schedulefree`` package does (``y.lerp_(z,
 c)``, ``y.add_(d, alpha=...)``, ``z.add_(d, alpha=-lr)``) where its tensors allow (dense
-float32 or float64 tensors of at least one dimension; else the pure update); so do
+float32 or float64 tensors of at least one dimension; the others, a 0-dim parameter say, take
+the pure step, their update added); so do
 :func:`~functional_bagua.prodigy`'s, :func:`~functional_bagua.dadapt_adam`'s,
 :func:`~functional_bagua.ademamix`'s and :func:`~functional_bagua.laprop`'s steps, as their
 references write them (``p.addcdiv_(mu, denom, value=-dlr)``; LaProp's decoupled decay then
 ``p.mul_(1 - wd lr)``; AdEMAMix's, :func:`~functional_bagua.add_decayed_weights` between it and
 the learning rate, first; on the CPU, where their factors are numbers; a
 :func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as
-``update.apply_in_place(updates, state, params, alpha, scaled_by=None)``: ``p <- p * scaled_by
-+ alpha u`` for its update ``u`` (``scaled_by`` 1 where ``None``), its state and the parameters
-given up, or ``None``, nothing changed, to decline (:func:`_tail_of`). Either way the parameters are the pure update's to a rounding, and
+``update.apply_in_place(updates, state, params, alpha)``: ``p <- p + alpha u`` for its update
+``u``, its state and the parameters given up, or ``None``, nothing changed, to decline
+(:func:`_tail_of`); with a weight decay between it and the rate, ``scaled_by=`` is passed too:
+``p <- p * scaled_by + alpha u``. Either way the parameters are the pure update's to a rounding, and
 ``torch.compile(opt.step)``, which traces the whole chain, gives the pure update's numbers.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
@@ -815,7 +817,9 @@ def _step_into(
         param_leaves, spec = tree.flatten(params)
         update_leaves = tree.leaves_matching(spec, updates, "the updates", "the parameters")
         stepped = [p for p, u in zip(param_leaves, update_leaves) if u is not None]
-    link_state = link.update.apply_in_place(updates, state[k], params, alpha, scaled_by)
+    # scaled_by only where there is one: a link written to the four-argument form still steps
+    scaling = {} if scaled_by is None else {"scaled_by": scaled_by}
+    link_state = link.update.apply_in_place(updates, state[k], params, alpha, **scaling)
     declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(link.update):

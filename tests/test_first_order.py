@@ -362,25 +362,25 @@ PARTLY_WRITTEN = {  # id: (pytorch-optimizer's class, its keyword arguments, our
 @pytest.mark.parametrize("case", list(PARTLY_WRITTEN))
 def test_beside_a_0_dim_parameter_the_others_are_written_as_the_reference_writes_them(case):
     """A 0-dim parameter (a learned scale) in the group of a per-tensor rule: it takes its pure
-    update (to a rounding of the reference's 0-dim arithmetic) and the vector beside it is still
-    written into as the reference writes it, bit for bit (the whole group's pure update would
-    differ)."""
+    update (to a rounding of the reference's 0-dim arithmetic) and the float32 and float64
+    vectors beside it are still written into as the reference writes them, bit for bit (the
+    whole group's pure update would differ)."""
     name, ref_kwargs, make = PARTLY_WRITTEN[case]
     cls = reference_class("pytorch_optimizer", name, "pytorch-optimizer is the reference: an optional test dependency")
     gen = seeded(21)
-    start, target = [torch.randn((), generator=gen), torch.randn(700, generator=gen)], torch.randn(700, generator=gen)
+    start = [torch.randn((), generator=gen), torch.randn(700, generator=gen), torch.randn(300, generator=gen).double()]
+    targets = [torch.tensor(0.5), torch.randn(700, generator=gen), torch.randn(300, generator=gen).double()]
     theirs = [torch.nn.Parameter(v.clone()) for v in start]
     ours = [torch.nn.Parameter(v.clone()) for v in start]
     reference, opt = cls(theirs, **ref_kwargs), fb.Optimizer(ours, make())
     for _ in range(6):
-        for scale, vector in (theirs, ours):
-            scale.grad = scale.detach() - 0.5
-            vector.grad = vector.detach() - target
+        for p, target in [*zip(theirs, targets), *zip(ours, targets)]:
+            p.grad = p.detach() - target
         reference.step()
         opt.step()
-        assert torch.equal(ours[1].detach(), theirs[1].detach())
+        assert torch.equal(ours[1].detach(), theirs[1].detach()) and torch.equal(ours[2].detach(), theirs[2].detach())
         torch.testing.assert_close(ours[0].detach(), theirs[0].detach(), rtol=1e-6, atol=1e-7)
-    assert not torch.equal(ours[1].detach(), start[1]) and not torch.equal(ours[0].detach(), start[0])
+    assert all(not torch.equal(p.detach(), v) for p, v in zip(ours, start))
 
 
 def test_an_ademamix_step_that_cannot_be_written_in_place_adds_its_update():

@@ -1109,10 +1109,10 @@ def test_schedule_free_steps_y_and_z_in_place_as_the_reference_writes_them():
 
 
 def test_schedule_free_steps_the_pure_update_where_its_tensors_cannot_step_in_place():
-    """A group holding a 0-dim parameter (or one without a gradient this step, beside the
-    others): the averaging declines to step in place (it takes tensors of at least one
-    dimension) and the group runs the pure update, bit for bit; the parameter without a
-    gradient stays where it is."""
+    """A group holding a 0-dim parameter (and one without a gradient at a step, beside the
+    others): the 0-dim one takes the pure step, bit for bit (the averaging steps tensors of at
+    least one dimension in place), the others are stepped in place, to a rounding of the pure
+    update; the parameter without a gradient stays where it is that step."""
     gen = seeded(6)
     shapes = [(), (7,), (3, 4)]
     start = [torch.randn(s, generator=gen, dtype=torch.float32).to(DEVICE) for s in shapes]
@@ -1123,10 +1123,51 @@ def test_schedule_free_steps_the_pure_update_where_its_tensors_cannot_step_in_pl
     tx, params = fb.schedule_free_adamw(1e-2, warmup_steps=1), {i: v.clone() for i, v in enumerate(start)}
     state = tx.init(params)
     for step in grads:
+        before = tensors[1].detach().clone()
         for p, g in zip(tensors, step):
             p.grad = None if g is None else g.clone()
         opt.step()
         updates, state = tx.update(dict(enumerate(step)), state, params)
         params = fb.apply_updates(params, updates)
+        assert torch.equal(tensors[0].detach(), params[0])
+        assert step[1] is not None or torch.equal(tensors[1].detach(), before)
     for i, p in enumerate(tensors):
-        assert torch.equal(p.detach(), params[i]), i
+        torch.testing.assert_close(p.detach(), params[i], rtol=1e-6, atol=1e-7)
+
+
+def test_a_link_written_to_the_four_argument_apply_in_place_still_steps():
+    """A user's link offering ``update.apply_in_place(updates, state, params, alpha)`` (written
+    before ``scaled_by`` existed), before the learning rate: ``fb.Optimizer`` calls it with those
+    four (``alpha = -lr``), and the parameters are those of the pure chain, to a rounding."""
+    alphas = []
+
+    def init(params):
+        return fb.EmptyState()
+
+    def update(updates, state, params=None):
+        return updates, state
+
+    def apply_in_place(updates, state, params, alpha):
+        alphas.append(alpha)
+        for p, u in zip(params.values(), updates.values()):
+            p.add_(u, alpha=alpha)
+        return state
+
+    update.apply_in_place = apply_in_place
+    link = fb.GradientTransformation(init, update)
+    gen = seeded(31)
+    start = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in start.items()} for _ in range(3)]
+    tensors = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    opt = fb.Optimizer(list(tensors.values()), fb.chain(fb.scale_by_adam(), link, fb.scale_by_learning_rate(0.1)))
+    tx = fb.chain(fb.scale_by_adam(), fb.scale_by_learning_rate(0.1))
+    params, state = dict(start), tx.init(start)
+    for g in grads:
+        for k, p in tensors.items():
+            p.grad = g[k].clone()
+        opt.step()
+        updates, state = tx.update(g, state, params)
+        params = fb.apply_updates(params, updates)
+    assert alphas == [-0.1] * len(grads)
+    for k, p in tensors.items():
+        torch.testing.assert_close(p.detach(), params[k], rtol=1e-6, atol=1e-7)

@@ -145,11 +145,12 @@ def leafwise(
         """``p <- p * scaled_by + alpha u`` written into ``params``: ``p.mul_(scaled_by)`` where
         given (a decoupled weight decay, first as the references decay), then ``write_leaf``, the
         state and the parameters given up by the caller. Where some tensors cannot be written so
-        (:func:`~functional_bagua.foreach.writable_in_place`: a 0-dim parameter, another dtype
-        than the others'), those take their pure update, added with ``alpha`` (after the
-        multiplication), and the rest are written. ``None``, nothing changed, where none can be
-        (traced, a fused or segmented layout, not on the CPU), or for ``scaled_by`` given to a
-        rule that reads the parameters (it would read them scaled)."""
+        (:func:`~functional_bagua.foreach.writable_part`: a 0-dim parameter, a bfloat16 one),
+        those take their update (in the same pass), added with ``alpha`` after the
+        multiplication (the pure update's numbers to a rounding), and the rest are written.
+        ``None``, nothing changed, where none can be (traced, a fused or segmented layout, not
+        on the CPU), or for ``scaled_by`` given to a rule that reads the parameters (it would
+        read them scaled)."""
         if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
             return None
         if scaled_by is not None and needs_params:
@@ -172,30 +173,26 @@ def leafwise(
             return None
         if len(written) == len(present):  # the usual case: every tensor
             return stepped(x, state, True, alpha, scaled_by)[1]
-
-        def only(keep: Callable[[int], bool]) -> LeafLists:
-            """The updates at the indices ``keep`` takes, ``None`` (no step, the state kept) elsewhere."""
-            kept = x.unflatten([g if keep(i) else None for i, g in enumerate(x.updates)])
-            return LeafLists.of(
-                kept, params, who=name, complex_ok=complex_ok, layout=layout, grouped=foreach.grouped_enabled()
-            )
-
-        chosen = set(written)
-        others, state = stepped(only(lambda i: i not in chosen), state, True, None)
-        state = stepped(only(lambda i: i in chosen), state, True, alpha, scaled_by)[1]
+        others, new_state = stepped(x, state, True, alpha, scaled_by, frozenset(written))
         if scaled_by is not None:
-            for i, u in enumerate(others):
+            for p, u in zip(x.params, others):
                 if u is not None:
-                    x.params[i].mul_(scaled_by)
+                    p.mul_(scaled_by)
         apply_updates_(params, x.unflatten(others), alpha)
-        return state
+        return new_state
 
     def stepped(
-        x: LeafLists, state: NamedTuple, given_up: bool, alpha: Optional[float], scaled_by: Optional[float] = None
+        x: LeafLists,
+        state: NamedTuple,
+        given_up: bool,
+        alpha: Optional[float],
+        scaled_by: Optional[float] = None,
+        written: Optional[frozenset] = None,
     ) -> tuple:
         """The updates (a list) and the new state; with ``alpha``, ``write_leaf``'s step written
         into the parameters instead (those with an update first multiplied by ``scaled_by``,
-        where given, once the state is checked), and no updates."""
+        where given, once the state is checked), and no updates, for the indices in ``written``
+        (every one where ``None``): the others' updates are returned."""
         given = range(2, 2 + len(fields)) if given_up else ()
         if not isinstance(state, state_type):
             raise ValueError(
@@ -207,32 +204,46 @@ def leafwise(
         if keys is None and not torch.compiler.is_compiling():
             kinds = [None] * len(x.kinds) if sparse_gradients else x.kinds
             _check_state_shapes(x.updates, state_leaves, x.spec, expected_shapes, kinds)
+
+        def writes(i: int) -> bool:
+            return alpha is not None and (written is None or i in written)
+
         if scaled_by is not None:
-            torch._foreach_mul_([p for p, u in zip(x.params, x.updates) if u is not None], scaled_by)
+            stepped_params = [p for i, (p, u) in enumerate(zip(x.params, x.updates)) if u is not None and writes(i)]
+            torch._foreach_mul_(stepped_params, scaled_by)
 
         updates: list[Optional[torch.Tensor]] = [None] * len(x.updates)
         new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state
         singles = list(x.singles)
         columns = [x.updates, x.params, *state_leaves]
-        grouped_rule = rule_of_fields if alpha is None else functools.partial(written_with_fields, alpha)
-        for members in x.groups:
-            result = foreach.run_grouped(grouped_rule, columns, members, given, one_values=True)
-            if result is None:  # the rule needs single tensors
-                singles.extend(members)
-                continue
-            (us, new_s), writable = result
-            if alpha is None:
-                us = us.copies() if isinstance(us, foreach.OneValue) else us
-                _place(us, members, updates, x.updates, updates_of=name)  # each in its gradient's dtype
-            for f, (column, old_column, new_column) in enumerate(zip(new_s, state_leaves, new_fields)):
-                if isinstance(column, foreach.OneValue):  # a count: into the old counts where given up
-                    olds = [old_column[i] for i in members]
-                    column = column.copied_into(olds) if 2 + f in writable else column.copies()
-                _place(column, members, new_column, old_column)  # each state tensor in its old one's
+        for group in x.groups:
+            parts = (
+                [group]
+                if written is None
+                else [[i for i in group if i in written], [i for i in group if i not in written]]
+            )
+            for members in (part for part in parts if part):
+                in_place = alpha is not None and writes(members[0])
+                grouped_rule: Callable = rule_of_fields
+                if alpha is not None and in_place:
+                    grouped_rule = functools.partial(written_with_fields, alpha)
+                result = foreach.run_grouped(grouped_rule, columns, members, given, one_values=True)
+                if result is None:  # the rule needs single tensors
+                    singles.extend(members)
+                    continue
+                (us, new_s), writable = result
+                if not in_place:
+                    us = us.copies() if isinstance(us, foreach.OneValue) else us
+                    _place(us, members, updates, x.updates, updates_of=name)  # each in its gradient's dtype
+                for f, (column, old_column, new_column) in enumerate(zip(new_s, state_leaves, new_fields)):
+                    if isinstance(column, foreach.OneValue):  # a count: into the old counts where given up
+                        olds = [old_column[i] for i in members]
+                        column = column.copied_into(olds) if 2 + f in writable else column.copies()
+                    _place(column, members, new_column, old_column)  # each state tensor in its old one's
         for i in sorted(singles):
             g, p, s = x.updates[i], x.params[i], state_type(*(leaves[i] for leaves in state_leaves))
-            if alpha is not None:
-                assert write_leaf is not None  # apply_in_place
+            if writes(i):
+                assert write_leaf is not None and alpha is not None  # apply_in_place
                 u, new_s = None, write_leaf(g, s, p, alpha)
             elif keys is None:
                 u, new_s = rule(g, s, p)

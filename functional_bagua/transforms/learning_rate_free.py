@@ -169,7 +169,8 @@ def _update_of(name: str, shaped: Callable[[Any], PyTree], lr: Scalar, run: Call
     alpha) -> (updates, new state)``, with ``update.apply_in_place(grads, state, params,
     alpha)``: ``p <- p + alpha u`` written into ``params`` and the state's moments (both given
     up by the caller) as the reference writes them (``p.addcdiv_(mu, denom, value=-dlr)``), or
-    ``None``, nothing changed, where :func:`_writes_in_place` says no."""
+    ``None``, nothing changed, where :func:`_writes_in_place` says no or a ``scaled_by`` is
+    given (the rule decays the parameters itself)."""
 
     def checked(grads: PyTree, state: Any, params: Optional[PyTree]) -> tuple:
         spec = tree.flatten(shaped(state))[1]

@@ -186,8 +186,8 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         """The step written into ``params`` (``y``) and the state's ``z``, both given up by the
         caller, as the reference steps them: ``y <- lerp(y, z, c) + along d``, ``z <- z - lr_t d``
         (three multi-tensor ops, nothing new). Tensors that cannot be written so
-        (:func:`~functional_bagua.foreach.writable_part`: a 0-dim parameter, another dtype than
-        the others') take the pure step, their update added. ``None``, nothing changed, where
+        (:func:`~functional_bagua.foreach.writable_part`: a 0-dim parameter, a bfloat16 one)
+        take the pure step, their update added. ``None``, nothing changed, where
         the update is scaled (``alpha`` not 1) or the parameters are (``scaled_by`` given), the
         factors are not numbers now (traced, on a device) or no tensor can be written so."""
         if alpha != 1 or scaled_by is not None:
