@@ -11,7 +11,10 @@ biases, 2.1M float32 elements in 16 tensors; ``many``, 200 matrices of 50 x 100,
 and gradients:
 
 - ``reference``: the package's ``step()`` (schedulefree, prodigyopt, dadaptation, torch-adopt,
-  pytorch-optimizer), with its default flags (foreach where it defaults to it);
+  pytorch-optimizer), with its default flags (foreach where it defaults to it: schedulefree's
+  and pytorch-optimizer's do on the CPU too, torch-adopt's on a GPU only);
+- ``reference for-loop`` (schedule-free, AdEMAMix, LaProp): the same package's step with
+  ``foreach=False``, one tensor at a time;
 - ``fb.Optimizer``: ours as a torch.optim optimizer (the update on the parameter tree, each
   operation one multi-tensor op per dtype and device, its state given up, then added into the
   parameters, with the learning rate as ``alpha`` where the chain ends in it, or written into
@@ -86,6 +89,15 @@ OPTIMIZERS: dict[str, tuple[Callable[[list], Any], Callable[..., fb.GradientTran
     "adopt": (reference("adopt", "ADOPT", lr=1e-3), fb.adopt, dict(lr=1e-3)),
     "ademamix": (reference("pytorch_optimizer", "AdEMAMix", lr=1e-3), fb.ademamix, dict(lr=1e-3)),
     "laprop": (reference("pytorch_optimizer", "LaProp", lr=4e-4), fb.laprop, dict(lr=4e-4)),
+}
+
+
+# name: the reference's maker with foreach=False, where its package runs multi-tensor ops by default
+FOR_LOOP_REFERENCES: dict[str, Callable[[list], Any]] = {
+    "schedule_free_adamw": reference("schedulefree", "AdamWScheduleFree", lr=2.5e-3, warmup_steps=10, foreach=False),
+    "schedule_free_sgd": reference("schedulefree", "SGDScheduleFree", lr=1.0, warmup_steps=10, foreach=False),
+    "ademamix": reference("pytorch_optimizer", "AdEMAMix", lr=1e-3, foreach=False),
+    "laprop": reference("pytorch_optimizer", "LaProp", lr=4e-4, foreach=False),
 }
 
 
@@ -166,14 +178,18 @@ def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], obj
         return alias(**kwargs)
 
     out: dict[str, Callable[[], object]] = {}
+    references = {"reference": make_reference}
+    if name in FOR_LOOP_REFERENCES:
+        references["reference for-loop"] = FOR_LOOP_REFERENCES[name]
     try:
-        tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
-        for t, g in zip(tensors, grads.values()):
-            t.grad = g.clone()
-        ref = make_reference(tensors)
-        if hasattr(ref, "train"):
-            ref.train()
-        out["reference"] = ref.step
+        for variant, make in references.items():
+            tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
+            for t, g in zip(tensors, grads.values()):
+                t.grad = g.clone()
+            ref = make(tensors)
+            if hasattr(ref, "train"):
+                ref.train()
+            out[variant] = ref.step
     except ImportError as missing:
         print(f"# {name}: reference not installed ({missing.name}); ours only", file=sys.stderr)
     for form in ("fb.Optimizer", "fb.Optimizer factory"):
