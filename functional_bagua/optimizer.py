@@ -60,8 +60,9 @@ do (Adam's moments, ``mu.lerp_(g, 1 - b1)``: the same bits as the pure update, a
 in-place steps), so those entries of ``optimizer.state[p]`` are stepped in place (others, such
 as step counts, are replaced). As with torch.optim, an error raised part-way through a step may
 leave such state part-stepped. Where a group's transform is a chain ending in a multiplication
-by a number (``scale_by_learning_rate(lr)``, as most aliases' chains end; a number a scheduler
-wrote in is read then), ``step`` runs the links before it and adds their updates with that
+by a number (``scale_by_learning_rate(lr)``, as most aliases' chains end, also where such a
+chain is the last link of another, ``fb.chain(fb.clip_by_global_norm(1.0), fb.adamw())``; a
+number a scheduler wrote in is read then), ``step`` runs the links before it and adds their updates with that
 number as ``alpha`` (``p.add_(u, alpha=-lr)``, as torch.optim's steps): one pass fewer, and
 the product is not rounded apart (the bits of torch.optim's form, not of ``u * -lr`` added).
 A chain ending in :func:`~functional_bagua.schedule_free`'s averaging has it step the
@@ -118,7 +119,7 @@ import inspect
 import numbers
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -776,42 +777,88 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
     return tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new)
 
 
-def _cached_tail(ours: _Group, tx: GradientTransformation) -> Optional[tuple]:
+def _cached_tail(ours: _Group, tx: GradientTransformation) -> Optional["_Tail"]:
     """:func:`_tail_of` ``tx``, kept in the group while its transform is ``tx``."""
     if ours.tail is None or ours.tail[0] is not tx:
         ours.tail = (tx, _tail_of(tx))
     return ours.tail[1]
 
 
+class _Tail(NamedTuple):
+    """The end of a chain whose step can be written into the parameters (:func:`_tail_of`)."""
+
+    head: GradientTransformation  # the links before ``link`` (before the last link, with ``inner``)
+    link: Optional[GradientTransformation]
+    factor: Optional[Callable[[], Any]]
+    after: Optional[GradientTransformation]
+    decayed: Optional[GradientTransformation]
+    inner: Optional["_Tail"] = None  # the last link a chain itself (chain(clip, fb.adamw(...))): its tail
+
+
 def _step_into(
-    ours: _Group, tail: tuple, grads: dict, state: tuple, params: dict, wrapped: Callable[[Any], OptState]
+    ours: _Group, tail: _Tail, grads: dict, state: tuple, params: dict, wrapped: Callable[[Any], OptState]
 ) -> bool:
     """The step of a chain's ``tail`` (:func:`_tail_of`) written into ``params``, the chain's
     new state (``wrapped``: as the group keeps it) set; False, nothing done, where the last
     link's numbers are not numbers now."""
-    head, link, factor, after, decayed = tail
-    multiplier = scaled_by = None
-    if after is not None:  # p <- (p + alpha u) * multiplier
-        alpha, multiplier = (number_now(v) for v in after.update.scaled_after())
-        if multiplier is None:
-            return False
-    else:
-        alpha = number_now(factor()) if factor is not None else 1.0
-    if alpha is None:
+    numbers = _numbers_of(tail)
+    if numbers is None:
         return False  # a rate held on a device: the chain as it is
-    if decayed is not None:  # p <- p * scaled_by + alpha u, scaled_by = 1 - lr wd (alpha = -lr)
-        decay = number_now(decayed.update.decay())
+    _write(ours, tail, numbers, grads, state, params, wrapped)
+    return True
+
+
+def _numbers_of(tail: _Tail) -> Optional[tuple]:
+    """``(alpha, multiplier, scaled_by)`` of the step ``tail`` writes (:func:`_tail_of`): ``p <-
+    (p * scaled_by + alpha u) * multiplier`` (``None`` for a factor of 1); ``None`` where one
+    of them is not a number now (held on a device)."""
+    if tail.inner is not None:
+        return _numbers_of(tail.inner)
+    multiplier = scaled_by = None
+    if tail.after is not None:  # p <- (p + alpha u) * multiplier
+        alpha, multiplier = (number_now(v) for v in tail.after.update.scaled_after())  # type: ignore[attr-defined]
+        if multiplier is None:
+            return None
+    else:
+        alpha = number_now(tail.factor()) if tail.factor is not None else 1.0
+    if alpha is None:
+        return None
+    if tail.decayed is not None:  # p <- p * scaled_by + alpha u, scaled_by = 1 - lr wd (alpha = -lr)
+        decay = number_now(tail.decayed.update.decay())  # type: ignore[attr-defined]
         if decay is None:
-            return False
+            return None
         scaled_by = 1.0 + alpha * decay if decay != 0 else None
-    k = len(head.update.transforms)  # the links before `link`
-    updates, head_state = ownership.update_giving_state(head, grads, state[:k], params)
+    return alpha, multiplier, scaled_by
+
+
+def _write(
+    ours: _Group,
+    tail: _Tail,
+    numbers: tuple,
+    grads: dict,
+    state: tuple,
+    params: dict,
+    wrapped: Callable[[Any], OptState],
+) -> None:
+    """:func:`_step_into`'s step, its ``numbers`` read (:func:`_numbers_of`)."""
+    alpha, multiplier, scaled_by = numbers
+    head, link, _, after, decayed, inner = tail
+    # the links before `link` (before the last link, with `inner`)
+    k = len(head.update.transforms)  # type: ignore[attr-defined]
+    if k:
+        updates, head_state = ownership.update_giving_state(head, grads, state[:k], params)
+    else:
+        updates, head_state = grads, ()
+    if inner is not None:  # the last link a chain: its own tail on the head's updates, in its state
+        ours.state = wrapped((*head_state, *state[k:]))
+        _write(ours, inner, numbers, updates, state[k], params, lambda new: wrapped((*head_state, new)))
+        return
     # the new state kept before the parameters move: a raise past here leaves no stepped moment
     # beside an old count (a scaling link's own state is empty: kept as it was)
     ours.state = wrapped((*head_state, *state[k:]))
     if link is None:
         apply_updates_(params, updates, alpha)
-        return True
+        return
     stepped: list = []  # with ``after``: the parameters the link steps (an update each), multiplied after
     if after is not None:
         param_leaves, spec = tree.flatten(params)
@@ -819,11 +866,11 @@ def _step_into(
         stepped = [p for p, u in zip(param_leaves, update_leaves) if u is not None]
     # scaled_by only where there is one: a link written to the four-argument form still steps
     scaling = {} if scaled_by is None else {"scaled_by": scaled_by}
-    link_state = link.update.apply_in_place(updates, state[k], params, alpha, **scaling)
+    link_state = link.update.apply_in_place(updates, state[k], params, alpha, **scaling)  # type: ignore[attr-defined]
     declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(link.update):
-            owned = ownership.returns_fresh_updates(head)
+            owned = ownership.returns_fresh_updates(head) if k else False
             updates, link_state = ownership.update_owning(link, owned, updates, state[k], params)
         if after is not None:  # and the last link, whose update is then added whole
             updates, _ = after.update(updates, state[k + 1], params)
@@ -835,15 +882,14 @@ def _step_into(
         apply_updates_(params, updates, alpha)
     elif stepped and multiplier is not None:
         torch._foreach_mul_(stepped, multiplier)
-    return True
 
 
-def _tail_of(tx: GradientTransformation) -> Optional[tuple]:
-    """``(head, link, factor, after, decayed)`` where ``tx`` is a chain whose step can be written
-    into the parameters: ``link`` a link with ``update.apply_in_place`` (its state and the
-    parameters given up; it steps ``p <- p * scaled_by + alpha * u`` for its update ``u``,
-    ``scaled_by`` 1 where not given), last or followed by a last
-    link that multiplies by a number; ``factor`` that link's number
+def _tail_of(tx: GradientTransformation) -> Optional[_Tail]:
+    """The :class:`_Tail` ``(head, link, factor, after, decayed, inner)`` where ``tx`` is a
+    chain whose step can be written into the parameters: ``link`` a link with
+    ``update.apply_in_place`` (its state and the parameters given up; it steps ``p <- p *
+    scaled_by + alpha * u`` for its update ``u``, ``scaled_by`` 1 where not given), last or
+    followed by a last link that multiplies by a number; ``factor`` that link's number
     (``update.factor``: :func:`~functional_bagua.transforms.scaling.factor_of`), ``None`` where
     there is none (``alpha`` 1); ``link`` ``None`` where the last link multiplies and the one
     before has no ``apply_in_place`` (the head's updates added with ``alpha``). ``after``: a
@@ -854,25 +900,32 @@ def _tail_of(tx: GradientTransformation) -> Optional[tuple]:
     :func:`~functional_bagua.add_decayed_weights`, ``u + wd p``), which ``link`` then writes
     as ``scaled_by = 1 + alpha wd`` (``p.mul_(1 - lr wd)`` before its step, as AdamW-like
     references decay); else ``None``. ``head`` chains the links before ``link`` (before the
-    multiplying link where ``link`` is ``None``). ``None`` otherwise."""
+    multiplying link where ``link`` is ``None``). ``inner``: where the last link is a chain
+    itself (``fb.chain(fb.clip_by_global_norm(1.0), fb.ademamix())``), its own tail, ``head``
+    the links before it. ``None`` otherwise."""
     links = getattr(tx.update, "transforms", None)
-    if not links or len(links) < 2:
+    if not links:
         return None
     *before, last = links
+    if getattr(last.update, "transforms", None):  # a chain at the end: its own tail, after the links before it
+        inner = _tail_of(last)
+        return None if inner is None else _Tail(chain(*before), None, None, None, None, inner)
+    if not before:
+        return None
 
     def in_place(link: GradientTransformation) -> bool:
         return getattr(link.update, "apply_in_place", None) is not None
 
     if getattr(last.update, "scaled_after", None) is not None and in_place(before[-1]):
-        return chain(*before[:-1]), before[-1], None, last, None
+        return _Tail(chain(*before[:-1]), before[-1], None, last, None)
     factor = getattr(last.update, "factor", None)
     if factor is None:
-        return (chain(*before), last, None, None, None) if in_place(last) else None
+        return _Tail(chain(*before), last, None, None, None) if in_place(last) else None
     if in_place(before[-1]):
-        return chain(*before[:-1]), before[-1], factor, None, None
+        return _Tail(chain(*before[:-1]), before[-1], factor, None, None)
     if len(before) >= 2 and getattr(before[-1].update, "decay", None) is not None and in_place(before[-2]):
-        return chain(*before[:-2]), before[-2], factor, None, before[-1]
-    return chain(*before), None, factor, None, None
+        return _Tail(chain(*before[:-2]), before[-2], factor, None, before[-1])
+    return _Tail(chain(*before), None, factor, None, None)
 
 
 def _requiring_grad(group: dict[str, Any]) -> frozenset[int]:

@@ -308,14 +308,39 @@ def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case
     assert not torch.equal(ours.detach(), start)
 
 
+@pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", [case for case in IN_PLACE if not case.endswith("factory")])
+def test_after_clipping_in_a_chain_the_step_is_still_written_as_the_reference_writes_it(case):
+    """``fb.chain(fb.clip_by_global_norm(1.0), alias)`` (the alias a chain inside the chain):
+    ``fb.Optimizer`` clips, then writes the alias's step into the parameters as the reference
+    does, bit for bit with the reference stepping on the same clipped gradient."""
+    module, name, ref_kwargs, make = IN_PLACE[case]
+    cls = reference_class(module, name, f"{module} is the reference: an optional test dependency")
+    clip = fb.clip_by_global_norm(1.0)
+    gen = seeded(9)
+    start, target = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
+    theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    reference, opt = cls([theirs], **ref_kwargs), fb.Optimizer([ours], fb.chain(clip, make()))
+    for _ in range(6):
+        ours.grad = ours.detach() - target
+        clipped, _ = clip.update({"g": theirs.detach() - target}, clip.init({"g": start}))
+        theirs.grad = clipped["g"]
+        reference.step()
+        opt.step()
+        assert torch.equal(ours.detach(), theirs.detach())
+    assert not torch.equal(ours.detach(), start)
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize(
     "make",
     [
         lambda: fb.prodigy(weight_decay=0.01),
         lambda: fb.dadapt_adam(weight_decay=0.1, decouple=True),
+        lambda: fb.chain(fb.clip_by_global_norm(1.0), fb.prodigy(weight_decay=0.01)),
     ],
-    ids=["prodigy", "dadapt_adam"],
+    ids=["prodigy", "dadapt_adam", "clipped-prodigy"],
 )
 def test_a_group_that_cannot_take_the_step_written_in_place_runs_the_pure_update(make):
     """A 0-dim parameter in the group of a learning-rate-free rule (its estimate ``d`` sums over
@@ -713,3 +738,35 @@ def test_bad_input_is_refused_with_the_way_out():
     layout = fb.FlatLayout.of(params)
     with pytest.raises(NotImplementedError, match="partition"):
         fb.fuse(fb.mars_adamw(), layout).init(layout.flatten(params))
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_clipped_chain_whose_step_is_written_in_place_resumes_bit_for_bit():
+    """``fb.chain(fb.clip_by_global_norm(1.0), fb.ademamix(...))`` in ``fb.Optimizer`` (the
+    alias's step written into the parameters after the clip): three steps, ``state_dict``, a new
+    optimizer loading it and three more steps are the six steps of one optimizer, bit for bit."""
+    gen = seeded(12)
+    start = [torch.randn(40, 3, generator=gen), torch.randn(3, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) * 4 for v in start] for _ in range(6)]
+
+    def make():
+        return fb.chain(fb.clip_by_global_norm(1.0), fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True))
+
+    def run(tensors, opt, steps):
+        for step in steps:
+            for p, g in zip(tensors, step):
+                p.grad = g.clone()
+            opt.step()
+
+    whole = [torch.nn.Parameter(v.clone()) for v in start]
+    run(whole, fb.Optimizer(whole, make()), grads)
+    first = [torch.nn.Parameter(v.clone()) for v in start]
+    opt = fb.Optimizer(first, make())
+    run(first, opt, grads[:3])
+    saved = opt.state_dict()
+    second = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    resumed = fb.Optimizer(second, make())
+    resumed.load_state_dict(saved)
+    run(second, resumed, grads[3:])
+    for a, b in zip(second, whole):
+        assert torch.equal(a.detach(), b.detach())

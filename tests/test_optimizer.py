@@ -115,22 +115,31 @@ def test_param_groups_override_hyperparameters_as_torchs_do():
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.05 * 0.5**2, 0.1 * 0.5**2])
 
 
-def test_a_transform_runs_as_the_functional_loop_bit_for_bit():
-    """fb.Optimizer(params, chain) steps exactly as tx.update + apply_updates by hand."""
-    make_tx = lambda: fb.chain(fb.clip_by_global_norm(0.5), fb.adamw(1e-2))  # noqa: E731
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_a_transform_runs_as_the_functional_loop_bit_for_bit(nested):
+    """fb.Optimizer(params, chain) steps exactly as the functional loop by hand: the chain's
+    links before its learning rate (``tx.update``), then their updates added with the rate as
+    ``alpha``, ``p.add_(u, alpha=-lr)`` as torch.optim adds them; also where the chain ending in
+    the rate sits inside another (``fb.chain(clip, fb.chain(..., rate))``)."""
+
+    def make_tx():
+        adamw = (fb.scale_by_adam(), fb.add_decayed_weights(0.01), fb.scale_by_learning_rate(1e-2))
+        clip = fb.clip_by_global_norm(0.5)
+        return fb.chain(clip, fb.chain(*adamw)) if nested else fb.chain(clip, *adamw)
+
     model, _ = train(lambda m: fb.Optimizer(m.parameters(), make_tx()), scheduler=False)
     reference = make_model("shapes", DTYPE)
     names = [name for name, _ in reference.named_parameters()]
     params = dict(enumerate(fb.params_of(reference).values()))  # keyed by position, as the optimizer's
-    tx = make_tx()
-    state = tx.init(params)
+    before_the_rate = fb.chain(fb.clip_by_global_norm(0.5), fb.scale_by_adam(), fb.add_decayed_weights(0.01))
+    state = before_the_rate.init(params)
     for x, y in batches(STEPS, DTYPE):
 
         def loss_of(ps, x=x, y=y):
             return loss_fn(torch.func.functional_call(reference, dict(zip(names, ps.values())), (x,)), y)
 
-        updates, state = tx.update(torch.func.grad(loss_of)(params), state, params)
-        params = fb.apply_updates(params, updates)
+        updates, state = before_the_rate.update(torch.func.grad(loss_of)(params), state, params)
+        params = {k: torch.add(p, updates[k], alpha=-1e-2) for k, p in params.items()}
     for i, p in enumerate(model.parameters()):
         assert torch.equal(p.detach(), params[i]), names[i]
 
