@@ -902,7 +902,7 @@ def _tail_of(tx: GradientTransformation) -> Optional[_Tail]:
     references decay); else ``None``. ``head`` chains the links before ``link`` (before the
     multiplying link where ``link`` is ``None``). ``inner``: where the last link is a chain
     itself (``fb.chain(fb.clip_by_global_norm(1.0), fb.ademamix())``), its own tail, ``head``
-    the links before it. ``None`` otherwise."""
+    the links before it. The whole is ``None`` where ``tx`` has no such end."""
     links = getattr(tx.update, "transforms", None)
     if not links:
         return None
