@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import statistics
 import sys
@@ -59,14 +60,14 @@ def reference(module: str, name: str, **kwargs: Any) -> Callable[[list], Any]:
     """A maker of the reference optimizer ``module.name(params, **kwargs)``; it raises ImportError
     where the package is not installed (the run then times ours only)."""
 
-    def make(params: list) -> Any:
+    def make(params: list, **more: Any) -> Any:
         package = __import__(module, fromlist=[name])
         cls = getattr(package, name)
         if not hasattr(cls, "_cuda_graph_capture_health_check"):  # torch 2.11 renamed it; torch-adopt calls it
             check = torch.optim.Optimizer._accelerator_graph_capture_health_check
             cls = type(name, (cls,), dict(_cuda_graph_capture_health_check=check))
         with contextlib.redirect_stdout(io.StringIO()):  # some print their settings
-            return cls(params, **kwargs)
+            return cls(params, **kwargs, **more)
 
     return make
 
@@ -92,13 +93,8 @@ OPTIMIZERS: dict[str, tuple[Callable[[list], Any], Callable[..., fb.GradientTran
 }
 
 
-# name: the reference's maker with foreach=False, where its package runs multi-tensor ops by default
-FOR_LOOP_REFERENCES: dict[str, Callable[[list], Any]] = {
-    "schedule_free_adamw": reference("schedulefree", "AdamWScheduleFree", lr=2.5e-3, warmup_steps=10, foreach=False),
-    "schedule_free_sgd": reference("schedulefree", "SGDScheduleFree", lr=1.0, warmup_steps=10, foreach=False),
-    "ademamix": reference("pytorch_optimizer", "AdEMAMix", lr=1e-3, foreach=False),
-    "laprop": reference("pytorch_optimizer", "LaProp", lr=4e-4, foreach=False),
-}
+# whose reference package runs multi-tensor ops by default: also timed with foreach=False
+FOR_LOOP_REFERENCES = ("schedule_free_adamw", "schedule_free_sgd", "ademamix", "laprop")
 
 
 def shapes_of(config: str) -> list[tuple[int, ...]]:
@@ -180,7 +176,7 @@ def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], obj
     out: dict[str, Callable[[], object]] = {}
     references = {"reference": make_reference}
     if name in FOR_LOOP_REFERENCES:
-        references["reference for-loop"] = FOR_LOOP_REFERENCES[name]
+        references["reference for-loop"] = functools.partial(make_reference, foreach=False)
     try:
         for variant, make in references.items():
             tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]

@@ -845,10 +845,7 @@ def _write(
     head, link, _, after, decayed, inner = tail
     # the links before `link` (before the last link, with `inner`)
     k = len(head.update.transforms)  # type: ignore[attr-defined]
-    if k:
-        updates, head_state = ownership.update_giving_state(head, grads, state[:k], params)
-    else:
-        updates, head_state = grads, ()
+    updates, head_state = ownership.update_giving_state(head, grads, state[:k], params)
     if inner is not None:  # the last link a chain: its own tail on the head's updates, in its state
         ours.state = wrapped((*head_state, *state[k:]))
         _write(ours, inner, numbers, updates, state[k], params, lambda new: wrapped((*head_state, new)))
@@ -870,7 +867,7 @@ def _write(
     declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(link.update):
-            owned = ownership.returns_fresh_updates(head) if k else False
+            owned = ownership.returns_fresh_updates(head)
             updates, link_state = ownership.update_owning(link, owned, updates, state[k], params)
         if after is not None:  # and the last link, whose update is then added whole
             updates, _ = after.update(updates, state[k + 1], params)

@@ -89,6 +89,15 @@ def run_updates(tx, params, grads):
     return params, state
 
 
+def run_steps(tensors, opt, grads):
+    """``opt.step()`` once per step of ``grads`` (one gradient per tensor), each step's
+    gradients set as copies on ``tensors``' ``.grad`` first."""
+    for step in grads:
+        for p, g in zip(tensors, step):
+            p.grad = g.clone()
+        opt.step()
+
+
 def run_resumed(tx, params, grads, at):
     """``params`` after ``tx``'s updates on ``grads`` as :func:`run_updates`, its state saved
     (``fb.state_dict``, copied) after ``at`` steps and loaded into a new ``init`` to go on; and

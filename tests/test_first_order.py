@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import seeded
-from helpers import assert_trees_close, run_updates
+from helpers import assert_trees_close, run_steps, run_updates
 
 import functional_bagua as fb
 
@@ -274,6 +274,34 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
 }
 
 
+def assert_written_as_the_reference(case, seed, clip=None):
+    """Six steps of ``fb.Optimizer`` over one tensor with the ``IN_PLACE[case]`` alias (behind
+    ``clip`` in a chain, where given) and of its reference on the same gradients (clipped by
+    ``clip``): the same bits after each step."""
+    module, name, ref_kwargs, make = IN_PLACE[case]
+    cls = reference_class(module, name, f"{module} is the reference: an optional test dependency")
+    gen = seeded(seed)
+    start, target = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
+    theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    built = make()  # an alias built, or a factory and its keyword arguments (fb.Optimizer builds it)
+    if clip is not None:
+        built = fb.chain(clip, built)
+    reference = cls([theirs], **ref_kwargs)
+    opt = (
+        fb.Optimizer([ours], built)
+        if isinstance(built, fb.GradientTransformation)
+        else fb.Optimizer([ours], built[0], **built[1])
+    )
+    for _ in range(6):
+        ours.grad = ours.detach() - target  # |p - target|^2 / 2: the estimate d grows
+        g = theirs.detach() - target
+        theirs.grad = g if clip is None else clip.update({"g": g}, clip.init({"g": g}))[0]["g"]
+        reference.step()
+        opt.step()
+        assert torch.equal(ours.detach(), theirs.detach())
+    assert not torch.equal(ours.detach(), start)
+
+
 @pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("case", list(IN_PLACE))
@@ -287,25 +315,7 @@ def test_fb_optimizer_writes_the_step_into_the_parameters_as_the_references(case
     references in
     float32 (one tensor, so the estimate's sums are added in one order), where forming the
     update and adding it would differ."""
-    module, name, ref_kwargs, make = IN_PLACE[case]
-    cls = reference_class(module, name, f"{module} is the reference: an optional test dependency")
-    gen = seeded(5)
-    start, target = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
-    theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    built = make()  # an alias built, or a factory and its keyword arguments (fb.Optimizer builds it)
-    reference = cls([theirs], **ref_kwargs)
-    opt = (
-        fb.Optimizer([ours], built)
-        if isinstance(built, fb.GradientTransformation)
-        else fb.Optimizer([ours], built[0], **built[1])
-    )
-    for _ in range(6):
-        for p in (theirs, ours):
-            p.grad = p.detach() - target  # |p - target|^2 / 2: the estimate d grows
-        reference.step()
-        opt.step()
-        assert torch.equal(ours.detach(), theirs.detach())
-    assert not torch.equal(ours.detach(), start)
+    assert_written_as_the_reference(case, seed=5)
 
 
 @pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
@@ -315,21 +325,7 @@ def test_after_clipping_in_a_chain_the_step_is_still_written_as_the_reference_wr
     """``fb.chain(fb.clip_by_global_norm(1.0), alias)`` (the alias a chain inside the chain):
     ``fb.Optimizer`` clips, then writes the alias's step into the parameters as the reference
     does, bit for bit with the reference stepping on the same clipped gradient."""
-    module, name, ref_kwargs, make = IN_PLACE[case]
-    cls = reference_class(module, name, f"{module} is the reference: an optional test dependency")
-    clip = fb.clip_by_global_norm(1.0)
-    gen = seeded(9)
-    start, target = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen)
-    theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    reference, opt = cls([theirs], **ref_kwargs), fb.Optimizer([ours], fb.chain(clip, make()))
-    for _ in range(6):
-        ours.grad = ours.detach() - target
-        clipped, _ = clip.update({"g": theirs.detach() - target}, clip.init({"g": start}))
-        theirs.grad = clipped["g"]
-        reference.step()
-        opt.step()
-        assert torch.equal(ours.detach(), theirs.detach())
-    assert not torch.equal(ours.detach(), start)
+    assert_written_as_the_reference(case, seed=9, clip=fb.clip_by_global_norm(1.0))
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -752,21 +748,15 @@ def test_a_clipped_chain_whose_step_is_written_in_place_resumes_bit_for_bit():
     def make():
         return fb.chain(fb.clip_by_global_norm(1.0), fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True))
 
-    def run(tensors, opt, steps):
-        for step in steps:
-            for p, g in zip(tensors, step):
-                p.grad = g.clone()
-            opt.step()
-
     whole = [torch.nn.Parameter(v.clone()) for v in start]
-    run(whole, fb.Optimizer(whole, make()), grads)
+    run_steps(whole, fb.Optimizer(whole, make()), grads)
     first = [torch.nn.Parameter(v.clone()) for v in start]
     opt = fb.Optimizer(first, make())
-    run(first, opt, grads[:3])
+    run_steps(first, opt, grads[:3])
     saved = opt.state_dict()
     second = [torch.nn.Parameter(p.detach().clone()) for p in first]
     resumed = fb.Optimizer(second, make())
     resumed.load_state_dict(saved)
-    run(second, resumed, grads[3:])
+    run_steps(second, resumed, grads[3:])
     for a, b in zip(second, whole):
         assert torch.equal(a.detach(), b.detach())

@@ -9,6 +9,7 @@ import io
 import pytest
 import torch
 from devices import DEVICE, ON_CUDA, seeded
+from helpers import run_steps
 from models import batches, default_dtype, eager_and_compiled_runs, loss_fn, make_model
 
 import functional_bagua as fb
@@ -1017,17 +1018,11 @@ def test_a_group_holding_a_function_saves_a_file_torch_load_reads_and_resumes(ma
     values = [torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)]
     grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(6)]
 
-    def run(params, opt, steps):
-        for g in steps:
-            for p, gi in zip(params, g):
-                p.grad = gi.clone()
-            opt.step()
-
     straight = [torch.nn.Parameter(v.clone()) for v in values]
-    run(straight, make(straight), grads)
+    run_steps(straight, make(straight), grads)
     first = [torch.nn.Parameter(v.clone()) for v in values]
     opt = make(first)
-    run(first, opt, grads[:3])
+    run_steps(first, opt, grads[:3])
     buffer = io.BytesIO()
     torch.save({"opt": opt.state_dict(), "params": [p.detach() for p in first]}, buffer)
     buffer.seek(0)
@@ -1036,7 +1031,7 @@ def test_a_group_holding_a_function_saves_a_file_torch_load_reads_and_resumes(ma
     opt = make(resumed)
     opt.load_state_dict(saved["opt"])
     assert callable(opt.param_groups[0]["clip_lambda" if "clip_lambda" in opt.param_groups[0] else "lr"])
-    run(resumed, opt, grads[3:])
+    run_steps(resumed, opt, grads[3:])
     for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
 

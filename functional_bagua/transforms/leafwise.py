@@ -216,6 +216,7 @@ def leafwise(
         new_fields = [list(leaves) for leaves in state_leaves]  # a None gradient keeps its state
         singles = list(x.singles)
         columns = [x.updates, x.params, *state_leaves]
+        written_rule = rule_of_fields if alpha is None else functools.partial(written_with_fields, alpha)
         for group in x.groups:
             parts = (
                 [group]
@@ -223,10 +224,8 @@ def leafwise(
                 else [[i for i in group if i in written], [i for i in group if i not in written]]
             )
             for members in (part for part in parts if part):
-                in_place = alpha is not None and writes(members[0])
-                grouped_rule: Callable = rule_of_fields
-                if alpha is not None and in_place:
-                    grouped_rule = functools.partial(written_with_fields, alpha)
+                in_place = writes(members[0])
+                grouped_rule = written_rule if in_place else rule_of_fields
                 result = foreach.run_grouped(grouped_rule, columns, members, given, one_values=True)
                 if result is None:  # the rule needs single tensors
                     singles.extend(members)
