@@ -936,14 +936,13 @@ def _shared_or_leaves(picked: list) -> Any:
     group, with the values (so the bits) each tensor would have; else ``Leaves``."""
     first = picked[0]
     uniform = (
-        len(picked) > 1
-        and isinstance(first, torch.Tensor)
+        isinstance(first, torch.Tensor)
         and first.dim() == 0
         and first.device.type == "cpu"
         and (first.dtype == torch.float64 or not (first.is_floating_point() or first.is_complex()))
         and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype for t in picked)
     )
-    if uniform and same_bits(picked):
+    if uniform and (len(picked) == 1 or same_bits(picked)):
         return first
     return Leaves(picked)
 

@@ -142,12 +142,19 @@ def reading_tensors(
     """
     factory(*args, **kwargs)  # raises now for invalid values, as the factory does
 
+    def built_now() -> GradientTransformation:
+        """The transform an update runs now: the factory built from the tensors as they hold
+        now. A caller may run it itself (``fb.Optimizer`` writes its chain's last link into
+        the parameters)."""
+        return built_with_checked_values(factory, *args, **kwargs)
+
     def init(params: PyTree) -> Any:
-        return built_with_checked_values(factory, *args, **kwargs).init(params)
+        return built_now().init(params)
 
     def update(updates: PyTree, state: Any, params: Optional[PyTree] = None) -> tuple[PyTree, Any]:
-        return built_with_checked_values(factory, *args, **kwargs).update(updates, state, params)
+        return built_now().update(updates, state, params)
 
+    update.built_now = built_now  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 

@@ -71,8 +71,8 @@ c)``, ``y.add_(d, alpha=...)``, ``z.add_(d, alpha=-lr)``) where its tensors allo
 float32 or float64 tensors of at least one dimension; the others, a 0-dim parameter say, take
 the pure step, their update added); so do
 :func:`~functional_bagua.prodigy`'s, :func:`~functional_bagua.dadapt_adam`'s,
-:func:`~functional_bagua.ademamix`'s and :func:`~functional_bagua.laprop`'s steps, as their
-references write them (``p.addcdiv_(mu, denom, value=-dlr)``; LaProp's decoupled decay then
+:func:`~functional_bagua.ademamix`'s, :func:`~functional_bagua.laprop`'s and
+:func:`~functional_bagua.adopt`'s steps, as their references write them (``p.addcdiv_(mu, denom, value=-dlr)``; LaProp's decoupled decay then
 ``p.mul_(1 - wd lr)``; AdEMAMix's, :func:`~functional_bagua.add_decayed_weights` between it and
 the learning rate, first; on the CPU, where their factors are numbers; a
 :func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as
@@ -81,6 +81,12 @@ the learning rate, first; on the CPU, where their factors are numbers; a
 (:func:`_tail_of`); with a weight decay between it and the rate, ``scaled_by=`` is passed too:
 ``p <- p * scaled_by + alpha u``. Either way the parameters are the pure update's to a rounding, and
 ``torch.compile(opt.step)``, which traces the whole chain, gives the pure update's numbers.
+A link that takes ``accepted=`` (a :func:`~functional_bagua.leafwise` rule's) is given a dict
+the group keeps: where its step wrote every tensor, it records there what its checks accepted
+(:mod:`functional_bagua.accepted`), and its next steps on the same tensors skip them. An alias
+built with numbers reads tensors once a scheduler changed one (the group builds it again with
+them, :func:`~functional_bagua.hyperparams.reading_tensors`): each step then builds it from their
+values (``update.built_now``) and writes its step as above.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
@@ -167,6 +173,16 @@ class _Group:
     kernel: Optional[tuple] = None  # (the factory's numbers, the kernel they give), see _kernel_of
     numbers: Optional[_Shown] = None  # a transform built with numbers: those its group shows
     tail: Optional[tuple] = None  # (the transform, its _tail_of), see _applied_by_its_last_link
+    accepted: "_Accepted" = dataclasses.field(default_factory=lambda: _Accepted())  # see _write
+
+
+class _Accepted(dict):
+    """What the checks of a group's step written in place accepted, per link
+    (:mod:`functional_bagua.accepted`): a copy or a pickle starts empty (it holds the tensors
+    of this object's state)."""
+
+    def __reduce__(self) -> tuple:
+        return (_Accepted, ())
 
 
 @dataclasses.dataclass
@@ -609,6 +625,7 @@ class Optimizer(torch.optim.Optimizer):
         for ours, (state, tracked), saved, group in zip(self._groups, loaded, groups, self.param_groups):
             ours.state, ours.tracked, ours.layout = state, tracked, None  # all read: now assigned
             ours.written.clear()
+            ours.accepted.clear()  # the records hold the state replaced
             group.update({k: v for k, v in saved.items() if k not in ("params", "shared_state", TENSOR_NUMBERS)})
         for i, (ours, saved) in enumerate(zip(self._groups, groups)):
             if ours.numbers is not None:  # the saved numbers, as they ran (tensors where they were)
@@ -773,6 +790,15 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         return True
     if not isinstance(state, tuple):
         return False
+    built_now = getattr(ours.tx.update, "built_now", None)
+    if built_now is not None:  # an alias reading tensors (a number a scheduler changed): built from them now
+        tx = built_now()
+        tail = _cached_tail(ours, tx)
+        if tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new):
+            return True
+        updates, ours.state = ownership.update_giving_state(tx, grads, state, params)  # not built again
+        apply_updates_(params, updates)
+        return True
     tail = _cached_tail(ours, ours.tx)
     return tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new)
 
@@ -862,8 +888,11 @@ def _write(
         update_leaves = tree.leaves_matching(spec, updates, "the updates", "the parameters")
         stepped = [p for p, u in zip(param_leaves, update_leaves) if u is not None]
     # scaled_by only where there is one: a link written to the four-argument form still steps
+    apply_in_place = link.update.apply_in_place  # type: ignore[attr-defined]
     scaling = {} if scaled_by is None else {"scaled_by": scaled_by}
-    link_state = link.update.apply_in_place(updates, state[k], params, alpha, **scaling)  # type: ignore[attr-defined]
+    if getattr(apply_in_place, "takes_accepted", False):  # what its checks accepted, for the next step
+        scaling["accepted"] = ours.accepted
+    link_state = apply_in_place(updates, state[k], params, alpha, **scaling)
     declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(link.update):

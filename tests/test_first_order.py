@@ -271,6 +271,25 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
         dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
         lambda: (fb.ademamix, dict(lr=1e-2, weight_decay=0.1, weight_decouple=True)),
     ),
+    "adopt": ("adopt", "ADOPT", dict(lr=1e-2, foreach=False), lambda: fb.adopt(1e-2)),
+    "adopt-decoupled": (
+        "adopt",
+        "ADOPT",
+        dict(lr=1e-2, weight_decay=0.1, decouple=True, foreach=False),
+        lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),
+    ),
+    "adopt-decoupled-factory": (
+        "adopt",
+        "ADOPT",
+        dict(lr=1e-2, weight_decay=0.1, decouple=True, foreach=False),
+        lambda: (fb.adopt, dict(lr=1e-2, weight_decay=0.1, decouple=True)),
+    ),
+    "adopt-l2-factory": (
+        "adopt",
+        "ADOPT",
+        dict(lr=1e-2, weight_decay=0.1, foreach=False),
+        lambda: (fb.adopt, dict(lr=1e-2, weight_decay=0.1)),
+    ),
 }
 
 

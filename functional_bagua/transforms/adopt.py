@@ -17,13 +17,21 @@ parameters at the first step too.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Union, cast
+from typing import Any, Callable, NamedTuple, Optional, Union, cast
 
 import torch
 
 from functional_bagua.base import GradientTransformation
 from functional_bagua.foreach import updated
-from functional_bagua.numerics import as_scalar, eager_number, eager_numbers, is_number, lerp_weight, zero_count
+from functional_bagua.numerics import (
+    as_scalar,
+    eager_number,
+    eager_numbers,
+    is_number,
+    lerp_weight,
+    number_now,
+    zero_count,
+)
 from functional_bagua.transforms.leafwise import leafwise
 
 Scalar = Union[float, torch.Tensor]
@@ -80,9 +88,9 @@ def scale_by_adopt(
     def init_leaf(p: torch.Tensor) -> ScaleByAdoptState:
         return ScaleByAdoptState(zero_count(p), torch.zeros_like(p), torch.zeros_like(p))
 
-    def update_leaf(
-        g: torch.Tensor, s: ScaleByAdoptState, p: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, ScaleByAdoptState]:
+    def moments(g: Any, s: ScaleByAdoptState) -> tuple:
+        """The new state, this step's factors ``(later, kept, 1 - kept)`` as numbers where they
+        are numbers now (read before the state is overwritten), else ``None``, and ``later``."""
         steps_before = as_scalar(s.count)
         later = (s.count > 0).to(steps_before.dtype)  # 0 at the first step, which only initializes v
         kept = b2 * later  # v_1 = g_1^2: nothing of v_0 kept, the whole square taken
@@ -92,7 +100,7 @@ def scale_by_adopt(
             bound = clip(steps_before)
             if isinstance(bound, torch.Tensor):  # in the gradient's dtype: a 0-dim one would be promoted
                 bound = bound.to(normalized.dtype)
-            normalized = normalized.clamp_(-bound, bound)  # type: ignore[arg-type]  # a number or a 0-dim tensor
+            normalized = normalized.clamp_(-bound, bound)  # a number or a 0-dim tensor
         else:  # g / eps may overflow a low-precision dtype at the first step: never let it in
             normalized = torch.where(s.count > 0, normalized, 0.0)
         mu = updated(s.mu, "lerp", normalized, lerp_weight((1 - b1) * later, s.mu))
@@ -100,9 +108,37 @@ def scale_by_adopt(
             nu = updated(s.nu, "mul", kept).add_(g * g * (1 - kept))
         else:  # eagerly on the CPU, as the reference: two passes, in the state's memory where it is given up
             nu = updated(s.nu, "mul", numbers[1]).addcmul_(g, g, value=numbers[2])  # 1 - b2 rounded once
-        u = mu if not decays or eager_number(weight_decay, mu) == 0 else mu + cast(torch.Tensor, p) * weight_decay
-        if numbers is not None and numbers[0] == 1:  # a later step, known eagerly: no pass multiplying by 1
-            return u, ScaleByAdoptState(s.count + 1, mu, nu)
-        return u * later, ScaleByAdoptState(s.count + 1, mu, nu)
+        return ScaleByAdoptState(s.count + 1, mu, nu), numbers, later
 
-    return leafwise(ScaleByAdoptState, init_leaf, update_leaf, name="scale_by_adopt", needs_params=decays)
+    def direction(new: ScaleByAdoptState, p: Any) -> Any:
+        """``u = m`` (``+ weight_decay p``, decoupled)."""
+        if not decays or eager_number(weight_decay, new.mu) == 0:
+            return new.mu
+        return new.mu + cast(torch.Tensor, p) * weight_decay
+
+    def update_leaf(
+        g: torch.Tensor, s: ScaleByAdoptState, p: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ScaleByAdoptState]:
+        new, numbers, later = moments(g, s)
+        u = direction(new, p)
+        if numbers is not None and numbers[0] == 1:  # a later step, known eagerly: no pass multiplying by 1
+            return u, new
+        return u * later, new
+
+    def write_leaf(g: Any, s: ScaleByAdoptState, p: Any, step: float) -> ScaleByAdoptState:
+        """``p <- p + step u`` as the reference writes it: nothing at the first step, then
+        ``p.add_(p, alpha=step wd)`` for a decoupled decay and ``p.add_(m, alpha=step)``
+        (``fb.Optimizer``, eagerly)."""
+        new, numbers, later = moments(g, s)
+        decay = number_now(weight_decay) if decays else 0.0  # unrounded, as the reference's -lr * wd
+        if numbers is None or decay is None:  # factors that are not numbers now: the update, then added
+            p.add_(direction(new, p) * later, alpha=step)
+        elif numbers[0] == 1:  # a later step (the first one only initializes v)
+            if decay != 0:
+                p.add_(p, alpha=step * decay)
+            p.add_(new.mu, alpha=step)
+        return new
+
+    return leafwise(
+        ScaleByAdoptState, init_leaf, update_leaf, name="scale_by_adopt", needs_params=decays, write_leaf=write_leaf
+    )

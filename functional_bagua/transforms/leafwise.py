@@ -28,6 +28,7 @@ import optree
 import torch
 
 from functional_bagua import checks, foreach, layout_context, ownership, tree
+from functional_bagua.accepted import AcceptedStep
 from functional_bagua.base import EmptyState, GradientTransformation, apply_updates_
 from functional_bagua.flat import Segment
 from functional_bagua.leaf_lists import LeafLists
@@ -140,7 +141,12 @@ def leafwise(
         return stepped(x, state, given, None)
 
     def apply_in_place(
-        updates: PyTree, state: NamedTuple, params: PyTree, alpha: float, scaled_by: Optional[float] = None
+        updates: PyTree,
+        state: NamedTuple,
+        params: PyTree,
+        alpha: float,
+        scaled_by: Optional[float] = None,
+        accepted: Optional[dict] = None,
     ) -> Optional[NamedTuple]:
         """``p <- p * scaled_by + alpha u`` written into ``params``: ``p.mul_(scaled_by)`` where
         given (a decoupled weight decay, first as the references decay), then ``write_leaf``, the
@@ -150,11 +156,18 @@ def leafwise(
         multiplication (the pure update's numbers to a rounding), and the rest are written.
         ``None``, nothing changed, where none can be (traced, a fused or segmented layout, not
         on the CPU), or for ``scaled_by`` given to a rule that reads the parameters (it would
-        read them scaled)."""
+        read them scaled). ``accepted``: a dict the caller keeps for this step's next call
+        (:mod:`functional_bagua.accepted`): where every tensor was written, and the state with
+        it, what the checks accepted is kept there under the transform's name, and a next step
+        on the same tensors runs the rule on them unchecked."""
         if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
             return None
         if scaled_by is not None and needs_params:
             return None
+        if accepted is not None and name in accepted:
+            replayed = replay(accepted, updates, state, params, alpha, scaled_by)
+            if replayed is not None:
+                return replayed
         x = LeafLists.of(
             updates, params, who=name, complex_ok=complex_ok, layout=layout, grouped=foreach.grouped_enabled()
         )
@@ -172,7 +185,10 @@ def leafwise(
         if not written:
             return None
         if len(written) == len(present):  # the usual case: every tensor
-            return stepped(x, state, True, alpha, scaled_by)[1]
+            new_state = stepped(x, state, True, alpha, scaled_by)[1]
+            if accepted is not None:
+                remember(accepted, x, present, state_leaves, new_state)
+            return new_state
         others, new_state = stepped(x, state, True, alpha, scaled_by, frozenset(written))
         if scaled_by is not None:
             for p, u in zip(x.params, others):
@@ -253,6 +269,86 @@ def leafwise(
                 new_fields[f][i] = value
         return updates, state_type(*(x.unflatten(column) for column in new_fields))
 
+    def remember(accepted: dict, x: LeafLists, present: list, state_leaves: list, new_state: NamedTuple) -> None:
+        """What the checks of a step on one group, every tensor written, accepted (``None``
+        kept where the step did not write its whole state in place)."""
+        accepted.pop(name, None)
+        if x.singles or x.groups != [present]:
+            return
+        after = [_field_leaves(x.spec, new_state, f, name) for f in fields]
+        record = AcceptedStep.after(
+            x.spec,
+            [u is not None for u in x.updates],
+            [x.updates[i] for i in present],
+            [x.params[i] for i in present],
+            [[leaves[i] for i in present] for leaves in state_leaves],
+            new_state,
+            [[leaves[i] for i in present] for leaves in after],
+        )
+        if record is not None:
+            accepted[name] = record
+
+    def replay(
+        accepted: dict, updates: PyTree, state: NamedTuple, params: PyTree, alpha: float, scaled_by: Optional[float]
+    ) -> Optional[NamedTuple]:
+        """``write_leaf`` on the tensors a step's checks accepted (``accepted[name]``), where
+        this step's inputs are those (:meth:`AcceptedStep.inputs`); ``None``, nothing changed
+        and the record dropped, where they are not (or the rule raised before writing anything)."""
+        assert write_leaf is not None  # apply_in_place
+        record = accepted[name]
+        inputs = record.inputs(updates, params, state) if foreach.grouped_enabled() else None
+        if inputs is None:
+            del accepted[name]
+            return None
+        grads, stepped_params = inputs
+        if scaled_by is not None:
+            torch._foreach_mul_(stepped_params, scaled_by)
+        overwrites: list = []  # as foreach.run_grouped: the fields overwritten
+        given = [
+            _as_given(column, shared, overwrites, record.dtype) for column, shared in zip(record.columns, record.shared)
+        ]
+        try:
+            new = write_leaf(
+                foreach.Leaves(grads, plain=record.dtype),
+                state_type(*given),
+                foreach.Leaves(stepped_params, plain=record.dtype),
+                alpha,
+            )
+        except Exception as error:
+            del accepted[name]
+            if not overwrites and scaled_by is None:
+                return None  # nothing written: the checked step, which raises what it raises
+            raise RuntimeError(
+                f"{name}: the rule raised {type(error).__name__} after writing into the state or the parameters; "
+                "the step is part-made"
+            ) from error
+        in_place = True
+        for column, shared, before, value in zip(record.columns, record.shared, given, new):
+            if column is None:
+                in_place = in_place and value is None
+            elif not shared:
+                in_place = in_place and value is before
+            elif _one_scalar_like(value, column[0]):  # a count: into the old ones, as one_values does
+                torch._foreach_copy_(column, [value] * len(column))
+            else:
+                in_place = False
+        if in_place:
+            record.note_versions()
+            return state
+        del accepted[name]  # the rule stepped a field into new tensors: the state made anew
+        return state_of_fields(record, state, new)
+
+    def state_of_fields(record: AcceptedStep, state: NamedTuple, new: Any) -> NamedTuple:
+        """The state with each field's values at the leaves with a gradient from ``new``."""
+        present = [i for i, g in enumerate(record.given) if g]
+        out = []
+        for f, value in zip(fields, new):
+            leaves = _field_leaves(record.spec, state, f, name)
+            into = list(leaves)
+            _place(foreach._as_lists(value, len(present)), present, into, leaves)
+            out.append(record.spec.unflatten(into))
+        return state_type(*out)
+
     def rule_of_fields(g: Any, p: Any, *fields: Any) -> Any:
         return update_leaf(g, state_type(*fields), p)
 
@@ -267,6 +363,7 @@ def leafwise(
         update.needs_params = needs_params  # type: ignore[attr-defined]
         if write_leaf is not None:
             update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
+            apply_in_place.takes_accepted = True  # type: ignore[attr-defined]  # fb.Optimizer passes it
     return GradientTransformation(init, update)
 
 
@@ -534,6 +631,27 @@ def _field_leaves(spec: optree.PyTreeSpec, state: NamedTuple, field: str, name: 
         return tree.leaves_matching(spec, field_tree, "grads", "the params the state was made for")
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
+
+
+def _as_given(column: Optional[list], shared: bool, overwrites: list, dtype: torch.dtype) -> Any:
+    """A state field's tensors as ``foreach.run_grouped`` gives them to a rule: ``None`` for a
+    field of ``None`` s, the one value of equal per-tensor scalars, else ``Leaves`` of state
+    given up (its overwrites noted in ``overwrites``)."""
+    if column is None:
+        return None
+    return column[0] if shared else foreach.Leaves(column, given=overwrites, plain=dtype)
+
+
+def _one_scalar_like(value: Any, old: torch.Tensor) -> bool:
+    """Whether ``value`` is a 0-dim CPU tensor of ``old``'s dtype that autograd does not record
+    (a count computed once for a group, copied into each tensor's old one)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and value.dtype == old.dtype
+        and value.is_cpu
+        and not value.requires_grad
+    )
 
 
 def _has_dims(x: Any) -> bool:

@@ -1,0 +1,189 @@
+"""What a checked eager step accepted, so that the next step on the same tensors need not check
+them again.
+
+``fb.Optimizer`` steps the same parameters, in a state it keeps, step after step. A step written
+into the parameters (a link's ``apply_in_place``) checks every time that the gradients match the
+parameters, that the state was made for them and that every tensor may be written in place
+(:func:`~functional_bagua.foreach.writable_part`), and groups them: on a few small tensors that
+costs more than the step's own arithmetic. Where such a step stepped its whole state in place, an
+:class:`AcceptedStep` records what those checks accepted:
+
+- the parameters' tree structure and which of them had a gradient;
+- the gradients' shapes and their one dtype (dense CPU tensors that autograd does not record);
+- where each parameter and state tensor starts in memory;
+- the state the step returned (the same tensors, stepped in place), and the version counters of
+  its per-tensor scalars (step counts), which the step reads as one value while they hold the
+  same bits.
+
+:meth:`AcceptedStep.inputs` gives the next step's gradients and parameters where they match, in a
+few passes of attribute reads. Anything else (a gradient of a new shape or dtype, a parameter
+moved or cast by ``p.data = ...``, a gradient that starts where a parameter or a state tensor
+does, the state replaced, a count written by anyone else) gives ``None``: the step then runs its
+checks again, and raises what they raise.
+
+Example::
+
+    accepted = AcceptedStep.after(spec, given, grads, params, state_before, columns_before, state_after, columns_after)
+    inputs = accepted.inputs(next_grads, next_params, state_after) if accepted else None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Optional
+
+import optree
+import torch
+
+from functional_bagua import tree
+
+STRIDED = torch.strided
+
+
+@dataclasses.dataclass
+class AcceptedStep:
+    """The inputs a step accepted (module docstring).
+
+    Attributes:
+        state: the state the step returned.
+        spec: the parameters' tree structure.
+        given: per leaf, whether it had a gradient.
+        shapes: the shapes of the leaves with a gradient.
+        dtype: their one dtype (of the gradients, parameters and state tensors alike).
+        param_starts: where each parameter with a gradient starts in memory.
+        columns: per field of the state, its tensors at the leaves with a gradient (``None``
+            for a field that holds none).
+        shared: per field, whether its tensors are 0-dim scalars the step read as one value.
+        state_starts: where each tensor of ``columns`` starts, in order.
+        taken: where the parameters and the state's tensors start (no gradient may).
+        versions: per field, its tensors' version counters after the step where ``shared``.
+    """
+
+    state: Any
+    spec: optree.PyTreeSpec
+    given: list
+    shapes: list
+    dtype: torch.dtype
+    param_starts: list
+    columns: list
+    shared: list
+    state_starts: list
+    taken: frozenset
+    versions: list
+
+    @classmethod
+    def after(
+        cls,
+        spec: optree.PyTreeSpec,
+        given: list,
+        grads: list,
+        params: list,
+        columns_before: list,
+        state_after: Any,
+        columns_after: list,
+    ) -> Optional["AcceptedStep"]:
+        """The record of a step that the checks accepted, ``None`` unless it stepped every
+        tensor of its state in place: each of ``columns_after`` (per field, its values at the
+        leaves with a gradient, after the step) holds the very tensors of ``columns_before``.
+
+        Args:
+            spec: the parameters' tree structure.
+            given: per leaf, whether it had a gradient.
+            grads: the gradients of the leaves with one.
+            params: their parameters.
+            columns_before: per field of the state, its values at those leaves before the step.
+            state_after: the state the step returned.
+            columns_after: the same after the step.
+        """
+        if not grads:
+            return None
+        dtype = grads[0].dtype
+        tensors = [*grads, *params]
+        columns: list = []
+        shared: list = []
+        for before, after in zip(columns_before, columns_after):
+            if all(v is None for v in before) and all(v is None for v in after):
+                columns.append(None)
+                shared.append(False)
+                continue
+            if any(a is not b for a, b in zip(after, before)) or not all(isinstance(t, torch.Tensor) for t in before):
+                return None  # a field stepped into new tensors
+            columns.append(list(before))
+            shared.append(all(t.dim() == 0 and t.is_cpu and not t.requires_grad for t in before))
+            if not shared[-1]:
+                tensors.extend(before)
+        if not all(_plain(t, dtype) for t in tensors):
+            return None
+        state_starts = [t.data_ptr() for t in _state_tensors(columns)]
+        accepted = cls(
+            state_after,
+            spec,
+            list(given),
+            [g.shape for g in grads],
+            dtype,
+            [p.data_ptr() for p in params],
+            columns,
+            shared,
+            state_starts,
+            frozenset([*(p.data_ptr() for p in params), *state_starts]),
+            [],
+        )
+        accepted.note_versions()
+        return accepted
+
+    def note_versions(self) -> None:
+        """Record the shared scalars' version counters, after this object's step wrote them."""
+        self.versions = [[t._version for t in c] if s else None for c, s in zip(self.columns, self.shared)]
+
+    def inputs(self, updates: Any, params: Any, state: Any) -> Optional[tuple[list, list]]:
+        """The gradients and parameters of the leaves with a gradient, where ``updates``,
+        ``params`` and ``state`` are what this record accepted (module docstring); else ``None``.
+
+        Args:
+            updates: the step's gradients (a tree of the parameters' structure).
+            params: the parameters.
+            state: the state the step is given.
+        """
+        if state is not self.state:
+            return None
+        param_leaves, spec = tree.flatten(params)
+        if spec != self.spec:
+            return None
+        update_leaves = tree.leaves_matching(spec, updates, "grads", "params")
+        if [u is not None for u in update_leaves] != self.given:
+            return None
+        grads = list(itertools.compress(update_leaves, self.given))
+        params_given = list(itertools.compress(param_leaves, self.given))
+        if not (_all_plain(grads, self.dtype, self.shapes) and _all_plain(params_given, self.dtype, self.shapes)):
+            return None
+        if [p.data_ptr() for p in params_given] != self.param_starts:
+            return None
+        starts = {g.data_ptr() for g in grads}
+        if len(starts) != len(grads) or not starts.isdisjoint(self.taken):
+            return None
+        if [t.data_ptr() for t in _state_tensors(self.columns)] != self.state_starts:
+            return None
+        for column, versions in zip(self.columns, self.versions):
+            if versions is not None and [t._version for t in column] != versions:
+                return None
+        return grads, params_given
+
+
+def _state_tensors(columns: list) -> list:
+    """The tensors of the fields that hold tensors of at least one dimension."""
+    return [t for column in columns if column is not None and column[0].dim() > 0 for t in column]
+
+
+def _plain(t: Any, dtype: torch.dtype) -> bool:
+    """Whether ``t`` is a dense CPU tensor of ``dtype`` (any shape) that autograd does not record."""
+    return type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu and t.layout is STRIDED and not t.requires_grad
+
+
+def _all_plain(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
+    """Whether ``tensors`` are plain (:func:`_plain`) and of ``shapes``."""
+    return (
+        set(map(type, tensors)) == {torch.Tensor}
+        and [t.shape for t in tensors] == shapes
+        and all(t.dtype is dtype and t.is_cpu and t.layout is STRIDED and not t.requires_grad for t in tensors)
+    )
