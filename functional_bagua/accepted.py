@@ -21,22 +21,27 @@ moved or cast by ``p.data = ...``, a gradient that starts where a parameter or a
 does, the state replaced, a count written by anyone else) gives ``None``: the step then runs its
 checks again, and raises what they raise.
 
+``fb.Optimizer`` gives each group a dict for the records, around its step (:func:`kept_in`);
+a step finds it with :func:`records_now`, and keeps its record there under its transform's name.
+
 Example::
 
-    accepted = AcceptedStep.after(spec, given, grads, params, state_before, columns_before, state_after, columns_after)
-    inputs = accepted.inputs(next_grads, next_params, state_after) if accepted else None
+    record = AcceptedStep.after(spec, given, grads, params, columns_before, state_after, columns_after)
+    inputs = record.inputs(spec, next_update_leaves, next_param_leaves, state_after) if record else None
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import optree
 import torch
 
-from functional_bagua import tree
+from functional_bagua import foreach
 
 STRIDED = torch.strided
 
@@ -136,28 +141,30 @@ class AcceptedStep:
         """Record the shared scalars' version counters, after this object's step wrote them."""
         self.versions = [[t._version for t in c] if s else None for c, s in zip(self.columns, self.shared)]
 
-    def inputs(self, updates: Any, params: Any, state: Any) -> Optional[tuple[list, list]]:
-        """The gradients and parameters of the leaves with a gradient, where ``updates``,
-        ``params`` and ``state`` are what this record accepted (module docstring); else ``None``.
+    def inputs(
+        self, spec: optree.PyTreeSpec, update_leaves: list, param_leaves: list, state: Any
+    ) -> Optional[tuple[list, list]]:
+        """The gradients and parameters of the leaves with a gradient, where the step's leaves
+        (of the tree structure ``spec``) and ``state`` are what this record accepted (module
+        docstring); else ``None``.
 
         Args:
-            updates: the step's gradients (a tree of the parameters' structure).
-            params: the parameters.
+            spec: the parameters' tree structure.
+            update_leaves: the step's gradients, one per leaf (``None`` where there is none).
+            param_leaves: the parameters, one per leaf.
             state: the state the step is given.
         """
-        if state is not self.state:
+        if state is not self.state or spec != self.spec:
             return None
-        param_leaves, spec = tree.flatten(params)
-        if spec != self.spec:
-            return None
-        update_leaves = tree.leaves_matching(spec, updates, "grads", "params")
         if [u is not None for u in update_leaves] != self.given:
             return None
         grads = list(itertools.compress(update_leaves, self.given))
-        params_given = list(itertools.compress(param_leaves, self.given))
-        if not (_all_plain(grads, self.dtype, self.shapes) and _all_plain(params_given, self.dtype, self.shapes)):
+        params = list(itertools.compress(param_leaves, self.given))
+        if not (_all_of(grads, self.dtype, self.shapes) and _dense_cpu_untracked(grads)):
             return None
-        if [p.data_ptr() for p in params_given] != self.param_starts:
+        if not _all_of(params, self.dtype, self.shapes):  # detached (untracked) views: moved, cast or
+            return None  # reshaped by ``p.data = ...``, their start, dtype or shape differs
+        if [p.data_ptr() for p in params] != self.param_starts:
             return None
         starts = {g.data_ptr() for g in grads}
         if len(starts) != len(grads) or not starts.isdisjoint(self.taken):
@@ -167,7 +174,39 @@ class AcceptedStep:
         for column, versions in zip(self.columns, self.versions):
             if versions is not None and [t._version for t in column] != versions:
                 return None
-        return grads, params_given
+        return grads, params
+
+    @property
+    def present(self) -> list:
+        """The indices of the leaves with a gradient."""
+        return [i for i, g in enumerate(self.given) if g]
+
+
+_KEPT: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("functional_bagua_accepted", default=None)
+
+
+@contextlib.contextmanager
+def kept_in(records: dict) -> Iterator[None]:
+    """Within: the eager steps that can keep what their checks accepted keep it in ``records``,
+    under their transform's name (``fb.Optimizer`` gives each group its dict, around its step).
+
+    Args:
+        records: where to keep the records (and to find those of the previous step).
+    """
+    token = _KEPT.set(records)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+def records_now() -> Optional[dict]:
+    """The records of the step running now (:func:`kept_in`); ``None`` outside one, while traced,
+    and with the grouped path off (:func:`functional_bagua.foreach.per_tensor`: every step checked)."""
+    records = _KEPT.get()
+    if records is None or torch.compiler.is_compiling() or not foreach.grouped_enabled():
+        return None
+    return records
 
 
 def _state_tensors(columns: list) -> list:
@@ -180,10 +219,15 @@ def _plain(t: Any, dtype: torch.dtype) -> bool:
     return type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu and t.layout is STRIDED and not t.requires_grad
 
 
-def _all_plain(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
-    """Whether ``tensors`` are plain (:func:`_plain`) and of ``shapes``."""
+def _all_of(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
+    """Whether ``tensors`` are torch.Tensor objects (no subclass) of ``dtype`` and ``shapes``."""
     return (
         set(map(type, tensors)) == {torch.Tensor}
         and [t.shape for t in tensors] == shapes
-        and all(t.dtype is dtype and t.is_cpu and t.layout is STRIDED and not t.requires_grad for t in tensors)
+        and all(t.dtype is dtype for t in tensors)
     )
+
+
+def _dense_cpu_untracked(tensors: list) -> bool:
+    """Whether ``tensors`` are dense CPU tensors that autograd does not record."""
+    return all(t.is_cpu and t.layout is STRIDED and not t.requires_grad for t in tensors)

@@ -81,9 +81,10 @@ the learning rate, first; on the CPU, where their factors are numbers; a
 (:func:`_tail_of`); with a weight decay between it and the rate, ``scaled_by=`` is passed too:
 ``p <- p * scaled_by + alpha u``. Either way the parameters are the pure update's to a rounding, and
 ``torch.compile(opt.step)``, which traces the whole chain, gives the pure update's numbers.
-A link that takes ``accepted=`` (a :func:`~functional_bagua.leafwise` rule's) is given a dict
-the group keeps: where its step wrote every tensor, it records there what its checks accepted
-(:mod:`functional_bagua.accepted`), and its next steps on the same tensors skip them. An alias
+Around each group's step, the group's dict for what its checks accepted is kept
+(:func:`functional_bagua.accepted.kept_in`): a :func:`~functional_bagua.leafwise` rule that
+stepped its whole state in place records there what its checks accepted, and its next steps on
+the same tensors skip them. An alias
 built with numbers reads tensors once a scheduler changed one (the group builds it again with
 them, :func:`~functional_bagua.hyperparams.reading_tensors`): each step then builds it from their
 values (``update.built_now``) and writes its step as above.
@@ -129,7 +130,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from functional_bagua import checkpoint, kernels, ownership, tree
+from functional_bagua import accepted, checkpoint, kernels, ownership, tree
 from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates_, chain
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
@@ -173,11 +174,11 @@ class _Group:
     kernel: Optional[tuple] = None  # (the factory's numbers, the kernel they give), see _kernel_of
     numbers: Optional[_Shown] = None  # a transform built with numbers: those its group shows
     tail: Optional[tuple] = None  # (the transform, its _tail_of), see _applied_by_its_last_link
-    accepted: "_Accepted" = dataclasses.field(default_factory=lambda: _Accepted())  # see _write
+    accepted: "_Accepted" = dataclasses.field(default_factory=lambda: _Accepted())  # see step
 
 
 class _Accepted(dict):
-    """What the checks of a group's step written in place accepted, per link
+    """What the checks of a group's steps accepted, by transform name
     (:mod:`functional_bagua.accepted`): a copy or a pickle starts empty (it holds the tensors
     of this object's state)."""
 
@@ -485,13 +486,19 @@ class Optimizer(torch.optim.Optimizer):
                 if scale is not None:
                     grads = _unscaled(grads, scale)
             params = {k: p.detach() for k, p in zip(keys, group["params"])}
-            if _applied_by_its_last_link(ours, grads, state, params):
-                continue
-            # the group keeps only the new state: the old one is given up (ownership module), so the
-            # rules that can compute their new state in its tensors, as torch.optim's steps do
-            updates, ours.state = ownership.update_giving_state(ours.tx, grads, state, params)
-            apply_updates_(params, updates)  # in place: the numbers of apply_updates, one pass
+            with accepted.kept_in(ours.accepted):  # what the step's checks accepted, for the next step
+                self._step_group(ours, grads, state, params)
         return loss
+
+    @staticmethod
+    def _step_group(ours: _Group, grads: dict, state: OptState, params: dict) -> None:
+        """A group's step from its gradients, its state given up, into its parameters."""
+        if _applied_by_its_last_link(ours, grads, state, params):
+            return
+        # the group keeps only the new state: the old one is given up (ownership module), so the
+        # rules that can compute their new state in its tensors, as torch.optim's steps do
+        updates, ours.state = ownership.update_giving_state(ours.tx, grads, state, params)
+        apply_updates_(params, updates)  # in place: the numbers of apply_updates, one pass
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -888,11 +895,8 @@ def _write(
         update_leaves = tree.leaves_matching(spec, updates, "the updates", "the parameters")
         stepped = [p for p, u in zip(param_leaves, update_leaves) if u is not None]
     # scaled_by only where there is one: a link written to the four-argument form still steps
-    apply_in_place = link.update.apply_in_place  # type: ignore[attr-defined]
     scaling = {} if scaled_by is None else {"scaled_by": scaled_by}
-    if getattr(apply_in_place, "takes_accepted", False):  # what its checks accepted, for the next step
-        scaling["accepted"] = ours.accepted
-    link_state = apply_in_place(updates, state[k], params, alpha, **scaling)
+    link_state = link.update.apply_in_place(updates, state[k], params, alpha, **scaling)  # type: ignore[attr-defined]
     declined = link_state is None
     if declined:  # the link as the chain would run it, on the head's updates
         with ownership.giving_state(link.update):

@@ -82,10 +82,15 @@ def test_steps_on_what_the_checks_accepted_are_the_references_bit_for_bit(case):
 
 
 def a_count_written(opt, tensors, step):
-    """The first tensor's step count set back by someone else, in place."""
+    """The first tensor's step count set back by someone else, in place (a tensor of its state
+    scaled, for a rule without per-tensor counts)."""
     if step == 3:
-        count = next(name for name in opt.state[tensors[0]] if name.endswith("count"))
-        opt.state[tensors[0]][count].fill_(1)
+        names = list(opt.state[tensors[0]])
+        count = next((name for name in names if name.endswith("count")), None)
+        if count is not None:
+            opt.state[tensors[0]][count].fill_(1)
+        else:
+            opt.state[tensors[0]][names[-1]].mul_(4.0)
 
 
 def a_gradient_missing(opt, tensors, step):
@@ -104,8 +109,16 @@ EDITS = [a_count_written, a_gradient_missing, a_gradient_in_a_parameters_memory]
 @pytest.mark.parametrize("edit", EDITS)
 @pytest.mark.parametrize(
     "make",
-    [lambda: fb.ademamix(1e-2), lambda: fb.laprop(1e-2, weight_decay=0.1), lambda: fb.adopt(1e-2)],
-    ids=["ademamix", "laprop", "adopt"],
+    [
+        lambda: fb.ademamix(1e-2),
+        lambda: fb.laprop(1e-2, weight_decay=0.1),
+        lambda: fb.adopt(1e-2),
+        lambda: fb.prodigy(weight_decay=0.01),
+        lambda: fb.dadapt_adam(weight_decay=0.01, decouple=True),
+        lambda: fb.schedule_free_adamw(1e-2, weight_decay=0.01),
+        lambda: fb.schedule_free_sgd(1e-2),
+    ],
+    ids=["ademamix", "laprop", "adopt", "prodigy", "dadapt_adam", "schedule_free_adamw", "schedule_free_sgd"],
 )
 def test_a_change_of_what_the_checks_accepted_sends_the_step_through_them_again(make, edit):
     """Six steps, the inputs changed before the fourth (``edit``), of a group that keeps what

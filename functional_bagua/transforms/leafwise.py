@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import optree
 import torch
 
-from functional_bagua import checks, foreach, layout_context, ownership, tree
+from functional_bagua import accepted, checks, foreach, layout_context, ownership, tree
 from functional_bagua.accepted import AcceptedStep
 from functional_bagua.base import EmptyState, GradientTransformation, apply_updates_
 from functional_bagua.flat import Segment
@@ -138,15 +138,21 @@ def leafwise(
         the old one's tensors where its caller gave that up (:func:`~functional_bagua.foreach.updated`)."""
         del overwrite
         given = ownership.state_given_to(update)
-        return stepped(x, state, given, None)
+        records = (
+            accepted.records_now() if given and x.params_given and layout_context.active_layout() is None else None
+        )
+        if records is not None and name in records:
+            replayed = replay(records, x.spec, x.updates, x.params, state, None, None)
+            if replayed is not None:
+                return replayed
+        before = [_field_leaves(x.spec, state, f, name) for f in fields] if records is not None else []
+        updates, new_state = stepped(x, state, given, None)
+        if records is not None:
+            remember(records, x, [i for i, u in enumerate(x.updates) if u is not None], before, new_state)
+        return updates, new_state
 
     def apply_in_place(
-        updates: PyTree,
-        state: NamedTuple,
-        params: PyTree,
-        alpha: float,
-        scaled_by: Optional[float] = None,
-        accepted: Optional[dict] = None,
+        updates: PyTree, state: NamedTuple, params: PyTree, alpha: float, scaled_by: Optional[float] = None
     ) -> Optional[NamedTuple]:
         """``p <- p * scaled_by + alpha u`` written into ``params``: ``p.mul_(scaled_by)`` where
         given (a decoupled weight decay, first as the references decay), then ``write_leaf``, the
@@ -156,18 +162,21 @@ def leafwise(
         multiplication (the pure update's numbers to a rounding), and the rest are written.
         ``None``, nothing changed, where none can be (traced, a fused or segmented layout, not
         on the CPU), or for ``scaled_by`` given to a rule that reads the parameters (it would
-        read them scaled). ``accepted``: a dict the caller keeps for this step's next call
-        (:mod:`functional_bagua.accepted`): where every tensor was written, and the state with
-        it, what the checks accepted is kept there under the transform's name, and a next step
-        on the same tensors runs the rule on them unchecked."""
+        read them scaled). Within :func:`functional_bagua.accepted.kept_in` (``fb.Optimizer``'s
+        step), where every tensor was written, and the state with it, what the checks accepted
+        is kept, and a next step on the same tensors runs the rule on them unchecked (as
+        ``on_lists`` does for the pure update)."""
         if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
             return None
         if scaled_by is not None and needs_params:
             return None
-        if accepted is not None and name in accepted:
-            replayed = replay(accepted, updates, state, params, alpha, scaled_by)
+        records = accepted.records_now()
+        if records is not None and name in records:
+            param_leaves, spec = tree.flatten(params)
+            update_leaves = tree.leaves_matching(spec, updates, "grads", "params")
+            replayed = replay(records, spec, update_leaves, param_leaves, state, alpha, scaled_by)
             if replayed is not None:
-                return replayed
+                return replayed[1]
         x = LeafLists.of(
             updates, params, who=name, complex_ok=complex_ok, layout=layout, grouped=foreach.grouped_enabled()
         )
@@ -186,8 +195,8 @@ def leafwise(
             return None
         if len(written) == len(present):  # the usual case: every tensor
             new_state = stepped(x, state, True, alpha, scaled_by)[1]
-            if accepted is not None:
-                remember(accepted, x, present, state_leaves, new_state)
+            if records is not None:
+                remember(records, x, present, state_leaves, new_state)
             return new_state
         others, new_state = stepped(x, state, True, alpha, scaled_by, frozenset(written))
         if scaled_by is not None:
@@ -269,10 +278,11 @@ def leafwise(
                 new_fields[f][i] = value
         return updates, state_type(*(x.unflatten(column) for column in new_fields))
 
-    def remember(accepted: dict, x: LeafLists, present: list, state_leaves: list, new_state: NamedTuple) -> None:
-        """What the checks of a step on one group, every tensor written, accepted (``None``
-        kept where the step did not write its whole state in place)."""
-        accepted.pop(name, None)
+    def remember(records: dict, x: LeafLists, present: list, before: list, new_state: NamedTuple) -> None:
+        """What the checks of a step on one group, its state stepped in place, accepted (the
+        record dropped where the step did not step its whole state in place). ``before``: the
+        old state's leaves, per field."""
+        records.pop(name, None)
         if x.singles or x.groups != [present]:
             return
         after = [_field_leaves(x.spec, new_state, f, name) for f in fields]
@@ -281,24 +291,31 @@ def leafwise(
             [u is not None for u in x.updates],
             [x.updates[i] for i in present],
             [x.params[i] for i in present],
-            [[leaves[i] for i in present] for leaves in state_leaves],
+            [[leaves[i] for i in present] for leaves in before],
             new_state,
             [[leaves[i] for i in present] for leaves in after],
         )
         if record is not None:
-            accepted[name] = record
+            records[name] = record
 
     def replay(
-        accepted: dict, updates: PyTree, state: NamedTuple, params: PyTree, alpha: float, scaled_by: Optional[float]
-    ) -> Optional[NamedTuple]:
-        """``write_leaf`` on the tensors a step's checks accepted (``accepted[name]``), where
-        this step's inputs are those (:meth:`AcceptedStep.inputs`); ``None``, nothing changed
-        and the record dropped, where they are not (or the rule raised before writing anything)."""
-        assert write_leaf is not None  # apply_in_place
-        record = accepted[name]
-        inputs = record.inputs(updates, params, state) if foreach.grouped_enabled() else None
+        records: dict,
+        spec: Any,
+        update_leaves: list,
+        param_leaves: list,
+        state: NamedTuple,
+        alpha: Optional[float],
+        scaled_by: Optional[float],
+    ) -> Optional[tuple]:
+        """The step on the tensors a step's checks accepted (``records[name]``), where this
+        step's inputs are those (:meth:`AcceptedStep.inputs`): ``update_leaf``'s updates (a
+        list) and the new state, or with ``alpha``, ``write_leaf``'s step written into the
+        parameters, no updates. ``None``, nothing changed and the record dropped, where the
+        inputs are not those (or the rule raised before writing anything)."""
+        record = records[name]
+        inputs = record.inputs(spec, update_leaves, param_leaves, state)
         if inputs is None:
-            del accepted[name]
+            del records[name]
             return None
         grads, stepped_params = inputs
         if scaled_by is not None:
@@ -307,21 +324,26 @@ def leafwise(
         given = [
             _as_given(column, shared, overwrites, record.dtype) for column, shared in zip(record.columns, record.shared)
         ]
+        g: Any = foreach.Leaves(grads, plain=record.dtype)  # the rule's tensors, grouped
+        p: Any = foreach.Leaves(stepped_params, plain=record.dtype)
         try:
-            new = write_leaf(
-                foreach.Leaves(grads, plain=record.dtype),
-                state_type(*given),
-                foreach.Leaves(stepped_params, plain=record.dtype),
-                alpha,
-            )
+            if alpha is None:
+                u, new = update_leaf(g, state_type(*given), p)
+            else:
+                assert write_leaf is not None  # apply_in_place
+                u, new = None, write_leaf(g, state_type(*given), p, alpha)
         except Exception as error:
-            del accepted[name]
+            del records[name]
             if not overwrites and scaled_by is None:
                 return None  # nothing written: the checked step, which raises what it raises
             raise RuntimeError(
                 f"{name}: the rule raised {type(error).__name__} after writing into the state or the parameters; "
                 "the step is part-made"
             ) from error
+        updates: Optional[list] = None
+        if alpha is None:  # each in its gradient's dtype, as the checked step places them
+            updates = [None] * len(update_leaves)
+            _place(foreach._as_lists(u, len(grads)), record.present, updates, update_leaves, updates_of=name)
         in_place = True
         for column, shared, before, value in zip(record.columns, record.shared, given, new):
             if column is None:
@@ -334,13 +356,13 @@ def leafwise(
                 in_place = False
         if in_place:
             record.note_versions()
-            return state
-        del accepted[name]  # the rule stepped a field into new tensors: the state made anew
-        return state_of_fields(record, state, new)
+            return updates, state
+        del records[name]  # the rule stepped a field into new tensors: the state made anew
+        return updates, state_of_fields(record, state, new)
 
     def state_of_fields(record: AcceptedStep, state: NamedTuple, new: Any) -> NamedTuple:
         """The state with each field's values at the leaves with a gradient from ``new``."""
-        present = [i for i, g in enumerate(record.given) if g]
+        present = record.present
         out = []
         for f, value in zip(fields, new):
             leaves = _field_leaves(record.spec, state, f, name)
@@ -363,7 +385,6 @@ def leafwise(
         update.needs_params = needs_params  # type: ignore[attr-defined]
         if write_leaf is not None:
             update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
-            apply_in_place.takes_accepted = True  # type: ignore[attr-defined]  # fb.Optimizer passes it
     return GradientTransformation(init, update)
 
 

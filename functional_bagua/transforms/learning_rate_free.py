@@ -38,7 +38,8 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from functional_bagua import checks, foreach, layout_context, ownership, tree
+from functional_bagua import accepted, checks, foreach, layout_context, ownership, tree
+from functional_bagua.accepted import AcceptedStep
 from functional_bagua.base import GradientTransformation
 from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, eager_numbers, is_number, number_now, zero_count
 from functional_bagua.tree import PyTree
@@ -184,19 +185,79 @@ def _update_of(name: str, shaped: Callable[[Any], PyTree], lr: Scalar, run: Call
     def apply_in_place(
         grads: PyTree, state: Any, params: PyTree, alpha: float, scaled_by: Optional[float] = None
     ) -> Optional[Any]:
-        if scaled_by is not None:
-            return None  # its own decay only
-        g_leaves, p_leaves, spec = checked(grads, state, params)
-        moments = (_leaves(spec, x) for x in (state.mu, state.nu, state.s))
-        if not _writes_in_place(lr, g_leaves, p_leaves, *moments):
-            return None
+        if scaled_by is not None or not (is_number(lr) and lr > 0):
+            return None  # its own decay only; the references skip a step at lr 0
+        records = accepted.records_now()
+        leaves = _accepted_leaves(records, name, grads, state, params)
+        if leaves is None:  # the checks (and where they pass, a record of what they accepted)
+            g_leaves, p_leaves, spec = checked(grads, state, params)
+            moments = [_leaves(spec, x) for x in (state.mu, state.nu, state.s)]
+            if not _writes_in_place(lr, g_leaves, p_leaves, *moments):
+                return None
+        else:
+            g_leaves, p_leaves, spec = leaves
         with ownership.giving_state(update):
-            return run(g_leaves, p_leaves, spec, state, alpha)[1]
+            new_state = run(g_leaves, p_leaves, spec, state, alpha)[1]
+        if records is not None:
+            _remember(records, name, spec, g_leaves, p_leaves, moments if leaves is None else None, new_state)
+        return new_state
 
     update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
     update.needs_params = True  # type: ignore[attr-defined]  # a chain passes them on
     update.takes_a_step = name  # type: ignore[attr-defined]  # its updates hold the step size (direction.py)
     return update
+
+
+def _accepted_leaves(
+    records: Optional[dict], name: str, grads: PyTree, state: Any, params: PyTree
+) -> Optional[tuple[list, list, Any]]:
+    """The leaves of ``grads`` and ``params`` and the state's structure, where the last step's
+    checks accepted these inputs (``records[name]``, :meth:`AcceptedStep.inputs`: the state the
+    step returned, its moments stepped in place); else ``None``, the record dropped."""
+    record = records.get(name) if records is not None else None
+    if record is None:
+        return None
+    layout_context.refuse_on_shards(name, "its step size d sums over every coordinate of every tensor")
+    spec = record.spec
+    g_leaves = tree.leaves_up_to(spec, grads, "the gradients", "the parameters")
+    p_leaves = tree.leaves_up_to(spec, params, "the parameters", "the state")
+    if record.inputs(spec, g_leaves, p_leaves, state) is None:
+        del records[name]  # type: ignore[union-attr]
+        return None
+    return g_leaves, p_leaves, spec
+
+
+def _remember(
+    records: dict, name: str, spec: Any, g_leaves: list, p_leaves: list, moments: Optional[list], new_state: Any
+) -> None:
+    """What the checks of a step written into the parameters accepted (``moments``: the old
+    moments' leaves, after the checks), or where the step ran on a record (``moments`` ``None``),
+    the record kept for the new state where the step stepped the same moments in place; none
+    kept where it did not step them in place."""
+    present = [i for i, g in enumerate(g_leaves) if g is not None]
+    after = [_leaves(spec, x) for x in (new_state.mu, new_state.nu, new_state.s)]
+    if moments is None:
+        record = records.pop(name)
+        kept = all(
+            a is b
+            for column, leaves in zip(record.columns, after)
+            for a, b in zip(column, (leaves[i] for i in present))
+        )
+        if kept:
+            record.state = new_state
+            records[name] = record
+        return
+    record = AcceptedStep.after(
+        spec,
+        [g is not None for g in g_leaves],
+        [g_leaves[i] for i in present],
+        [p_leaves[i] for i in present],
+        [[leaves[i] for i in present] for leaves in moments],
+        new_state,
+        [[leaves[i] for i in present] for leaves in after],
+    )
+    if record is not None:
+        records[name] = record
 
 
 def _leaves(spec: Any, field: PyTree) -> list[Any]:

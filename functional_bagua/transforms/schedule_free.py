@@ -43,7 +43,8 @@ from typing import Any, NamedTuple, Optional, Union
 import optree
 import torch
 
-from functional_bagua import foreach, ownership, tree
+from functional_bagua import accepted, foreach, ownership, tree
+from functional_bagua.accepted import AcceptedStep
 from functional_bagua.base import GradientTransformation, apply_updates_, chain
 from functional_bagua.foreach import updated
 from functional_bagua.hyperparams import accepts_schedules
@@ -197,6 +198,14 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
             return None
         d_leaves, spec = tree.flatten(d)
         ys = tree.leaves_matching(spec, params, "updates", "params")
+        records = accepted.records_now()
+        inputs = _accepted_inputs(records, spec, d_leaves, ys, state.z)
+        if inputs is not None:  # what the checks accepted at the last step: y and z written as then
+            picked_ds, picked_ys, picked_zs = inputs
+            torch._foreach_lerp_(picked_ys, picked_zs, c)
+            torch._foreach_add_(picked_ys, picked_ds, alpha=along)
+            torch._foreach_add_(picked_zs, picked_ds, alpha=minus_lr)
+            return ScheduleFreeState(count, lr_max, weight_sum, state.z, b1_now)
         zs = tree.leaves_matching(spec, state.z, "updates", "the state's z")
         present = [i for i, g in enumerate(d_leaves) if g is not None]
         written = foreach.writable_part(
@@ -218,6 +227,11 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         torch._foreach_lerp_(picked_ys, picked_zs, c)
         torch._foreach_add_(picked_ys, picked_ds, alpha=along)
         torch._foreach_add_(picked_zs, picked_ds, alpha=minus_lr)
+        if records is not None and len(written) == len(present):  # every tensor: kept for the next step
+            given = [g is not None for g in d_leaves]
+            record = AcceptedStep.after(spec, given, picked_ds, picked_ys, [picked_zs], z, [picked_zs])
+            if record is not None:
+                records[_RECORD] = record
         return ScheduleFreeState(count, lr_max, weight_sum, z, b1_now)
 
     update.apply_in_place = apply_in_place  # type: ignore[attr-defined]
@@ -352,3 +366,20 @@ def _weight(weight: torch.Tensor) -> Any:
     if torch.compiler.is_compiling():
         return weight
     return float(weight)
+
+
+_RECORD = "schedule_free"  # the name its step keeps what its checks accepted under (functional_bagua.accepted)
+
+
+def _accepted_inputs(records: Optional[dict], spec: Any, d_leaves: list, ys: list, z: Any) -> Optional[tuple]:
+    """The updates, parameters and ``z`` tensors of the leaves with an update, where the last
+    step's checks accepted these (``records[_RECORD]``, :meth:`AcceptedStep.inputs`; ``z`` the
+    tree that step stepped); else ``None``, the record dropped."""
+    record = records.get(_RECORD) if records is not None else None
+    if record is None:
+        return None
+    inputs = record.inputs(spec, d_leaves, ys, z)
+    if inputs is None:
+        del records[_RECORD]  # type: ignore[union-attr]
+        return None
+    return (*inputs, record.columns[0])
