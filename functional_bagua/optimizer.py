@@ -1017,6 +1017,8 @@ def _as_shown(value: Any) -> Any:
 def _differs(held: Any, was: Any) -> bool:
     """Whether a group's value is not the one its transform runs with: another number, or another
     tensor object (a tensor changed in place is the same tensor, which the transform reads)."""
+    if held is was:  # the usual case: the very number (or tensor) it runs with
+        return False
     if isinstance(held, (tuple, list)) and isinstance(was, tuple):
         return len(held) != len(was) or any(_differs(h, w) for h, w in zip(held, was))
     if isinstance(held, torch.Tensor) or isinstance(was, torch.Tensor):
