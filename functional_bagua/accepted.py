@@ -13,13 +13,14 @@ costs more than the step's own arithmetic. Where such a step stepped its whole s
 - where each parameter and state tensor starts in memory;
 - the state the step returned (the same tensors, stepped in place), and the version counters of
   its per-tensor scalars (step counts), which the step reads as one value while they hold the
-  same bits.
+  same bits (a step whose state holds other 0-dim tensors keeps no record).
 
 :meth:`AcceptedStep.inputs` gives the next step's gradients and parameters where they match, in a
 few passes of attribute reads. Anything else (a gradient of a new shape or dtype, a parameter
 moved or cast by ``p.data = ...``, a gradient that starts where a parameter or a state tensor
-does, the state replaced, a count written by anyone else) gives ``None``: the step then runs its
-checks again, and raises what they raise.
+does, the state replaced, a count written in place by anyone else) gives ``None``: the step then
+runs its checks again, and raises what they raise. A count written through its ``.data`` is not
+seen: ``.data`` has a version counter of its own, as autograd does not see such writes either.
 
 ``fb.Optimizer`` gives each group a dict for the records, around its step (:func:`kept_in`);
 a step finds it with :func:`records_now`, and keeps its record there under its transform's name.
@@ -115,7 +116,11 @@ class AcceptedStep:
             if any(a is not b for a, b in zip(after, before)) or not all(isinstance(t, torch.Tensor) for t in before):
                 return None  # a field stepped into new tensors
             columns.append(list(before))
-            shared.append(all(t.dim() == 0 and t.is_cpu and not t.requires_grad for t in before))
+            shared.append(all(t.dim() == 0 for t in before))
+            if not shared[-1] and any(t.dim() == 0 for t in before):
+                return None  # 0-dim state beside tensors
+            if shared[-1] and isinstance(foreach._shared_or_leaves(list(before)), foreach.Leaves):
+                return None  # per-tensor scalars the step took one by one (they differ, or are float32)
             if not shared[-1]:
                 tensors.extend(before)
         if not all(_plain(t, dtype) for t in tensors):

@@ -389,6 +389,7 @@ class Optimizer(torch.optim.Optimizer):
         assert group.layout is not None
         where = group.layout.where[position]
         group.written.update({where[name]: tensor for name, tensor in changed.items()})
+        group.accepted.clear()  # the records hold the state replaced
 
     def _has_state(self) -> bool:
         """Whether the optimizer reads as one that has stepped (``bool(optimizer.state)``): every

@@ -9,6 +9,10 @@ groups, nothing recorded), or the checks' own error."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from typing import NamedTuple
+
 import pytest
 import torch
 from devices import seeded
@@ -183,3 +187,92 @@ def test_a_state_loaded_between_steps_is_stepped_as_loaded():
         runs.append([p.detach().clone() for p in tensors])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def stepped_both_ways(make, tensors_of, steps=8):
+    """``tensors_of()``'s parameters after ``steps`` of ``make()`` in fb.Optimizer, grouped (the
+    records kept) and one tensor at a time (none kept), on the same gradients (the parameters
+    times the step number)."""
+    runs = []
+    for per_tensor in (False, True):
+        tensors = tensors_of()
+        opt = fb.Optimizer(tensors, make())
+        for step in range(steps):
+            for p in tensors:
+                p.grad = p.detach() * (step + 1)
+            if per_tensor:
+                with foreach.per_tensor():
+                    opt.step()
+            else:
+                opt.step()
+        runs.append([p.detach().clone() for p in tensors])
+    return runs
+
+
+def bfloat16_vector():
+    return [torch.nn.Parameter(torch.randn(256, generator=seeded(2)).bfloat16())]
+
+
+def starting_together():
+    base = torch.randn(8, generator=seeded(4))
+    return [torch.nn.Parameter(base[:4]), torch.nn.Parameter(base.view(2, 4))]
+
+
+@pytest.mark.parametrize("tensors_of", [bfloat16_vector, starting_together], ids=["bfloat16", "starting-together"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fb.laprop(1e-2, weight_decay=0.1),
+        lambda: fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True),
+        lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),
+    ],
+    ids=["laprop", "ademamix", "adopt"],
+)
+def test_what_the_pure_update_accepted_is_never_written_in_place(make, tensors_of):
+    """Parameters the step may not write in place (bfloat16; two starting at one address): the
+    pure update runs, and keeps a record of its own; the written step never replays on it (it
+    would write them in place): the per-tensor path's bits."""
+    for a, b in zip(*stepped_both_ways(make, tensors_of)):
+        assert torch.equal(a, b)
+
+
+class ScaledState(NamedTuple):
+    count: torch.Tensor
+    scale: torch.Tensor  # a 0-dim float32 constant per tensor, carried unchanged
+
+
+def test_per_tensor_0_dim_state_that_differs_is_never_taken_as_one_value():
+    """A rule whose state holds a 0-dim float32 value per tensor (``1 / numel``), carried as it
+    is: each tensor keeps its own and steps with it, ``p - lr t scale`` after ``t`` steps of
+    gradient 1 (a record taking the first tensor's value for all would move the second by 0.5)."""
+    rule = fb.leafwise(
+        ScaledState,
+        lambda p: ScaledState(torch.zeros((), dtype=torch.int64), torch.tensor(1.0 / p.numel())),
+        lambda g, s, p: (g * s.scale, ScaledState(s.count + 1, s.scale)),
+        name="scaled",
+    )
+    tensors = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(4))]
+    opt = fb.Optimizer(tensors, fb.chain(rule, fb.scale_by_learning_rate(1.0)))
+    for _ in range(3):
+        for p in tensors:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert [opt.state[p]["0/scale"].item() for p in tensors] == [0.5, 0.25]
+    assert torch.equal(tensors[0].detach(), torch.full((2,), 1 - 3 * 0.5))
+    assert torch.equal(tensors[1].detach(), torch.full((4,), 1 - 3 * 0.25))
+
+
+def test_a_state_tensor_replaced_through_optimizer_state_is_freed():
+    """``opt.state[p][name] = t`` (what trainers do to move the state): the tensor replaced is
+    not kept alive by what the group's last step accepted."""
+    tensors, targets = parameters(17)
+    opt = fb.Optimizer(tensors, fb.ademamix(1e-2))
+    for _ in range(2):
+        set_grads(tensors, targets)
+        opt.step()
+    name = next(k for k, v in opt.state[tensors[0]].items() if v.dim() > 0)
+    replaced = weakref.ref(opt.state[tensors[0]][name])
+    opt.state[tensors[0]][name] = torch.zeros_like(tensors[0])
+    opt.state_dict()  # the state made again with the new tensor
+    gc.collect()
+    assert replaced() is None

@@ -104,6 +104,11 @@ def leafwise(
     complex_ok = not (per_tensor or sparse_gradients)
     layout = torch.sparse_coo if sparse_gradients else torch.strided
 
+    # where a step keeps what its checks accepted (functional_bagua.accepted): the step written
+    # into the parameters and the pure update each their own (the pure one takes tensors the
+    # written one may not write: a bfloat16 parameter, parameters starting together)
+    written_key, updated_key = (name, "written"), (name, "updated")
+
     def init(params: PyTree) -> NamedTuple:
         if sparse_gradients:
             layout_context.refuse_inside_fuse(name, "its sparse gradients have no flat buffer")
@@ -141,14 +146,15 @@ def leafwise(
         records = (
             accepted.records_now() if given and x.params_given and layout_context.active_layout() is None else None
         )
-        if records is not None and name in records:
-            replayed = replay(records, x.spec, x.updates, x.params, state, None, None)
+        if records is not None and updated_key in records:
+            replayed = replay(records, updated_key, x.spec, x.updates, x.params, state, None, None)
             if replayed is not None:
                 return replayed
         before = [_field_leaves(x.spec, state, f, name) for f in fields] if records is not None else []
         updates, new_state = stepped(x, state, given, None)
         if records is not None:
-            remember(records, x, [i for i, u in enumerate(x.updates) if u is not None], before, new_state)
+            present = [i for i, u in enumerate(x.updates) if u is not None]
+            remember(records, updated_key, x, present, before, new_state)
         return updates, new_state
 
     def apply_in_place(
@@ -165,16 +171,17 @@ def leafwise(
         read them scaled). Within :func:`functional_bagua.accepted.kept_in` (``fb.Optimizer``'s
         step), where every tensor was written, and the state with it, what the checks accepted
         is kept, and a next step on the same tensors runs the rule on them unchecked (as
-        ``on_lists`` does for the pure update)."""
+        ``on_lists`` does for the pure update, in a record of its own: the pure update takes
+        tensors this step does not write)."""
         if torch.compiler.is_compiling() or layout_context.active_layout() is not None:
             return None
         if scaled_by is not None and needs_params:
             return None
         records = accepted.records_now()
-        if records is not None and name in records:
+        if records is not None and written_key in records:
             param_leaves, spec = tree.flatten(params)
             update_leaves = tree.leaves_matching(spec, updates, "grads", "params")
-            replayed = replay(records, spec, update_leaves, param_leaves, state, alpha, scaled_by)
+            replayed = replay(records, written_key, spec, update_leaves, param_leaves, state, alpha, scaled_by)
             if replayed is not None:
                 return replayed[1]
         x = LeafLists.of(
@@ -196,7 +203,7 @@ def leafwise(
         if len(written) == len(present):  # the usual case: every tensor
             new_state = stepped(x, state, True, alpha, scaled_by)[1]
             if records is not None:
-                remember(records, x, present, state_leaves, new_state)
+                remember(records, written_key, x, present, state_leaves, new_state)
             return new_state
         others, new_state = stepped(x, state, True, alpha, scaled_by, frozenset(written))
         if scaled_by is not None:
@@ -278,11 +285,11 @@ def leafwise(
                 new_fields[f][i] = value
         return updates, state_type(*(x.unflatten(column) for column in new_fields))
 
-    def remember(records: dict, x: LeafLists, present: list, before: list, new_state: NamedTuple) -> None:
+    def remember(records: dict, key: tuple, x: LeafLists, present: list, before: list, new_state: NamedTuple) -> None:
         """What the checks of a step on one group, its state stepped in place, accepted (the
         record dropped where the step did not step its whole state in place). ``before``: the
-        old state's leaves, per field."""
-        records.pop(name, None)
+        old state's leaves, per field; ``key``: the record's (``written_key`` or ``updated_key``)."""
+        records.pop(key, None)
         if x.singles or x.groups != [present]:
             return
         after = [_field_leaves(x.spec, new_state, f, name) for f in fields]
@@ -296,10 +303,11 @@ def leafwise(
             [[leaves[i] for i in present] for leaves in after],
         )
         if record is not None:
-            records[name] = record
+            records[key] = record
 
     def replay(
         records: dict,
+        key: tuple,
         spec: Any,
         update_leaves: list,
         param_leaves: list,
@@ -307,15 +315,15 @@ def leafwise(
         alpha: Optional[float],
         scaled_by: Optional[float],
     ) -> Optional[tuple]:
-        """The step on the tensors a step's checks accepted (``records[name]``), where this
+        """The step on the tensors a step's checks accepted (``records[key]``), where this
         step's inputs are those (:meth:`AcceptedStep.inputs`): ``update_leaf``'s updates (a
         list) and the new state, or with ``alpha``, ``write_leaf``'s step written into the
         parameters, no updates. ``None``, nothing changed and the record dropped, where the
         inputs are not those (or the rule raised before writing anything)."""
-        record = records[name]
+        record = records[key]
         inputs = record.inputs(spec, update_leaves, param_leaves, state)
         if inputs is None:
-            del records[name]
+            del records[key]
             return None
         grads, stepped_params = inputs
         if scaled_by is not None:
@@ -333,7 +341,7 @@ def leafwise(
                 assert write_leaf is not None  # apply_in_place
                 u, new = None, write_leaf(g, state_type(*given), p, alpha)
         except Exception as error:
-            del records[name]
+            del records[key]
             if not overwrites and scaled_by is None:
                 return None  # nothing written: the checked step, which raises what it raises
             raise RuntimeError(
@@ -357,7 +365,7 @@ def leafwise(
         if in_place:
             record.note_versions()
             return updates, state
-        del records[name]  # the rule stepped a field into new tensors: the state made anew
+        del records[key]  # the rule stepped a field into new tensors: the state made anew
         return updates, state_of_fields(record, state, new)
 
     def state_of_fields(record: AcceptedStep, state: NamedTuple, new: Any) -> NamedTuple:

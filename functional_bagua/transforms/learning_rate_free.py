@@ -212,9 +212,9 @@ def _accepted_leaves(
     records: Optional[dict], name: str, grads: PyTree, state: Any, params: PyTree
 ) -> Optional[tuple[list, list, Any]]:
     """The leaves of ``grads`` and ``params`` and the state's structure, where the last step's
-    checks accepted these inputs (``records[name]``, :meth:`AcceptedStep.inputs`: the state the
+    checks accepted these inputs (``records[(name, "written")]``, :meth:`AcceptedStep.inputs`: the state the
     step returned, its moments stepped in place); else ``None``, the record dropped."""
-    record = records.get(name) if records is not None else None
+    record = records.get((name, "written")) if records is not None else None
     if record is None:
         return None
     layout_context.refuse_on_shards(name, "its step size d sums over every coordinate of every tensor")
@@ -222,7 +222,7 @@ def _accepted_leaves(
     g_leaves = tree.leaves_up_to(spec, grads, "the gradients", "the parameters")
     p_leaves = tree.leaves_up_to(spec, params, "the parameters", "the state")
     if record.inputs(spec, g_leaves, p_leaves, state) is None:
-        del records[name]  # type: ignore[union-attr]
+        del records[(name, "written")]  # type: ignore[union-attr]
         return None
     return g_leaves, p_leaves, spec
 
@@ -237,7 +237,7 @@ def _remember(
     present = [i for i, g in enumerate(g_leaves) if g is not None]
     after = [_leaves(spec, x) for x in (new_state.mu, new_state.nu, new_state.s)]
     if moments is None:
-        record = records.pop(name)
+        record = records.pop((name, "written"))
         kept = all(
             a is b
             for column, leaves in zip(record.columns, after)
@@ -245,7 +245,7 @@ def _remember(
         )
         if kept:
             record.state = new_state
-            records[name] = record
+            records[(name, "written")] = record
         return
     record = AcceptedStep.after(
         spec,
@@ -257,7 +257,7 @@ def _remember(
         [[leaves[i] for i in present] for leaves in after],
     )
     if record is not None:
-        records[name] = record
+        records[(name, "written")] = record
 
 
 def _leaves(spec: Any, field: PyTree) -> list[Any]:

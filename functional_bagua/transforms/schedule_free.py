@@ -368,7 +368,9 @@ def _weight(weight: torch.Tensor) -> Any:
     return float(weight)
 
 
-_RECORD = "schedule_free"  # the name its step keeps what its checks accepted under (functional_bagua.accepted)
+# where its y and z step keeps what its checks accepted (functional_bagua.accepted); its inner
+# z step is a leafwise rule named "schedule_free" too, with keys of its own
+_RECORD = ("schedule_free", "y and z written")
 
 
 def _accepted_inputs(records: Optional[dict], spec: Any, d_leaves: list, ys: list, z: Any) -> Optional[tuple]:
