@@ -7,8 +7,8 @@ run, with torch's AdamW (foreach) for scale.
     python benchmarks/first_order.py --device cuda --config many --profile fb.Optimizer   # where the time goes
 
 Per optimizer, on the same parameters (``--config``: ``mlp``, 8 layers of 512 x 512 and their
-biases, 2.1M float32 elements in 16 tensors; ``many``, 200 matrices of 50 x 100, 1M elements)
-and gradients:
+biases, 2.1M float32 elements in 16 tensors; ``many``, 200 matrices of 50 x 100, 1M elements;
+``tiny``, 16 one-element tensors: what a step costs beside its arithmetic) and gradients:
 
 - ``reference``: the package's ``step()`` (schedulefree, prodigyopt, dadaptation, torch-adopt,
   pytorch-optimizer), with its default flags (foreach where it defaults to it: schedulefree's
@@ -31,7 +31,10 @@ and gradients:
   avoid beside the references' in-place ops;
 - ``grouped minimum`` (ADOPT): the reference's own in-place operations, each one multi-tensor
   op over every tensor, and nothing else (no checks, Python numbers for every factor): the
-  ceiling of any grouped eager step.
+  ceiling of any grouped eager step;
+- with ``--scheduled``, ``reference, lr scheduled`` and ``fb.Optimizer, lr scheduled``: the
+  same steps, each followed by a ``LambdaLR`` step that changes the learning rate (timed with
+  it), as a training loop with a scheduler runs them.
 
 The median of ``--steps`` calls after 3 untimed ones, with its range, and its ratio to the
 reference's median in the same run.
@@ -102,7 +105,9 @@ def shapes_of(config: str) -> list[tuple[int, ...]]:
         return [s for _ in range(8) for s in ((512, 512), (512,))]
     if config == "many":
         return [(50, 100)] * 200
-    raise SystemExit(f"unknown config {config!r}: mlp or many")
+    if config == "tiny":
+        return [(1,)] * 16
+    raise SystemExit(f"unknown config {config!r}: mlp, many or tiny")
 
 
 def problem(config: str, device: str) -> tuple[dict, dict]:
@@ -166,7 +171,19 @@ def grouped_minimum(params: dict, grads: dict) -> Callable[[], object]:
     return adopt
 
 
-def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], object]]:
+def scheduled(optimizer: Any) -> Callable[[], object]:
+    """``optimizer``'s step and then a ``LambdaLR`` step, which changes its learning rate."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1 / (1 + 0.01 * t))
+
+    def step() -> object:
+        optimizer.step()
+        scheduler.step()
+        return None
+
+    return step
+
+
+def variants(name: str, params: dict, grads: dict, with_scheduler: bool = False) -> dict[str, Callable[[], object]]:
     """Each variant's step (module docstring), made on its own copy of the parameters."""
     make_reference, alias, kwargs = OPTIMIZERS[name]
 
@@ -177,6 +194,8 @@ def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], obj
     references = {"reference": make_reference}
     if name in FOR_LOOP_REFERENCES:
         references["reference for-loop"] = functools.partial(make_reference, foreach=False)
+    if with_scheduler:
+        references["reference, lr scheduled"] = make_reference
     try:
         for variant, make in references.items():
             tensors = [torch.nn.Parameter(p.clone()) for p in params.values()]
@@ -185,15 +204,16 @@ def variants(name: str, params: dict, grads: dict) -> dict[str, Callable[[], obj
             ref = make(tensors)
             if hasattr(ref, "train"):
                 ref.train()
-            out[variant] = ref.step
+            out[variant] = scheduled(ref) if variant.endswith("scheduled") else ref.step
     except ImportError as missing:
         print(f"# {name}: reference not installed ({missing.name}); ours only", file=sys.stderr)
-    for form in ("fb.Optimizer", "fb.Optimizer factory"):
+    forms = ("fb.Optimizer", "fb.Optimizer factory", "fb.Optimizer, lr scheduled")
+    for form in forms if with_scheduler else forms[:2]:
         ours = [torch.nn.Parameter(p.clone()) for p in params.values()]
         for t, g in zip(ours, grads.values()):
             t.grad = g.clone()
-        opt = fb.Optimizer(ours, make_tx()) if form == "fb.Optimizer" else fb.Optimizer(ours, alias, **kwargs)
-        out[form] = opt.step
+        opt = fb.Optimizer(ours, alias, **kwargs) if form == "fb.Optimizer factory" else fb.Optimizer(ours, make_tx())
+        out[form] = scheduled(opt) if form.endswith("scheduled") else opt.step
     layout = fb.FlatLayout.of(params)
     for kernel in ("eager", "compiled"):
         flat, flat_grads = layout.flatten({k: v.clone() for k, v in params.items()}), layout.flatten(grads)
@@ -225,11 +245,12 @@ def top_operators(step: Callable[[], object], device: str, rows: int = 15) -> st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--config", default="mlp", help="mlp or many")
+    parser.add_argument("--config", default="mlp", help="mlp, many or tiny")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--skip", default="", help="comma-separated variants not to run, e.g. 'fuse_inplace compiled'")
+    parser.add_argument("--scheduled", action="store_true", help="also time the steps with an lr scheduler")
     parser.add_argument("--json", default="")
     parser.add_argument("--record", action="store_true", help="keep the table in benchmarks/results/ for the docs")
     parser.add_argument(
@@ -246,7 +267,7 @@ def main() -> None:
     skipped = {s.strip() for s in args.skip.split(",") if s.strip()}
     rows = []
     for name in args.optimizers.split(","):
-        steps = {k: v for k, v in variants(name, params, grads).items() if k not in skipped}
+        steps = {k: v for k, v in variants(name, params, grads, args.scheduled).items() if k not in skipped}
         medians = {}
         for variant, step in steps.items():
             first = first_call_s(step, args.device) if "compiled" in variant else None

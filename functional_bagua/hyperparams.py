@@ -141,12 +141,27 @@ def reading_tensors(
         **kwargs: its keyword arguments.
     """
     factory(*args, **kwargs)  # raises now for invalid values, as the factory does
+    keeps_structure: dict[tuple, bool] = {}  # per kind of values read as numbers (_numbers_now)
 
-    def built_now() -> GradientTransformation:
+    def built_now(like: Optional[PyTree] = None) -> GradientTransformation:
         """The transform an update runs now: the factory built from the tensors as they hold
         now. A caller may run it itself (``fb.Optimizer`` writes its chain's last link into
-        the parameters)."""
-        return built_with_checked_values(factory, *args, **kwargs)
+        the parameters). Given the tensors the state is for (``like``), eagerly, the values
+        held on the host are given to the factory as Python numbers, as the alias built with
+        them gets them (its rules then take their numbers' paths: fused factors, a step
+        written into the parameters, the alias's bits), where the transform so built makes a
+        state of the structure the tensors' one does (checked once per kind of values, as
+        :func:`inject_hyperparams` checks it)."""
+        if like is None or torch.compiler.is_compiling():
+            return built_with_checked_values(factory, *args, **kwargs)
+        numbers, read = _numbers_now({**dict(enumerate(args)), **kwargs})
+        if not read:
+            return built_with_checked_values(factory, *args, **kwargs)
+        with_numbers = factory(*(numbers[i] for i in range(len(args))), **{k: numbers[k] for k in kwargs})
+        if read not in keeps_structure:
+            with_tensors = built_with_checked_values(factory, *args, **kwargs)
+            keeps_structure[read] = _same_state_structure(with_numbers, with_tensors, like)
+        return with_numbers if keeps_structure[read] else built_with_checked_values(factory, *args, **kwargs)
 
     def init(params: PyTree) -> Any:
         return built_now().init(params)

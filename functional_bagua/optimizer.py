@@ -800,7 +800,7 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         return False
     built_now = getattr(ours.tx.update, "built_now", None)
     if built_now is not None:  # an alias reading tensors (a number a scheduler changed): built from them now
-        tx = built_now()
+        tx = built_now(params)  # with the numbers the tensors hold now, as the alias built with them
         tail = _cached_tail(ours, tx)
         if tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new):
             return True

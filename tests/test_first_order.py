@@ -293,10 +293,11 @@ IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias b
 }
 
 
-def assert_written_as_the_reference(case, seed, clip=None):
+def assert_written_as_the_reference(case, seed, clip=None, lr_factor=None):
     """Six steps of ``fb.Optimizer`` over one tensor with the ``IN_PLACE[case]`` alias (behind
     ``clip`` in a chain, where given) and of its reference on the same gradients (clipped by
-    ``clip``): the same bits after each step."""
+    ``clip``; with ``lr_factor``, both learning rates set by a ``LambdaLR`` of it after each
+    step): the same bits after each step."""
     module, name, ref_kwargs, make = IN_PLACE[case]
     cls = reference_class(module, name, f"{module} is the reference: an optional test dependency")
     gen = seeded(seed)
@@ -311,12 +312,15 @@ def assert_written_as_the_reference(case, seed, clip=None):
         if isinstance(built, fb.GradientTransformation)
         else fb.Optimizer([ours], built[0], **built[1])
     )
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_factor) for o in (reference, opt)] if lr_factor else []
     for _ in range(6):
         ours.grad = ours.detach() - target  # |p - target|^2 / 2: the estimate d grows
         g = theirs.detach() - target
         theirs.grad = g if clip is None else clip.update({"g": g}, clip.init({"g": g}))[0]["g"]
         reference.step()
         opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
         assert torch.equal(ours.detach(), theirs.detach())
     assert not torch.equal(ours.detach(), start)
 
@@ -345,6 +349,16 @@ def test_after_clipping_in_a_chain_the_step_is_still_written_as_the_reference_wr
     ``fb.Optimizer`` clips, then writes the alias's step into the parameters as the reference
     does, bit for bit with the reference stepping on the same clipped gradient."""
     assert_written_as_the_reference(case, seed=9, clip=fb.clip_by_global_norm(1.0))
+
+
+@pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", list(IN_PLACE))
+def test_under_a_scheduler_the_step_is_still_written_as_the_reference_writes_it(case):
+    """A torch scheduler changing the learning rate after every step (the alias then reads the
+    group's tensors, the factory its held numbers): each step is still the reference's, bit for
+    bit, with the learning rate the scheduler gave both."""
+    assert_written_as_the_reference(case, seed=12, lr_factor=lambda t: 1 / (1 + 0.1 * t))
 
 
 @pytest.mark.filterwarnings("ignore")
