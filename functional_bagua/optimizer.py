@@ -87,7 +87,7 @@ stepped its whole state in place records there what its checks accepted, and its
 the same tensors skip them. An alias
 built with numbers reads tensors once a scheduler changed one (the group builds it again with
 them, :func:`~functional_bagua.hyperparams.reading_tensors`): each step then builds it from their
-values (``update.built_now``) and writes its step as above.
+values, read as Python numbers on the CPU (``update.built_now``), and writes its step as above.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
