@@ -19,8 +19,9 @@ costs more than the step's own arithmetic. Where such a step stepped its whole s
 few passes of attribute reads. Anything else (a gradient of a new shape or dtype, a parameter
 moved or cast by ``p.data = ...``, a gradient that starts where a parameter or a state tensor
 does, the state replaced, a count written in place by anyone else) gives ``None``: the step then
-runs its checks again, and raises what they raise. A count written through its ``.data`` is not
-seen: ``.data`` has a version counter of its own, as autograd does not see such writes either.
+runs its checks again, and raises what they raise. A count written where autograd's version
+counter does not see it (through its ``.data``, or its numpy view) is not seen, as autograd does
+not see it either; counts made under ``torch.inference_mode`` (no version counter) keep no record.
 
 ``fb.Optimizer`` gives each group a dict for the records, around its step (:func:`kept_in`);
 a step finds it with :func:`records_now`, and keeps its record there under its transform's name.
@@ -119,7 +120,10 @@ class AcceptedStep:
             shared.append(all(t.dim() == 0 for t in before))
             if not shared[-1] and any(t.dim() == 0 for t in before):
                 return None  # 0-dim state beside tensors
-            if shared[-1] and isinstance(foreach._shared_or_leaves(list(before)), foreach.Leaves):
+            if shared[-1] and (
+                any(t.is_inference() for t in before)  # no version counter to follow
+                or isinstance(foreach._shared_or_leaves(list(before), beside=grads), foreach.Leaves)
+            ):
                 return None  # per-tensor scalars the step took one by one (they differ, or are float32)
             if not shared[-1]:
                 tensors.extend(before)

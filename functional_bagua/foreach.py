@@ -886,7 +886,7 @@ def run_grouped(
         elif any(v is None for v in picked):  # some tensors without: one at a time
             return None
         else:
-            args.append(_shared_or_leaves(picked))
+            args.append(_shared_or_leaves(picked, beside=[columns[0][i] for i in indices] if c else None))
             if c in given and not isinstance(args[-1], Leaves):
                 scalars[c] = picked
     overwrites: list = []  # what updated() overwrote: then no falling back to one tensor at a time
@@ -929,10 +929,12 @@ def _unshared(args: list, given: Sequence[int], scalars: Optional[dict] = None) 
     return [c for c in tensors_of if not any(counts[a] > 1 or a in others for a in addresses[c])]
 
 
-def _shared_or_leaves(picked: list) -> Any:
-    """The column's one value when it holds equal 0-dim CPU tensors of an integer dtype or
-    float64 (step counts, and the float64 scalars some rules keep beside them, where every tensor
-    of the group stepped as often): the rule's scalar arithmetic on it then runs once for the
+def _shared_or_leaves(picked: list, beside: Optional[list] = None) -> Any:
+    """The column's one value when it holds equal 0-dim CPU tensors of an integer dtype (step
+    counts) or float64 (the float64 scalars some rules keep beside their tensors, where every
+    tensor of the group stepped as often) beside the tensors ``beside`` (the group's first
+    column: float64 only where none of them is 0-dim, else a 0-dim float64 moment of a 0-dim
+    parameter would be taken for one): the rule's scalar arithmetic on it then runs once for the
     group, with the values (so the bits) each tensor would have; else ``Leaves``."""
     first = picked[0]
     uniform = (
@@ -942,6 +944,8 @@ def _shared_or_leaves(picked: list) -> Any:
         and (first.dtype == torch.float64 or not (first.is_floating_point() or first.is_complex()))
         and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype for t in picked)
     )
+    if uniform and first.dtype == torch.float64:
+        uniform = beside is not None and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in beside)
     if uniform and (len(picked) == 1 or same_bits(picked)):
         return first
     return Leaves(picked)

@@ -9,6 +9,7 @@ groups, nothing recorded), or the checks' own error."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from typing import NamedTuple
@@ -276,3 +277,24 @@ def test_a_state_tensor_replaced_through_optimizer_state_is_freed():
     opt.state_dict()  # the state made again with the new tensor
     gc.collect()
     assert replaced() is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: fb.adam(1e-2), lambda: fb.ademamix(1e-2), lambda: fb.schedule_free_adamw(1e-2)],
+    ids=["adam", "ademamix", "schedule_free_adamw"],
+)
+def test_steps_under_inference_mode_are_the_steps_outside_it(make):
+    """``opt.step()`` under ``torch.inference_mode()`` (its state, made there, has no version
+    counters): it steps, keeping no record, to the bits of the same steps outside it."""
+    runs = []
+    for inference in (True, False):
+        tensors, targets = parameters(19)
+        opt = fb.Optimizer(tensors, make(), fused=False)
+        for _ in range(4):
+            set_grads(tensors, targets)
+            with torch.inference_mode() if inference else contextlib.nullcontext():
+                opt.step()
+        runs.append([p.detach().clone() for p in tensors])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

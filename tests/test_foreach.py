@@ -65,6 +65,36 @@ def test_every_alias_gives_the_same_bits_grouped_and_per_tensor(alias):
     assert_trees_equal(grouped, single)
 
 
+@pytest.mark.parametrize("alias", [*ALL_ALIASES, *NEWER_FIRST_ORDER], ids=lambda a: a.__name__)
+def test_moments_of_0_dim_float64_parameters_are_each_their_own(alias):
+    """A group of 0-dim float64 parameters only (learned scales in float64): their moments start
+    equal, but are per-tensor values, not one shared scalar (as a step count is): the grouped
+    path gives each tensor its own, the per-tensor path's bits (taken as one, each tensor's
+    ``g^2`` would be added into every second moment). Then ``fb.Optimizer``, which gives the
+    state up to be stepped in place, the same."""
+    if alias is fb.muon:
+        pytest.skip("muon takes matrices")
+    settings = RICH_SETTINGS.get(alias, NEWER_FIRST_ORDER.get(alias, {}))
+    params = {k: torch.tensor(v, dtype=torch.float64) for k, v in (("a", 0.3), ("b", -1.2), ("c", 0.7))}
+    steps = [
+        {k: torch.tensor(g * (t + 1), dtype=torch.float64) for k, g in zip("abc", (0.5, -1.5, 2.0))} for t in range(3)
+    ]
+    grouped, single = both_paths(alias(**settings), params, steps)
+    assert_trees_equal(grouped, single)
+    runs = []
+    for per_tensor in (False, True):
+        tensors = [torch.nn.Parameter(v.clone()) for v in params.values()]
+        opt = fb.Optimizer(tensors, alias(**settings), fused=False)
+        for step in steps:
+            for p, g in zip(tensors, step.values()):
+                p.grad = g.clone()
+            with foreach.per_tensor() if per_tensor else contextlib.nullcontext():
+                opt.step()
+        runs.append([p.detach().clone() for p in tensors])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     "alias", sorted(set(ALL_ALIASES) - REFUSE_COMPLEX, key=lambda a: a.__name__), ids=lambda a: a.__name__
 )
@@ -313,7 +343,7 @@ def as_on_a_gpu(monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(foreach, "_stacks_scalars", lambda device: True)
-        m.setattr(foreach, "_shared_or_leaves", lambda picked: foreach.Leaves(picked))
+        m.setattr(foreach, "_shared_or_leaves", lambda picked, beside=None: foreach.Leaves(picked))
         m.setattr(foreach, "_on_stacked_scalars", counted)
         yield stacked_ops
 
