@@ -160,7 +160,7 @@ def reading_tensors(
         with_numbers = factory(*(numbers[i] for i in range(len(args))), **{k: numbers[k] for k in kwargs})
         if read not in keeps_structure:
             with_tensors = built_with_checked_values(factory, *args, **kwargs)
-            keeps_structure[read] = _same_state_structure(with_numbers, with_tensors, like)
+            keeps_structure[read] = same_state_structure(with_numbers, with_tensors, like)
         return with_numbers if keeps_structure[read] else built_with_checked_values(factory, *args, **kwargs)
 
     def init(params: PyTree) -> Any:
@@ -336,7 +336,7 @@ def inject_hyperparams(
             transform so built makes a state of another structure than the one built with
             tensors (a factory may build none for the number 0, say no momentum buffer), the
             tensors. That is checked once per set of values read and of their kinds (0, the
-            sign, infinite, 1 or more: :func:`_kind`), on meta tensors: a factory whose
+            sign, infinite, 1 or more: :func:`number_kind`), on meta tensors: a factory whose
             state's structure depends on a value otherwise is assumed not to exist."""
             hyperparams = tensors_at(state.count, state.hyperparams)
             numbers, read = _numbers_now(hyperparams)
@@ -346,7 +346,7 @@ def inject_hyperparams(
                 inner = rebuilt(hyperparams)
                 if read and read not in keeps_structure:
                     with_numbers = built_with_numbers(numbers)
-                    keeps_structure[read] = _same_state_structure(with_numbers, inner, like)
+                    keeps_structure[read] = same_state_structure(with_numbers, inner, like)
                     inner = with_numbers if keeps_structure[read] else inner
             return inner, lambda inner_state: InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
@@ -364,7 +364,7 @@ def _numbers_now(hyperparams: dict) -> tuple[dict, tuple]:
     """``hyperparams`` with each value held in a 0-dim float tensor that can be read now
     (:func:`~functional_bagua.numerics.readable_now`: on the CPU, eagerly, not differentiated
     through) as a Python number; and, for each value so read, its name, position and
-    :func:`_kind` (what a factory may build another structure for)."""
+    :func:`number_kind` (what a factory may build another structure for)."""
     if torch.compiler.is_compiling():
         return hyperparams, ()
     read: list = []
@@ -375,7 +375,7 @@ def _numbers_now(hyperparams: dict) -> tuple[dict, tuple]:
         if not readable_now(value):
             return value
         number = value.item()
-        read.append((name, position, _kind(number)))
+        read.append((name, position, number_kind(number)))
         return number
 
     out = {
@@ -385,7 +385,7 @@ def _numbers_now(hyperparams: dict) -> tuple[dict, tuple]:
     return out, tuple(read)
 
 
-def _kind(number: float) -> tuple:
+def number_kind(number: float) -> tuple:
     """What a factory may build another state structure for: a value of 0, its sign, an
     infinite one, one of 1 or more (the structure check holds for every value of one kind)."""
     return (number == 0, number > 0, math.isinf(number), abs(number) >= 1)
@@ -401,7 +401,7 @@ def _exactly(value: Any) -> Any:
     return value
 
 
-def _same_state_structure(a: GradientTransformation, b: GradientTransformation, like: PyTree) -> bool:
+def same_state_structure(a: GradientTransformation, b: GradientTransformation, like: PyTree) -> bool:
     """Whether ``a`` and ``b`` make states of one structure, leaf shapes and dtypes for tensors
     like ``like``'s (made on the meta device: no memory); ``False`` where either cannot."""
 

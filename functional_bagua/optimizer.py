@@ -84,10 +84,14 @@ the learning rate, first; on the CPU, where their factors are numbers; a
 Around each group's step, the group's dict for what its checks accepted is kept
 (:func:`functional_bagua.accepted.kept_in`): a :func:`~functional_bagua.leafwise` rule that
 stepped its whole state in place records there what its checks accepted, and its next steps on
-the same tensors skip them. An alias
-built with numbers reads tensors once a scheduler changed one (the group builds it again with
-them, :func:`~functional_bagua.hyperparams.reading_tensors`): each step then builds it from their
-values, read as Python numbers on the CPU (``update.built_now``), and writes its step as above.
+the same tensors skip them. A transform
+built with numbers is built again with tensors once a scheduler changed one (a compiled step
+reads them as data); its eager step then runs the transform built with the group's numbers of
+that step, built with the check that validates them (also a chain of aliases; where the state's
+structure allows it, checked once per kind of numbers), and writes its step as above. An alias
+given a tensor (``lr=torch.tensor(...)``, :func:`~functional_bagua.hyperparams.reading_tensors`)
+is built each step from the values it holds, read as Python numbers on the CPU
+(``update.built_now``).
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
@@ -133,7 +137,7 @@ import torch
 from functional_bagua import accepted, checkpoint, kernels, ownership, tree
 from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates_, chain
-from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams
+from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams, number_kind, same_state_structure
 from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number, number_now
 from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
 from functional_bagua.transforms.schedule_free import (
@@ -196,6 +200,11 @@ class _Shown:
     found: Adjustable
     runs_with: dict[str, Any]  # the values the transform now runs with, as the group held them
     tensors: dict[str, Any] = dataclasses.field(default_factory=dict)  # what it was built again with
+    # built again with tensors: the transform built with the numbers they hold now (all numbers),
+    # which the eager step runs (_eager_transform), and per kind of numbers whether its state
+    # has the structure of the one built with tensors
+    eager: Optional[GradientTransformation] = None
+    eager_keeps: dict[tuple, bool] = dataclasses.field(default_factory=dict)
 
     def transform_now(self, built: GradientTransformation) -> GradientTransformation:
         """The transform reading this record's tensors (those it was built again with, and those
@@ -798,6 +807,14 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         return True
     if not isinstance(state, tuple):
         return False
+    eager = _eager_transform(ours, params)
+    if eager is not None:  # built again with tensors (a scheduler changed a number): the numbers' transform
+        tail = _cached_tail(ours, eager)
+        if tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new):
+            return True
+        updates, ours.state = ownership.update_giving_state(eager, grads, state, params)
+        apply_updates_(params, updates)
+        return True
     built_now = getattr(ours.tx.update, "built_now", None)
     if built_now is not None:  # an alias reading tensors (a number a scheduler changed): built from them now
         tx = built_now(params)  # with the numbers the tensors hold now, as the alias built with them
@@ -809,6 +826,30 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
         return True
     tail = _cached_tail(ours, ours.tx)
     return tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new)
+
+
+def _eager_transform(ours: _Group, like: dict) -> Optional[GradientTransformation]:
+    """Where the group's transform was built again with tensors (:func:`_follow_numbers`: a
+    scheduler changed a number), the transform built with the numbers they hold now, which its
+    eager step runs as the alias built with them runs (fused factors, a step written into the
+    parameters: the alias's bits, also inside a chain), where its state has the structure of
+    the one built with tensors (checked once per kind of numbers, on meta tensors like
+    ``like``); else ``None``."""
+    shown = ours.numbers
+    if shown is None or shown.eager is None:
+        return None
+    kinds = tuple((name, _kinds_of(value)) for name, value in shown.runs_with.items())
+    keeps = shown.eager_keeps.get(kinds)
+    if keeps is None:
+        keeps = shown.eager_keeps[kinds] = same_state_structure(shown.eager, ours.tx, like)
+    return shown.eager if keeps else None
+
+
+def _kinds_of(value: Any) -> Any:
+    """What a factory may build another state structure for, of a number (a tuple's each)."""
+    if isinstance(value, tuple):
+        return tuple(_kinds_of(v) for v in value)
+    return number_kind(value) if is_real_number(value) else type(value)
 
 
 def _cached_tail(ours: _Group, tx: GradientTransformation) -> Optional["_Tail"]:
@@ -1063,6 +1104,7 @@ def _follow_numbers(optimizer: Optimizer, i: int, force: Any = ()) -> None:
     for name in changed.keys() - set(fresh):
         _fill(name, tensors[name], now[name])
     shown.tensors, shown.runs_with, ours.tx = tensors, now, tx
+    shown.eager = checked if len(numbers_now) == len(now) else None  # the numbers' own transform
 
 
 def _check_kind(name: str, value: Any) -> None:

@@ -361,6 +361,18 @@ def test_under_a_scheduler_the_step_is_still_written_as_the_reference_writes_it(
     assert_written_as_the_reference(case, seed=12, lr_factor=lambda t: 1 / (1 + 0.1 * t))
 
 
+@pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only")
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", [case for case in IN_PLACE if not case.endswith("factory")])
+def test_clipped_and_scheduled_the_step_is_still_written_as_the_reference_writes_it(case):
+    """``fb.chain(fb.clip_by_global_norm(1.0), alias)`` under a scheduler (the usual recipe):
+    once the learning rate changed, the group runs the chain built with the numbers its tensors
+    hold, and the alias's step is still the reference's, bit for bit."""
+    assert_written_as_the_reference(
+        case, seed=13, clip=fb.clip_by_global_norm(1.0), lr_factor=lambda t: 1 / (1 + 0.1 * t)
+    )
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize(
     "make",
