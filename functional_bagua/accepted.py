@@ -4,8 +4,8 @@ them again.
 ``fb.Optimizer`` steps the same parameters, in a state it keeps, step after step. A step written
 into the parameters (a link's ``apply_in_place``) checks every time that the gradients match the
 parameters, that the state was made for them and that every tensor may be written in place
-(:func:`~functional_bagua.foreach.writable_part`), and groups them: on a few small tensors that
-costs more than the step's own arithmetic. Where such a step stepped its whole state in place, an
+(:func:`~functional_bagua.foreach.writable_part`), and groups them; a leafwise rule's pure update
+checks and groups the same: on a few small tensors that costs more than the step's own arithmetic. Where such a step stepped its whole state in place, an
 :class:`AcceptedStep` records what those checks accepted:
 
 - the parameters' tree structure and which of them had a gradient;
@@ -24,7 +24,8 @@ counter does not see it (through its ``.data``, or its numpy view) is not seen, 
 not see it either; counts made under ``torch.inference_mode`` (no version counter) keep no record.
 
 ``fb.Optimizer`` gives each group a dict for the records, around its step (:func:`kept_in`);
-a step finds it with :func:`records_now`, and keeps its record there under its transform's name.
+a step finds it with :func:`records_now`, and keeps its record there under a key of its own (its
+transform's name, and which of its steps: written into the parameters, or the pure update).
 
 Example::
 
@@ -197,7 +198,7 @@ _KEPT: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("function
 @contextlib.contextmanager
 def kept_in(records: dict) -> Iterator[None]:
     """Within: the eager steps that can keep what their checks accepted keep it in ``records``,
-    under their transform's name (``fb.Optimizer`` gives each group its dict, around its step).
+    under keys of their own (``fb.Optimizer`` gives each group its dict, around its step).
 
     Args:
         records: where to keep the records (and to find those of the previous step).
