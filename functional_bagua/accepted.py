@@ -192,6 +192,31 @@ class AcceptedStep:
         return [i for i, g in enumerate(self.given) if g]
 
 
+def kept_inputs(
+    records: Optional[dict], key: Any, spec: optree.PyTreeSpec, update_leaves: list, param_leaves: list, state: Any
+) -> Optional[tuple[AcceptedStep, list, list]]:
+    """The record kept under ``key`` and this step's gradients and parameters of the leaves with
+    a gradient, where the record accepts them (:meth:`AcceptedStep.inputs`); else ``None``, a
+    record that does not accept them dropped.
+
+    Args:
+        records: the step's records (:func:`records_now`), or ``None``.
+        key: the step's key in them.
+        spec: the parameters' tree structure.
+        update_leaves: the step's gradients, one per leaf (``None`` where there is none).
+        param_leaves: the parameters, one per leaf.
+        state: the state the step is given.
+    """
+    record = records.get(key) if records is not None else None
+    if record is None:
+        return None
+    inputs = record.inputs(spec, update_leaves, param_leaves, state)
+    if inputs is None:
+        del records[key]  # type: ignore[union-attr]
+        return None
+    return (record, *inputs)
+
+
 _KEPT: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("functional_bagua_accepted", default=None)
 
 

@@ -157,11 +157,15 @@ def reading_tensors(
         numbers, read = _numbers_now({**dict(enumerate(args)), **kwargs})
         if not read:
             return built_with_checked_values(factory, *args, **kwargs)
+        if keeps_structure.get(read) is False:
+            return built_with_checked_values(factory, *args, **kwargs)
         with_numbers = factory(*(numbers[i] for i in range(len(args))), **{k: numbers[k] for k in kwargs})
         if read not in keeps_structure:
             with_tensors = built_with_checked_values(factory, *args, **kwargs)
             keeps_structure[read] = same_state_structure(with_numbers, with_tensors, like)
-        return with_numbers if keeps_structure[read] else built_with_checked_values(factory, *args, **kwargs)
+            if not keeps_structure[read]:
+                return with_tensors
+        return with_numbers
 
     def init(params: PyTree) -> Any:
         return built_now().init(params)

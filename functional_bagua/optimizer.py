@@ -797,35 +797,38 @@ def _applied_by_its_last_link(ours: _Group, grads: dict, state: OptState, params
     step_parts = getattr(ours.tx.update, "step_parts", None)
     if step_parts is not None and isinstance(state, InjectHyperparamsState):
         tx, wrapped = step_parts(state, params)  # the chain built for this step (or kept)
-        tail = _cached_tail(ours, tx)
-        if tail is not None and _step_into(ours, tail, grads, state.inner_state, params, wrapped):
-            return True
-        # the built transform as inject_hyperparams runs it (not built again)
-        updates, inner_state = ownership.update_giving_state(tx, grads, state.inner_state, params)
-        ours.state = wrapped(inner_state)
-        apply_updates_(params, updates)
+        _step_built(ours, tx, grads, state.inner_state, params, wrapped)
         return True
     if not isinstance(state, tuple):
         return False
-    eager = _eager_transform(ours, params)
-    if eager is not None:  # built again with tensors (a scheduler changed a number): the numbers' transform
-        tail = _cached_tail(ours, eager)
-        if tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new):
-            return True
-        updates, ours.state = ownership.update_giving_state(eager, grads, state, params)
-        apply_updates_(params, updates)
-        return True
+    # built again with tensors (a scheduler changed a number): the numbers' transform; an alias
+    # reading tensors: built from them now, with the numbers they hold
     built_now = getattr(ours.tx.update, "built_now", None)
-    if built_now is not None:  # an alias reading tensors (a number a scheduler changed): built from them now
-        tx = built_now(params)  # with the numbers the tensors hold now, as the alias built with them
-        tail = _cached_tail(ours, tx)
-        if tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new):
-            return True
-        updates, ours.state = ownership.update_giving_state(tx, grads, state, params)  # not built again
-        apply_updates_(params, updates)
+    built = _eager_transform(ours, params) or (built_now(params) if built_now is not None else None)
+    if built is not None:
+        _step_built(ours, built, grads, state, params, lambda new: new)
         return True
     tail = _cached_tail(ours, ours.tx)
     return tail is not None and _step_into(ours, tail, grads, state, params, lambda new: new)
+
+
+def _step_built(
+    ours: _Group,
+    tx: GradientTransformation,
+    grads: dict,
+    state: tuple,
+    params: dict,
+    wrapped: Callable[[Any], OptState],
+) -> None:
+    """The step of ``tx``, a transform built for this step whose state ``state`` is: its end
+    written into the parameters where it can be (:func:`_step_into`), else ``tx`` as it is (not
+    built again), its updates added; the group's new state ``wrapped``."""
+    tail = _cached_tail(ours, tx)
+    if tail is not None and _step_into(ours, tail, grads, state, params, wrapped):
+        return
+    updates, new_state = ownership.update_giving_state(tx, grads, state, params)
+    ours.state = wrapped(new_state)
+    apply_updates_(params, updates)
 
 
 def _eager_transform(ours: _Group, like: dict) -> Optional[GradientTransformation]:

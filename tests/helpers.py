@@ -130,3 +130,69 @@ def errors_of(calls: dict) -> dict:
         except Exception as e:  # the test reads type and message
             out[name] = (type(e).__name__, str(e))
     return out
+
+
+# the aliases fb.Optimizer writes into the parameters as their references write them, each with
+# its reference: id -> (reference module, class, its keyword arguments, our alias built, or a
+# factory and its keyword arguments)
+IN_PLACE = {
+    "prodigy-decoupled": ("prodigyopt", "Prodigy", dict(weight_decay=0.01), lambda: fb.prodigy(weight_decay=0.01)),
+    "prodigy-no-momentum": ("prodigyopt", "Prodigy", dict(betas=(0.0, 0.99)), lambda: fb.prodigy(betas=(0.0, 0.99))),
+    "dadapt-adam-decoupled": (
+        "dadaptation",
+        "DAdaptAdam",
+        dict(weight_decay=0.01, decouple=True),
+        lambda: fb.dadapt_adam(weight_decay=0.01, decouple=True),
+    ),
+    "ademamix": ("pytorch_optimizer", "AdEMAMix", dict(lr=1e-2, foreach=False), lambda: fb.ademamix(1e-2)),
+    "laprop": ("pytorch_optimizer", "LaProp", dict(lr=1e-2, foreach=False), lambda: fb.laprop(1e-2)),
+    "laprop-decayed": (
+        "pytorch_optimizer",
+        "LaProp",
+        dict(lr=1e-2, weight_decay=0.1, foreach=False),
+        lambda: fb.laprop(1e-2, weight_decay=0.1),
+    ),
+    "ademamix-warmup": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, t_alpha_beta3=4, foreach=False),
+        lambda: fb.ademamix(1e-2, t_alpha_beta3=4),
+    ),
+    "ademamix-decoupled": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
+        lambda: fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True),
+    ),
+    "ademamix-decoupled-0": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, weight_decay=0.0, weight_decouple=True, foreach=False),
+        lambda: fb.ademamix(1e-2, weight_decay=0.0, weight_decouple=True),
+    ),
+    "ademamix-decoupled-factory": (
+        "pytorch_optimizer",
+        "AdEMAMix",
+        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
+        lambda: (fb.ademamix, dict(lr=1e-2, weight_decay=0.1, weight_decouple=True)),
+    ),
+    "adopt": ("adopt", "ADOPT", dict(lr=1e-2, foreach=False), lambda: fb.adopt(1e-2)),
+    "adopt-decoupled": (
+        "adopt",
+        "ADOPT",
+        dict(lr=1e-2, weight_decay=0.1, decouple=True, foreach=False),
+        lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),
+    ),
+    "adopt-decoupled-factory": (
+        "adopt",
+        "ADOPT",
+        dict(lr=1e-2, weight_decay=0.1, decouple=True, foreach=False),
+        lambda: (fb.adopt, dict(lr=1e-2, weight_decay=0.1, decouple=True)),
+    ),
+    "adopt-l2-factory": (
+        "adopt",
+        "ADOPT",
+        dict(lr=1e-2, weight_decay=0.1, foreach=False),
+        lambda: (fb.adopt, dict(lr=1e-2, weight_decay=0.1)),
+    ),
+}

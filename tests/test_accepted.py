@@ -17,6 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from devices import seeded
+from helpers import IN_PLACE
 
 import functional_bagua as fb
 from functional_bagua import foreach
@@ -27,28 +28,7 @@ pytestmark = [
 ]
 
 SHAPES = [(64, 32), (32,), (7, 3, 2)]
-REFERENCES = {  # id: (the reference's module, its class, its keyword arguments, our alias built)
-    "ademamix": ("pytorch_optimizer", "AdEMAMix", dict(lr=1e-2, foreach=False), lambda: fb.ademamix(1e-2)),
-    "ademamix-decoupled": (
-        "pytorch_optimizer",
-        "AdEMAMix",
-        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
-        lambda: fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True),
-    ),
-    "laprop": ("pytorch_optimizer", "LaProp", dict(lr=1e-2, foreach=False), lambda: fb.laprop(1e-2)),
-    "laprop-decayed": (
-        "pytorch_optimizer",
-        "LaProp",
-        dict(lr=1e-2, weight_decay=0.1, foreach=False),
-        lambda: fb.laprop(1e-2, weight_decay=0.1),
-    ),
-    "adopt-decoupled": (
-        "adopt",
-        "ADOPT",
-        dict(lr=1e-2, weight_decay=0.1, decouple=True, foreach=False),
-        lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),
-    ),
-}
+REFERENCES = ["ademamix", "ademamix-decoupled", "laprop", "laprop-decayed", "adopt-decoupled"]  # of IN_PLACE
 
 
 def parameters(seed):
@@ -63,12 +43,37 @@ def set_grads(tensors, targets):
         p.grad = p.detach() - target  # |p - target|^2 / 2
 
 
-@pytest.mark.parametrize("case", list(REFERENCES))
+def stepped(make, tensors, grads_at, steps, edit=None, around=contextlib.nullcontext, **optimizer_kwargs):
+    """``tensors`` after ``steps`` of ``fb.Optimizer(tensors, make(), **optimizer_kwargs)``:
+    each step's gradients set by ``grads_at(tensors, step)``, then ``edit(opt, tensors, step)``
+    where given, the step run inside ``around()``."""
+    opt = fb.Optimizer(tensors, make(), **optimizer_kwargs)
+    for step in range(steps):
+        grads_at(tensors, step)
+        if edit is not None:
+            edit(opt, tensors, step)
+        with around():
+            opt.step()
+    return [p.detach().clone() for p in tensors]
+
+
+def assert_same_bits(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def towards_targets(seed):
+    """:func:`parameters` and, for :func:`stepped`, their gradients towards their targets."""
+    tensors, targets = parameters(seed)
+    return tensors, lambda ts, step: set_grads(ts, targets)
+
+
+@pytest.mark.parametrize("case", REFERENCES)
 def test_steps_on_what_the_checks_accepted_are_the_references_bit_for_bit(case):
     """Eight steps over three tensors of one group, the learning rate lowered after the third
     (in both optimizers' groups, as a scheduler does): the reference's bits after every step;
     after the first step the group keeps what its checks accepted, and steps on it."""
-    module, name, ref_kwargs, make = REFERENCES[case]
+    module, name, ref_kwargs, make = IN_PLACE[case]
     package = pytest.importorskip(module, reason=f"{module} is the reference: an optional test dependency")
     ours, targets = parameters(3)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
@@ -109,6 +114,7 @@ def a_gradient_in_a_parameters_memory(opt, tensors, step):
 
 
 EDITS = [a_count_written, a_gradient_missing, a_gradient_in_a_parameters_memory]
+WAYS = (contextlib.nullcontext, foreach.per_tensor)  # grouped (records kept), one tensor at a time (none)
 
 
 @pytest.mark.parametrize("edit", EDITS)
@@ -130,21 +136,8 @@ def test_a_change_of_what_the_checks_accepted_sends_the_step_through_them_again(
     its checks accepted and of the same group stepped one tensor at a time (nothing kept): the
     same bits. A step that ran the rule on the record instead would use the other tensors'
     count for the one set back, or write a parameter through its own gradient."""
-    runs = []
-    for per_tensor in (False, True):
-        tensors, targets = parameters(7)
-        opt = fb.Optimizer(tensors, make())
-        for step in range(6):
-            set_grads(tensors, targets)
-            edit(opt, tensors, step)
-            if per_tensor:
-                with foreach.per_tensor():
-                    opt.step()
-            else:
-                opt.step()
-        runs.append([p.detach().clone() for p in tensors])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    grouped, per_tensor = (stepped(make, *towards_targets(7), 6, edit, around) for around in WAYS)
+    assert_same_bits(grouped, per_tensor)
 
 
 def test_a_parameter_of_a_new_shape_raises_the_checks_error():
@@ -172,13 +165,9 @@ def test_a_state_loaded_between_steps_is_stepped_as_loaded():
         for step in range(8):
             if step == 2:
                 saved = {"opt": opt.state_dict(), "params": [p.detach().clone() for p in tensors]}
-            if step == 4 and reload:
-                opt.load_state_dict(saved["opt"])
-                with torch.no_grad():
-                    for p, v in zip(tensors, saved["params"]):
-                        p.copy_(v)
-            if step == 4 and not reload:
-                opt = fb.Optimizer(tensors, fb.laprop(1e-2))
+            if step == 4:
+                if not reload:  # a fresh optimizer loads it
+                    opt = fb.Optimizer(tensors, fb.laprop(1e-2))
                 opt.load_state_dict(saved["opt"])
                 with torch.no_grad():
                     for p, v in zip(tensors, saved["params"]):
@@ -186,28 +175,13 @@ def test_a_state_loaded_between_steps_is_stepped_as_loaded():
             set_grads(tensors, targets)
             opt.step()
         runs.append([p.detach().clone() for p in tensors])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    assert_same_bits(*runs)
 
 
-def stepped_both_ways(make, tensors_of, steps=8):
-    """``tensors_of()``'s parameters after ``steps`` of ``make()`` in fb.Optimizer, grouped (the
-    records kept) and one tensor at a time (none kept), on the same gradients (the parameters
-    times the step number)."""
-    runs = []
-    for per_tensor in (False, True):
-        tensors = tensors_of()
-        opt = fb.Optimizer(tensors, make())
-        for step in range(steps):
-            for p in tensors:
-                p.grad = p.detach() * (step + 1)
-            if per_tensor:
-                with foreach.per_tensor():
-                    opt.step()
-            else:
-                opt.step()
-        runs.append([p.detach().clone() for p in tensors])
-    return runs
+def times_the_step(tensors, step):
+    """The gradients of :func:`stepped` as the parameters times the step number."""
+    for p in tensors:
+        p.grad = p.detach() * (step + 1)
 
 
 def bfloat16_vector():
@@ -233,8 +207,8 @@ def test_what_the_pure_update_accepted_is_never_written_in_place(make, tensors_o
     """Parameters the step may not write in place (bfloat16; two starting at one address): the
     pure update runs, and keeps a record of its own; the written step never replays on it (it
     would write them in place): the per-tensor path's bits."""
-    for a, b in zip(*stepped_both_ways(make, tensors_of)):
-        assert torch.equal(a, b)
+    grouped, per_tensor = (stepped(make, tensors_of(), times_the_step, 8, around=around) for around in WAYS)
+    assert_same_bits(grouped, per_tensor)
 
 
 class ScaledState(NamedTuple):
@@ -287,14 +261,8 @@ def test_a_state_tensor_replaced_through_optimizer_state_is_freed():
 def test_steps_under_inference_mode_are_the_steps_outside_it(make):
     """``opt.step()`` under ``torch.inference_mode()`` (its state, made there, has no version
     counters): it steps, keeping no record, to the bits of the same steps outside it."""
-    runs = []
-    for inference in (True, False):
-        tensors, targets = parameters(19)
-        opt = fb.Optimizer(tensors, make(), fused=False)
-        for _ in range(4):
-            set_grads(tensors, targets)
-            with torch.inference_mode() if inference else contextlib.nullcontext():
-                opt.step()
-        runs.append([p.detach().clone() for p in tensors])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    inside, outside = (
+        stepped(make, *towards_targets(19), 4, around=around, fused=False)
+        for around in (torch.inference_mode, contextlib.nullcontext)
+    )
+    assert_same_bits(inside, outside)

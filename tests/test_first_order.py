@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import seeded
-from helpers import assert_trees_close, run_steps, run_updates
+from helpers import IN_PLACE, assert_trees_close, run_steps, run_updates
 
 import functional_bagua as fb
 
@@ -228,69 +228,6 @@ def test_built_with_lr_0_nothing_moves_as_the_references_skip_a_group_at_lr_0(ca
     assert_trees_close(got, params, tol=0)
     assert int(state[1].count) == 0
     assert all(bool((m == 0).all()) for m in state[1].mu.values())
-
-
-IN_PLACE = {  # id: (reference module, class, its keyword arguments, our alias built)
-    "prodigy-decoupled": ("prodigyopt", "Prodigy", dict(weight_decay=0.01), lambda: fb.prodigy(weight_decay=0.01)),
-    "prodigy-no-momentum": ("prodigyopt", "Prodigy", dict(betas=(0.0, 0.99)), lambda: fb.prodigy(betas=(0.0, 0.99))),
-    "dadapt-adam-decoupled": (
-        "dadaptation",
-        "DAdaptAdam",
-        dict(weight_decay=0.01, decouple=True),
-        lambda: fb.dadapt_adam(weight_decay=0.01, decouple=True),
-    ),
-    "ademamix": ("pytorch_optimizer", "AdEMAMix", dict(lr=1e-2, foreach=False), lambda: fb.ademamix(1e-2)),
-    "laprop": ("pytorch_optimizer", "LaProp", dict(lr=1e-2, foreach=False), lambda: fb.laprop(1e-2)),
-    "laprop-decayed": (
-        "pytorch_optimizer",
-        "LaProp",
-        dict(lr=1e-2, weight_decay=0.1, foreach=False),
-        lambda: fb.laprop(1e-2, weight_decay=0.1),
-    ),
-    "ademamix-warmup": (
-        "pytorch_optimizer",
-        "AdEMAMix",
-        dict(lr=1e-2, t_alpha_beta3=4, foreach=False),
-        lambda: fb.ademamix(1e-2, t_alpha_beta3=4),
-    ),
-    "ademamix-decoupled": (
-        "pytorch_optimizer",
-        "AdEMAMix",
-        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
-        lambda: fb.ademamix(1e-2, weight_decay=0.1, weight_decouple=True),
-    ),
-    "ademamix-decoupled-0": (
-        "pytorch_optimizer",
-        "AdEMAMix",
-        dict(lr=1e-2, weight_decay=0.0, weight_decouple=True, foreach=False),
-        lambda: fb.ademamix(1e-2, weight_decay=0.0, weight_decouple=True),
-    ),
-    "ademamix-decoupled-factory": (
-        "pytorch_optimizer",
-        "AdEMAMix",
-        dict(lr=1e-2, weight_decay=0.1, weight_decouple=True, foreach=False),
-        lambda: (fb.ademamix, dict(lr=1e-2, weight_decay=0.1, weight_decouple=True)),
-    ),
-    "adopt": ("adopt", "ADOPT", dict(lr=1e-2, foreach=False), lambda: fb.adopt(1e-2)),
-    "adopt-decoupled": (
-        "adopt",
-        "ADOPT",
-        dict(lr=1e-2, weight_decay=0.1, decouple=True, foreach=False),
-        lambda: fb.adopt(1e-2, weight_decay=0.1, decouple=True),
-    ),
-    "adopt-decoupled-factory": (
-        "adopt",
-        "ADOPT",
-        dict(lr=1e-2, weight_decay=0.1, decouple=True, foreach=False),
-        lambda: (fb.adopt, dict(lr=1e-2, weight_decay=0.1, decouple=True)),
-    ),
-    "adopt-l2-factory": (
-        "adopt",
-        "ADOPT",
-        dict(lr=1e-2, weight_decay=0.1, foreach=False),
-        lambda: (fb.adopt, dict(lr=1e-2, weight_decay=0.1)),
-    ),
-}
 
 
 def assert_written_as_the_reference(case, seed, clip=None, lr_factor=None):

@@ -320,12 +320,10 @@ def leafwise(
         list) and the new state, or with ``alpha``, ``write_leaf``'s step written into the
         parameters, no updates. ``None``, nothing changed and the record dropped, where the
         inputs are not those (or the rule raised before writing anything)."""
-        record = records[key]
-        inputs = record.inputs(spec, update_leaves, param_leaves, state)
-        if inputs is None:
-            del records[key]
+        kept = accepted.kept_inputs(records, key, spec, update_leaves, param_leaves, state)
+        if kept is None:
             return None
-        grads, stepped_params = inputs
+        record, grads, stepped_params = kept
         if scaled_by is not None:
             torch._foreach_mul_(stepped_params, scaled_by)
         overwrites: list = []  # as foreach.run_grouped: the fields overwritten

@@ -212,8 +212,9 @@ def _accepted_leaves(
     records: Optional[dict], name: str, grads: PyTree, state: Any, params: PyTree
 ) -> Optional[tuple[list, list, Any]]:
     """The leaves of ``grads`` and ``params`` and the state's structure, where the last step's
-    checks accepted these inputs (``records[(name, "written")]``, :meth:`AcceptedStep.inputs`: the state the
-    step returned, its moments stepped in place); else ``None``, the record dropped."""
+    checks accepted these inputs (``records[(name, "written")]``,
+    :func:`~functional_bagua.accepted.kept_inputs`: the state the step returned, its moments
+    stepped in place); else ``None``."""
     record = records.get((name, "written")) if records is not None else None
     if record is None:
         return None
@@ -221,8 +222,7 @@ def _accepted_leaves(
     spec = record.spec
     g_leaves = tree.leaves_up_to(spec, grads, "the gradients", "the parameters")
     p_leaves = tree.leaves_up_to(spec, params, "the parameters", "the state")
-    if record.inputs(spec, g_leaves, p_leaves, state) is None:
-        del records[(name, "written")]  # type: ignore[union-attr]
+    if accepted.kept_inputs(records, (name, "written"), spec, g_leaves, p_leaves, state) is None:
         return None
     return g_leaves, p_leaves, spec
 

@@ -375,13 +375,7 @@ _RECORD = ("schedule_free", "y and z written")
 
 def _accepted_inputs(records: Optional[dict], spec: Any, d_leaves: list, ys: list, z: Any) -> Optional[tuple]:
     """The updates, parameters and ``z`` tensors of the leaves with an update, where the last
-    step's checks accepted these (``records[_RECORD]``, :meth:`AcceptedStep.inputs`; ``z`` the
-    tree that step stepped); else ``None``, the record dropped."""
-    record = records.get(_RECORD) if records is not None else None
-    if record is None:
-        return None
-    inputs = record.inputs(spec, d_leaves, ys, z)
-    if inputs is None:
-        del records[_RECORD]  # type: ignore[union-attr]
-        return None
-    return (*inputs, record.columns[0])
+    step's checks accepted these (``records[_RECORD]``, :func:`~functional_bagua.accepted.kept_inputs`;
+    ``z`` the tree that step stepped); else ``None``."""
+    kept = accepted.kept_inputs(records, _RECORD, spec, d_leaves, ys, z)
+    return None if kept is None else (kept[1], kept[2], kept[0].columns[0])
