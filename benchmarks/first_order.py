@@ -37,7 +37,12 @@ biases, 2.1M float32 elements in 16 tensors; ``many``, 200 matrices of 50 x 100,
   it), as a training loop with a scheduler runs them.
 
 The median of ``--steps`` calls after 3 untimed ones, with its range, and its ratio to the
-reference's median in the same run.
+reference's median in the same run. With ``--rounds N``, the variants take turns: each runs its
+``--steps`` calls in each of N rounds, on optimizers made afresh each round (the same gradients
+every step would grow Prodigy's and D-Adaptation's estimate past float32 in a few hundred
+steps; a compiled variant compiles again); the time is the median of all calls, the ratio the
+median of the rounds' ratios (each round's median against the reference's in that round), with
+their range: on a shared machine whose speed drifts, each ratio compares times taken together.
 """
 
 from __future__ import annotations
@@ -242,11 +247,22 @@ def top_operators(step: Callable[[], object], device: str, rows: int = 15) -> st
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
 
 
+def ratio_of_rounds(ours: list[float], reference: list[float]) -> str:
+    """The median of the rounds' ratios ``ours[r] / reference[r]``, with their range where there
+    are several rounds."""
+    ratios = sorted(a / b for a, b in zip(ours, reference))
+    median = statistics.median(ratios)
+    return f"{median:.2f}" if len(ratios) == 1 else f"{median:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--config", default="mlp", help="mlp, many or tiny")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="the variants in turn, this many rounds (module docstring)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--skip", default="", help="comma-separated variants not to run, e.g. 'fuse_inplace compiled'")
@@ -268,26 +284,34 @@ def main() -> None:
     rows = []
     for name in args.optimizers.split(","):
         steps = {k: v for k, v in variants(name, params, grads, args.scheduled).items() if k not in skipped}
+        firsts = {v: first_call_s(step, args.device) for v, step in steps.items() if "compiled" in v}
+        times: dict[str, list[float]] = {variant: [] for variant in steps}
+        per_round: dict[str, list[float]] = {variant: [] for variant in steps}
+        for r in range(args.rounds):  # the variants in turn, each round on fresh optimizers
+            if r > 0:
+                steps = {k: v for k, v in variants(name, params, grads, args.scheduled).items() if k not in skipped}
+            for variant, step in steps.items():
+                round_times = step_times_ms(step, args.device, args.steps)
+                times[variant] += round_times
+                per_round[variant].append(statistics.median(round_times))
         medians = {}
         for variant, step in steps.items():
-            first = first_call_s(step, args.device) if "compiled" in variant else None
-            times = step_times_ms(step, args.device, args.steps)
-            medians[variant] = statistics.median(times)
+            medians[variant] = statistics.median(times[variant])
             if variant in args.profile.split(","):
                 print(f"## {name}, {variant}: the operators of 5 steps\n{top_operators(step, args.device)}", flush=True)
             row = {
                 "optimizer": name,
                 "variant": variant,
-                "ms (range)": f"{medians[variant]:.3g} ({spread(times)})",
+                "ms (range)": f"{medians[variant]:.3g} ({spread(times[variant])})",
                 "ms": medians[variant],
             }
-            if first is not None:
-                row["first call s"] = round(first, 1)
+            if variant in firsts:
+                row["first call s"] = round(firsts[variant], 1)
             rows.append(row)
-        base = medians.get("reference")
-        for row in rows:
-            if row["optimizer"] == name and base:
-                row["x reference"] = f"{medians[row['variant']] / base:.2f}"
+        if "reference" in per_round:
+            for row in rows:
+                if row["optimizer"] == name:
+                    row["x reference"] = ratio_of_rounds(per_round[row["variant"]], per_round["reference"])
         print(
             table(
                 [r for r in rows if r["optimizer"] == name],
@@ -297,13 +321,16 @@ def main() -> None:
         )
     print(
         f"\n{machine(args.device)}; config {args.config} ({sum(p.numel() for p in params.values()) / 1e6:.2f}M "
-        f"float32 elements in {len(params)} tensors); {args.steps} steps; {allocator}"
+        f"float32 elements in {len(params)} tensors); {args.steps} steps x {args.rounds} rounds; {allocator}"
     )
     print(table(rows, ["optimizer", "variant", "ms (range)", "x reference", "first call s"]))
     write_json(args.json, {"machine": machine(args.device), "config": args.config, "rows": rows})
     if args.record:
         elements = sum(p.numel() for p in params.values()) / 1e6
-        title = f"config {args.config}: {elements:.2f}M float32 elements in {len(params)} tensors, {args.steps} steps"
+        title = (
+            f"config {args.config}: {elements:.2f}M float32 elements in {len(params)} tensors, "
+            f"{args.steps} steps x {args.rounds} rounds"
+        )
         columns = ["optimizer", "variant", "ms (range)", "x reference", "first call s"]
         chart = dict(value="ms", label=["optimizer", "variant"], log=True)
         record(f"first_order-{args.config}", args.device, [dict(title=title, columns=columns, rows=rows, chart=chart)])

@@ -23,6 +23,10 @@ runs its checks again, and raises what they raise. A count written where autogra
 counter does not see it (through its ``.data``, or its numpy view) is not seen, as autograd does
 not see it either; counts made under ``torch.inference_mode`` (no version counter) keep no record.
 
+A step on a record may run over slices of its tensors (:func:`in_cache_chunks`), one after the
+other, so that a slice's tensors stay in the processor's cache between its operations (each
+record holds its ``chunks``; a leafwise rule declared ``in_cache_chunks`` uses them).
+
 ``fb.Optimizer`` gives each group a dict for the records, around its step (:func:`kept_in`);
 a step finds it with :func:`records_now`, and keeps its record there under a key of its own (its
 transform's name, and which of its steps: written into the parameters, or the pure update).
@@ -48,6 +52,9 @@ from functional_bagua import foreach
 
 STRIDED = torch.strided
 
+#: The parameter bytes a replayed step runs its rule over at once (:func:`in_cache_chunks`).
+CHUNK_BYTES = 2 << 20
+
 
 @dataclasses.dataclass
 class AcceptedStep:
@@ -66,6 +73,8 @@ class AcceptedStep:
         state_starts: where each tensor of ``columns`` starts, in order.
         taken: where the parameters and the state's tensors start (no gradient may).
         versions: per field, its tensors' version counters after the step where ``shared``.
+        chunks: the slices of the leaves with a gradient that a replayed step runs its rule on
+            one after the other (:func:`in_cache_chunks`).
     """
 
     state: Any
@@ -79,6 +88,7 @@ class AcceptedStep:
     state_starts: list
     taken: frozenset
     versions: list
+    chunks: list
 
     @classmethod
     def after(
@@ -143,6 +153,7 @@ class AcceptedStep:
             state_starts,
             frozenset([*(p.data_ptr() for p in params), *state_starts]),
             [],
+            in_cache_chunks([g.numel() * g.element_size() for g in grads]),
         )
         accepted.note_versions()
         return accepted
@@ -190,6 +201,36 @@ class AcceptedStep:
     def present(self) -> list:
         """The indices of the leaves with a gradient."""
         return [i for i, g in enumerate(self.given) if g]
+
+
+def in_cache_chunks(sizes: list, most: Optional[int] = None) -> list:
+    """Consecutive slices of tensors of ``sizes`` bytes, as few as hold at most ``most`` bytes
+    each on average (by default :data:`CHUNK_BYTES`), of about equal sizes: every tensor in one
+    slice where they fit.
+
+    An eager step on the CPU runs each operation over every tensor of its list, one tensor after
+    the other. Where a list's tensors and their state outgrow the processor's cache, each operation
+    reads them back from memory; run on slices of a megabyte or two of parameters, they stay in the
+    cache from one operation to the next, as in torch.optim's for-loop step (the bits are the
+    same: each operation runs on each tensor alone either way).
+
+    Example::
+
+        >>> in_cache_chunks([1 << 20] * 5)
+        [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+    """
+    most = CHUNK_BYTES if most is None else most
+    total = sum(sizes)
+    count = max(1, -(-total // max(most, 1)))  # ceil(total / most) slices at most
+    chunks, start, so_far, shares = [], 0, 0, 0
+    for i, size in enumerate(sizes):
+        so_far += size
+        reached = so_far * count // total if total else 0  # the equal shares of the bytes now passed
+        if shares < reached < count:  # past a share, and bytes left for the next slice
+            chunks.append(slice(start, i + 1))
+            start, shares = i + 1, reached
+    chunks.append(slice(start, len(sizes)))
+    return chunks
 
 
 def kept_inputs(

@@ -29,12 +29,21 @@ once on them stacked into one vector (``_on_stacked_scalars``), not once per ten
 
 :func:`per_tensor` turns the grouped path off in this thread (the reference in the tests, and
 what torch.compile traces: inductor fuses the per-tensor ops itself).
+
+Where a list of tensors outgrows the processor's cache, each multi-tensor op reads it back from
+memory; torch.optim's for-loop steps keep one tensor in the cache from one op to the next. A rule
+may run over slices of its tensors instead, one after the other (:func:`run_in_chunks`): on the
+first, the rule itself, its operations on ``Leaves`` recorded (:func:`recorded`, a :class:`Tape`);
+on the others those operations again, without the rule's own Python (its scalar arithmetic,
+the numbers it reads from step counts). A rule that reads its tensors' values into Python
+(:func:`values_read`) runs on each slice itself.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -44,14 +53,18 @@ __all__ = [
     "Leaves",
     "OneValue",
     "PerTensorOnly",
+    "Tape",
     "grouped_enabled",
     "groups",
     "per_tensor",
+    "recorded",
     "run_each",
+    "run_in_chunks",
     "run_grouped",
     "run_groups",
     "strict",
     "updated",
+    "values_read",
     "writable_in_place",
     "writable_part",
 ]
@@ -244,9 +257,27 @@ def _scalar_operand(foreach: Callable[..., Any], a: "Leaves", b: Any) -> Any:
         return b.to(dtype) if is_tensor and foreach in _TAKES_ONE_TENSOR else b
     if is_tensor:
         converted = b if b.dtype == dtype else b.to(dtype)
-    else:  # an int through int64, rounded once (and too large for int64 refused) as the single-tensor op does
-        converted = torch.tensor(b, dtype=torch.int64 if isinstance(b, int) else dtype).to(dtype)
+    else:
+        converted = _number_as_tensor(b, dtype)
     return converted if as_tensor else [converted] * len(a.items)
+
+
+_NUMBERS_AS_TENSORS: dict[tuple, torch.Tensor] = {}  # (dtype, the number's exact value) -> its 0-dim tensor
+
+
+def _number_as_tensor(b: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The number ``b`` as a 0-dim CPU tensor of ``dtype`` (an int through int64, rounded once,
+    and too large for int64 refused, as the single-tensor op does), made once per value: the
+    same tensor for the same bits (``-0.0`` apart from ``0.0``), read-only operands of the
+    multi-tensor ops. At most a few hundred kept (a step's numbers change every step)."""
+    key = (dtype, b.hex() if isinstance(b, float) else b)
+    known = _NUMBERS_AS_TENSORS.get(key)
+    if known is None:
+        if len(_NUMBERS_AS_TENSORS) >= 256:
+            _NUMBERS_AS_TENSORS.clear()
+        known = torch.tensor(b, dtype=torch.int64 if isinstance(b, int) else dtype).to(dtype)
+        _NUMBERS_AS_TENSORS[key] = known
+    return known
 
 
 _READ_AS_NUMBER = {torch._foreach_maximum, torch._foreach_minimum, torch._foreach_clamp_min, torch._foreach_clamp_max}
@@ -383,6 +414,225 @@ def _facts_of(items: list) -> tuple:
     return (dtype if same_dtype else None, device if same_device else None, dtype if plain else None)
 
 
+class Tape:
+    """The operations a rule ran on :class:`Leaves` (:func:`recorded`), to run them again on other
+    tensors of the same kinds (:meth:`run_on`): the rule's own Python (its scalar arithmetic, the
+    numbers it reads from step counts) runs once, its operations on each list of tensors.
+
+    Attributes:
+        calls: per operation, in order, ``(op, args, kwargs, result)``: the outermost calls of
+            ``Leaves`` methods and of torch functions on ``Leaves``.
+        values_read: whether the rule read values of its ``Leaves`` into Python (a number it
+            then computes with, :func:`values_read`): the operations may then differ between
+            lists of tensors, and are not run again.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.values_read = False
+        self._plan: list[tuple] = []  # per call: op, args and kwargs with slots, result slots
+        self._slots: dict[int, int] = {}  # per recorded Leaves' id: its place in a run's values
+
+    def runs_on(self, inputs: Sequence["Leaves"]) -> bool:
+        """Whether the operations can run again with other ``inputs``: no values read, every
+        ``Leaves`` an operation took (as an argument itself, not inside another value) one of
+        ``inputs`` or made by an earlier operation, and each result a ``Leaves`` (or a tuple of
+        them). Where they can, their plan is made (each ``Leaves`` numbered).
+
+        Args:
+            inputs: the ``Leaves`` the rule was given.
+        """
+        if self.values_read:
+            return False
+        slots = {id(x): k for k, x in enumerate(inputs)}
+        plan = []
+        for op, args, kwargs, result in self.calls:
+            arg_slots = [_slot_of(a, slots) for a in args]
+            kwarg_slots = {k: _slot_of(v, slots) for k, v in kwargs.items()}
+            if any(s is None for s in (*arg_slots, *kwarg_slots.values())):
+                return False
+            made = [result] if isinstance(result, Leaves) else list(result) if isinstance(result, tuple) else []
+            if not made or not all(isinstance(r, Leaves) for r in made):
+                return False
+            made_slots = []
+            for r in made:
+                slots.setdefault(id(r), len(slots))
+                made_slots.append(slots[id(r)])
+            plan.append(
+                (
+                    op,
+                    [s.value if isinstance(s, _Constant) else None for s in arg_slots],  # the constants in place
+                    [(i, s) for i, s in enumerate(arg_slots) if type(s) is int],  # the Leaves: their slots
+                    {k: s.value for k, s in kwarg_slots.items() if isinstance(s, _Constant)},
+                    [(k, s) for k, s in kwarg_slots.items() if type(s) is int],
+                    isinstance(result, tuple),
+                    made_slots,
+                )
+            )
+        self._plan, self._slots = plan, slots
+        return True
+
+    def gives(self, result: Any) -> bool:
+        """Whether every ``Leaves`` in ``result`` (the rule's) is an input or an operation's
+        result (after :meth:`runs_on`): what :meth:`run_on` can say it became."""
+        return all(id(x) in self._slots for x in _leaves_in(result))
+
+    def run_on(self, inputs: Sequence["Leaves"]) -> "_Replayed":
+        """The operations again, on ``inputs`` in place of the rule's (in the order given to
+        :meth:`runs_on`, which said they may). Returns what each recorded ``Leaves`` became
+        (:meth:`_Replayed.of`)."""
+        values: list[Any] = [None] * len(self._slots)
+        values[: len(inputs)] = inputs
+        for op, constants, leaves_at, kwarg_constants, kwarg_leaves_at, gives_tuple, made_slots in self._plan:
+            args = list(constants)
+            for i, s in leaves_at:
+                args[i] = values[s]
+            kwargs = dict(kwarg_constants)
+            for k, s in kwarg_leaves_at:
+                kwargs[k] = values[s]
+            made = op(*args, **kwargs)
+            if gives_tuple:
+                for s, m in zip(made_slots, made):
+                    values[s] = m
+            else:
+                values[made_slots[0]] = made
+        return _Replayed(self._slots, values)
+
+
+class _Constant:
+    """An operand that is not a ``Leaves`` (a number, a 0-dim tensor): the same on every run."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _slot_of(value: Any, slots: dict[int, int]) -> Any:
+    """A recorded operand as :meth:`Tape.runs_on` plans it: a ``Leaves`` its slot (``None`` where
+    it is unknown), anything else a :class:`_Constant` (``None`` where it holds a ``Leaves``)."""
+    if isinstance(value, Leaves):
+        return slots.get(id(value))
+    if isinstance(value, (tuple, list, dict)) and any(True for _ in _leaves_in(value)):
+        return None
+    return _Constant(value)
+
+
+class _Replayed:
+    """What each recorded ``Leaves`` became on a run of a :class:`Tape` on other inputs."""
+
+    def __init__(self, slots: dict[int, int], values: list) -> None:
+        self.slots, self.values = slots, values
+
+    def of(self, value: Any) -> Any:
+        """``value`` (a rule's result: a ``Leaves``, a tuple or NamedTuple of them, anything
+        else) with each recorded ``Leaves`` replaced by what it became."""
+        if isinstance(value, Leaves):
+            return self.values[self.slots[id(value)]]
+        if isinstance(value, tuple):
+            parts = [self.of(v) for v in value]
+            return type(value)(*parts) if hasattr(type(value), "_fields") else tuple(parts)
+        return value
+
+
+def _leaves_in(value: Any) -> Iterator["Leaves"]:
+    if isinstance(value, Leaves):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _leaves_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves_in(v)
+
+
+class _Recording(threading.local):
+    """This thread's :class:`Tape` being recorded (``None``: none), and how deep inside a
+    recorded operation the code runs (an operation's own operations are not recorded)."""
+
+    def __init__(self) -> None:
+        self.tape: Optional[Tape] = None
+        self.depth = 0
+
+
+_RECORDING = _Recording()
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[Tape]:
+    """Within the block, in this thread, the operations on :class:`Leaves` are recorded on the
+    :class:`Tape` yielded.
+
+    Example::
+
+        g1, g2 = Leaves(gs[:2]), Leaves(gs[2:])
+        with foreach.recorded() as tape:
+            u1 = rule(g1)
+        if tape.runs_on([g1]) and tape.gives(u1):
+            u2 = tape.run_on([g2]).of(u1)  # rule(g2)'s operations, the rule's Python not run again
+    """
+    outer = (_RECORDING.tape, _RECORDING.depth)
+    _RECORDING.tape, _RECORDING.depth = Tape(), 0
+    try:
+        yield _RECORDING.tape
+    finally:
+        _RECORDING.tape, _RECORDING.depth = outer
+
+
+def values_read() -> None:
+    """Note that the code running now read values of ``Leaves`` into Python (a number, a branch):
+    the operations recorded now (:func:`recorded`) may not be run again on other tensors."""
+    if _RECORDING.tape is not None:
+        _RECORDING.tape.values_read = True
+
+
+def run_in_chunks(rule: Callable[..., Any], chunk_args: Sequence[Sequence[Any]], results: list) -> list:
+    """``rule(*args)`` for each chunk's ``args`` (its ``Leaves``, also inside tuples such as a
+    state, and values shared by every chunk: numbers, step counts), one chunk after the other:
+    the rule itself on the first, its operations recorded (:func:`recorded`), and where they may
+    (:meth:`Tape.runs_on`), those operations again on each next one; else the rule on each. Each
+    result (with the structure of the first's) is appended to ``results`` as its chunk is done
+    (what was done where one raises), which is returned.
+
+    Args:
+        rule: a rule written for single tensors, whose operations depend on its numbers only.
+        chunk_args: per chunk, the rule's arguments, the ``Leaves`` in the same places.
+        results: the list the results are appended to.
+    """
+    tape: Optional[Tape] = None
+    for k, args in enumerate(chunk_args):
+        leaves = list(_leaves_in(args))
+        if tape is not None:
+            results.append(tape.run_on(leaves).of(results[0]))
+            continue
+        with recorded() if k == 0 and len(chunk_args) > 1 else contextlib.nullcontext() as recording:
+            results.append(rule(*args))
+        if recording is not None and recording.runs_on(leaves) and recording.gives(results[0]):
+            tape = recording
+            tape.calls.clear()  # planned: the first chunk's temporaries freed, their memory (in the cache) reused
+    return results
+
+
+def _recorded_op(op: Callable[..., Any]) -> Callable[..., Any]:
+    """``op`` (a ``Leaves`` method, or a function of ``Leaves``) whose outermost calls, while a
+    :class:`Tape` is recorded in this thread, are appended to it."""
+
+    @functools.wraps(op)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        now = _RECORDING
+        if now.tape is None or now.depth:
+            return op(*args, **kwargs)
+        now.depth += 1
+        try:
+            result = op(*args, **kwargs)
+        finally:
+            now.depth -= 1
+        now.tape.calls.append((op, args, kwargs, result))
+        return result
+
+    return run
+
+
 class Leaves:
     """Tensors of one device and dtype, operated on together (module docstring).
 
@@ -455,7 +705,7 @@ class Leaves:
         attribute = getattr(torch.Tensor, name, None)
         if not callable(attribute):
             raise PerTensorOnly(f"{name} is a property of each tensor")
-        return lambda *args, **kwargs: _map(attribute, (self, *args), kwargs)
+        return functools.partial(_method_on_each, attribute, self)
 
     def __bool__(self) -> bool:
         raise PerTensorOnly("the truth value of several tensors")
@@ -671,11 +921,36 @@ class Leaves:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        fast = _FAST.get(func)
-        if fast is not None and isinstance(args[0], Leaves):
-            return fast(*args, **kwargs)
-        return _map(func, args, kwargs)
+        return _torch_function_on_leaves(func, *args, **(kwargs or {}))
+
+
+@_recorded_op
+def _method_on_each(method: Any, leaves: Leaves, *args: Any, **kwargs: Any) -> Any:
+    """The tensor method ``method`` on each tensor of ``leaves`` (``Leaves.__getattr__``)."""
+    return _map(method, (leaves, *args), kwargs)
+
+
+@_recorded_op
+def _torch_function_on_leaves(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """The torch function ``func`` called with ``Leaves`` (``Leaves.__torch_function__``)."""
+    fast = _FAST.get(func)
+    if fast is not None and isinstance(args[0], Leaves):
+        return fast(*args, **kwargs)
+    return _map(func, args, kwargs)
+
+
+_OPERATIONS = (  # the Leaves methods that compute (recorded: _recorded_op)
+    *("add", "sub", "mul", "div", "maximum", "minimum", "pow", "lerp", "addcmul", "addcdiv", "add_", "mul_"),
+    *("div_", "addcmul_", "addcdiv_", "sqrt_", "neg_", "clamp_min_", "clamp_max_", "clamp_", "lerp_", "clamp_min"),
+    *("clamp_max", "clamp", "sqrt", "abs", "neg", "sign", "exp", "reciprocal", "to", "__radd__", "__rmul__"),
+    *("__rsub__", "__rtruediv__", "__rpow__", "__gt__", "__lt__", "__ge__", "__le__", "__eq__", "__ne__"),
+)
+for _name in _OPERATIONS:
+    setattr(Leaves, _name, _recorded_op(getattr(Leaves, _name)))
+for _alias, _name in (("__add__", "add"), ("__sub__", "sub"), ("__mul__", "mul"), ("__truediv__", "div")):
+    setattr(Leaves, _alias, getattr(Leaves, _name))
+for _alias, _name in (("__pow__", "pow"), ("__neg__", "neg"), ("__abs__", "abs")):
+    setattr(Leaves, _alias, getattr(Leaves, _name))
 
 
 _FAST: dict = {

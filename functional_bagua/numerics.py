@@ -276,6 +276,7 @@ def _the_one_value(scalars: "foreach.Leaves") -> Any:
         return scalars
     if torch.compiler.is_compiling():
         return scalars
+    foreach.values_read()  # a number from these tensors: the operations recorded now are theirs
     if not foreach.same_bits(items):
         raise foreach.PerTensorOnly("per-tensor scalars that differ between the tensors: one tensor at a time")
     return items[0]

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import weakref
 from typing import NamedTuple
 
+import hypothesis.strategies as st
 import pytest
 import torch
 from devices import seeded
 from helpers import IN_PLACE
+from hypothesis import given, settings
 
 import functional_bagua as fb
-from functional_bagua import foreach
+from functional_bagua import accepted, foreach
 
 pytestmark = [
     pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only"),
@@ -28,7 +31,18 @@ pytestmark = [
 ]
 
 SHAPES = [(64, 32), (32,), (7, 3, 2)]
-REFERENCES = ["ademamix", "ademamix-decoupled", "laprop", "laprop-decayed", "adopt-decoupled"]  # of IN_PLACE
+REFERENCES = [  # of IN_PLACE
+    "ademamix",
+    "ademamix-decoupled",
+    "laprop",
+    "laprop-decayed",
+    "adopt-decoupled",
+    "prodigy-decoupled",
+    "dadapt-adam-decoupled",
+]
+
+
+CHUNKS = {None: [3], 1: [1, 1, 1], 4096: [1, 2]}  # per chunk_bytes: the tensors of each chunk
 
 
 def parameters(seed):
@@ -68,13 +82,44 @@ def towards_targets(seed):
     return tensors, lambda ts, step: set_grads(ts, targets)
 
 
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 1 << 22), min_size=1, max_size=40), most=st.integers(1, 1 << 23))
+def test_chunks_take_the_tensors_in_order_in_about_equal_shares(sizes, most):
+    """``in_cache_chunks``: consecutive non-empty slices covering every tensor once, in order; no
+    more of them than ``ceil(total / most)`` (one where everything fits); each slice, less its
+    largest tensor, under an equal share ``total / count`` of the bytes."""
+    chunks = accepted.in_cache_chunks(sizes, most)
+    indices = range(len(sizes))
+    assert [i for part in chunks for i in indices[part]] == list(indices)
+    assert all(len(indices[part]) > 0 for part in chunks)
+    total = sum(sizes)
+    count = max(1, math.ceil(total / most))
+    assert len(chunks) <= count
+    if total <= most:
+        assert len(chunks) == 1
+    for part in chunks:
+        assert (sum(sizes[part]) - max(sizes[part])) * count < max(total, 1)
+
+
+@pytest.fixture(params=[None, 1, 4096], ids=["one-chunk", "chunks-of-one", "chunks-of-4-KiB"])
+def chunk_bytes(request, monkeypatch):
+    """The parameter bytes a step on a record runs its rule over at once: the default (the
+    three tensors of :data:`SHAPES` in one chunk), one tensor at a time, and chunks of about
+    4 KiB (the 8 KiB matrix alone, the two small tensors together)."""
+    if request.param is not None:
+        monkeypatch.setattr(accepted, "CHUNK_BYTES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", REFERENCES)
-def test_steps_on_what_the_checks_accepted_are_the_references_bit_for_bit(case):
+def test_steps_on_what_the_checks_accepted_are_the_references_bit_for_bit(case, chunk_bytes, monkeypatch):
     """Eight steps over three tensors of one group, the learning rate lowered after the third
     (in both optimizers' groups, as a scheduler does): the reference's bits after every step;
-    after the first step the group keeps what its checks accepted, and steps on it."""
+    after the first step the group keeps what its checks accepted, and steps on it, in chunks
+    of its tensors (``chunk_bytes``) as the reference steps them, one after the other."""
     module, name, ref_kwargs, make = IN_PLACE[case]
     package = pytest.importorskip(module, reason=f"{module} is the reference: an optional test dependency")
+    replays = replays_counted(monkeypatch)
     ours, targets = parameters(3)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     reference, opt = getattr(package, name)(theirs, **ref_kwargs), fb.Optimizer(ours, make())
@@ -86,9 +131,27 @@ def test_steps_on_what_the_checks_accepted_are_the_references_bit_for_bit(case):
         set_grads(ours, targets)
         reference.step()
         opt.step()
-        assert opt._groups[0].accepted, "the group keeps what its checks accepted"
+        records = list(opt._groups[0].accepted.values())
+        assert records, "the group keeps what its checks accepted"
+        assert [len(range(len(SHAPES))[part]) for part in records[0].chunks] == CHUNKS[chunk_bytes]
         for a, b in zip(ours, theirs):
             assert torch.equal(a.detach(), b.detach()), step
+    # the rule's operations recorded on the first chunk, run again on the others (not the rule)
+    chunked = not case.startswith(("prodigy", "dadapt"))
+    assert len(replays) == (7 * (len(CHUNKS[chunk_bytes]) - 1) if chunked else 0)
+
+
+def replays_counted(monkeypatch):
+    """The list to which each run of recorded operations on other tensors appends (``Tape.run_on``)."""
+    runs: list = []
+    run_on = foreach.Tape.run_on
+
+    def counted(tape, inputs):
+        runs.append(len(inputs))
+        return run_on(tape, inputs)
+
+    monkeypatch.setattr(foreach.Tape, "run_on", counted)
+    return runs
 
 
 def a_count_written(opt, tensors, step):
@@ -131,11 +194,12 @@ WAYS = (contextlib.nullcontext, foreach.per_tensor)  # grouped (records kept), o
     ],
     ids=["ademamix", "laprop", "adopt", "prodigy", "dadapt_adam", "schedule_free_adamw", "schedule_free_sgd"],
 )
-def test_a_change_of_what_the_checks_accepted_sends_the_step_through_them_again(make, edit):
+def test_a_change_of_what_the_checks_accepted_sends_the_step_through_them_again(make, edit, chunk_bytes):
     """Six steps, the inputs changed before the fourth (``edit``), of a group that keeps what
     its checks accepted and of the same group stepped one tensor at a time (nothing kept): the
-    same bits. A step that ran the rule on the record instead would use the other tensors'
-    count for the one set back, or write a parameter through its own gradient."""
+    same bits, also where the group steps its tensors in chunks (``chunk_bytes``). A step that
+    ran the rule on the record instead would use the other tensors' count for the one set back,
+    or write a parameter through its own gradient."""
     grouped, per_tensor = (stepped(make, *towards_targets(7), 6, edit, around) for around in WAYS)
     assert_same_bits(grouped, per_tensor)
 

@@ -227,7 +227,12 @@ def scale_by_bias_corrected_rms(b2: float = 0.999, eps: float = 1e-8) -> Gradien
         return g / denom, ScaleByBiasCorrectedRmsState(count, nu)
 
     return leafwise(
-        ScaleByBiasCorrectedRmsState, init_leaf, update_leaf, name="scale_by_bias_corrected_rms", fresh_updates=True
+        ScaleByBiasCorrectedRmsState,
+        init_leaf,
+        update_leaf,
+        name="scale_by_bias_corrected_rms",
+        fresh_updates=True,
+        in_cache_chunks=True,
     )
 
 

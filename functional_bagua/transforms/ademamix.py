@@ -136,4 +136,5 @@ def scale_by_ademamix(
         name="scale_by_ademamix",
         fresh_updates=True,
         write_leaf=write_leaf,
+        in_cache_chunks=True,
     )

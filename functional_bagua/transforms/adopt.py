@@ -140,5 +140,11 @@ def scale_by_adopt(
         return new
 
     return leafwise(
-        ScaleByAdoptState, init_leaf, update_leaf, name="scale_by_adopt", needs_params=decays, write_leaf=write_leaf
+        ScaleByAdoptState,
+        init_leaf,
+        update_leaf,
+        name="scale_by_adopt",
+        needs_params=decays,
+        write_leaf=write_leaf,
+        in_cache_chunks=True,
     )

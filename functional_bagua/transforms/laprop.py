@@ -137,6 +137,14 @@ def scale_by_laprop(
             return ScaleByCenteredLapropState(count, mu, nu, lr_avg, grad_avg), step_size
         return ScaleByLapropState(count, mu, nu, lr_avg), step_size
 
-    tx = leafwise(state_type, init_leaf, update_leaf, name="scale_by_laprop", fresh_updates=True, write_leaf=write_leaf)
+    tx = leafwise(
+        state_type,
+        init_leaf,
+        update_leaf,
+        name="scale_by_laprop",
+        fresh_updates=True,
+        write_leaf=write_leaf,
+        in_cache_chunks=True,
+    )
     tx.update.takes_a_step = "scale_by_laprop"  # type: ignore[attr-defined]  # its updates hold the learning rate (direction.py)
     return tx

@@ -46,6 +46,7 @@ def leafwise(
     sparse_gradients: bool = False,
     fresh_updates: bool = False,
     write_leaf: Optional[Callable[[Any, Any, Any, float], Any]] = None,
+    in_cache_chunks: bool = False,
 ) -> GradientTransformation:
     """A transform applying ``update_leaf(g, state_leaf, p) -> (u, new_state_leaf)`` per tensor.
 
@@ -87,6 +88,13 @@ def leafwise(
             (:func:`~functional_bagua.foreach.writable_in_place`), where every factor of the
             rule is a Python number. Its write into ``p`` must be its last operation: a rule
             that raises before it runs again one tensor at a time.
+        in_cache_chunks: a step on what a checked step accepted (:mod:`functional_bagua.accepted`)
+            runs over slices of the tensors that stay in the processor's cache
+            (:func:`~functional_bagua.accepted.in_cache_chunks`): the rule runs on the first,
+            its operations recorded (:func:`~functional_bagua.foreach.recorded`), and those
+            operations again on each other slice. For rules whose operations depend on the
+            step's numbers only, not on the values of their tensors (a number read from them
+            stops the recording's use: :func:`~functional_bagua.foreach.values_read`).
 
     Returns:
         A GradientTransformation whose state is a ``state_type`` with one tree per field.
@@ -327,53 +335,73 @@ def leafwise(
         if scaled_by is not None:
             torch._foreach_mul_(stepped_params, scaled_by)
         overwrites: list = []  # as foreach.run_grouped: the fields overwritten
-        given = [
-            _as_given(column, shared, overwrites, record.dtype) for column, shared in zip(record.columns, record.shared)
+        chunks = record.chunks if in_cache_chunks else [slice(0, len(grads))]
+        given_per_chunk = [
+            [
+                None if column is None else _as_given(column[part], shared, overwrites, record.dtype)
+                for column, shared in zip(record.columns, record.shared)
+            ]
+            for part in chunks
         ]
-        g: Any = foreach.Leaves(grads, plain=record.dtype)  # the rule's tensors, grouped
-        p: Any = foreach.Leaves(stepped_params, plain=record.dtype)
+        grouped = [  # the rule's tensors, grouped: per chunk, its gradients, the state given, its parameters
+            (
+                foreach.Leaves(grads[part], plain=record.dtype),
+                state_type(*given),
+                foreach.Leaves(stepped_params[part], plain=record.dtype),
+            )
+            for part, given in zip(chunks, given_per_chunk)
+        ]
+        results: list = []  # per chunk done, the rule's (u, new state)
         try:
             if alpha is None:
-                u, new = update_leaf(g, state_type(*given), p)
+                foreach.run_in_chunks(update_leaf, grouped, results)
             else:
                 assert write_leaf is not None  # apply_in_place
-                u, new = None, write_leaf(g, state_type(*given), p, alpha)
+                foreach.run_in_chunks(functools.partial(_written_by, write_leaf, alpha), grouped, results)
         except Exception as error:
             del records[key]
-            if not overwrites and scaled_by is None:
+            if not (overwrites or results) and scaled_by is None:
                 return None  # nothing written: the checked step, which raises what it raises
             raise RuntimeError(
                 f"{name}: the rule raised {type(error).__name__} after writing into the state or the parameters; "
                 "the step is part-made"
             ) from error
+        ran = [(part, given, u, new) for part, given, (u, new) in zip(chunks, given_per_chunk, results)]
         updates: Optional[list] = None
         if alpha is None:  # each in its gradient's dtype, as the checked step places them
             updates = [None] * len(update_leaves)
-            _place(foreach._as_lists(u, len(grads)), record.present, updates, update_leaves, updates_of=name)
+            for part, _, u, _ in ran:
+                values = foreach._as_lists(u, _length(part))
+                _place(values, record.present[part], updates, update_leaves, updates_of=name)
         in_place = True
-        for column, shared, before, value in zip(record.columns, record.shared, given, new):
-            if column is None:
-                in_place = in_place and value is None
-            elif not shared:
-                in_place = in_place and value is before
-            elif _one_scalar_like(value, column[0]):  # a count: into the old ones, as one_values does
-                torch._foreach_copy_(column, [value] * len(column))
-            else:
-                in_place = False
+        for part, given, _, new in ran:
+            for column, shared, before, value in zip(record.columns, record.shared, given, new):
+                if column is None:
+                    in_place = in_place and value is None
+                elif not shared:
+                    in_place = in_place and value is before
+                elif _one_scalar_like(value, column[0]):  # a count: into the old ones, as one_values does
+                    torch._foreach_copy_(column[part], [value] * _length(part))
+                else:
+                    in_place = False
         if in_place:
             record.note_versions()
             return updates, state
         del records[key]  # the rule stepped a field into new tensors: the state made anew
-        return updates, state_of_fields(record, state, new)
+        per_field = [
+            [v for part, _, _, new in ran for v in foreach._as_lists(new[f], _length(part))] for f in range(len(fields))
+        ]
+        return updates, state_of_fields(record, state, per_field)
 
-    def state_of_fields(record: AcceptedStep, state: NamedTuple, new: Any) -> NamedTuple:
-        """The state with each field's values at the leaves with a gradient from ``new``."""
+    def state_of_fields(record: AcceptedStep, state: NamedTuple, new: list) -> NamedTuple:
+        """The state with each field's values at the leaves with a gradient from ``new`` (per
+        field, a list of them)."""
         present = record.present
         out = []
-        for f, value in zip(fields, new):
+        for f, values in zip(fields, new):
             leaves = _field_leaves(record.spec, state, f, name)
             into = list(leaves)
-            _place(foreach._as_lists(value, len(present)), present, into, leaves)
+            _place(values, present, into, leaves)
             out.append(record.spec.unflatten(into))
         return state_type(*out)
 
@@ -667,6 +695,17 @@ def _as_given(column: Optional[list], shared: bool, overwrites: list, dtype: tor
     if column is None:
         return None
     return column[0] if shared else foreach.Leaves(column, given=overwrites, plain=dtype)
+
+
+def _written_by(write_leaf: Callable[..., Any], alpha: float, g: Any, s: Any, p: Any) -> tuple:
+    """``(None, new state)``: ``write_leaf``'s step with ``alpha`` written into ``p``, as a rule's
+    ``(u, new state)`` (no update)."""
+    return None, write_leaf(g, s, p, alpha)
+
+
+def _length(part: slice) -> int:
+    """The number of tensors in a chunk's slice (:func:`~functional_bagua.accepted.in_cache_chunks`)."""
+    return part.stop - part.start
 
 
 def _one_scalar_like(value: Any, old: torch.Tensor) -> bool:

@@ -186,7 +186,8 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
     ) -> Optional[ScheduleFreeState]:
         """The step written into ``params`` (``y``) and the state's ``z``, both given up by the
         caller, as the reference steps them: ``y <- lerp(y, z, c) + along d``, ``z <- z - lr_t d``
-        (three multi-tensor ops, nothing new). Tensors that cannot be written so
+        (three multi-tensor ops, nothing new; on what the last step's checks accepted, over one
+        slice of the tensors after the other, :mod:`functional_bagua.accepted`). Tensors that cannot be written so
         (:func:`~functional_bagua.foreach.writable_part`: a 0-dim parameter, a bfloat16 one)
         take the pure step, their update added. ``None``, nothing changed, where
         the update is scaled (``alpha`` not 1) or the parameters are (``scaled_by`` given), the
@@ -200,11 +201,12 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         ys = tree.leaves_matching(spec, params, "updates", "params")
         records = accepted.records_now()
         inputs = _accepted_inputs(records, spec, d_leaves, ys, state.z)
-        if inputs is not None:  # what the checks accepted at the last step: y and z written as then
-            picked_ds, picked_ys, picked_zs = inputs
-            torch._foreach_lerp_(picked_ys, picked_zs, c)
-            torch._foreach_add_(picked_ys, picked_ds, alpha=along)
-            torch._foreach_add_(picked_zs, picked_ds, alpha=minus_lr)
+        if inputs is not None:  # what the checks accepted at the last step: y and z written as then,
+            picked_ds, picked_ys, picked_zs, chunks = inputs  # a slice at a time (in the cache)
+            for part in chunks:
+                torch._foreach_lerp_(picked_ys[part], picked_zs[part], c)
+                torch._foreach_add_(picked_ys[part], picked_ds[part], alpha=along)
+                torch._foreach_add_(picked_zs[part], picked_ds[part], alpha=minus_lr)
             return ScheduleFreeState(count, lr_max, weight_sum, state.z, b1_now)
         zs = tree.leaves_matching(spec, state.z, "updates", "the state's z")
         present = [i for i, g in enumerate(d_leaves) if g is not None]
@@ -374,8 +376,9 @@ _RECORD = ("schedule_free", "y and z written")
 
 
 def _accepted_inputs(records: Optional[dict], spec: Any, d_leaves: list, ys: list, z: Any) -> Optional[tuple]:
-    """The updates, parameters and ``z`` tensors of the leaves with an update, where the last
-    step's checks accepted these (``records[_RECORD]``, :func:`~functional_bagua.accepted.kept_inputs`;
-    ``z`` the tree that step stepped); else ``None``."""
+    """The updates, parameters and ``z`` tensors of the leaves with an update and the record's
+    chunks (:func:`~functional_bagua.accepted.in_cache_chunks`), where the last step's checks
+    accepted these (``records[_RECORD]``, :func:`~functional_bagua.accepted.kept_inputs`; ``z``
+    the tree that step stepped); else ``None``."""
     kept = accepted.kept_inputs(records, _RECORD, spec, d_leaves, ys, z)
-    return None if kept is None else (kept[1], kept[2], kept[0].columns[0])
+    return None if kept is None else (kept[1], kept[2], kept[0].columns[0], kept[0].chunks)
