@@ -599,13 +599,16 @@ def run_in_chunks(rule: Callable[..., Any], chunk_args: Sequence[Sequence[Any]],
         chunk_args: per chunk, the rule's arguments, the ``Leaves`` in the same places.
         results: the list the results are appended to.
     """
+    if len(chunk_args) == 1:  # one chunk: the rule
+        results.append(rule(*chunk_args[0]))
+        return results
     tape: Optional[Tape] = None
     for k, args in enumerate(chunk_args):
         leaves = list(_leaves_in(args))
         if tape is not None:
             results.append(tape.run_on(leaves).of(results[0]))
             continue
-        with recorded() if k == 0 and len(chunk_args) > 1 else contextlib.nullcontext() as recording:
+        with recorded() if k == 0 else contextlib.nullcontext() as recording:
             results.append(rule(*args))
         if recording is not None and recording.runs_on(leaves) and recording.gives(results[0]):
             tape = recording

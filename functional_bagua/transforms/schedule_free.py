@@ -49,7 +49,7 @@ from functional_bagua.base import GradientTransformation, apply_updates_, chain
 from functional_bagua.foreach import updated
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, readable_now, zero_count
+from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, number_now, readable_now, zero_count
 from functional_bagua.transforms.direction import refuse_a_step
 from functional_bagua.transforms.leafwise import leafwise
 from functional_bagua.tree import PyTree
@@ -152,6 +152,11 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
                 "the state this transform's init made (the second part of fb.schedule_free's chain state)"
             )
         count = state.count + 1
+        held = (state.count, state.lr_max, state.weight_sum)
+        if all(isinstance(x, torch.Tensor) and readable_now(x) for x in held):
+            hyperparameters = [number_now(x) for x in (lr, b1, r, weight_lr_power)]
+            if all(x is not None for x in hyperparameters):  # eagerly on the CPU: Python numbers
+                return _numbers_now(count, held, hyperparameters, warmup_steps)
         t = as_scalar(count)
         lr_t = lr * torch.clamp(t / warmup_steps, max=1.0) if warmup_steps else torch.ones_like(t) * lr
         lr_max = torch.maximum(state.lr_max, lr_t)
@@ -242,6 +247,23 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
     update.needs_params = True  # type: ignore[attr-defined]
     update.fresh_updates = True  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
+
+
+def _numbers_now(count: torch.Tensor, held: tuple, hyperparameters: list, warmup_steps: int) -> tuple:
+    """:func:`_averaging`'s numbers of a step (the new state's scalars, and ``(c, along,
+    -lr_t)``) in Python floats, as the reference computes them (``k ** r * lr_max **
+    weight_lr_power``), from the step count, ``lr_max`` and the weight sum ``held`` (0-dim CPU
+    tensors read now) and the hyperparameters ``(lr, b1, r, weight_lr_power)`` as numbers."""
+    lr, b1, r, weight_lr_power = hyperparameters
+    t = float(held[0].item() + 1)
+    lr_t = lr * min(t / warmup_steps, 1.0) if warmup_steps else lr
+    lr_max = max(held[1].item(), lr_t)
+    weight = t**r * lr_max**weight_lr_power
+    weight_sum = held[2].item() + weight
+    c = weight / weight_sum if weight_sum > 0 else 0.0
+    along = lr_t * (b1 * (1 - c) - 1)
+    scalars = (torch.tensor(x, dtype=SCALAR_DTYPE) for x in (lr_max, weight_sum, b1))
+    return (count, *scalars), (c, along, -lr_t)
 
 
 def _stepped_with(c: Scalar, along: Scalar, minus_lr: Scalar) -> GradientTransformation:
