@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import struct
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -268,14 +269,14 @@ _NUMBERS_AS_TENSORS: dict[tuple, torch.Tensor] = {}  # (dtype, the number's exac
 def _number_as_tensor(b: Any, dtype: torch.dtype) -> torch.Tensor:
     """The number ``b`` as a 0-dim CPU tensor of ``dtype`` (an int through int64, rounded once,
     and too large for int64 refused, as the single-tensor op does), made once per value: the
-    same tensor for the same bits (``-0.0`` apart from ``0.0``), read-only operands of the
+    same tensor for the same bits (``-0.0`` apart from ``0.0``, each NaN its own), read-only operands of the
     multi-tensor ops. At most a few hundred kept (a step's numbers change every step)."""
-    key = (dtype, b.hex() if isinstance(b, float) else b)
+    key = (dtype, struct.pack("<d", b) if isinstance(b, float) else b)  # every bit: NaN's sign and payload too
     known = _NUMBERS_AS_TENSORS.get(key)
     if known is None:
         if len(_NUMBERS_AS_TENSORS) >= 256:
             _NUMBERS_AS_TENSORS.clear()
-        known = torch.tensor(b, dtype=torch.int64 if isinstance(b, int) else dtype).to(dtype)
+        known = torch.tensor(b, dtype=torch.int64 if isinstance(b, int) else dtype, device="cpu").to(dtype)
         _NUMBERS_AS_TENSORS[key] = known
     return known
 
@@ -432,6 +433,7 @@ class Tape:
         self.values_read = False
         self._plan: list[tuple] = []  # per call: op, args and kwargs with slots, result slots
         self._slots: dict[int, int] = {}  # per recorded Leaves' id: its place in a run's values
+        self._places = 0  # how many places a run's values take
 
     def runs_on(self, inputs: Sequence["Leaves"]) -> bool:
         """Whether the operations can run again with other ``inputs``: no values read, every
@@ -444,7 +446,10 @@ class Tape:
         """
         if self.values_read:
             return False
-        slots = {id(x): k for k, x in enumerate(inputs)}
+        slots: dict[int, int] = {}
+        for k, x in enumerate(inputs):  # an input given twice: its first place
+            slots.setdefault(id(x), k)
+        made_so_far = len(inputs)  # the places of the operations' results, after the inputs'
         plan = []
         for op, args, kwargs, result in self.calls:
             arg_slots = [_slot_of(a, slots) for a in args]
@@ -456,7 +461,9 @@ class Tape:
                 return False
             made_slots = []
             for r in made:
-                slots.setdefault(id(r), len(slots))
+                if id(r) not in slots:  # else an in-place op's self: the place it has
+                    slots[id(r)] = made_so_far
+                    made_so_far += 1
                 made_slots.append(slots[id(r)])
             plan.append(
                 (
@@ -469,7 +476,7 @@ class Tape:
                     made_slots,
                 )
             )
-        self._plan, self._slots = plan, slots
+        self._plan, self._slots, self._places = plan, slots, made_so_far
         return True
 
     def gives(self, result: Any) -> bool:
@@ -481,7 +488,7 @@ class Tape:
         """The operations again, on ``inputs`` in place of the rule's (in the order given to
         :meth:`runs_on`, which said they may). Returns what each recorded ``Leaves`` became
         (:meth:`_Replayed.of`)."""
-        values: list[Any] = [None] * len(self._slots)
+        values: list[Any] = [None] * self._places
         values[: len(inputs)] = inputs
         for op, constants, leaves_at, kwarg_constants, kwarg_leaves_at, gives_tuple, made_slots in self._plan:
             args = list(constants)
@@ -532,6 +539,10 @@ class _Replayed:
         if isinstance(value, tuple):
             parts = [self.of(v) for v in value]
             return type(value)(*parts) if hasattr(type(value), "_fields") else tuple(parts)
+        if isinstance(value, list):
+            return [self.of(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self.of(v) for k, v in value.items()}
         return value
 
 
@@ -608,12 +619,50 @@ def run_in_chunks(rule: Callable[..., Any], chunk_args: Sequence[Sequence[Any]],
         if tape is not None:
             results.append(tape.run_on(leaves).of(results[0]))
             continue
-        with recorded() if k == 0 else contextlib.nullcontext() as recording:
+        if k > 0:  # the rule reads its tensors' values: on this chunk, or one tensor at a time where
+            try:  # they differ (it raises before it writes anything, as for run_grouped)
+                results.append(rule(*args))
+            except PerTensorOnly:
+                results.append(_each_alone(rule, args, len(leaves[0])))
+            continue
+        with recorded() as recording:
             results.append(rule(*args))
-        if recording is not None and recording.runs_on(leaves) and recording.gives(results[0]):
+        if recording.runs_on(leaves) and recording.gives(results[0]):
             tape = recording
-            tape.calls.clear()  # planned: the first chunk's temporaries freed, their memory (in the cache) reused
+        recording.calls.clear()  # the first chunk's temporaries freed: their memory (in the cache) reused
     return results
+
+
+def _each_alone(rule: Callable[..., Any], args: Sequence[Any], n: int) -> Any:
+    """``rule(*args)`` one tensor at a time (each ``Leaves`` of ``args``, of ``n`` tensors, taken
+    one tensor at a time), the results joined back into ``Leaves`` of ``n``."""
+    return _joined([rule(*_one_of(args, j)) for j in range(n)])
+
+
+def _one_of(value: Any, j: int) -> Any:
+    """``value`` with each ``Leaves`` in it (also inside tuples and lists) its ``j``-th tensor alone."""
+    if isinstance(value, Leaves):
+        return Leaves([value.items[j]], given=value.given, plain=value._known_plain())
+    if isinstance(value, tuple):
+        parts = [_one_of(v, j) for v in value]
+        return type(value)(*parts) if hasattr(type(value), "_fields") else tuple(parts)
+    if isinstance(value, list):
+        return [_one_of(v, j) for v in value]
+    return value
+
+
+def _joined(parts: list) -> Any:
+    """Results of a rule on one tensor each, as one result: each ``Leaves`` the tensors of all,
+    anything else (a value they share: a count computed from the same one) the first's."""
+    first = parts[0]
+    if isinstance(first, Leaves):
+        return Leaves([t for part in parts for t in part.items])
+    if isinstance(first, tuple):
+        joined = [_joined([part[i] for part in parts]) for i in range(len(first))]
+        return type(first)(*joined) if hasattr(type(first), "_fields") else tuple(joined)
+    if isinstance(first, list):
+        return [_joined([part[i] for part in parts]) for i in range(len(first))]
+    return first
 
 
 def _recorded_op(op: Callable[..., Any]) -> Callable[..., Any]:

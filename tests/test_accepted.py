@@ -23,7 +23,7 @@ from helpers import IN_PLACE
 from hypothesis import given, settings
 
 import functional_bagua as fb
-from functional_bagua import accepted, foreach
+from functional_bagua import accepted, foreach, numerics
 
 pytestmark = [
     pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only"),
@@ -330,3 +330,63 @@ def test_steps_under_inference_mode_are_the_steps_outside_it(make):
         for around in (torch.inference_mode, contextlib.nullcontext)
     )
     assert_same_bits(inside, outside)
+
+
+class _Momentum(NamedTuple):
+    mu: torch.Tensor
+
+
+def _by_largest_gradient():
+    """A leafwise rule, declared ``in_cache_chunks``, that reads a number from its gradients (their
+    largest magnitude) and steps ``p`` by its momentum over that number."""
+
+    def largest(g):
+        (number,) = numerics.eager_numbers((g.abs().amax(),), g)
+        return number
+
+    def update_leaf(g, s, p):
+        number = largest(g)
+        mu = foreach.updated(s.mu, "lerp", g, 0.1)
+        return mu / number, _Momentum(mu)
+
+    def write_leaf(g, s, p, alpha):
+        number = largest(g)
+        mu = foreach.updated(s.mu, "lerp", g, 0.1)
+        p.add_(mu, alpha=alpha / number)
+        return _Momentum(mu)
+
+    rule = fb.leafwise(
+        _Momentum,
+        lambda p: _Momentum(torch.zeros_like(p)),
+        update_leaf,
+        name="by_largest_gradient",
+        fresh_updates=True,
+        write_leaf=write_leaf,
+        in_cache_chunks=True,
+    )
+    return fb.chain(rule, fb.scale_by_learning_rate(0.1))
+
+
+def test_a_chunked_rule_that_reads_values_that_differ_steps_them_one_tensor_at_a_time(monkeypatch):
+    """The rule above over three tensors in two chunks (the 4 KB vector alone, the two small
+    ones together): its gradients' largest magnitudes equal for two steps (the group steps
+    grouped and keeps a record), then different within the second chunk. The step on the record
+    runs that chunk one tensor at a time: the per-tensor path's bits, nothing stepped twice."""
+    monkeypatch.setattr(accepted, "CHUNK_BYTES", 4000)
+    gen = seeded(21)
+    steps = []
+    for step in range(4):
+        grads = [torch.rand(n, generator=gen) * 2 - 1 for n in (1000, 5, 7)]
+        for i, g in enumerate(grads):
+            g[0] = 2.0 if step >= 2 and i == 2 else 1.0
+        steps.append(grads)
+
+    def grads_at(tensors, step):
+        for p, g in zip(tensors, steps[step]):
+            p.grad = g.clone()
+
+    runs = []
+    for around in WAYS:
+        tensors = [torch.nn.Parameter(torch.randn(n, generator=seeded(22 + n))) for n in (1000, 5, 7)]
+        runs.append(stepped(_by_largest_gradient, tensors, grads_at, 4, around=around))
+    assert_same_bits(*runs)

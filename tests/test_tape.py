@@ -151,14 +151,63 @@ def test_what_was_done_is_kept_where_a_chunk_raises():
     assert len(done) == 1
 
 
+def test_a_later_chunk_whose_values_differ_runs_one_tensor_at_a_time():
+    """A rule that reads a number from its tensors (their largest magnitude), equal within the
+    first chunk, different within the second: the first chunk runs grouped, the second one
+    tensor at a time (where the grouped rule refuses), each tensor scaled by its own number."""
+    calls = []
+
+    def rule(g):
+        calls.append(len(g))
+        (largest,) = numerics.eager_numbers((g.abs().amax(),), g)
+        return g.div(largest)
+
+    grads = [torch.full((3,), 2.0), torch.full((2,), -2.0), torch.full((4,), 1.0), torch.full((2,), 3.0)]
+    chunks = [[0, 1], [2, 3]]
+    args = [[Leaves([grads[i] for i in ix], plain=torch.float32)] for ix in chunks]
+    got = foreach.run_in_chunks(rule, args, [])
+    for indices, result in zip(chunks, got):
+        for i, t in zip(indices, result.items):
+            assert torch.equal(t, grads[i] / grads[i].abs().max())
+    assert calls == [2, 2, 1, 1], "the second chunk grouped first, then one tensor at a time"
+
+
+def test_a_rule_returning_a_list_gives_each_chunk_its_own():
+    """Results inside a list (not a tuple) are each chunk's own tensors."""
+
+    def rule(g):
+        return [g.mul(2.0), g.add(1.0)]
+
+    grads = tensors(6)
+    args = [[Leaves([grads[i] for i in ix], plain=torch.float32)] for ix in CHUNKS]
+    got = foreach.run_in_chunks(rule, args, [])
+    for indices, (doubled, plus_one) in zip(CHUNKS, got):
+        assert all(torch.equal(t, grads[i] * 2) for i, t in zip(indices, doubled.items))
+        assert all(torch.equal(t, grads[i] + 1) for i, t in zip(indices, plus_one.items))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_numbers_taken_as_tensors_keep_every_bit(dtype):
-    """``0.0`` then ``-0.0``, ``2`` then ``2.0``, and a number then the next one up: each
-    multi-tensor op gives the single-tensor op's bits (a number made into a tensor once per
-    value must not stand for another with the same hash)."""
+    """``0.0`` then ``-0.0``, ``2`` then ``2.0``, a NaN then one of the other sign, and a
+    number then the next one up: each multi-tensor op gives the single-tensor op's bits (a
+    number made into a tensor once per value must not stand for another)."""
     x = torch.tensor([1.0, -3.0, 0.5], dtype=dtype)
-    for number in (0.0, -0.0, 2, 2.0, 0.1, torch.nextafter(torch.tensor(0.1), torch.tensor(1.0)).item()):
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    nan = float("nan")
+    up = torch.nextafter(torch.tensor(0.1, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)).item()
+    for number in (0.0, -0.0, 2, 2.0, nan, -nan, 0.1, up):
         for op in ("mul", "div", "add", "sub"):
             grouped = getattr(Leaves([x.clone()], plain=dtype), op + "_")(number).items[0]
             alone = getattr(x.clone(), op + "_")(number)
-            assert torch.equal(grouped, alone) and torch.equal(grouped.signbit(), alone.signbit()), (number, op)
+            assert torch.equal(grouped.view(bits), alone.view(bits)), (number, op)
+
+
+def test_a_number_first_met_under_another_default_device_serves_cpu_tensors():
+    """A number first made into a tensor while the default device is ``meta``: later, on CPU
+    tensors, the op still computes (the number's tensor is made on the CPU)."""
+    with torch.device("meta"):
+        torch.tensor(1.0)  # the default device now meta
+        Leaves([torch.ones(3, device="cpu")], plain=torch.float32).mul_(0.7071)
+    x = Leaves([torch.ones(3)], plain=torch.float32)
+    x.mul_(0.7071)
+    assert torch.equal(x.items[0], torch.ones(3).mul_(0.7071))
