@@ -36,7 +36,8 @@ may run over slices of its tensors instead, one after the other (:func:`run_in_c
 first, the rule itself, its operations on ``Leaves`` recorded (:func:`recorded`, a :class:`Tape`);
 on the others those operations again, without the rule's own Python (its scalar arithmetic,
 the numbers it reads from step counts). A rule that reads its tensors' values into Python
-(:func:`values_read`) runs on each slice itself.
+(:func:`values_read`) runs on each slice itself, and one tensor at a time on a slice where they
+differ (:class:`PerTensorOnly`).
 """
 
 from __future__ import annotations
@@ -487,7 +488,7 @@ class Tape:
     def run_on(self, inputs: Sequence["Leaves"]) -> "_Replayed":
         """The operations again, on ``inputs`` in place of the rule's (in the order given to
         :meth:`runs_on`, which said they may). Returns what each recorded ``Leaves`` became
-        (:meth:`_Replayed.of`)."""
+        (its ``of(value)``: ``value`` with each recorded ``Leaves`` replaced)."""
         values: list[Any] = [None] * self._places
         values[: len(inputs)] = inputs
         for op, constants, leaves_at, kwarg_constants, kwarg_leaves_at, gives_tuple, made_slots in self._plan:
@@ -601,9 +602,12 @@ def run_in_chunks(rule: Callable[..., Any], chunk_args: Sequence[Sequence[Any]],
     """``rule(*args)`` for each chunk's ``args`` (its ``Leaves``, also inside tuples such as a
     state, and values shared by every chunk: numbers, step counts), one chunk after the other:
     the rule itself on the first, its operations recorded (:func:`recorded`), and where they may
-    (:meth:`Tape.runs_on`), those operations again on each next one; else the rule on each. Each
-    result (with the structure of the first's) is appended to ``results`` as its chunk is done
-    (what was done where one raises), which is returned.
+    (:meth:`Tape.runs_on`), those operations again on each next one; else the rule on each, one
+    tensor at a time on a chunk where it raises :class:`PerTensorOnly` (before it writes
+    anything, as :func:`run_grouped` assumes; on the first chunk it raises, for its caller to
+    run the step one tensor at a time). Each result (with the structure of the first's) is
+    appended to ``results`` as its chunk is done (what was done where one raises), which is
+    returned.
 
     Args:
         rule: a rule written for single tensors, whose operations depend on its numbers only.

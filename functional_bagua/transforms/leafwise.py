@@ -88,13 +88,14 @@ def leafwise(
             (:func:`~functional_bagua.foreach.writable_in_place`), where every factor of the
             rule is a Python number. Its write into ``p`` must be its last operation: a rule
             that raises before it runs again one tensor at a time.
-        in_cache_chunks: a step on what a checked step accepted (:mod:`functional_bagua.accepted`)
+        in_cache_chunks: a step on what a checked step accepted (``functional_bagua.accepted``)
             runs over slices of the tensors that stay in the processor's cache
-            (:func:`~functional_bagua.accepted.in_cache_chunks`): the rule runs on the first,
+            (``accepted.in_cache_chunks``): the rule runs on the first,
             its operations recorded (:func:`~functional_bagua.foreach.recorded`), and those
             operations again on each other slice. For rules whose operations depend on the
-            step's numbers only, not on the values of their tensors (a number read from them
-            stops the recording's use: :func:`~functional_bagua.foreach.values_read`).
+            step's numbers only, not on the values of their tensors: a number read from them
+            (:func:`~functional_bagua.foreach.values_read`) makes the rule run on each slice,
+            and on a slice whose tensors give different numbers, one tensor at a time.
 
     Returns:
         A GradientTransformation whose state is a ``state_type`` with one tree per field.
