@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 from typing import Any, Iterator, Optional
 
@@ -197,7 +198,7 @@ class AcceptedStep:
                 return None
         return grads, params
 
-    @property
+    @functools.cached_property
     def present(self) -> list:
         """The indices of the leaves with a gradient."""
         return [i for i, g in enumerate(self.given) if g]

@@ -155,9 +155,7 @@ def reading_tensors(
         if like is None or torch.compiler.is_compiling():
             return built_with_checked_values(factory, *args, **kwargs)
         numbers, read = _numbers_now({**dict(enumerate(args)), **kwargs})
-        if not read:
-            return built_with_checked_values(factory, *args, **kwargs)
-        if keeps_structure.get(read) is False:
+        if not read or keeps_structure.get(read) is False:  # no value read, or a kind known to differ
             return built_with_checked_values(factory, *args, **kwargs)
         with_numbers = factory(*(numbers[i] for i in range(len(args))), **{k: numbers[k] for k in kwargs})
         if read not in keeps_structure:

@@ -337,20 +337,18 @@ def leafwise(
             torch._foreach_mul_(stepped_params, scaled_by)
         overwrites: list = []  # as foreach.run_grouped: the fields overwritten
         chunks = record.chunks if in_cache_chunks else [slice(0, len(grads))]
-        given_per_chunk = [
-            [
-                None if column is None else _as_given(column[part], shared, overwrites, record.dtype)
-                for column, shared in zip(record.columns, record.shared)
-            ]
-            for part in chunks
-        ]
         grouped = [  # the rule's tensors, grouped: per chunk, its gradients, the state given, its parameters
             (
                 foreach.Leaves(grads[part], plain=record.dtype),
-                state_type(*given),
+                state_type(
+                    *(
+                        None if column is None else _as_given(column[part], shared, overwrites, record.dtype)
+                        for column, shared in zip(record.columns, record.shared)
+                    )
+                ),
                 foreach.Leaves(stepped_params[part], plain=record.dtype),
             )
-            for part, given in zip(chunks, given_per_chunk)
+            for part in chunks
         ]
         results: list = []  # per chunk done, the rule's (u, new state)
         try:
@@ -367,7 +365,7 @@ def leafwise(
                 f"{name}: the rule raised {type(error).__name__} after writing into the state or the parameters; "
                 "the step is part-made"
             ) from error
-        ran = [(part, given, u, new) for part, given, (u, new) in zip(chunks, given_per_chunk, results)]
+        ran = [(part, given, u, new) for part, (_, given, _), (u, new) in zip(chunks, grouped, results)]
         updates: Optional[list] = None
         if alpha is None:  # each in its gradient's dtype, as the checked step places them
             updates = [None] * len(update_leaves)

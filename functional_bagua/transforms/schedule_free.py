@@ -209,9 +209,7 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         if inputs is not None:  # what the checks accepted at the last step: y and z written as then,
             picked_ds, picked_ys, picked_zs, chunks = inputs  # a slice at a time (in the cache)
             for part in chunks:
-                torch._foreach_lerp_(picked_ys[part], picked_zs[part], c)
-                torch._foreach_add_(picked_ys[part], picked_ds[part], alpha=along)
-                torch._foreach_add_(picked_zs[part], picked_ds[part], alpha=minus_lr)
+                _step_y_and_z(picked_ys[part], picked_zs[part], picked_ds[part], c, along, minus_lr)
             return ScheduleFreeState(count, lr_max, weight_sum, state.z, b1_now)
         zs = tree.leaves_matching(spec, state.z, "updates", "the state's z")
         present = [i for i, g in enumerate(d_leaves) if g is not None]
@@ -231,9 +229,7 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
             z = iterate.z  # the written ones' z the same tensors, stepped below
             zs = tree.leaves_matching(spec, z, "updates", "the state's z")
         picked_ys, picked_zs, picked_ds = ([column[i] for i in written] for column in (ys, zs, d_leaves))
-        torch._foreach_lerp_(picked_ys, picked_zs, c)
-        torch._foreach_add_(picked_ys, picked_ds, alpha=along)
-        torch._foreach_add_(picked_zs, picked_ds, alpha=minus_lr)
+        _step_y_and_z(picked_ys, picked_zs, picked_ds, c, along, minus_lr)
         if records is not None and len(written) == len(present):  # every tensor: kept for the next step
             given = [g is not None for g in d_leaves]
             record = AcceptedStep.after(spec, given, picked_ds, picked_ys, [picked_zs], z, [picked_zs])
@@ -247,6 +243,14 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
     update.needs_params = True  # type: ignore[attr-defined]
     update.fresh_updates = True  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
+
+
+def _step_y_and_z(ys: list, zs: list, ds: list, c: float, along: float, minus_lr: float) -> None:
+    """``y <- lerp(y, z, c) + along d`` and ``z <- z - lr_t d`` in place, three multi-tensor ops
+    (the reference's)."""
+    torch._foreach_lerp_(ys, zs, c)
+    torch._foreach_add_(ys, ds, alpha=along)
+    torch._foreach_add_(zs, ds, alpha=minus_lr)
 
 
 def _numbers_now(count: torch.Tensor, held: tuple, hyperparameters: list, warmup_steps: int) -> tuple:
