@@ -9,7 +9,7 @@ checks and groups the same: on a few small tensors that costs more than the step
 :class:`AcceptedStep` records what those checks accepted:
 
 - the parameters' tree structure and which of them had a gradient;
-- the gradients' shapes and their one dtype (dense CPU tensors that autograd does not record);
+- the gradients' shapes, their one dtype and device (dense tensors that autograd does not record);
 - where each parameter and state tensor starts in memory;
 - the state the step returned (the same tensors, stepped in place), and the version counters of
   its per-tensor scalars (step counts), which the step reads as one value while they hold the
@@ -67,6 +67,7 @@ class AcceptedStep:
         given: per leaf, whether it had a gradient.
         shapes: the shapes of the leaves with a gradient.
         dtype: their one dtype (of the gradients, parameters and state tensors alike).
+        device: their one device.
         param_starts: where each parameter with a gradient starts in memory.
         columns: per field of the state, its tensors at the leaves with a gradient (``None``
             for a field that holds none).
@@ -83,6 +84,7 @@ class AcceptedStep:
     given: list
     shapes: list
     dtype: torch.dtype
+    device: torch.device
     param_starts: list
     columns: list
     shared: list
@@ -117,7 +119,7 @@ class AcceptedStep:
         """
         if not grads:
             return None
-        dtype = grads[0].dtype
+        dtype, device = grads[0].dtype, grads[0].device
         tensors = [*grads, *params]
         columns: list = []
         shared: list = []
@@ -139,7 +141,7 @@ class AcceptedStep:
                 return None  # per-tensor scalars the step took one by one (they differ, or are float32)
             if not shared[-1]:
                 tensors.extend(before)
-        if not all(_plain(t, dtype) for t in tensors):
+        if not all(_plain(t, dtype, device) for t in tensors):
             return None
         state_starts = [t.data_ptr() for t in _state_tensors(columns)]
         accepted = cls(
@@ -148,13 +150,17 @@ class AcceptedStep:
             list(given),
             [g.shape for g in grads],
             dtype,
+            device,
             [p.data_ptr() for p in params],
             columns,
             shared,
             state_starts,
             frozenset([*(p.data_ptr() for p in params), *state_starts]),
             [],
-            in_cache_chunks([g.numel() * g.element_size() for g in grads]),
+            # on a GPU one slice: its cache is not what a step's operations run through
+            in_cache_chunks([g.numel() * g.element_size() for g in grads])
+            if device.type == "cpu"
+            else [slice(0, len(grads))],
         )
         accepted.note_versions()
         return accepted
@@ -182,7 +188,7 @@ class AcceptedStep:
             return None
         grads = list(itertools.compress(update_leaves, self.given))
         params = list(itertools.compress(param_leaves, self.given))
-        if not (_all_of(grads, self.dtype, self.shapes) and _dense_cpu_untracked(grads)):
+        if not (_all_of(grads, self.dtype, self.shapes) and _dense_untracked_on(grads, self.device)):
             return None
         if not _all_of(params, self.dtype, self.shapes):  # detached (untracked) views: moved, cast or
             return None  # reshaped by ``p.data = ...``, their start, dtype or shape differs
@@ -291,9 +297,9 @@ def _state_tensors(columns: list) -> list:
     return [t for column in columns if column is not None and column[0].dim() > 0 for t in column]
 
 
-def _plain(t: Any, dtype: torch.dtype) -> bool:
-    """Whether ``t`` is a dense CPU tensor of ``dtype`` (any shape) that autograd does not record."""
-    return type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu and t.layout is STRIDED and not t.requires_grad
+def _plain(t: Any, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``t`` is a dense tensor of ``dtype`` (any shape) on ``device`` that autograd does not record."""
+    return type(t) is torch.Tensor and t.dtype is dtype and _dense_untracked_on([t], device)
 
 
 def _all_of(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
@@ -305,6 +311,8 @@ def _all_of(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
     )
 
 
-def _dense_cpu_untracked(tensors: list) -> bool:
-    """Whether ``tensors`` are dense CPU tensors that autograd does not record."""
-    return all(t.is_cpu and t.layout is STRIDED and not t.requires_grad for t in tensors)
+def _dense_untracked_on(tensors: list, device: torch.device) -> bool:
+    """Whether ``tensors`` are dense tensors on ``device`` that autograd does not record."""
+    if device.type == "cpu":
+        return all(t.is_cpu and t.layout is STRIDED and not t.requires_grad for t in tensors)
+    return all(t.device == device and t.layout is STRIDED and not t.requires_grad for t in tensors)

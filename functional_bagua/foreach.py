@@ -132,7 +132,13 @@ def _is_scalar(x: Any) -> bool:
 
 def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``fn`` on each tensor of the :class:`Leaves` among ``args`` / ``kwargs`` (the others as they are)."""
-    n = next(len(a.items) for a in (*args, *kwargs.values()) if isinstance(a, Leaves))
+    n, device = next(
+        (len(a.items), a.items[0].device if a.items else None)
+        for a in (*args, *kwargs.values())
+        if isinstance(a, Leaves)
+    )
+    if device is not None and device.type != "cpu":
+        args, kwargs = [_on_device(a, device) for a in args], {k: _on_device(v, device) for k, v in kwargs.items()}
     stacked = _on_stacked_scalars(fn, args, kwargs, n)
     if stacked is not None:
         return stacked
@@ -144,6 +150,41 @@ def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) ->
     if all(isinstance(r, tuple) for r in results):
         return tuple(Leaves(list(parts)) for parts in zip(*results))
     raise PerTensorOnly(f"{getattr(fn, '__name__', fn)} gives per-tensor values that are not tensors")
+
+
+def _on_device(x: Any, device: torch.device) -> Any:
+    """``x`` on ``device`` where it is a 0-dim CPU tensor (a factor computed from a count held on
+    the CPU) beside tensors there: torch's single-tensor ops take a CPU scalar beside GPU tensors
+    as a number, but some (the clamps) refuse it; the same value either way."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu":
+        return x.to(device)
+    return x
+
+
+class ScalarsBeside(torch.overrides.TorchFunctionMode):
+    """Within: a torch function given a tensor of at least one dimension on ``device`` takes each
+    0-dim CPU tensor among its arguments there (:func:`_on_device`, the same value), while the
+    arithmetic among 0-dim CPU tensors alone stays on the CPU. A rule run on one tensor on a GPU,
+    its step count held on the CPU (``fb.Optimizer``), so computes its factors on the CPU, as the
+    grouped path does (``Leaves`` read them as numbers), and its ops that refuse a CPU operand
+    beside GPU tensors (the clamps) take them.
+
+    Args:
+        device: the device of the tensors the rule steps (not the CPU).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if any(
+            isinstance(a, torch.Tensor) and a.dim() > 0 and a.device == self.device for a in (*args, *kwargs.values())
+        ):
+            args = tuple(_on_device(a, self.device) for a in args)
+            kwargs = {k: _on_device(v, self.device) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 # Elementwise functions: on 0-dim tensors stacked into one vector, each element of the result is
@@ -283,16 +324,26 @@ def _number_as_tensor(b: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 _READ_AS_NUMBER = {torch._foreach_maximum, torch._foreach_minimum, torch._foreach_clamp_min, torch._foreach_clamp_max}
+# beside tensors on a GPU, whose multi-tensor kernels take a number whole (on the CPU these take a
+# 0-dim tensor of the tensors' dtype instead: _scalar_operand)
+_READ_AS_NUMBER_ON_A_GPU = {*_AS_TENSOR, *_AS_TENSORS}
+
+
+def _on_a_gpu(a: "Leaves") -> bool:
+    """Whether ``a``'s first tensor is on a device other than the CPU."""
+    return bool(a.items) and not _converts_scalars_per_tensor(a.items[0].device)
 
 
 def _cpu_number(b: Any, a: "Leaves") -> Any:
     """``b`` as a Python number where it is a 0-dim floating-point tensor on the CPU beside
-    ``a``'s float32 or float64 CPU tensors (its value read without waiting for any device),
-    rounded to their dtype first, as the single-tensor op rounds it: for the ops that compute in
-    their input's dtype (``lerp``'s weight, ``clamp``'s bounds, ``maximum``, ``minimum``), the
-    multi-tensor op given that number gives each tensor the single-tensor op's bits, in one call
-    instead of one per tensor. Anything else is returned as it is, as is ``b`` of another dtype
-    beside a 0-dim tensor (which it would promote)."""
+    ``a``'s float32 or float64 tensors, on any device (its value read without waiting for any
+    device), rounded to their dtype first, as the single-tensor op rounds it: for the ops that
+    compute in their input's dtype (``lerp``'s weight, ``clamp``'s bounds, ``maximum``,
+    ``minimum``; on a GPU also ``add``, ``sub``, ``mul`` and ``div``, whose kernels take a CPU
+    scalar in the tensors' dtype too), the multi-tensor op given that number gives each tensor
+    the single-tensor op's bits, in one call instead of one per tensor. Anything else is
+    returned as it is, as is ``b`` of another dtype beside a 0-dim tensor (which it would
+    promote)."""
     if not (
         isinstance(b, torch.Tensor)
         and b.dim() == 0
@@ -301,7 +352,6 @@ def _cpu_number(b: Any, a: "Leaves") -> Any:
         and not b.requires_grad
         and not torch._C._functorch.is_functorch_wrapped_tensor(b)
         and a.items
-        and a.items[0].device.type == "cpu"
     ):
         return b
     dtype, plain = a.items[0].dtype, a.plain_dtype()
@@ -316,7 +366,7 @@ def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leave
     """``foreach(a, b)`` where torch has the multi-tensor form for ``b`` (tensors, a number, or,
     for add/mul/div, a 0-dim tensor on the tensors' device; for maximum, minimum and the clamps,
     a 0-dim CPU tensor read as a number: :func:`_cpu_number`), else ``fallback`` on each pair."""
-    if foreach in _READ_AS_NUMBER:
+    if foreach in _READ_AS_NUMBER or foreach in _READ_AS_NUMBER_ON_A_GPU and _on_a_gpu(a):
         b = _cpu_number(b, a)
     if isinstance(b, Leaves):
         plain = a._known_plain()  # a result of a's dtype only where b's is the same
@@ -335,7 +385,10 @@ def _binary_in_place(
     foreach: Optional[Callable[..., Any]], method: str, a: "Leaves", b: Any, **kwargs: Any
 ) -> "Leaves":
     """``a``'s tensors overwritten with ``a <op> b``: ``foreach`` (torch's in-place multi-tensor
-    op) for tensors, a number or a shared 0-dim tensor, else the tensor method on each pair."""
+    op) for tensors, a number (on a GPU also a 0-dim CPU tensor read as one: :func:`_cpu_number`)
+    or a shared 0-dim tensor, else the tensor method on each pair."""
+    if foreach in _READ_AS_NUMBER_ON_A_GPU and _on_a_gpu(a):
+        b = _cpu_number(b, a)
     operand = (
         _scalar_operand(foreach, a, b) if foreach is not None and (_is_scalar(b) or _is_shared_scalar(b, a)) else None
     )
@@ -365,7 +418,9 @@ def _pointwise_in_place(
     foreach: Callable[..., Any], method: str, a: "Leaves", t1: Any, t2: Any, value: Any
 ) -> "Leaves":
     """``a += value * (t1 <op> t2)`` in place (``addcmul_``, ``addcdiv_``): ``foreach`` for tensors
-    and a number ``value``, else the tensor method on each."""
+    and a number ``value`` (or a 0-dim CPU tensor read as one: :func:`_cpu_number`), else the
+    tensor method on each."""
+    value = _cpu_number(value, a)
     if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
         foreach(a.items, t1.items, t2.items, value)
     else:
@@ -808,11 +863,13 @@ class Leaves:
         return _map(torch.lerp, (self, end, weight), {})
 
     def addcmul(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
+        value = _cpu_number(value, self)
         if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
             return Leaves(torch._foreach_addcmul(self.items, t1.items, t2.items, value))
         return _map(torch.addcmul, (self, t1, t2), {"value": value})
 
     def addcdiv(self, t1: Any, t2: Any, value: Any = 1) -> "Leaves":
+        value = _cpu_number(value, self)
         if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
             return Leaves(torch._foreach_addcdiv(self.items, t1.items, t2.items, value))
         return _map(torch.addcdiv, (self, t1, t2), {"value": value})
@@ -941,6 +998,8 @@ class Leaves:
 
     # reflected operators run as torch.Tensor's own (``2 / t`` is ``t.reciprocal() * 2`` there)
     def __rsub__(self, other: Any) -> "Leaves":
+        if _on_a_gpu(self):
+            other = _cpu_number(other, self)
         if _is_scalar(other):  # -t + other: the same rounding as other - t
             return Leaves(torch._foreach_add(torch._foreach_neg(self.items), other))
         return _map(torch.Tensor.__rsub__, (self, other), {})
@@ -992,7 +1051,17 @@ def _torch_function_on_leaves(func: Any, *args: Any, **kwargs: Any) -> Any:
     fast = _FAST.get(func)
     if fast is not None and isinstance(args[0], Leaves):
         return fast(*args, **kwargs)
+    reflected = _REFLECTED.get(func)
+    if reflected is not None and len(args) == 2 and not kwargs and isinstance(args[1], Leaves) and _on_a_gpu(args[1]):
+        number = _cpu_number(args[0], args[1])  # a 0-dim CPU tensor first (``b * leaves``): a number
+        if _is_scalar(number):
+            return getattr(args[1], reflected)(number)
     return _map(func, args, kwargs)
+
+
+# a tensor's operator with Leaves second: the Leaves method that computes it with a number first
+# (add and mul commute)
+_REFLECTED = {torch.Tensor.add: "add", torch.Tensor.mul: "mul", torch.Tensor.sub: "__rsub__"}
 
 
 _OPERATIONS = (  # the Leaves methods that compute (recorded: _recorded_op)
@@ -1121,38 +1190,42 @@ def writable_in_place(tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def writable_part(indices: list[int], tensors_of: Callable[[list[int]], list[torch.Tensor]]) -> list[int]:
+def writable_part(
+    indices: list[int], tensors_of: Callable[[list[int]], list[torch.Tensor]], numbers_now: bool = False
+) -> list[int]:
     """The ``indices`` whose tensors (``tensors_of(indices)``: every tensor the step of those
-    indices reads or writes) a step may write into in place, on the CPU: all of them where they
-    may be together (:func:`writable_in_place`, the usual case: one dtype); else those whose own
-    tensors each may be (float32 or float64, not 0-dim, dense, not recorded by autograd), of
-    either dtype, where none of them starts where another does (else ``[]``). The others then
-    take another path (a pure update, added).
+    indices reads or writes) a step may write into in place, on the CPU (and on any device where
+    ``numbers_now``): all of them where they may be together (:func:`writable_in_place`, the
+    usual case: one dtype); else those whose own tensors each may be (float32 or float64, not
+    0-dim, dense, not recorded by autograd), of either dtype, where none of them starts where
+    another does (else ``[]``). The others then take another path (a pure update, added).
 
     Args:
         indices: the tensors' indices, in order.
         tensors_of: the tensors of some of the indices.
+        numbers_now: the step's factors are Python numbers whatever the tensors' device (its
+            scalars held on the CPU, as ``fb.Optimizer`` holds them beside a GPU's tensors).
     """
     if not indices:
         return []
     tensors = tensors_of(indices)
-    if writable_in_place(tensors) and tensors[0].device.type == "cpu":
+    if writable_in_place(tensors) and (numbers_now or tensors[0].device.type == "cpu"):
         return list(indices)
-    alone = [i for i in indices if all(_writable_alone(t) for t in tensors_of([i]))]
+    alone = [i for i in indices if all(_writable_alone(t, numbers_now) for t in tensors_of([i]))]
     chosen = tensors_of(alone) if alone else []
     return alone if len({t.data_ptr() for t in chosen}) == len(chosen) else []
 
 
-def _writable_alone(t: Any) -> bool:
+def _writable_alone(t: Any, numbers_now: bool) -> bool:
     """Whether ``t`` alone may be written in place (:func:`writable_in_place` of one tensor, on
-    the CPU), checked directly."""
+    the CPU unless ``numbers_now``), checked directly."""
     return (
         isinstance(t, torch.Tensor)
         and t.dtype in (torch.float32, torch.float64)
         and t.dim() > 0
         and t.layout is torch.strided
         and not t.requires_grad
-        and t.device.type == "cpu"
+        and (numbers_now or t.device.type == "cpu")
     )
 
 

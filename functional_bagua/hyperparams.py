@@ -55,7 +55,7 @@ import torch
 
 from functional_bagua import ownership, tree
 from functional_bagua.base import GradientTransformation
-from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number, readable_now
+from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number, readable_now, takes_cpu_scalars
 from functional_bagua.schedules import (
     describe,
     reads_count_as_number,
@@ -175,6 +175,7 @@ def reading_tensors(
     return GradientTransformation(init, update)
 
 
+@takes_cpu_scalars  # held on the CPU, its numbers are read as Python numbers: the transform built with them
 class InjectHyperparamsState(NamedTuple):
     """``count``: updates done; ``hyperparams``: name -> 0-dim tensor (or tuple of them);
     ``inner_state``: the state of the transform the factory builds."""

@@ -114,7 +114,11 @@ def _run_on(
     assert isinstance(moments, (ScaleByAdamState, ScaleByAmsgradState))  # moments_of raised if there were none
     counts = [moments.count[k] for k in keys]
     torch._foreach_add_(counts, 1)
-    steps = torch.stack(counts).to(STEP_DTYPE).unbind() if len(counts) > 1 else [counts[0].to(STEP_DTYPE)]
+    # on the parameters' device, as the kernel reads them (fb.Optimizer may hold its counts on the CPU)
+    device = p[0].device
+    steps = (
+        torch.stack(counts).to(device, STEP_DTYPE).unbind() if len(counts) > 1 else [counts[0].to(device, STEP_DTYPE)]
+    )
     mu, nu = as_real([moments.mu[k] for k in keys]), as_real([moments.nu[k] for k in keys])
     max_nu = as_real([cast(ScaleByAmsgradState, moments).nu_max[k] for k in keys]) if spec.hyper["amsgrad"] else []
     kernel = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
@@ -125,7 +129,7 @@ def _run_on(
 def _undo_counts_if(found_inf: Optional[torch.Tensor], counts: list) -> None:
     """Where ``found_inf`` is nonzero the kernel skipped the step: take back its count."""
     if found_inf is not None:
-        torch._foreach_sub_(counts, [found_inf.to(counts[0].dtype)] * len(counts))
+        torch._foreach_sub_(counts, [found_inf.to(counts[0].device, counts[0].dtype)] * len(counts))
 
 
 FUNCTIONAL = {"adam": "_fused_adam", "adamw": "_fused_adamw", "sgd": "_fused_sgd"}

@@ -22,6 +22,33 @@ COUNT_DTYPE = torch.int64
 SCALAR_DTYPE = torch.float64
 
 
+# the state types whose transforms take their 0-dim scalars (step counts, float64 numbers) on the
+# CPU beside tensors on another device: fb.Optimizer's eager step keeps those there
+_CPU_SCALARS_TAKEN: set[type] = set()
+
+
+def takes_cpu_scalars(state_type: type) -> type:
+    """Declare that the transform whose state is a ``state_type`` computes as well with the 0-dim
+    scalars of that state (its step counts, its float64 numbers) on the CPU as on its tensors'
+    device: its tensors' ops take them as numbers (``foreach``), and none of its ops would refuse
+    a 0-dim CPU operand beside tensors on a GPU. ``fb.Optimizer``'s eager step then holds them
+    there, as torch.optim holds its ``step`` (:func:`takes_cpu_scalars_in`).
+
+    Args:
+        state_type: the NamedTuple class of the transform's state.
+
+    Returns:
+        ``state_type``, so that this may decorate its definition.
+    """
+    _CPU_SCALARS_TAKEN.add(state_type)
+    return state_type
+
+
+def takes_cpu_scalars_in(state: Any) -> bool:
+    """Whether ``state`` is of a type declared with :func:`takes_cpu_scalars`."""
+    return type(state) in _CPU_SCALARS_TAKEN
+
+
 def zero_count(like: tree.PyTree) -> torch.Tensor:
     """A 0-dim integer step counter on the device of ``like`` (a tensor, or a tree of them).
 
@@ -204,8 +231,8 @@ def number_now(value: Any) -> Optional[float]:
 
 def eager_number(x: Any, like: Any) -> Optional[float]:
     """A 0-dim CPU hyperparameter ``x`` (``fb.Optimizer``'s factory form and ``inject_hyperparams``
-    hold them so) as a Python number when running eagerly beside float32 or float64 CPU tensors
-    ``like`` (a tensor, or ``foreach.Leaves`` of one device): its value rounded to their dtype
+    hold them so) as a Python number when running eagerly beside float32 or float64 tensors
+    ``like`` (a tensor, or ``foreach.Leaves`` of one device, on any device): its value rounded to their dtype
     first, as a single-tensor op rounds a scalar operand, read without waiting for any device (as
     ``foreach`` reads lerp weights). A rule then takes the number's path: a fused ``alpha``, or no
     term at all where it is 0 (as torch.optim's ``if weight_decay != 0``). ``None`` while traced,
@@ -230,12 +257,9 @@ def eager_number(x: Any, like: Any) -> Optional[float]:
 
 def _reads_numbers_beside(like: Any) -> bool:
     """Whether :func:`eager_number` reads a CPU tensor as a number beside ``like``: eagerly, beside
-    float32 or float64 CPU tensors."""
-    return (
-        getattr(like, "dtype", None) in (torch.float32, torch.float64)
-        and like.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    )
+    float32 or float64 tensors (on the CPU, or on a GPU beside the scalars ``fb.Optimizer``
+    holds on the CPU: its kernels take a number in the tensors' dtype too)."""
+    return getattr(like, "dtype", None) in (torch.float32, torch.float64) and not torch.compiler.is_compiling()
 
 
 def eager_numbers(values: Sequence[Any], like: Any) -> Optional[list[float]]:

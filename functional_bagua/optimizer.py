@@ -74,7 +74,8 @@ the pure step, their update added); so do
 :func:`~functional_bagua.ademamix`'s, :func:`~functional_bagua.laprop`'s and
 :func:`~functional_bagua.adopt`'s steps, as their references write them (``p.addcdiv_(mu, denom, value=-dlr)``; LaProp's decoupled decay then
 ``p.mul_(1 - wd lr)``; AdEMAMix's, :func:`~functional_bagua.add_decayed_weights` between it and
-the learning rate, first; on the CPU, where their factors are numbers; a
+the learning rate, first; where their factors are numbers: on the CPU, and on a GPU for
+schedule-free and the rules written per tensor, whose scalars the optimizer holds on the CPU; a
 :func:`~functional_bagua.leafwise` rule offers this with ``write_leaf``). A link offers this as
 ``update.apply_in_place(updates, state, params, alpha)``: ``p <- p + alpha u`` for its update
 ``u``, its state and the parameters given up, or ``None``, nothing changed, to decline
@@ -92,6 +93,16 @@ structure allows it, checked once per kind of numbers), and writes its step as a
 given a tensor (``lr=torch.tensor(...)``, :func:`~functional_bagua.hyperparams.reading_tensors`)
 is built each step from the values it holds, read as Python numbers on the CPU
 (``update.built_now``).
+
+Beside parameters on a GPU, the eager step holds on the CPU the step counts and float64 scalars
+of the transforms that take them there (the rules written per tensor, schedule-free's averaging
+weights, injected hyperparameters: :func:`~functional_bagua.numerics.takes_cpu_scalars`), as
+torch.optim holds its ``step`` on the CPU: their factors are computed without waiting for the
+GPU and reach torch's multi-tensor kernels as numbers, one kernel per operation (0-dim GPU
+factors that differ per tensor would take one kernel per tensor), and schedule-free's and
+those rules' steps are written into the parameters as on the CPU. A step compiled from the
+first (the state made while traced) keeps them on the device, as the pure transform does; a
+group stepped by torch's fused kernel keeps its counts where that kernel reads them.
 
 A group's state is made at its first use (its first step, as torch.optim's), so a model cast or
 moved after the optimizer is built steps on its new dtype and device. Reading the state
@@ -134,12 +145,12 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from functional_bagua import accepted, checkpoint, kernels, ownership, tree
+from functional_bagua import accepted, checkpoint, kernels, numerics, ownership, tree
 from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates_, chain
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams, number_kind, same_state_structure
 from functional_bagua.numerics import SCALAR_DTYPE, holds_tensor, is_real_number, number_now
-from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, positions
+from functional_bagua.parameter_state import NAME, GroupLayout, ParameterStates, Position, positions
 from functional_bagua.transforms.schedule_free import (
     schedule_free_eval_params,
     schedule_free_states,
@@ -365,7 +376,7 @@ class Optimizer(torch.optim.Optimizer):
         """Group ``i``'s state, made now if it is not yet: over the parameters that require
         gradients, on their dtype and device of now."""
         if self._groups[i].state is None:
-            self._make_state(self, i, None)
+            self._make_state(self, i, None, host=not torch.compiler.is_compiling())
         return self._with_written(self._groups[i])
 
     @staticmethod
@@ -480,7 +491,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._follow_numbers(self, i)
             state = self._state(i)
             if any(g is not None and k not in ours.tracked for k, g in grads.items()):
-                state = self._grow_state(self, i, grads)
+                state = self._grow_state(self, i, grads, host=not torch.compiler.is_compiling())
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
             kernel = self._kernel(i)
@@ -746,22 +757,103 @@ def _make_state(
     tracked: Optional[frozenset[int]],
     assign: bool = True,
     tx: Optional[GradientTransformation] = None,
+    host: bool = True,
 ) -> OptState:
     """Group ``i``'s state over the parameters at positions ``tracked`` (``None``: those that
     require gradients), made by ``tx`` (the group's transform by default), kept as the group's
     with ``assign`` (eager: a compiled step that makes it reads numbers the state holds as Python
-    values until then)."""
+    values until then); with ``host``, its scalars on the CPU where the group runs no kernel of
+    torch's (:func:`_scalars_on_host`)."""
     params = optimizer.param_groups[i]["params"]
     tracked = tracked if tracked is not None else _requiring_grad(optimizer.param_groups[i])
     ours = optimizer._groups[i]
     tx = ours.tx if tx is None else tx
     state = tx.init({k: p.detach() if k in tracked else None for k, p in zip(positions(len(params)), params)})
+    if host and optimizer._kernel(i) is None:
+        state = _scalars_on_host(state, params)
     if assign:
         ours.state, ours.tracked = state, tracked
     return state
 
 
-def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Tensor]]) -> OptState:
+_HOST = torch.device("cpu")
+
+
+def _scalars_on_host(state: Any, params: list, host: torch.device = _HOST) -> Any:
+    """``state`` with the 0-dim scalars of its parts that take them on the CPU
+    (:func:`~functional_bagua.numerics.takes_cpu_scalars`: the leafwise rules, schedule-free's
+    averaging, injected hyperparameters) moved there from another device: step counts
+    (integers) and float64 numbers (bias-correction products, averaging weights,
+    hyperparameters; those of a 0-dim parameter, which could be its float64 moments, excepted),
+    as torch.optim keeps its
+    ``step`` on the CPU. An eager step then computes its factors on the CPU without waiting for
+    the device and hands them to torch's multi-tensor kernels as numbers (``foreach``): one
+    kernel per op, where a 0-dim GPU operand that differs per tensor runs one kernel per tensor.
+    A value a rule computes from the tensors (Prodigy's ``d``) is on their device from its first
+    step on. Other parts are left as they are.
+
+    Args:
+        state: a group's state, as its transform's ``init`` made it (trees of the parameters
+            keyed by their position in the group).
+        params: the group's parameters.
+        host: where the scalars go (the CPU; another device in the tests, which run on the CPU).
+    """
+
+    def scalar(leaf: torch.Tensor, position: Optional[int]) -> torch.Tensor:
+        hosted = (
+            isinstance(leaf, torch.Tensor)
+            and leaf.dim() == 0
+            and leaf.device != host
+            and not leaf.requires_grad
+            and (
+                leaf.dtype in (torch.int32, torch.int64)
+                or leaf.dtype == SCALAR_DTYPE
+                and (position is None or params[position].dim() > 0)
+            )
+        )
+        return leaf.to(host) if hosted else leaf
+
+    def field(value: Any, position: Optional[int] = None) -> Any:
+        """A field of a state that takes CPU scalars: its tensors (per parameter, keyed by position)."""
+        if isinstance(value, torch.Tensor):
+            return scalar(value, position)
+        if isinstance(value, dict):
+            return {k: field(v, k if isinstance(k, Position) else position) for k, v in value.items()}
+        if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):  # betas, as a tuple
+            return tuple(scalar(v, position) for v in value)
+        return walk(value)  # another transform's state inside (an injected transform's)
+
+    def walk(node: Any) -> Any:
+        if hasattr(node, "_fields"):  # a transform's state (a NamedTuple)
+            if numerics.takes_cpu_scalars_in(node) and all(_all_take_cpu_scalars(v) for v in node):
+                return type(node)(*(field(v) for v in node))
+            return type(node)(*(walk(v) for v in node))
+        if isinstance(node, (tuple, list)):  # a chain's states
+            return type(node)(walk(v) for v in node)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return walk(state)
+
+
+def _all_take_cpu_scalars(node: Any) -> bool:
+    """Whether every transform's state inside ``node`` that holds tensors takes CPU scalars
+    (:func:`~functional_bagua.numerics.takes_cpu_scalars`): an injected transform's numbers go
+    to the CPU only where what it injects them into takes them there (PSGD-Kron, compiled, would
+    meet a CPU hyperparameter beside its batched GPU tensors)."""
+    if hasattr(node, "_fields"):
+        if not numerics.takes_cpu_scalars_in(node) and any(isinstance(t, torch.Tensor) for t in tree.flatten(node)[0]):
+            return False
+        return all(_all_take_cpu_scalars(v) for v in node)
+    if isinstance(node, (tuple, list)):
+        return all(_all_take_cpu_scalars(v) for v in node)
+    if isinstance(node, dict):
+        return all(_all_take_cpu_scalars(v) for v in node.values())
+    return True
+
+
+def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Tensor]], host: bool = True) -> OptState:
     """Group ``i``'s state with state added for the parameters that have a gradient but none
     yet (frozen when it was made, or not in the checkpoint it was loaded from), as torch.optim
     makes a parameter's state at its first step: their tensors fresh from ``init``, every other
@@ -771,7 +863,7 @@ def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Te
     old_leaves, old_layout = kept
     ours = optimizer._groups[i]
     tracked = ours.tracked | {k for k, g in grads.items() if g is not None}
-    grown = _make_state(optimizer, i, tracked, assign=False)
+    grown = _make_state(optimizer, i, tracked, assign=False, host=host)
     layout = GroupLayout.of(grown)
     merged = []
     for position, name, fresh in zip(layout.positions, layout.names, tree.flatten(grown)[0]):

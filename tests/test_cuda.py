@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ALL_ALIASES, RICH_SETTINGS, problem, tensor_leaves
+from helpers import ALL_ALIASES, NEWER_FIRST_ORDER, RICH_SETTINGS, problem, tensor_leaves
 from models import batches, loss_fn, make_model
 
 import functional_bagua as fb
+from functional_bagua import foreach
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
@@ -257,3 +258,93 @@ def test_cuda_graphed_step_refuses_other_buffers_and_shapes():
     params[key] = original
     params, state, loss = step(params, state, (x, y))
     assert torch.isfinite(loss)
+
+
+EAGER_FIRST_ORDER = {
+    **NEWER_FIRST_ORDER,
+    fb.prodigy: dict(weight_decay=0.01),
+    fb.dadapt_adam: {},
+}
+# their distance estimate d is computed from the tensors each step: their scalars stay on the device
+KEEP_SCALARS_ON_THE_DEVICE = (fb.prodigy, fb.dadapt_adam)
+
+
+@pytest.mark.parametrize("alias", list(EAGER_FIRST_ORDER), ids=lambda a: a.__name__)
+def test_fb_optimizer_holds_its_scalars_on_the_cpu_and_steps_one_kernel_per_op_on_cuda(alias, monkeypatch):
+    """As torch.optim keeps ``step`` on the CPU: fb.Optimizer's step counts and float64 scalars
+    live on the CPU where no torch kernel computes the group (its tensors on the GPU; Prodigy's
+    and D-Adaptation's stay with their tensors, whose sums give their estimate), so its
+    factors reach torch's multi-tensor ops as numbers, and no elementwise op falls back to one
+    kernel per tensor; the parameters stay within rounding of the pure update run on the GPU
+    with its scalars there (the same numbers, multiplied in another order)."""
+    kwargs = EAGER_FIRST_ORDER[alias]
+    params, grads = problem(alias)
+    shapes = {k: v.shape for k, v in params.items() if v.dim() > 0}  # a 0-dim parameter runs alone
+    tensors = {k: torch.nn.Parameter(params[k].to(DEVICE)) for k in shapes}
+    opt = fb.Optimizer(list(tensors.values()), alias(**kwargs))
+    per_tensor = []
+    original = foreach._map
+    monkeypatch.setattr(
+        foreach,
+        "_map",
+        lambda fn, args, kw: (
+            (
+                per_tensor.append(fn)
+                if fn in foreach._ELEMENTWISE and any(isinstance(a, foreach.Leaves) and a.items[0].dim() for a in args)
+                else None
+            )
+            or original(fn, args, kw)
+        ),
+    )
+    tx = alias(**kwargs)
+    pure = {k: params[k].to(DEVICE) for k in shapes}
+    state = tx.init(pure)
+    for _ in range(3):
+        for k, p in tensors.items():
+            p.grad = grads[k].to(DEVICE)
+        opt.step()
+        updates, state = tx.update({k: grads[k].to(DEVICE) for k in shapes}, state, pure)
+        pure = fb.apply_updates(pure, updates)
+    if alias is not fb.mars_adamw:  # MARS's first-step choice (torch.where on its count) runs per tensor
+        assert not per_tensor, f"{alias.__name__}: elementwise ops one tensor at a time: {per_tensor}"
+    saved = opt.state_dict()
+    held = [t for entries in saved["state"].values() for t in entries.values()]
+    held += list(saved["param_groups"][0]["shared_state"].values())
+    assert all(t.device.type == "cuda" for t in held if t.dim() > 0)
+    counts = [t for t in held if t.dim() == 0 and not t.is_floating_point()]
+    where = "cuda" if alias in KEEP_SCALARS_ON_THE_DEVICE else "cpu"
+    assert counts and all(t.device.type == where for t in counts), alias.__name__
+    for k, p in tensors.items():
+        torch.testing.assert_close(p.detach(), pure[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_0_dim_cpu_factor_of_gpu_tensors_runs_one_multi_tensor_op_with_the_single_tensor_bits(dtype, monkeypatch):
+    """A factor computed on the CPU (a bias correction from a count held there) beside tensors on
+    the GPU reaches torch's multi-tensor add, sub, mul, div, addcmul and reflected sub as a
+    number: one call for the group, each tensor the single-tensor op's bits with the CPU
+    scalar."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(s, generator=gen).to(DEVICE, dtype) for s in ((1000,), (4, 5), (3,))]
+    others = [torch.randn(t.shape, generator=gen).to(DEVICE, dtype) for t in tensors]
+    calls = []
+    original = foreach._map
+    monkeypatch.setattr(foreach, "_map", lambda *a: calls.append(a[0]) or original(*a))
+    leaves, other = foreach.Leaves(tensors), foreach.Leaves(others)
+    for value in (1 / 3, 1 - 0.999**7, 2.5e-3):
+        b = torch.tensor(value, dtype=torch.float64)
+        cases = {
+            "add": (leaves + b, [t + b for t in tensors]),
+            "sub": (leaves - b, [t - b for t in tensors]),
+            "mul": (leaves * b, [t * b for t in tensors]),
+            "div": (leaves / b, [t / b for t in tensors]),
+            "rsub": (b - leaves, [b - t for t in tensors]),
+            "addcmul": (
+                leaves.addcmul(other, other, value=b),
+                [t.addcmul(o, o, value=b) for t, o in zip(tensors, others)],
+            ),
+        }
+        for name, (got, expected) in cases.items():
+            for g, e in zip(got.items, expected):
+                assert g.dtype == e.dtype and torch.equal(g, e), (name, value)
+    assert not calls, f"one tensor at a time: {calls}"

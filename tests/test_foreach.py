@@ -276,8 +276,8 @@ def test_a_number_meets_tensors_of_several_dtypes_as_each_single_tensor_op():
 def test_a_0_dim_cpu_operand_of_lerp_clamp_or_extremes_runs_one_multi_tensor_op_with_the_single_tensor_bits(
     dtype, op, monkeypatch
 ):
-    """A 0-dim CPU tensor (a weight or a bound computed from the step count) reaches torch's
-    multi-tensor op as a number rounded to the tensors' dtype: one call for the group, each
+    """A 0-dim CPU tensor (a weight or a bound computed from the step count), beside tensors on
+    the CPU or a GPU, reaches torch's multi-tensor op as a number rounded to the tensors' dtype: one call for the group, each
     tensor the bits and dtype of the single-tensor op (float32 and float64; other dtypes one
     tensor at a time, as before)."""
     gen = seeded(1)
@@ -288,23 +288,25 @@ def test_a_0_dim_cpu_operand_of_lerp_clamp_or_extremes_runs_one_multi_tensor_op_
     monkeypatch.setattr(foreach, "_map", lambda *a: calls.append(a) or original(*a))
     for value in (1 / 3, 0.7, 1 - 0.9**5):
         for scalar_dtype in (torch.float64, torch.float32, dtype):
-            b = torch.tensor(value, dtype=scalar_dtype)
+            b = torch.tensor(value, dtype=scalar_dtype, device="cpu")
+            on = b.to(tensors[0].device)  # the single-tensor op's operand, on the tensors' device
             if op == "lerp":
-                expected = [t.lerp(e, b.to(dtype)) for t, e in zip(tensors, ends)]
+                expected = [t.lerp(e, on.to(dtype)) for t, e in zip(tensors, ends)]
                 got = foreach.Leaves(tensors).lerp(foreach.Leaves(ends), b.to(dtype)).items
             elif op == "clamp":
-                expected = [t.clamp(-b, b) for t in tensors]
+                expected = [t.clamp(-on, on) for t in tensors]
                 got = foreach.Leaves(tensors).clamp(-b, b).items
             else:
-                expected = [getattr(t, op)(b) for t in tensors]
+                expected = [getattr(t, op)(on) for t in tensors]
                 got = getattr(foreach.Leaves(tensors), op)(b).items
             for e, g in zip(expected, got):
                 assert g.dtype == e.dtype and torch.equal(g, e), (op, value, scalar_dtype)
     assert bool(calls) == (dtype == torch.bfloat16), "one multi-tensor op for float32 and float64 only"
     # beside a 0-dim tensor of the group, a bound of another dtype promotes it as the single-tensor op does
-    scalar, bound = torch.tensor(0.25, dtype=dtype), torch.tensor(1 / 3, dtype=torch.float64)
+    scalar, bound = torch.tensor(0.25, dtype=dtype), torch.tensor(1 / 3, dtype=torch.float64, device="cpu")
     for e, g in zip(
-        [t.clamp_min(bound) for t in (scalar, *tensors)], foreach.Leaves([scalar, *tensors]).clamp_min(bound).items
+        [t.clamp_min(bound.to(t.device)) for t in (scalar, *tensors)],
+        foreach.Leaves([scalar, *tensors]).clamp_min(bound).items,
     ):
         assert g.dtype == e.dtype and torch.equal(g, e)
 
@@ -472,3 +474,34 @@ def test_the_writable_part_is_every_tensor_or_those_that_may_be_written_alone():
     shared = torch.zeros(6)
     starting_together = [shared[:3], shared[:2], torch.zeros(())]
     assert foreach.writable_part([0, 1, 2], lambda indices: [starting_together[i] for i in indices]) == []
+
+
+class _ArgumentDevices(torch.overrides.TorchFunctionMode):
+    """Records the devices of the tensor arguments each torch function is called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((func, [a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]))
+        return func(*args, **kwargs)
+
+
+def test_a_rule_on_one_tensor_computes_its_factors_on_the_cpu_and_gives_them_to_its_ops_on_the_device():
+    """ScalarsBeside (a rule run on one tensor beside counts held on the CPU): arithmetic among
+    0-dim CPU tensors stays there (the grouped path's factors, bit for bit), also in place, and
+    an op given a tensor on the device takes each 0-dim CPU operand there (the clamps refuse a
+    CPU bound beside a GPU tensor). (The meta device stands in for a GPU.)"""
+    meta = torch.device("meta")
+    count, x = torch.tensor(3, dtype=torch.int64), torch.empty(3, 4, device=meta)
+    with _ArgumentDevices() as seen, foreach.ScalarsBeside(meta):
+        bound = (count.to(torch.float64) + 1) ** 0.25
+        clipped = x.clamp(-bound, bound)
+        count.add_(torch.ones((), dtype=torch.int64))
+    assert bound.device.type == "cpu" and clipped.is_meta and count.item() == 4
+    by_function = {getattr(func, "__name__", str(func)): devices for func, devices in seen.calls}
+    assert by_function["pow"] == ["cpu"]  # the factor: on the CPU
+    assert by_function["clamp"] == ["meta", "meta", "meta"]  # the bound taken beside the tensor
+    assert by_function["add_"] == ["cpu", "cpu"]  # no tensor on the device: as it is

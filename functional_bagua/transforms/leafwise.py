@@ -21,13 +21,14 @@ parameter that skipped steps bias-corrects with its own count.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import optree
 import torch
 
-from functional_bagua import accepted, checks, foreach, layout_context, ownership, tree
+from functional_bagua import accepted, checks, foreach, layout_context, numerics, ownership, tree
 from functional_bagua.accepted import AcceptedStep
 from functional_bagua.base import EmptyState, GradientTransformation, apply_updates_
 from functional_bagua.flat import Segment
@@ -84,9 +85,10 @@ def leafwise(
             written into ``p`` as its reference writes it, ``p <- p + alpha u`` for the ``u`` of
             ``update_leaf`` (``p.addcdiv_(m, denom, value=alpha)``), its state computed in the
             old one (given up): ``fb.Optimizer`` calls it (``update.apply_in_place``) eagerly,
-            on dense float32 or float64 CPU tensors of at least one dimension
-            (:func:`~functional_bagua.foreach.writable_in_place`), where every factor of the
-            rule is a Python number. Its write into ``p`` must be its last operation: a rule
+            on dense float32 or float64 tensors of at least one dimension
+            (:func:`~functional_bagua.foreach.writable_in_place`) on the CPU, or on a GPU where
+            the state's scalars are on the CPU (as ``fb.Optimizer`` holds them), where every
+            factor of the rule is a Python number. Its write into ``p`` must be its last operation: a rule
             that raises before it runs again one tensor at a time.
         in_cache_chunks: a step on what a checked step accepted (``functional_bagua.accepted``)
             runs over slices of the tensors that stay in the processor's cache
@@ -108,6 +110,9 @@ def leafwise(
                                   lambda g, s, p: (s.total + g, TotalState(s.total + g)), name="running_sum")
     """
     fields = state_type._fields
+    numerics.takes_cpu_scalars(
+        state_type
+    )  # the grouped ops read CPU scalars as numbers; a single tensor's on its device
     rule = update_leaf if per_tensor else _on_real_views(update_leaf)
     expected_shapes = _ExpectedShapes(init_leaf, fields, name)
     complex_ok = not (per_tensor or sparse_gradients)
@@ -175,8 +180,9 @@ def leafwise(
         (:func:`~functional_bagua.foreach.writable_part`: a 0-dim parameter, a bfloat16 one),
         those take their update (in the same pass), added with ``alpha`` after the
         multiplication (the pure update's numbers to a rounding), and the rest are written.
-        ``None``, nothing changed, where none can be (traced, a fused or segmented layout, not
-        on the CPU), or for ``scaled_by`` given to a rule that reads the parameters (it would
+        ``None``, nothing changed, where none can be (traced, a fused or segmented layout, on a
+        GPU with the state's scalars there: its factors would not be numbers; ``fb.Optimizer``
+        holds them on the CPU), or for ``scaled_by`` given to a rule that reads the parameters (it would
         read them scaled). Within :func:`functional_bagua.accepted.kept_in` (``fb.Optimizer``'s
         step), where every tensor was written, and the state with it, what the checks accepted
         is kept, and a next step on the same tensors runs the rule on them unchecked (as
@@ -206,7 +212,9 @@ def leafwise(
             tensors = [column[i] for column in (x.params, x.updates) for i in indices]
             return tensors + [t for leaves in state_leaves for t in (leaves[i] for i in indices) if _has_dims(t)]
 
-        written = foreach.writable_part(present, tensors_of)
+        scalars = [t for leaves in state_leaves for t in (leaves[i] for i in present) if not _has_dims(t)]
+        numbers_now = all(not isinstance(t, torch.Tensor) or t.is_cpu for t in scalars)  # counts on the CPU
+        written = foreach.writable_part(present, tensors_of, numbers_now)
         if not written:
             return None
         if len(written) == len(present):  # the usual case: every tensor
@@ -282,13 +290,15 @@ def leafwise(
                     _place(column, members, new_column, old_column)  # each state tensor in its old one's
         for i in sorted(singles):
             g, p, s = x.updates[i], x.params[i], state_type(*(leaves[i] for leaves in state_leaves))
-            if writes(i):
-                assert write_leaf is not None and alpha is not None  # apply_in_place
-                u, new_s = None, write_leaf(g, s, p, alpha)
-            elif keys is None:
-                u, new_s = rule(g, s, p)
-            else:
-                u, new_s = _update_segments(update_leaf, state_type, g, s, p, _segments_of(keys[i]))
+            beside = _scalars_beside(g, s)
+            with beside:
+                if writes(i):
+                    assert write_leaf is not None and alpha is not None  # apply_in_place
+                    u, new_s = None, write_leaf(g, s, p, alpha)
+                elif keys is None:
+                    u, new_s = rule(g, s, p)
+                else:
+                    u, new_s = _update_segments(update_leaf, state_type, g, s, p, _segments_of(keys[i]))
             updates[i] = None if u is None else _update_in(u, g.dtype, name)
             for f, value in enumerate(_with_dtypes_of(new_s, s)):
                 new_fields[f][i] = value
@@ -717,6 +727,20 @@ def _one_scalar_like(value: Any, old: torch.Tensor) -> bool:
         and value.is_cpu
         and not value.requires_grad
     )
+
+
+def _scalars_beside(g: Any, s: NamedTuple) -> Any:
+    """Where a rule runs on one tensor: on a GPU, its state's 0-dim CPU tensors (step counts
+    ``fb.Optimizer`` holds on the CPU) taken beside its tensors by each op that mixes them
+    (:class:`~functional_bagua.foreach.ScalarsBeside`: its factors computed on the CPU, as
+    grouped); else nothing."""
+    if (
+        isinstance(g, torch.Tensor)
+        and not g.is_cpu
+        and any(isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_cpu for t in s)
+    ):
+        return foreach.ScalarsBeside(g.device)
+    return contextlib.nullcontext()
 
 
 def _has_dims(x: Any) -> bool:

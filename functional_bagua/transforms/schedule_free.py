@@ -49,7 +49,15 @@ from functional_bagua.base import GradientTransformation, apply_updates_, chain
 from functional_bagua.foreach import updated
 from functional_bagua.hyperparams import accepts_schedules
 from functional_bagua.leaf_lists import LeafLists
-from functional_bagua.numerics import SCALAR_DTYPE, as_scalar, is_number, number_now, readable_now, zero_count
+from functional_bagua.numerics import (
+    SCALAR_DTYPE,
+    as_scalar,
+    is_number,
+    number_now,
+    readable_now,
+    takes_cpu_scalars,
+    zero_count,
+)
 from functional_bagua.transforms.direction import refuse_a_step
 from functional_bagua.transforms.leafwise import leafwise
 from functional_bagua.tree import PyTree
@@ -57,6 +65,7 @@ from functional_bagua.tree import PyTree
 Scalar = Union[float, torch.Tensor]
 
 
+@takes_cpu_scalars  # its weights computed on the CPU are read as numbers (_numbers_now)
 class ScheduleFreeState(NamedTuple):
     """``count`` (steps taken), ``lr_max`` (the largest ``lr_t`` so far), ``weight_sum``
     (``w_1 + ... + w_t``) and ``b1`` (the interpolation weight of the last step: the evaluation
@@ -213,8 +222,8 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
             return ScheduleFreeState(count, lr_max, weight_sum, state.z, b1_now)
         zs = tree.leaves_matching(spec, state.z, "updates", "the state's z")
         present = [i for i, g in enumerate(d_leaves) if g is not None]
-        written = foreach.writable_part(
-            present, lambda chosen: [t for i in chosen for t in (ys[i], d_leaves[i], zs[i])]
+        written = foreach.writable_part(  # its factors are numbers (above), on any device
+            present, lambda chosen: [t for i in chosen for t in (ys[i], d_leaves[i], zs[i])], numbers_now=True
         )
         if not written:
             return None
