@@ -156,14 +156,20 @@ def _on_device(x: Any, device: torch.device) -> Any:
     """``x`` on ``device`` where it is a 0-dim CPU tensor (a factor computed from a count held on
     the CPU) beside tensors there: torch's single-tensor ops take a CPU scalar beside GPU tensors
     as a number, but some (the clamps) refuse it; the same value either way."""
-    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu":
-        return x.to(device)
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device.type == "cpu" and device.type != "cpu":
+        return x.to(device, non_blocking=True)  # staged at once: no wait for the device's queue
     return x
 
 
+def _beside(x: Any, a: "Leaves") -> Any:
+    """``x`` for one tensor of ``a`` at a time: on their device where it is a 0-dim CPU tensor and
+    they are on a GPU (:func:`_on_device`), as :func:`_map` and a rule run on one tensor take it."""
+    return _on_device(x, a.items[0].device) if a.items else x
+
+
 class ScalarsBeside(torch.overrides.TorchFunctionMode):
-    """Within: a torch function given a tensor of at least one dimension on ``device`` takes each
-    0-dim CPU tensor among its arguments there (:func:`_on_device`, the same value), while the
+    """Within: a torch function given a tensor on ``device`` takes each 0-dim CPU tensor among its
+    arguments there (:func:`_on_device`, the same value), while the
     arithmetic among 0-dim CPU tensors alone stays on the CPU. A rule run on one tensor on a GPU,
     its step count held on the CPU (``fb.Optimizer``), so computes its factors on the CPU, as the
     grouped path does (``Leaves`` read them as numbers), and its ops that refuse a CPU operand
@@ -179,9 +185,7 @@ class ScalarsBeside(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if any(
-            isinstance(a, torch.Tensor) and a.dim() > 0 and a.device == self.device for a in (*args, *kwargs.values())
-        ):
+        if any(isinstance(a, torch.Tensor) and a.device == self.device for a in (*args, *kwargs.values())):
             args = tuple(_on_device(a, self.device) for a in args)
             kwargs = {k: _on_device(v, self.device) for k, v in kwargs.items()}
         return func(*args, **kwargs)
@@ -397,7 +401,7 @@ def _binary_in_place(
     elif foreach is not None and operand is not None:
         foreach(a.items, operand, **kwargs)
     else:
-        for t, x in zip(a.items, _items(b, len(a.items))):
+        for t, x in zip(a.items, _items(_beside(b, a), len(a.items))):
             getattr(t, method)(x, **kwargs)
     return a
 
@@ -409,7 +413,7 @@ def _clamp_in_place(foreach: Callable[..., Any], method: str, a: "Leaves", bound
     if _is_scalar(bound) or isinstance(bound, Leaves):
         foreach(a.items, bound.items if isinstance(bound, Leaves) else bound)
     else:
-        for t, b in zip(a.items, _items(bound, len(a))):
+        for t, b in zip(a.items, _items(_beside(bound, a), len(a))):
             getattr(t, method)(b)
     return a
 
@@ -424,6 +428,7 @@ def _pointwise_in_place(
     if isinstance(t1, Leaves) and isinstance(t2, Leaves) and _is_scalar(value):
         foreach(a.items, t1.items, t2.items, value)
     else:
+        value = _beside(value, a)
         for t, x, y in zip(a.items, _items(t1, len(a)), _items(t2, len(a))):
             getattr(t, method)(x, y, value=value)
     return a
@@ -919,6 +924,7 @@ class Leaves:
         """``clamp`` in place: the two multi-tensor clamps for numbers (and 0-dim CPU tensors)."""
         min, max = _cpu_number(min, self), _cpu_number(max, self)  # noqa: A001
         if min is None and max is None or not all(v is None or _is_scalar(v) for v in (min, max)):
+            min, max = _beside(min, self), _beside(max, self)  # noqa: A001
             for t, low, high in zip(self.items, _items(min, len(self)), _items(max, len(self))):
                 t.clamp_(low, high)
             return self
@@ -939,7 +945,7 @@ class Leaves:
         elif isinstance(end, Leaves) and isinstance(weight, Leaves):
             torch._foreach_lerp_(self.items, end.items, weight.items)
         else:
-            for t, e, w in zip(self.items, _items(end, len(self)), _items(weight, len(self))):
+            for t, e, w in zip(self.items, _items(end, len(self)), _items(_beside(weight, self), len(self))):
                 t.lerp_(e, w)
         return self
 
@@ -1346,7 +1352,7 @@ def _shared_or_leaves(picked: list, beside: Optional[list] = None) -> Any:
         and first.dim() == 0
         and first.device.type == "cpu"
         and (first.dtype == torch.float64 or not (first.is_floating_point() or first.is_complex()))
-        and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype for t in picked)
+        and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == first.dtype and t.is_cpu for t in picked)
     )
     if uniform and first.dtype == torch.float64:
         uniform = beside is not None and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in beside)

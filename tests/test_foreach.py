@@ -500,8 +500,37 @@ def test_a_rule_on_one_tensor_computes_its_factors_on_the_cpu_and_gives_them_to_
         bound = (count.to(torch.float64) + 1) ** 0.25
         clipped = x.clamp(-bound, bound)
         count.add_(torch.ones((), dtype=torch.int64))
-    assert bound.device.type == "cpu" and clipped.is_meta and count.item() == 4
+        scale = torch.empty((), device=meta).clamp_min(bound)  # a 0-dim parameter's too
+    assert bound.device.type == "cpu" and clipped.is_meta and count.item() == 4 and scale.is_meta
     by_function = {getattr(func, "__name__", str(func)): devices for func, devices in seen.calls}
+    assert by_function["clamp_min"] == ["meta", "meta"]
     assert by_function["pow"] == ["cpu"]  # the factor: on the CPU
     assert by_function["clamp"] == ["meta", "meta", "meta"]  # the bound taken beside the tensor
     assert by_function["add_"] == ["cpu", "cpu"]  # no tensor on the device: as it is
+
+
+def test_step_counts_on_two_devices_are_not_taken_as_one():
+    """A group whose counts a trainer moved in part (``optimizer.state[p][...] = t.to(device)``):
+    they are not compared (that would stack tensors of two devices), each tensor keeps its own.
+    (The meta device stands in for a GPU.)"""
+    counts = [torch.tensor(3), torch.tensor(3, device="meta")]
+    assert isinstance(foreach._shared_or_leaves(counts), foreach.Leaves)
+    assert foreach._shared_or_leaves([torch.tensor(3), torch.tensor(3)]).dim() == 0  # on the CPU: one
+
+
+def test_a_cpu_factor_beside_gpu_tensors_one_at_a_time_is_taken_there_as_a_rule_on_one_tensor_takes_it():
+    """Where the multi-tensor op cannot take a 0-dim CPU factor as a number (bfloat16 tensors),
+    each tensor's op gets it on their device, as :class:`foreach.ScalarsBeside` gives it to a
+    rule run on one tensor: the same operand either way. (The meta device stands in for a GPU.)"""
+    tensors = [torch.empty(3, device="meta", dtype=torch.bfloat16) for _ in range(2)]
+    factor = torch.tensor(0.999, dtype=torch.float64)
+    with _ArgumentDevices() as seen:
+        foreach.Leaves(tensors).mul_(factor)
+        foreach.Leaves(tensors).clamp_(-factor, factor)
+        foreach.Leaves(tensors).lerp_(foreach.Leaves(tensors), factor)
+    per_tensor = [
+        (getattr(f, "__name__", ""), d)
+        for f, d in seen.calls
+        if getattr(f, "__name__", "") in ("mul_", "clamp_", "lerp_")
+    ]
+    assert per_tensor and all(set(devices) == {"meta"} for _, devices in per_tensor), per_tensor
