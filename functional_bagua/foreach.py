@@ -138,7 +138,7 @@ def _map(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) ->
         if isinstance(a, Leaves)
     )
     if device is not None and device.type != "cpu":
-        args, kwargs = [_on_device(a, device) for a in args], {k: _on_device(v, device) for k, v in kwargs.items()}
+        args, kwargs = _all_on_device(args, kwargs, device)
     stacked = _on_stacked_scalars(fn, args, kwargs, n)
     if stacked is not None:
         return stacked
@@ -161,6 +161,11 @@ def _on_device(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _all_on_device(args: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each 0-dim CPU tensor on ``device`` (:func:`_on_device`)."""
+    return tuple(_on_device(a, device) for a in args), {k: _on_device(v, device) for k, v in kwargs.items()}
+
+
 def _beside(x: Any, a: "Leaves") -> Any:
     """``x`` for one tensor of ``a`` at a time: on their device where it is a 0-dim CPU tensor and
     they are on a GPU (:func:`_on_device`), as :func:`_map` and a rule run on one tensor take it."""
@@ -169,11 +174,11 @@ def _beside(x: Any, a: "Leaves") -> Any:
 
 class ScalarsBeside(torch.overrides.TorchFunctionMode):
     """Within: a torch function given a tensor on ``device`` takes each 0-dim CPU tensor among its
-    arguments there (:func:`_on_device`, the same value), while the
-    arithmetic among 0-dim CPU tensors alone stays on the CPU. A rule run on one tensor on a GPU,
-    its step count held on the CPU (``fb.Optimizer``), so computes its factors on the CPU, as the
-    grouped path does (``Leaves`` read them as numbers), and its ops that refuse a CPU operand
-    beside GPU tensors (the clamps) take them.
+    arguments there (:func:`_on_device`, the same value), while the arithmetic among 0-dim CPU
+    tensors alone stays on the CPU. A rule run on one tensor on a GPU, its step count held on the
+    CPU (``fb.Optimizer``), so computes its factors on the CPU, as the grouped path does
+    (``Leaves`` read them as numbers), and its ops that refuse a CPU operand beside GPU tensors
+    (the clamps) take them.
 
     Args:
         device: the device of the tensors the rule steps (not the CPU).
@@ -186,8 +191,7 @@ class ScalarsBeside(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if any(isinstance(a, torch.Tensor) and a.device == self.device for a in (*args, *kwargs.values())):
-            args = tuple(_on_device(a, self.device) for a in args)
-            kwargs = {k: _on_device(v, self.device) for k, v in kwargs.items()}
+            args, kwargs = _all_on_device(args, kwargs, self.device)
         return func(*args, **kwargs)
 
 

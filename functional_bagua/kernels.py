@@ -116,11 +116,7 @@ def _run_on(
     torch._foreach_add_(counts, 1)
     # on the parameters' device, as the kernel reads them (fb.Optimizer may hold its counts on the CPU)
     device = p[0].device
-    steps = (
-        torch.stack([c.to(device) for c in counts]).to(STEP_DTYPE).unbind()
-        if len(counts) > 1
-        else [counts[0].to(device, STEP_DTYPE)]
-    )
+    steps = _stacked(counts).to(device, STEP_DTYPE).unbind() if len(counts) > 1 else [counts[0].to(device, STEP_DTYPE)]
     mu, nu = as_real([moments.mu[k] for k in keys]), as_real([moments.nu[k] for k in keys])
     max_nu = as_real([cast(ScaleByAmsgradState, moments).nu_max[k] for k in keys]) if spec.hyper["amsgrad"] else []
     kernel = torch._fused_adamw_ if spec.kind == "adamw" else torch._fused_adam_
@@ -251,13 +247,7 @@ def _sgd(
     counts = [moments.count[k] for k in keys]
     # which entries start from zero; while a CUDA graph is captured (after its warm-up steps, so
     # none does) the host cannot read device memory
-    first = (
-        [False] * len(keys)
-        if _capturing()
-        else [int(c) == 0 for c in counts]
-        if _mixed(counts)
-        else (torch.stack(counts) == 0).tolist()
-    )
+    first = [False] * len(keys) if _capturing() else (_stacked(counts) == 0).tolist()
     traces = as_real([moments.trace[k] for k in keys])
     for is_first_step in (True, False):
         chosen = [i for i, f in enumerate(first) if f == is_first_step]
@@ -274,9 +264,13 @@ def _sgd(
     _undo_counts_if(amp["found_inf"], counts)
 
 
-def _mixed(counts: list) -> bool:
-    """Whether ``counts`` are on more than one device (a trainer moved some of the state)."""
-    return len({c.device for c in counts}) > 1
+def _stacked(counts: list) -> torch.Tensor:
+    """``counts`` (0-dim tensors) as one vector, on the first one's device: taken there one by one
+    only where they are on several (a trainer moved part of the state)."""
+    try:
+        return torch.stack(counts)
+    except RuntimeError:
+        return torch.stack([c.to(counts[0].device) for c in counts])
 
 
 def _capturing() -> bool:

@@ -232,8 +232,8 @@ def number_now(value: Any) -> Optional[float]:
 def eager_number(x: Any, like: Any) -> Optional[float]:
     """A 0-dim CPU hyperparameter ``x`` (``fb.Optimizer``'s factory form and ``inject_hyperparams``
     hold them so) as a Python number when running eagerly beside float32 or float64 tensors
-    ``like`` (a tensor, or ``foreach.Leaves`` of one device, on any device): its value rounded to their dtype
-    first, as a single-tensor op rounds a scalar operand, read without waiting for any device (as
+    ``like`` (a tensor, or ``foreach.Leaves`` of one device, on any device): its value rounded to
+    their dtype first, as a single-tensor op rounds a scalar operand, read without waiting for any device (as
     ``foreach`` reads lerp weights). A rule then takes the number's path: a fused ``alpha``, or no
     term at all where it is 0 (as torch.optim's ``if weight_decay != 0``). ``None`` while traced,
     on a device, beside other dtypes, or for anything but such a tensor. (Unlike

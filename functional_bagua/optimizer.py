@@ -785,12 +785,10 @@ def _scalars_on_host(state: Any, params: list, host: torch.device = _HOST) -> An
     averaging, injected hyperparameters) moved there from another device: step counts
     (integers) and float64 numbers (bias-correction products, averaging weights,
     hyperparameters; those of a 0-dim parameter, which could be its float64 moments, excepted),
-    as torch.optim keeps its
-    ``step`` on the CPU. An eager step then computes its factors on the CPU without waiting for
-    the device and hands them to torch's multi-tensor kernels as numbers (``foreach``): one
-    kernel per op, where a 0-dim GPU operand that differs per tensor runs one kernel per tensor.
-    A value a rule computes from the tensors (Prodigy's ``d``) is on their device from its first
-    step on. Other parts are left as they are.
+    as torch.optim keeps its ``step`` on the CPU. An eager step then computes its factors on the
+    CPU without waiting for the device and hands them to torch's multi-tensor kernels as numbers
+    (``foreach``): one kernel per op, where a 0-dim GPU operand that differs per tensor runs one
+    kernel per tensor. Other parts are left as they are.
 
     Args:
         state: a group's state, as its transform's ``init`` made it (trees of the parameters
@@ -801,8 +799,7 @@ def _scalars_on_host(state: Any, params: list, host: torch.device = _HOST) -> An
 
     def scalar(leaf: torch.Tensor, position: Optional[int]) -> torch.Tensor:
         hosted = (
-            isinstance(leaf, torch.Tensor)
-            and leaf.dim() == 0
+            leaf.dim() == 0
             and leaf.device != host
             and not leaf.requires_grad
             and (

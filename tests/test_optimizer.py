@@ -1227,3 +1227,12 @@ def test_the_scalars_the_optimizer_holds_on_the_cpu_are_those_of_the_transforms_
     went = {(n, at) for n, at, leaf in zip(layout.names, layout.positions, fb.tree.flatten(moved)[0]) if leaf.is_meta}
     assert went == hosted
     assert fb.tree.flatten(state)[1] == fb.tree.flatten(moved)[1]  # the same structure
+
+
+def test_torch_kernels_take_step_counts_that_a_trainer_moved_in_part():
+    """The counts of a group stepped by torch's fused kernel, some moved to another device by a
+    trainer, are read together on the first one's device. (The meta device stands in for a GPU.)"""
+    counts = [torch.tensor(2, device="meta"), torch.tensor(3)]
+    stacked = fb.kernels._stacked(counts)
+    assert stacked.is_meta and stacked.shape == (2,)
+    assert fb.kernels._stacked([torch.tensor(2), torch.tensor(0)]).tolist() == [2, 0]

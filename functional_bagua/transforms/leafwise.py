@@ -212,9 +212,7 @@ def leafwise(
             tensors = [column[i] for column in (x.params, x.updates) for i in indices]
             return tensors + [t for leaves in state_leaves for t in (leaves[i] for i in indices) if _has_dims(t)]
 
-        scalars = [t for leaves in state_leaves for t in (leaves[i] for i in present) if not _has_dims(t)]
-        numbers_now = all(not isinstance(t, torch.Tensor) or t.is_cpu for t in scalars)  # counts on the CPU
-        written = foreach.writable_part(present, tensors_of, numbers_now)
+        written = foreach.writable_part(present, tensors_of, _scalars_on_the_cpu(state_leaves, present))
         if not written:
             return None
         if len(written) == len(present):  # the usual case: every tensor
@@ -741,6 +739,18 @@ def _scalars_beside(g: Any, s: NamedTuple) -> Any:
     ):
         return foreach.ScalarsBeside(g.device)
     return contextlib.nullcontext()
+
+
+def _scalars_on_the_cpu(state_leaves: list, present: list) -> bool:
+    """Whether the state's 0-dim tensors at ``present`` (its step counts) are all on the CPU, so
+    that the rule's factors are numbers whatever its tensors' device (``fb.Optimizer`` holds them
+    there beside a GPU's tensors)."""
+    return all(
+        t.is_cpu
+        for leaves in state_leaves
+        for t in (leaves[i] for i in present)
+        if isinstance(t, torch.Tensor) and t.dim() == 0
+    )
 
 
 def _has_dims(x: Any) -> bool:
