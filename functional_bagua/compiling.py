@@ -101,9 +101,15 @@ def raised_while_tracing(error: BaseException) -> Optional[Exception]:
 _KERNELS: dict[tuple, Callable] = {}
 _KERNEL_FAILURES: dict[str, str] = {}  # per device type where inductor could not compile: why
 COMPILED_DEVICE_TYPES = ("cpu", "cuda")  # kernels compiled for these; elsewhere (meta, ...) fn itself
-# exact division (Triton's x / y is approximate, torch's is rounded) and no flushing of
-# subnormals to zero on CUDA: the kernels give eager's numbers
-_EXACT = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+# on CUDA, the kernels give eager's numbers: exact division (Triton's x / y is approximate,
+# torch's is rounded), no flushing of subnormals to zero, and no contraction of a product and a
+# sum into one fused multiply-add (which Triton does unless precision casts are emulated; that
+# also keeps each rounding to a narrower dtype, as eager's ops round)
+_EXACT = {
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+    "emulate_precision_casts": True,
+}
 
 
 def run_compiled(fn: Callable, *tensors: torch.Tensor, static: tuple = (), fixed_shapes: int = 0) -> Any:

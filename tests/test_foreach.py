@@ -495,11 +495,11 @@ def test_a_rule_on_one_tensor_computes_its_factors_on_the_cpu_and_gives_them_to_
     an op given a tensor on the device takes each 0-dim CPU operand there (the clamps refuse a
     CPU bound beside a GPU tensor). (The meta device stands in for a GPU.)"""
     meta = torch.device("meta")
-    count, x = torch.tensor(3, dtype=torch.int64), torch.empty(3, 4, device=meta)
+    count, x = torch.tensor(3, dtype=torch.int64, device="cpu"), torch.empty(3, 4, device=meta)
     with _ArgumentDevices() as seen, foreach.ScalarsBeside(meta):
         bound = (count.to(torch.float64) + 1) ** 0.25
         clipped = x.clamp(-bound, bound)
-        count.add_(torch.ones((), dtype=torch.int64))
+        count.add_(torch.ones((), dtype=torch.int64, device="cpu"))
         scale = torch.empty((), device=meta).clamp_min(bound)  # a 0-dim parameter's too
     assert bound.device.type == "cpu" and clipped.is_meta and count.item() == 4 and scale.is_meta
     by_function = {getattr(func, "__name__", str(func)): devices for func, devices in seen.calls}
@@ -513,9 +513,10 @@ def test_step_counts_on_two_devices_are_not_taken_as_one():
     """A group whose counts a trainer moved in part (``optimizer.state[p][...] = t.to(device)``):
     they are not compared (that would stack tensors of two devices), each tensor keeps its own.
     (The meta device stands in for a GPU.)"""
-    counts = [torch.tensor(3), torch.tensor(3, device="meta")]
+    cpu = torch.device("cpu")
+    counts = [torch.tensor(3, device=cpu), torch.tensor(3, device="meta")]
     assert isinstance(foreach._shared_or_leaves(counts), foreach.Leaves)
-    assert foreach._shared_or_leaves([torch.tensor(3), torch.tensor(3)]).dim() == 0  # on the CPU: one
+    assert foreach._shared_or_leaves([torch.tensor(3, device=cpu), torch.tensor(3, device=cpu)]).dim() == 0
 
 
 def test_a_cpu_factor_beside_gpu_tensors_one_at_a_time_is_taken_there_as_a_rule_on_one_tensor_takes_it():
@@ -523,7 +524,7 @@ def test_a_cpu_factor_beside_gpu_tensors_one_at_a_time_is_taken_there_as_a_rule_
     each tensor's op gets it on their device, as :class:`foreach.ScalarsBeside` gives it to a
     rule run on one tensor: the same operand either way. (The meta device stands in for a GPU.)"""
     tensors = [torch.empty(3, device="meta", dtype=torch.bfloat16) for _ in range(2)]
-    factor = torch.tensor(0.999, dtype=torch.float64)
+    factor = torch.tensor(0.999, dtype=torch.float64, device="cpu")
     with _ArgumentDevices() as seen:
         foreach.Leaves(tensors).mul_(factor)
         foreach.Leaves(tensors).clamp_(-factor, factor)

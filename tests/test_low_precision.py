@@ -10,7 +10,7 @@ import math
 import optree
 import pytest
 import torch
-from devices import seeded
+from devices import DEVICE, seeded
 from helpers import ALL_ALIASES, RICH_SETTINGS, assert_trees_close, assert_trees_equal, run_resumed, run_updates
 
 import functional_bagua as fb
@@ -102,7 +102,7 @@ def test_the_entry_below_each_value_is_found_elementwise_as_a_binary_search_find
     two comparisons with the map: the index of a binary search (``bucketize``) on every entry,
     the floats either side of it, every midpoint and the floats either side of that, both signs,
     0, +-1, beyond 1, infinities, NaN, subnormals and values over many decades."""
-    qmap = lp.dynamic_map(signed, torch.device("cpu"))
+    qmap = lp.dynamic_map(signed, DEVICE)
     mids = (qmap[1:] + qmap[:-1]) / 2
     up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
     edges = [qmap, mids, *(torch.nextafter(t, d) for t in (qmap, mids) for d in (up, down))]
@@ -118,7 +118,7 @@ def test_each_value_gets_the_nearest_entry_of_its_blocks_map():
     x = moments_like(3 * 64, True, seeded(1)).view(3, 64)
     x[:, 5] = x.abs().amax(dim=1) * 1.5  # each block's largest magnitude, positive
     codes, scales = fb.quantize_blockwise(x, block_size=64)
-    qmap = lp.dynamic_map(True, torch.device("cpu")).double()
+    qmap = lp.dynamic_map(True, DEVICE).double()
     assert torch.equal(scales, x[:, 5])
     normalized = (x.double() / scales.double()[:, None]).reshape(-1)
     distance_to_all = (normalized[:, None] - qmap[None, :]).abs()
@@ -422,7 +422,7 @@ def test_codecs_fall_back_to_op_by_op_with_a_warning_where_inductor_cannot_compi
     ``BackendCompilerFailed`` at the kernel's first call: a warning saying so, and the codec op by
     op from then on, with the same numbers."""
 
-    def no_compiler(gm, example_inputs):
+    def no_compiler(gm, example_inputs, **options):  # options: what compile_own passes on a GPU
         raise RuntimeError("no C++ compiler here")
 
     failing = lambda fn, **kwargs: torch.compile(fn, backend=no_compiler, **kwargs)  # noqa: E731
@@ -431,7 +431,7 @@ def test_codecs_fall_back_to_op_by_op_with_a_warning_where_inductor_cannot_compi
     monkeypatch.setattr(compiling, "_KERNEL_FAILURES", {})
     want_params, want_state, _ = _optimizer_run("bf16", compile_codecs=False)
     with pytest.warns(
-        RuntimeWarning, match="could not compile stochastically_rounded_from on cpu here.*no C.. compiler"
+        RuntimeWarning, match=f"could not compile stochastically_rounded_from on {DEVICE.type} here.*no C.. compiler"
     ):
         got_params, got_state, _ = _optimizer_run("bf16", compile_codecs=True)
     assert_trees_equal(got_params, want_params)

@@ -10,6 +10,7 @@ import io
 import optree
 import pytest
 import torch
+from devices import seeded
 from second_order_helpers import draws
 
 import functional_bagua as fb
@@ -322,7 +323,7 @@ def test_the_ranks_fingerprint_tells_equal_tensors_from_nearly_equal_ones():
     tensors in another order."""
     from functional_bagua.transforms.batched_matrices import _fingerprint
 
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     a, b = torch.randn(3, 5, 4, generator=gen), torch.randn(6, generator=gen, dtype=torch.float64)
 
     def bits(*tensors: torch.Tensor) -> torch.Tensor:
