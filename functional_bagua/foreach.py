@@ -335,6 +335,20 @@ _READ_AS_NUMBER = {torch._foreach_maximum, torch._foreach_minimum, torch._foreac
 # beside tensors on a GPU, whose multi-tensor kernels take a number whole (on the CPU these take a
 # 0-dim tensor of the tensors' dtype instead: _scalar_operand)
 _READ_AS_NUMBER_ON_A_GPU = {*_AS_TENSOR, *_AS_TENSORS}
+# CUDA's multi-tensor div by one number multiplies by its reciprocal (as div by a CPU scalar does),
+# while a rule run on one tensor divides by the factor taken on the device (ScalarsBeside): a
+# factor read from a 0-dim CPU tensor goes to these as a list of the number (the ScalarList form
+# divides, one kernel still), so both paths divide
+_DIVIDES = {torch._foreach_div, torch._foreach_div_}
+
+
+def _read_number(foreach: Callable[..., Any], b: Any, a: "Leaves") -> Any:
+    """``b`` as :func:`_cpu_number` reads it for ``foreach`` beside ``a`` on a GPU; a division's
+    as ``[number] * len(a)`` (:data:`_DIVIDES`)."""
+    number = _cpu_number(b, a)
+    if foreach in _DIVIDES and number is not b and _is_scalar(number):
+        return [number] * len(a.items)
+    return number
 
 
 def _on_a_gpu(a: "Leaves") -> bool:
@@ -375,7 +389,9 @@ def _binary(foreach: Callable[..., Any], fallback: Callable[..., Any], a: "Leave
     for add/mul/div, a 0-dim tensor on the tensors' device; for maximum, minimum and the clamps,
     a 0-dim CPU tensor read as a number: :func:`_cpu_number`), else ``fallback`` on each pair."""
     if foreach in _READ_AS_NUMBER or foreach in _READ_AS_NUMBER_ON_A_GPU and _on_a_gpu(a):
-        b = _cpu_number(b, a)
+        b = _read_number(foreach, b, a)
+        if isinstance(b, list):  # a division by a CPU factor on a GPU (_DIVIDES)
+            return Leaves(foreach(a.items, b, **kwargs), plain=a._known_plain())
     if isinstance(b, Leaves):
         plain = a._known_plain()  # a result of a's dtype only where b's is the same
         return Leaves(
@@ -395,8 +411,11 @@ def _binary_in_place(
     """``a``'s tensors overwritten with ``a <op> b``: ``foreach`` (torch's in-place multi-tensor
     op) for tensors, a number (on a GPU also a 0-dim CPU tensor read as one: :func:`_cpu_number`)
     or a shared 0-dim tensor, else the tensor method on each pair."""
-    if foreach in _READ_AS_NUMBER_ON_A_GPU and _on_a_gpu(a):
-        b = _cpu_number(b, a)
+    if foreach is not None and foreach in _READ_AS_NUMBER_ON_A_GPU and _on_a_gpu(a):
+        b = _read_number(foreach, b, a)
+        if isinstance(b, list):  # a division by a CPU factor on a GPU (_DIVIDES)
+            foreach(a.items, b, **kwargs)
+            return a
     operand = (
         _scalar_operand(foreach, a, b) if foreach is not None and (_is_scalar(b) or _is_shared_scalar(b, a)) else None
     )

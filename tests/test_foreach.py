@@ -535,3 +535,33 @@ def test_a_cpu_factor_beside_gpu_tensors_one_at_a_time_is_taken_there_as_a_rule_
         if getattr(f, "__name__", "") in ("mul_", "clamp_", "lerp_")
     ]
     assert per_tensor and all(set(devices) == {"meta"} for _, devices in per_tensor), per_tensor
+
+
+class _Divisors(torch.overrides.TorchFunctionMode):
+    """Records the divisor each multi-tensor division is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.divisors = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch._foreach_div, torch._foreach_div_):
+            self.divisors.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_cpu_factor_divides_gpu_tensors_as_it_divides_one_of_them():
+    """CUDA's multi-tensor division by one number multiplies by its reciprocal (one rounding
+    more), as its division by a CPU scalar does; a rule run on one tensor divides by the factor
+    taken to the device (:class:`foreach.ScalarsBeside`), a true division. So a 0-dim CPU factor
+    read as a number reaches the multi-tensor division as a list of it (torch's ScalarList form,
+    a true division, one kernel still): grouped and one tensor at a time divide alike. A number
+    the rule gives itself is left as it is (one tensor at a time, it is a CPU scalar there too).
+    (The meta device stands in for a GPU.)"""
+    tensors = [torch.empty(3, device="meta", dtype=torch.float64) for _ in range(3)]
+    factor = torch.tensor(0.3122, dtype=torch.float64, device="cpu")
+    with _Divisors() as seen:
+        foreach.Leaves(tensors).div(factor)
+        foreach.Leaves(tensors).div_(factor)
+        foreach.Leaves(tensors).div(0.5)
+    assert seen.divisors == [[factor.item()] * 3, [factor.item()] * 3, 0.5]
