@@ -232,11 +232,12 @@ def number_now(value: Any) -> Optional[float]:
 def eager_number(x: Any, like: Any) -> Optional[float]:
     """A 0-dim CPU hyperparameter ``x`` (``fb.Optimizer``'s factory form and ``inject_hyperparams``
     hold them so) as a Python number when running eagerly beside float32 or float64 tensors
-    ``like`` (a tensor, or ``foreach.Leaves`` of one device, on any device): its value rounded to
-    their dtype first, as a single-tensor op rounds a scalar operand, read without waiting for any device (as
-    ``foreach`` reads lerp weights). A rule then takes the number's path: a fused ``alpha``, or no
-    term at all where it is 0 (as torch.optim's ``if weight_decay != 0``). ``None`` while traced,
-    on a device, beside other dtypes, or for anything but such a tensor. (Unlike
+    ``like`` (a tensor, or ``foreach.Leaves`` of one device, on any device): its value rounded
+    to their dtype first, as a single-tensor op rounds a scalar operand, read without waiting
+    for any device (as ``foreach`` reads lerp weights). A rule then takes the number's path: a
+    fused ``alpha``, or no term at all where it is 0 (as torch.optim's ``if weight_decay !=
+    0``). ``None`` while traced, for a tensor held on a device, beside other dtypes, or for
+    anything but such a tensor. (Unlike
     ``foreach._cpu_number``, which keeps the tensor beside 0-dim tensors of a group, it decides
     per tensor's dtype alone, so a rule takes the same path grouped and one tensor at a time.)
 
@@ -266,7 +267,7 @@ def eager_numbers(values: Sequence[Any], like: Any) -> Optional[list[float]]:
     """Each of ``values`` (numbers, 0-dim CPU tensors such as bias corrections computed from a
     step count, or ``foreach.Leaves`` of such tensors, one per tensor of ``like``) as a Python
     number, a tensor read as :func:`eager_number` reads it; ``None`` unless every one is a
-    number now (traced, on a device, beside other dtypes). A rule given numbers may compute in
+    number now (traced, held on a device, beside other dtypes). A rule given numbers may compute in
     its own temporaries (``x.div_(c)``: a number never promotes them, so in place and out of
     place give the same dtype and bits) and fuse a factor into an ``alpha`` or a ``value``.
 

@@ -376,7 +376,7 @@ class Optimizer(torch.optim.Optimizer):
         """Group ``i``'s state, made now if it is not yet: over the parameters that require
         gradients, on their dtype and device of now."""
         if self._groups[i].state is None:
-            self._make_state(self, i, None, host=not torch.compiler.is_compiling())
+            self._make_state(self, i, None)
         return self._with_written(self._groups[i])
 
     @staticmethod
@@ -491,7 +491,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._follow_numbers(self, i)
             state = self._state(i)
             if any(g is not None and k not in ours.tracked for k, g in grads.items()):
-                state = self._grow_state(self, i, grads, host=not torch.compiler.is_compiling())
+                state = self._grow_state(self, i, grads)
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
             kernel = self._kernel(i)
@@ -757,19 +757,18 @@ def _make_state(
     tracked: Optional[frozenset[int]],
     assign: bool = True,
     tx: Optional[GradientTransformation] = None,
-    host: bool = True,
 ) -> OptState:
     """Group ``i``'s state over the parameters at positions ``tracked`` (``None``: those that
     require gradients), made by ``tx`` (the group's transform by default), kept as the group's
     with ``assign`` (eager: a compiled step that makes it reads numbers the state holds as Python
-    values until then); with ``host``, its scalars on the CPU where the group runs no kernel of
-    torch's (:func:`_scalars_on_host`)."""
+    values until then); made eagerly, its scalars on the CPU where the group runs no kernel of
+    torch's (:func:`_scalars_on_host`; made while traced, they stay on the device)."""
     params = optimizer.param_groups[i]["params"]
     tracked = tracked if tracked is not None else _requiring_grad(optimizer.param_groups[i])
     ours = optimizer._groups[i]
     tx = ours.tx if tx is None else tx
     state = tx.init({k: p.detach() if k in tracked else None for k, p in zip(positions(len(params)), params)})
-    if host and optimizer._kernel(i) is None:
+    if not torch.compiler.is_compiling() and optimizer._kernel(i) is None:
         state = _scalars_on_host(state, params)
     if assign:
         ours.state, ours.tracked = state, tracked
@@ -850,7 +849,7 @@ def _all_take_cpu_scalars(node: Any) -> bool:
     return True
 
 
-def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Tensor]], host: bool = True) -> OptState:
+def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Tensor]]) -> OptState:
     """Group ``i``'s state with state added for the parameters that have a gradient but none
     yet (frozen when it was made, or not in the checkpoint it was loaded from), as torch.optim
     makes a parameter's state at its first step: their tensors fresh from ``init``, every other
@@ -860,7 +859,7 @@ def _grow_state(optimizer: Optimizer, i: int, grads: dict[int, Optional[torch.Te
     old_leaves, old_layout = kept
     ours = optimizer._groups[i]
     tracked = ours.tracked | {k for k, g in grads.items() if g is not None}
-    grown = _make_state(optimizer, i, tracked, assign=False, host=host)
+    grown = _make_state(optimizer, i, tracked, assign=False)
     layout = GroupLayout.of(grown)
     merged = []
     for position, name, fresh in zip(layout.positions, layout.names, tree.flatten(grown)[0]):

@@ -110,9 +110,8 @@ def leafwise(
                                   lambda g, s, p: (s.total + g, TotalState(s.total + g)), name="running_sum")
     """
     fields = state_type._fields
-    numerics.takes_cpu_scalars(
-        state_type
-    )  # the grouped ops read CPU scalars as numbers; a single tensor's on its device
+    # the grouped ops read CPU scalars as numbers; a rule on one tensor takes them to its device
+    numerics.takes_cpu_scalars(state_type)
     rule = update_leaf if per_tensor else _on_real_views(update_leaf)
     expected_shapes = _ExpectedShapes(init_leaf, fields, name)
     complex_ok = not (per_tensor or sparse_gradients)
@@ -288,8 +287,7 @@ def leafwise(
                     _place(column, members, new_column, old_column)  # each state tensor in its old one's
         for i in sorted(singles):
             g, p, s = x.updates[i], x.params[i], state_type(*(leaves[i] for leaves in state_leaves))
-            beside = _scalars_beside(g, s)
-            with beside:
+            with _scalars_beside(g, s):
                 if writes(i):
                     assert write_leaf is not None and alpha is not None  # apply_in_place
                     u, new_s = None, write_leaf(g, s, p, alpha)
