@@ -89,6 +89,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     link_runs: list[Any] = [getattr(t.update, "on_lists", None) for t in transforms]
     on_lists = first_name != "" and all(run is not None for run in link_runs)
     needs_params = any(getattr(t.update, "needs_params", False) for t in transforms)
+    kept_key = ("chain", transforms)  # where fb.Optimizer keeps its lists for the next step (LeafLists.kept_or_of)
 
     def init(params: Params) -> tuple[OptState, ...]:
         check_params(params, "init")
@@ -113,7 +114,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         # checked and grouped once (leaf_lists module); without the params a link needs, the links
         # one by one raise (each in its turn, as always)
         if on_lists and foreach.grouped_enabled() and not (needs_params and params is None):
-            x = LeafLists.of(updates, params, who=first_name)
+            x = LeafLists.kept_or_of(kept_key, updates, params, who=first_name)
             for t, run, s, next_name in zip(transforms, link_runs, state, next_names):
                 with ownership.giving_state(t.update if given else None):
                     leaves, s = run(x, s, owned)

@@ -22,13 +22,32 @@ its input once and then only that each link's result keeps every leaf's shape an
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterable, Iterator
 from itertools import compress
 from typing import Callable, Optional
 
 import torch
 
 STRIDED = torch.strided
+_GETTERS: dict[str, operator.attrgetter] = {}
+
+
+def read_each(name: str, tensors: Iterable) -> list:
+    """``[getattr(t, name) for t in tensors]``: eagerly one pass in C (``operator.attrgetter``;
+    an eager step reads its tensors' shapes and dtypes at every step), traced the comprehension
+    (dynamo does not trace ``attrgetter``).
+
+    Args:
+        name: the attribute to read (``"shape"``, ``"dtype"``...).
+        tensors: the tensors (or anything with the attribute) to read it of.
+    """
+    if torch.compiler.is_compiling():
+        return [getattr(t, name) for t in tensors]
+    getter = _GETTERS.get(name)
+    if getter is None:
+        getter = _GETTERS[name] = operator.attrgetter(name)
+    return list(map(getter, tensors))
 
 
 def params_instead(x: object) -> str:
@@ -162,13 +181,14 @@ def check_updates(updates: list, params: list, name: Callable[[int], str], who: 
 
 def _all_fit(gs: list, ps: list, complex_ok: bool, layout: torch.layout) -> bool:
     """All tensors of ``layout``, of a trainable dtype, and of their parameter's shape and dtype
-    (any shape when no parameters were given at all)."""
+    (any shape when no parameters were given at all). Each check is one pass over the leaves
+    (an eager step asks at every step)."""
     if not all(isinstance(g, torch.Tensor) for g in gs):
         return False
-    dtypes = [g.dtype for g in gs]
+    dtypes = read_each("dtype", gs)
     if any(p is not None for p in ps) and not _same_shapes_and_dtypes(gs, dtypes, ps):
         return False
-    return all(g.layout == layout for g in gs) and all(
+    return set(read_each("layout", gs)) <= {layout} and all(
         trainable_dtype(d) and (complex_ok or not d.is_complex) for d in set(dtypes)
     )
 
@@ -176,8 +196,8 @@ def _all_fit(gs: list, ps: list, complex_ok: bool, layout: torch.layout) -> bool
 def _same_shapes_and_dtypes(gs: list, dtypes: list, ps: list) -> bool:
     return (
         all(isinstance(p, torch.Tensor) for p in ps)
-        and [g.shape for g in gs] == [p.shape for p in ps]
-        and dtypes == [p.dtype for p in ps]
+        and read_each("shape", gs) == read_each("shape", ps)
+        and dtypes == read_each("dtype", ps)
     )
 
 

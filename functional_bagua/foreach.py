@@ -51,6 +51,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from functional_bagua.checks import read_each
+
 __all__ = [
     "Leaves",
     "OneValue",
@@ -1165,7 +1167,8 @@ def groups(
         key: anything else that must be equal within a group (say, whether a parameter is given).
     """
     indices = list(indices)
-    keyed = [(tensors[i].device, tensors[i].dtype, key(i)) for i in indices]
+    picked = [tensors[i] for i in indices]
+    keyed = list(zip(read_each("device", picked), read_each("dtype", picked), map(key, indices)))
     if keyed and keyed.count(keyed[0]) == len(keyed):  # one group, the usual case
         return [] if keyed[0][1].is_complex else [indices]
     found: dict[tuple, list[int]] = {}

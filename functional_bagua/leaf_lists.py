@@ -18,12 +18,14 @@ The links run the same rules on the same groups as one by one, so the numbers ar
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import Any, NamedTuple, Optional
 
 import optree
 import torch
 
-from functional_bagua import checks, foreach, tree
+from functional_bagua import accepted, checks, foreach, tree
 from functional_bagua.tree import PyTree
 
 
@@ -89,8 +91,39 @@ class LeafLists(NamedTuple):
         present = [i for i, u in enumerate(update_leaves) if u is not None]
         groups = foreach.groups(update_leaves, present, key=lambda i: param_leaves[i] is None) if grouped else []
         singles = _outside(present, groups)
-        kinds = [None if u is None else (u.shape, u.dtype) for u in update_leaves]
-        return cls(update_leaves, param_leaves, spec, groups, singles, params is not None, kinds)
+        return cls(update_leaves, param_leaves, spec, groups, singles, params is not None, _kinds(update_leaves))
+
+    @classmethod
+    def kept_or_of(
+        cls,
+        key: Any,
+        updates: PyTree,
+        params: Optional[PyTree],
+        *,
+        who: str,
+        complex_ok: bool = True,
+        layout: torch.layout = checks.STRIDED,
+        grouped: bool = True,
+    ) -> "LeafLists":
+        """:meth:`of`; within ``fb.Optimizer``'s step (:func:`~functional_bagua.accepted.records_now`),
+        the lists its last step made (kept under ``key``) with this step's tensors, where its checks
+        would find the same: the same parameter objects (the optimizer's kept views), gradients
+        with a gradient where there was one, of the same shapes, dtypes, devices and layouts
+        (:class:`KeptLists`). The arguments are :meth:`of`'s, ``key`` the caller's own."""
+        arguments = (who, complex_ok, layout, grouped, params is not None)
+        records = accepted.records_now()
+        kept = records.get(key) if records is not None else None
+        if kept is not None:
+            x = kept.lists_for(updates, params, arguments)
+            if x is not None:
+                return x
+        x = cls.of(updates, params, who=who, complex_ok=complex_ok, layout=layout, grouped=grouped)
+        if records is not None:
+            records.pop(key, None)
+            made = KeptLists.after(x, arguments)
+            if made is not None:
+                records[key] = made
+        return x
 
     def followed_by(self, updates: list, *, who: str) -> "LeafLists":
         """These lists with the next link's input ``updates`` (the previous link's result, which
@@ -102,7 +135,7 @@ class LeafLists(NamedTuple):
             who: the link that takes them, named in error messages.
         """
         try:
-            kept = [None if u is None else (u.shape, u.dtype) for u in updates] == self.kinds
+            kept = _kinds(updates) == self.kinds
         except AttributeError:  # a leaf that is not a tensor: check_grads names it
             kept = False
         if not kept:
@@ -131,6 +164,53 @@ class LeafLists(NamedTuple):
     def unflatten(self, leaves: list) -> Any:
         """``leaves`` (one per leaf) in the tree structure these came from."""
         return self.spec.unflatten(leaves)
+
+
+class KeptLists(NamedTuple):
+    """The lists a checked step made (:meth:`LeafLists.kept_or_of`), for the next step on the
+    same parameters: ``lists``, made with ``arguments`` (``of``'s, and whether parameters were
+    given), whose updates at ``given`` (where there was one) had ``signatures``
+    (:func:`~functional_bagua.accepted.signatures_of`)."""
+
+    lists: LeafLists
+    arguments: tuple
+    given: list
+    signatures: list
+
+    @classmethod
+    def after(cls, x: LeafLists, arguments: tuple) -> Optional["KeptLists"]:
+        """What to keep of ``x`` (``None`` unless its updates are torch.Tensor objects)."""
+        given = [u is not None for u in x.updates]
+        signatures = accepted.signatures_of(list(itertools.compress(x.updates, given)))
+        return None if signatures is None else cls(x, arguments, given, signatures)
+
+    def lists_for(self, updates: PyTree, params: Optional[PyTree], arguments: tuple) -> Optional[LeafLists]:
+        """The kept lists with ``updates`` and ``params`` where :meth:`LeafLists.of` would make
+        the same of them (:meth:`LeafLists.kept_or_of`); else ``None``."""
+        x = self.lists
+        if arguments != self.arguments:
+            return None
+        update_leaves, spec = tree.flatten_like(updates, x.spec)
+        if spec != x.spec:
+            return None
+        param_leaves = [None] * len(update_leaves) if params is None else tree.one_pass_leaves(spec, params)
+        if param_leaves is None or not all(map(operator.is_, param_leaves, x.params)):
+            return None  # other parameter objects: checked anew
+        if [u is not None for u in update_leaves] != self.given:
+            return None
+        present = list(itertools.compress(update_leaves, self.given))
+        if accepted.signatures_of(present) != self.signatures:
+            return None
+        accepted.note_checked(present, self.signatures)
+        return x._replace(updates=update_leaves, params=param_leaves)
+
+
+def _kinds(updates: list) -> list:
+    """Each update's ``(shape, dtype)``, ``None`` where there is none (one pass where every leaf
+    has one)."""
+    if any(u is None for u in updates):
+        return [None if u is None else (u.shape, u.dtype) for u in updates]
+    return list(zip(checks.read_each("shape", updates), checks.read_each("dtype", updates)))
 
 
 def _outside(indices: list, groups: list) -> list:

@@ -145,7 +145,8 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from functional_bagua import accepted, checkpoint, kernels, numerics, ownership, tree
+from functional_bagua import accepted, checkpoint, checks, kernels, numerics, ownership, tree
+from functional_bagua.accepted import KeptViews
 from functional_bagua.adjustable import Adjustable
 from functional_bagua.base import GradientTransformation, OptState, apply_updates_, chain
 from functional_bagua.hyperparams import InjectHyperparamsState, inject_hyperparams, number_kind, same_state_structure
@@ -190,6 +191,7 @@ class _Group:
     numbers: Optional[_Shown] = None  # a transform built with numbers: those its group shows
     tail: Optional[tuple] = None  # (the transform, its _tail_of), see _applied_by_its_last_link
     accepted: "_Accepted" = dataclasses.field(default_factory=lambda: _Accepted())  # see step
+    views: KeptViews = dataclasses.field(default_factory=KeptViews)  # see step
 
 
 class _Accepted(dict):
@@ -479,7 +481,7 @@ class Optimizer(torch.optim.Optimizer):
         groups = self.__dict__["param_groups"]
         for i, (group, ours) in enumerate(zip(groups, self._groups)):
             keys = positions(len(group["params"]))
-            grads = {k: p.grad for k, p in zip(keys, group["params"])}
+            grads = dict(zip(keys, checks.read_each("grad", group["params"])))
             if all(g is None for g in grads.values()):
                 continue  # as torch.optim: a group without gradients is left as it is, its state too
             if group.get("train_mode", True) is False:
@@ -490,7 +492,9 @@ class Optimizer(torch.optim.Optimizer):
             if ours.numbers is not None:
                 self._follow_numbers(self, i)
             state = self._state(i)
-            if any(g is not None and k not in ours.tracked for k, g in grads.items()):
+            if not ours.tracked.issuperset(keys) and any(
+                g is not None and k not in ours.tracked for k, g in grads.items()
+            ):
                 state = self._grow_state(self, i, grads)
             if isinstance(state, InjectHyperparamsState):
                 self._write_hyperparameters(state, group)
@@ -506,7 +510,7 @@ class Optimizer(torch.optim.Optimizer):
                     continue  # skipped, as the kernel skips a step with an inf
                 if scale is not None:
                     grads = _unscaled(grads, scale)
-            params = {k: p.detach() for k, p in zip(keys, group["params"])}
+            params = ours.views.of(keys, group["params"])  # the last step's views, where still the same
             with accepted.kept_in(ours.accepted):  # what the step's checks accepted, for the next step
                 self._step_group(ours, grads, state, params)
         return loss

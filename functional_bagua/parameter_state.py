@@ -215,6 +215,12 @@ class Position(int):
     __slots__ = ()
 
 
-def positions(n: int) -> list[Position]:
-    """The keys of a group of ``n`` parameters."""
-    return [Position(k) for k in range(n)]
+_POSITIONS: dict[int, tuple[Position, ...]] = {}
+
+
+def positions(n: int) -> tuple[Position, ...]:
+    """The keys of a group of ``n`` parameters (made once per ``n``: a step asks every time)."""
+    kept = _POSITIONS.get(n)
+    if kept is None:
+        kept = _POSITIONS[n] = tuple(Position(k) for k in range(n))
+    return kept

@@ -106,19 +106,48 @@ def leaves_matching(spec: optree.PyTreeSpec, tree: PyTree, name: str, reference:
         if not all(optree.tree_is_leaf(leaf, none_is_leaf=NONE_IS_LEAF) for leaf in leaves):
             raise ValueError(describe_mismatch(spec, flatten(tree)[1], name, reference))
         return leaves
-    one_container = spec.num_nodes == spec.num_leaves + 1 and type(tree) is spec.type  # of the spec's type
-    if one_container:
-        try:  # the usual case, a dict of tensors (or None): flatten_up_to reads it in one pass
-            leaves = spec.flatten_up_to(tree)
-        except (ValueError, TypeError):
-            pass
-        else:
-            if tensors_or_none(leaves):
-                return leaves
+    read = one_pass_leaves(spec, tree)
+    if read is not None:
+        return read
     leaves, tree_spec = flatten(tree)
     if tree_spec != spec:
         raise ValueError(describe_mismatch(spec, tree_spec, name, reference))
     return leaves
+
+
+def flatten_like(tree: PyTree, spec: Optional[optree.PyTreeSpec]) -> tuple[list, optree.PyTreeSpec]:
+    """:func:`flatten`, in one pass where ``tree`` has the structure ``spec`` (a step's tree seen
+    at the step before) as one container of tensors or ``None`` (``fb.Optimizer``'s group
+    dicts): optree's flatten looks at each leaf's type, ``flatten_up_to`` does not.
+
+    Args:
+        tree: the tree to flatten.
+        spec: the structure it is expected to have, or ``None`` (then flattened as it is).
+    """
+    if spec is not None and not torch.compiler.is_compiling():
+        leaves = one_pass_leaves(spec, tree)
+        if leaves is not None:
+            return leaves, spec
+    return flatten(tree)
+
+
+def one_pass_leaves(spec: optree.PyTreeSpec, tree: PyTree) -> Optional[list]:
+    """The leaves of ``tree`` where it is one container of ``spec``'s type and keys holding
+    tensors or ``None`` (the usual case, a dict of tensors: ``flatten_up_to`` reads it in one
+    pass); else ``None``.
+
+    Args:
+        spec: the structure ``tree`` is expected to have.
+        tree: the tree whose leaves to read.
+    """
+    one_container = spec.num_nodes == spec.num_leaves + 1 and type(tree) is spec.type  # of the spec's type
+    if not one_container:
+        return None
+    try:
+        leaves: list = spec.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        return None
+    return leaves if tensors_or_none(leaves) else None
 
 
 def tensors_or_none(leaves: list) -> bool:

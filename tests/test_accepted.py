@@ -10,6 +10,7 @@ groups, nothing recorded), or the checks' own error."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import weakref
@@ -24,6 +25,8 @@ from hypothesis import given, settings
 
 import functional_bagua as fb
 from functional_bagua import accepted, foreach, numerics
+from functional_bagua.leaf_lists import KeptLists
+from functional_bagua.parameter_state import positions
 
 pytestmark = [
     pytest.mark.cpu_only("the step is written into the parameters with Python numbers on the CPU only"),
@@ -176,7 +179,26 @@ def a_gradient_in_a_parameters_memory(opt, tensors, step):
         tensors[1].grad = tensors[1].detach()
 
 
+def a_parameter_moved(opt, tensors, step):
+    """The first parameter moved to new memory (``p.data = ...``, as ``model.to(...)`` moves it):
+    the next step must write the new memory, not the view of the old one a step kept."""
+    if step == 3:
+        tensors[0].data = tensors[0].data.clone()
+
+
+def a_parameter_restrided(opt, tensors, step):
+    """The first parameter given other strides over the same memory, from the same start and of
+    the same shape: a kept view with the old strides would step other elements."""
+    if step == 3:
+        p = tensors[0]
+        p.data = p.data.as_strided(p.shape, (1, p.shape[0]))
+
+
 EDITS = [a_count_written, a_gradient_missing, a_gradient_in_a_parameters_memory]
+CHAINS = [  # a chain's lists kept (LeafLists.kept_or_of): its head, or the whole pure update
+    lambda: fb.schedule_free_adamw(1e-2, weight_decay=0.01),
+    lambda: fb.chain(fb.scale_by_adam(), fb.add_decayed_weights(0.01), fb.scale(-1e-2)),
+]
 WAYS = (contextlib.nullcontext, foreach.per_tensor)  # grouped (records kept), one tensor at a time (none)
 
 
@@ -191,8 +213,9 @@ WAYS = (contextlib.nullcontext, foreach.per_tensor)  # grouped (records kept), o
         lambda: fb.dadapt_adam(weight_decay=0.01, decouple=True),
         lambda: fb.schedule_free_adamw(1e-2, weight_decay=0.01),
         lambda: fb.schedule_free_sgd(1e-2),
+        CHAINS[1],
     ],
-    ids=["ademamix", "laprop", "adopt", "prodigy", "dadapt_adam", "schedule_free_adamw", "schedule_free_sgd"],
+    ids=["ademamix", "laprop", "adopt", "prodigy", "dadapt_adam", "schedule_free_adamw", "schedule_free_sgd", "chain"],
 )
 def test_a_change_of_what_the_checks_accepted_sends_the_step_through_them_again(make, edit, chunk_bytes):
     """Six steps, the inputs changed before the fourth (``edit``), of a group that keeps what
@@ -202,6 +225,39 @@ def test_a_change_of_what_the_checks_accepted_sends_the_step_through_them_again(
     or write a parameter through its own gradient."""
     grouped, per_tensor = (stepped(make, *towards_targets(7), 6, edit, around) for around in WAYS)
     assert_same_bits(grouped, per_tensor)
+
+
+@pytest.mark.parametrize("edit", [a_parameter_moved, a_parameter_restrided])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fb.ademamix(1e-2),
+        lambda: fb.prodigy(weight_decay=0.01),
+        lambda: fb.schedule_free_adamw(1e-2, weight_decay=0.01),
+        lambda: fb.schedule_free_sgd(1e-2),
+        CHAINS[1],
+    ],
+    ids=["ademamix", "prodigy", "schedule_free_adamw", "schedule_free_sgd", "chain"],
+)
+def test_a_parameter_given_other_memory_is_stepped_there(make, edit):
+    """Six steps, a parameter given other memory or strides (``p.data = ...``) before the
+    fourth: the bits of an optimizer made afresh at that step that loads the state (nothing
+    kept from the steps before: no views of the parameters, no records). A step on the views
+    an earlier step kept would write the old memory, or other elements of it."""
+    runs = []
+    for renew in (False, True):
+        tensors, grads_at = towards_targets(29)
+        opt = fb.Optimizer(tensors, make(), fused=False)
+        for step in range(6):
+            grads_at(tensors, step)
+            edit(opt, tensors, step)
+            if renew and step == 3:
+                fresh = fb.Optimizer(tensors, make(), fused=False)
+                fresh.load_state_dict(opt.state_dict())
+                opt = fresh
+            opt.step()
+        runs.append([p.detach().clone() for p in tensors])
+    assert_same_bits(*runs)
 
 
 def test_a_parameter_of_a_new_shape_raises_the_checks_error():
@@ -217,6 +273,63 @@ def test_a_parameter_of_a_new_shape_raises_the_checks_error():
     tensors[1].grad = torch.randn(4, 8)
     with pytest.raises(ValueError, match="made for other parameters"):
         opt.step()
+
+
+@pytest.mark.parametrize("make", CHAINS, ids=["schedule_free_adamw", "chain"])
+def test_a_chain_keeps_its_checked_lists_and_a_gradient_of_another_dtype_raises_the_checks_error(make):
+    """A chain inside ``fb.Optimizer`` keeps the lists its checks made (``KeptLists``) and steps
+    the next gradients on them; a gradient of another dtype then raises the checks' own error,
+    as it does one tensor at a time (where nothing is kept)."""
+    errors = []
+    for around in WAYS:
+        tensors, targets = parameters(23)
+        opt = fb.Optimizer(tensors, make(), fused=False)
+        with around():
+            for _ in range(2):
+                set_grads(tensors, targets)
+                opt.step()
+            kept = [v for v in opt._groups[0].accepted.values() if isinstance(v, KeptLists)]
+            assert len(kept) == (1 if around is contextlib.nullcontext else 0)
+            set_grads(tensors, targets)
+            tensors[1].grad_dtype = None  # torch allows a gradient of another dtype
+            tensors[1].grad = tensors[1].grad.double()
+            with pytest.raises(TypeError) as raised:
+                opt.step()
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
+def test_kept_views_are_the_parameters_own_while_they_hold_the_same_memory():
+    """``KeptViews.of``: the same views while the parameters are unchanged; new views, of the
+    parameter as it is now, after each change a kept view would not show (new memory, other
+    strides from the same start, another dtype of the same size from the same start); none
+    kept of complex parameters; a copy starts without them."""
+    params = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float16)), torch.nn.Parameter(torch.randn(3))]
+    keys = positions(2)
+    views = accepted.KeptViews()
+    first = views.of(keys, params)
+    assert views.of(keys, params) is first
+    assert all(type(v) is torch.Tensor and not v.requires_grad for v in first.values())
+    changes = [
+        lambda p: p.data.clone(),
+        lambda p: p.data.as_strided((4, 4), (1, 4)),
+        lambda p: p.data.view(torch.bfloat16),
+    ]
+    for change in changes:
+        before = views.of(keys, params)
+        params[0].data = change(params[0])
+        now = views.of(keys, params)
+        assert now is not before
+        v = now[keys[0]]
+        assert (v.data_ptr(), v.shape, v.stride(), v.dtype) == (
+            params[0].data_ptr(),
+            params[0].shape,
+            params[0].stride(),
+            params[0].dtype,
+        )
+    assert copy.deepcopy(views).views is None
+    complex_params = [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
+    assert views.of(positions(1), complex_params) is not views.of(positions(1), complex_params)
 
 
 def test_a_state_loaded_between_steps_is_stepped_as_loaded():
@@ -390,3 +503,22 @@ def test_a_chunked_rule_that_reads_values_that_differ_steps_them_one_tensor_at_a
         tensors = [torch.nn.Parameter(torch.randn(n, generator=seeded(22 + n))) for n in (1000, 5, 7)]
         runs.append(stepped(_by_largest_gradient, tensors, grads_at, 4, around=around))
     assert_same_bits(*runs)
+
+
+def test_gradients_noted_checked_in_a_step_are_those_very_tensors():
+    """``note_checked``: within a step (``kept_in``) a record accepts the very gradient objects
+    noted, of the same signatures, without reading them again; other objects, other
+    signatures, or outside a step: read again."""
+    grads = [torch.ones(2), torch.ones(3)]
+    signatures = accepted.signatures_of(grads)
+    accepted.note_checked(grads, signatures)
+    assert not accepted._noted(grads, signatures)  # outside a step nothing is noted
+    with accepted.kept_in({}):
+        assert not accepted._noted(grads, signatures)
+        accepted.note_checked(grads, signatures)
+        assert accepted._noted(list(grads), list(signatures))
+        assert not accepted._noted([torch.ones(2), grads[1]], signatures)  # equal values, another object
+        assert not accepted._noted(grads, accepted.signatures_of([torch.ones(2), torch.ones(4)]))
+        assert not accepted._noted(grads[:1], signatures[:1])
+    with accepted.kept_in({}):
+        assert not accepted._noted(grads, signatures)  # each step notes its own

@@ -158,3 +158,38 @@ def test_groups_split_by_device_dtype_and_key_and_leave_complex_out():
     assert foreach.groups(tensors, [0, 3, 5]) == [[0, 3, 5]]
     assert foreach.groups(tensors, [1]) == []
     assert foreach.groups(tensors, []) == []
+
+
+@pytest.mark.parametrize(
+    "tree_, spec_of",
+    [
+        ({"a": torch.ones(2), "b": None}, {"a": torch.ones(2), "b": None}),  # the structure expected
+        ({"a": torch.ones(2), "c": torch.ones(1)}, {"a": torch.ones(2), "b": None}),  # other keys
+        ({"a": {"x": torch.ones(2)}, "b": None}, {"a": torch.ones(2), "b": None}),  # a subtree for a leaf
+        ([torch.ones(2), torch.ones(3)], {"a": torch.ones(2), "b": None}),  # another container
+        ({"a": (torch.ones(2), torch.ones(1))}, {"a": (torch.ones(2), torch.ones(1))}),  # nested
+        ({"a": torch.ones(2)}, None),  # no structure expected
+    ],
+)
+def test_flatten_like_gives_the_tree_own_leaves_and_structure(tree_, spec_of):
+    """``tree.flatten_like(tree, spec)`` reads ``tree`` against ``spec`` in one pass where it
+    has that structure, else flattens it: the leaves and structure of ``tree.flatten`` either way."""
+    spec = None if spec_of is None else fb.tree.flatten(spec_of)[1]
+    leaves, got = fb.tree.flatten_like(tree_, spec)
+    want_leaves, want = fb.tree.flatten(tree_)
+    assert got == want
+    assert len(leaves) == len(want_leaves) and all(a is b for a, b in zip(leaves, want_leaves))
+
+
+def test_read_each_reads_eagerly_and_traced_as_the_comprehension():
+    """``checks.read_each``: each tensor's attribute, in order; the same under torch.compile
+    (where it falls back to the comprehension dynamo traces), without a graph break."""
+    tensors = [torch.ones(2, 3), torch.zeros(4, dtype=torch.float64)]
+    assert checks.read_each("shape", tensors) == [t.shape for t in tensors]
+    assert checks.read_each("dtype", tensors) == [torch.float32, torch.float64]
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def numel_of_first(xs):
+        return xs[0] * len(checks.read_each("shape", xs)) + sum(s.numel() for s in checks.read_each("shape", xs))
+
+    assert torch.equal(numel_of_first([torch.ones(2, 3), torch.ones(4)]), torch.ones(2, 3) * 2 + 10)

@@ -193,7 +193,7 @@ def leafwise(
             return None
         records = accepted.records_now()
         if records is not None and written_key in records:
-            param_leaves, spec = tree.flatten(params)
+            param_leaves, spec = tree.flatten_like(params, records[written_key].spec)
             update_leaves = tree.leaves_matching(spec, updates, "grads", "params")
             replayed = replay(records, written_key, spec, update_leaves, param_leaves, state, alpha, scaled_by)
             if replayed is not None:

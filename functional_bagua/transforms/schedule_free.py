@@ -161,7 +161,7 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
                 "the state this transform's init made (the second part of fb.schedule_free's chain state)"
             )
         count = state.count + 1
-        held = (state.count, state.lr_max, state.weight_sum)
+        held = (state.count, state.lr_max, state.weight_sum, state.b1)
         if all(isinstance(x, torch.Tensor) and readable_now(x) for x in held):
             hyperparameters = [number_now(x) for x in (lr, b1, r, weight_lr_power)]
             if all(x is not None for x in hyperparameters):  # eagerly on the CPU: Python numbers
@@ -211,9 +211,10 @@ def _averaging(lr: Scalar, b1: Scalar, warmup_steps: int, r: Scalar, weight_lr_p
         (count, lr_max, weight_sum, b1_now), (c, along, minus_lr) = numbers(state)
         if not (is_number(c) and is_number(along) and is_number(minus_lr)):
             return None
-        d_leaves, spec = tree.flatten(d)
-        ys = tree.leaves_matching(spec, params, "updates", "params")
         records = accepted.records_now()
+        record = records.get(_RECORD) if records is not None else None
+        d_leaves, spec = tree.flatten_like(d, record.spec if record is not None else None)
+        ys = tree.leaves_matching(spec, params, "updates", "params")
         inputs = _accepted_inputs(records, spec, d_leaves, ys, state.z)
         if inputs is not None:  # what the checks accepted at the last step: y and z written as then,
             picked_ds, picked_ys, picked_zs, chunks = inputs  # a slice at a time (in the cache)
@@ -265,8 +266,9 @@ def _step_y_and_z(ys: list, zs: list, ds: list, c: float, along: float, minus_lr
 def _numbers_now(count: torch.Tensor, held: tuple, hyperparameters: list, warmup_steps: int) -> tuple:
     """:func:`_averaging`'s numbers of a step (the new state's scalars, and ``(c, along,
     -lr_t)``) in Python floats, as the reference computes them (``k ** r * lr_max **
-    weight_lr_power``), from the step count, ``lr_max`` and the weight sum ``held`` (0-dim CPU
-    tensors read now) and the hyperparameters ``(lr, b1, r, weight_lr_power)`` as numbers."""
+    weight_lr_power``), from the step count, ``lr_max``, the weight sum and ``b1`` ``held`` (0-dim
+    CPU tensors read now) and the hyperparameters ``(lr, b1, r, weight_lr_power)`` as numbers.
+    The new scalars are new tensors but ``b1``, kept where it holds the same number."""
     lr, b1, r, weight_lr_power = hyperparameters
     t = float(held[0].item() + 1)
     lr_t = lr * min(t / warmup_steps, 1.0) if warmup_steps else lr
@@ -275,8 +277,10 @@ def _numbers_now(count: torch.Tensor, held: tuple, hyperparameters: list, warmup
     weight_sum = held[2].item() + weight
     c = weight / weight_sum if weight_sum > 0 else 0.0
     along = lr_t * (b1 * (1 - c) - 1)
-    scalars = (torch.tensor(x, dtype=SCALAR_DTYPE) for x in (lr_max, weight_sum, b1))
-    return (count, *scalars), (c, along, -lr_t)
+    # b1 as it was where it is the same number (a 0-dim tensor nothing writes into)
+    b1_now = held[3] if held[3].item() == b1 else torch.scalar_tensor(b1, dtype=SCALAR_DTYPE)
+    scalars = (torch.scalar_tensor(x, dtype=SCALAR_DTYPE) for x in (lr_max, weight_sum))
+    return (count, *scalars, b1_now), (c, along, -lr_t)
 
 
 def _stepped_with(c: Scalar, along: Scalar, minus_lr: Scalar) -> GradientTransformation:
