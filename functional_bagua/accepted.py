@@ -224,6 +224,7 @@ class AcceptedStep:
                 return None
             if list(map(_START, params)) != self.param_starts:
                 return None
+            self.params = params  # checked: the next step's, the same views where kept, need not be
         starts = set(map(_START, grads))
         if len(starts) != len(grads) or not starts.isdisjoint(self.taken):
             return None
@@ -259,6 +260,10 @@ class KeptViews:
     tensors, a tenth of a millisecond a step. A copy or a pickle starts without them (they are
     views of the original's parameters).
 
+    The views hold their parameters' memory: after ``p.data = ...`` (``model.half()``,
+    ``model.to(...)``) the memory ``p`` held before is freed at the group's next step, when new
+    views are made, or with the optimizer (``del optimizer``), not at once.
+
     Example::
 
         views = KeptViews()
@@ -279,9 +284,9 @@ class KeptViews:
         """``{key: p.detach()}`` for ``params`` (keyed by ``keys``, one per parameter): the last
         call's views where these are the same parameter objects and each still starts where its
         view does, with its shape, strides and dtype (``p.data = ...``, ``set_`` or ``resize_``
-        give it others: new views are made). Made anew every time while traced, and for
-        parameters that are not dense tensors of a real dtype (a tensor subclass, a conjugated
-        complex view of the same memory would look the same).
+        give it others, or a negated view of the same memory: new views are made). Made anew
+        every time while traced, and for parameters that are not dense tensors of a real dtype
+        (a tensor subclass; a conjugated complex view of the same memory would look the same).
 
         Args:
             keys: the keys of the views, one per parameter.
@@ -303,8 +308,14 @@ class KeptViews:
 
 
 def _where(params: list) -> tuple:
-    """Where each of ``params`` holds its values now: its start, shape and dtype, and strides."""
-    return list(map(_START, params)), list(map(_SHAPE_AND_DTYPE, params)), list(map(torch.Tensor.stride, params))
+    """Where and how each of ``params`` holds its values now: its start, shape and dtype,
+    strides, and whether it is a negated view (``x.conj().imag`` of a complex ``x``)."""
+    return (
+        list(map(_START, params)),
+        list(map(_SHAPE_AND_DTYPE, params)),
+        list(map(torch.Tensor.stride, params)),
+        list(map(torch.Tensor.is_neg, params)),
+    )
 
 
 def in_cache_chunks(sizes: list, most: Optional[int] = None) -> list:

@@ -170,7 +170,7 @@ class KeptLists(NamedTuple):
     """The lists a checked step made (:meth:`LeafLists.kept_or_of`), for the next step on the
     same parameters: ``lists``, made with ``arguments`` (``of``'s, and whether parameters were
     given), whose updates at ``given`` (where there was one) had ``signatures``
-    (:func:`~functional_bagua.accepted.signatures_of`)."""
+    (:func:`~functional_bagua.accepted.signatures_of`); the updates themselves are not kept."""
 
     lists: LeafLists
     arguments: tuple
@@ -182,7 +182,10 @@ class KeptLists(NamedTuple):
         """What to keep of ``x`` (``None`` unless its updates are torch.Tensor objects)."""
         given = [u is not None for u in x.updates]
         signatures = accepted.signatures_of(list(itertools.compress(x.updates, given)))
-        return None if signatures is None else cls(x, arguments, given, signatures)
+        if signatures is None:
+            return None
+        # without this step's gradients (each step puts its own in): kept, they would outlive it
+        return cls(x._replace(updates=[None] * len(x.updates)), arguments, given, signatures)
 
     def lists_for(self, updates: PyTree, params: Optional[PyTree], arguments: tuple) -> Optional[LeafLists]:
         """The kept lists with ``updates`` and ``params`` where :meth:`LeafLists.of` would make

@@ -302,8 +302,8 @@ def test_a_chain_keeps_its_checked_lists_and_a_gradient_of_another_dtype_raises_
 def test_kept_views_are_the_parameters_own_while_they_hold_the_same_memory():
     """``KeptViews.of``: the same views while the parameters are unchanged; new views, of the
     parameter as it is now, after each change a kept view would not show (new memory, other
-    strides from the same start, another dtype of the same size from the same start); none
-    kept of complex parameters; a copy starts without them."""
+    strides from the same start, another dtype of the same size from the same start, a negated
+    view of the same memory); none kept of complex parameters; a copy starts without them."""
     params = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float16)), torch.nn.Parameter(torch.randn(3))]
     keys = positions(2)
     views = accepted.KeptViews()
@@ -314,6 +314,7 @@ def test_kept_views_are_the_parameters_own_while_they_hold_the_same_memory():
         lambda p: p.data.clone(),
         lambda p: p.data.as_strided((4, 4), (1, 4)),
         lambda p: p.data.view(torch.bfloat16),
+        lambda p: torch._neg_view(p.data),  # as x.conj().imag of a complex x: negated, the same memory
     ]
     for change in changes:
         before = views.of(keys, params)
@@ -321,11 +322,12 @@ def test_kept_views_are_the_parameters_own_while_they_hold_the_same_memory():
         now = views.of(keys, params)
         assert now is not before
         v = now[keys[0]]
-        assert (v.data_ptr(), v.shape, v.stride(), v.dtype) == (
+        assert (v.data_ptr(), v.shape, v.stride(), v.dtype, v.is_neg()) == (
             params[0].data_ptr(),
             params[0].shape,
             params[0].stride(),
             params[0].dtype,
+            params[0].is_neg(),
         )
     assert copy.deepcopy(views).views is None
     complex_params = [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
@@ -522,3 +524,30 @@ def test_gradients_noted_checked_in_a_step_are_those_very_tensors():
         assert not accepted._noted(grads[:1], signatures[:1])
     with accepted.kept_in({}):
         assert not accepted._noted(grads, signatures)  # each step notes its own
+
+
+@pytest.mark.parametrize("make", [*CHAINS, lambda: fb.ademamix(1e-2)], ids=["schedule_free_adamw", "chain", "ademamix"])
+def test_what_a_group_keeps_holds_no_gradient_and_no_parameter_memory_given_up(make):
+    """Each step's gradients are freed once ``zero_grad`` drops them (a chain's kept lists hold
+    none); after ``p.data = ...`` the views of the memory the parameters held before are freed
+    at the group's next step (the kept views, and the records and lists that name them)."""
+    tensors, targets = parameters(31)
+    opt = fb.Optimizer(tensors, make(), fused=False)
+    grads_seen = []
+    for _ in range(3):
+        set_grads(tensors, targets)
+        grads_seen.extend(weakref.ref(p.grad) for p in tensors)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(ref() is None for ref in grads_seen)
+    views = opt._groups[0].views.views
+    assert views is not None
+    old = [weakref.ref(v) for v in views.values()]
+    del views
+    for p in tensors:
+        p.data = p.data.clone()
+    set_grads(tensors, targets)
+    opt.step()
+    gc.collect()
+    assert all(ref() is None for ref in old)
