@@ -216,13 +216,11 @@ class AcceptedStep:
         # the very views checked before (else detached views: moved, cast or reshaped by
         # ``p.data = ...``, their start, dtype or shape differs)
         if not _noted(grads, self.signatures):
-            if set(map(type, grads)) != _PLAIN or list(map(_SIGNATURE, grads)) != self.signatures:
+            if signatures_of(grads) != self.signatures:
                 return None
             note_checked(grads, self.signatures)
         if not (len(params) == len(self.params) and all(map(operator.is_, params, self.params))):
-            if set(map(type, params)) != _PLAIN or list(map(_SIGNATURE, params)) != self.signatures:
-                return None
-            if list(map(_START, params)) != self.param_starts:
+            if signatures_of(params) != self.signatures or list(map(_START, params)) != self.param_starts:
                 return None
             self.params = params  # checked: the next step's, the same views where kept, need not be
         starts = set(map(_START, grads))

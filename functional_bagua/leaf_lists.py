@@ -95,29 +95,21 @@ class LeafLists(NamedTuple):
 
     @classmethod
     def kept_or_of(
-        cls,
-        key: Any,
-        updates: PyTree,
-        params: Optional[PyTree],
-        *,
-        who: str,
-        complex_ok: bool = True,
-        layout: torch.layout = checks.STRIDED,
-        grouped: bool = True,
+        cls, key: Any, updates: PyTree, params: Optional[PyTree], *, who: str, **options: Any
     ) -> "LeafLists":
-        """:meth:`of`; within ``fb.Optimizer``'s step (:func:`~functional_bagua.accepted.records_now`),
-        the lists its last step made (kept under ``key``) with this step's tensors, where its checks
-        would find the same: the same parameter objects (the optimizer's kept views), gradients
-        with a gradient where there was one, of the same shapes, dtypes, devices and layouts
-        (:class:`KeptLists`). The arguments are :meth:`of`'s, ``key`` the caller's own."""
-        arguments = (who, complex_ok, layout, grouped, params is not None)
+        """:meth:`of` (``who`` and ``options`` its keywords); within ``fb.Optimizer``'s step
+        (:func:`~functional_bagua.accepted.records_now`), the lists its last step made (kept under
+        ``key``, the caller's own) with this step's tensors, where its checks would find the same:
+        the same parameter objects (the optimizer's kept views), gradients with a gradient where
+        there was one, of the same shapes, dtypes, devices and layouts (:class:`KeptLists`)."""
+        arguments = (who, tuple(sorted(options.items())), params is not None)
         records = accepted.records_now()
         kept = records.get(key) if records is not None else None
         if kept is not None:
             x = kept.lists_for(updates, params, arguments)
             if x is not None:
                 return x
-        x = cls.of(updates, params, who=who, complex_ok=complex_ok, layout=layout, grouped=grouped)
+        x = cls.of(updates, params, who=who, **options)
         if records is not None:
             records.pop(key, None)
             made = KeptLists.after(x, arguments)
